@@ -1,0 +1,54 @@
+"""`rlserve serve|make-model ...` and the prime-rl style `inference @ config.toml --key value` entry."""
+
+from __future__ import annotations
+
+import sys
+
+from rlserve.config_loader import ConfigError, help_text, load_config
+
+USAGE = """usage: rlserve serve [@ FILE ...] [--section.key VALUE ...]
+       rlserve make-model [--help] ...
+       inference [@ FILE ...] [--section.key VALUE ...]   (same as rlserve serve)
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:
+        print(USAGE, file=sys.stderr, end="")
+        return 2
+    command, rest = argv[0], argv[1:]
+    if command in ("-h", "--help"):
+        print(USAGE + "\n" + help_text(), end="")
+        return 0
+    if command in ("serve", "inference"):
+        return _serve(rest, prog=f"rlserve {command}")
+    if command == "make-model":
+        from rlserve.model.make import make_model_main
+
+        return make_model_main(rest) or 0
+    print(f"rlserve: unknown command {command!r}\n{USAGE}", file=sys.stderr, end="")
+    return 2
+
+
+def inference_main(argv: list[str] | None = None) -> int:
+    return _serve(sys.argv[1:] if argv is None else list(argv), prog="inference")
+
+
+def _serve(argv: list[str], prog: str) -> int:
+    if "-h" in argv or "--help" in argv:
+        print(f"usage: {prog} [@ FILE ...] [--section.key VALUE ...]\n\n{help_text()}", end="")
+        return 0
+    try:
+        config = load_config(argv)
+    except ConfigError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    from rlserve.server.app import serve  # imports torch and the server stack; keep --help fast
+
+    serve(config)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

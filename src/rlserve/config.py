@@ -1,0 +1,63 @@
+"""The whole config tree. Loading from files and CLI overrides lives in `config_loader`."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    name: str | None = Field(None, description="HF model directory or hub id; none = the embedded default model")
+    max_model_len: int | None = Field(None, ge=2, description="context length; none = the model's own")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto = float32 on CPU, bfloat16 on CUDA"
+    )
+    device: str = Field("auto", description="auto, cpu, cuda, cuda:N or mps")
+    enforce_eager: bool = Field(False, description="never capture CUDA graphs")
+    trust_remote_code: bool = Field(False, description="allow custom code from the model directory")
+    chat_template: str | None = Field(None, description="a Jinja chat template (file path or inline) replacing the model's")
+    served_model_name: str | None = Field(None, description="the name clients use; default = model.name")
+
+
+class ServerConfig(Section):
+    host: str = Field("127.0.0.1", description="interface to bind")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port (0 = any free port)")
+    api_key: str | None = Field(None, description="Bearer key required on every route but /health and /metrics")
+    admin_api_key: str | None = Field(None, description="Bearer key required on admin routes (updates, pause, adapters)")
+    log_level: str = Field("info", description="uvicorn log level")
+
+
+class EngineConfig(Section):
+    max_num_seqs: int = Field(256, ge=1, description="most sequences in one batch")
+    max_num_batched_tokens: int = Field(2048, ge=16, description="token budget of one engine step")
+    block_size: int = Field(16, ge=1, description="tokens per KV-cache block")
+    kv_cache_bytes: int | None = Field(
+        None, ge=1, description="KV-cache pool size in bytes; none = enough for max_num_seqs, capped by memory"
+    )
+    enable_prefix_caching: bool = Field(True, description="reuse KV of identical prompt prefixes")
+    logprobs_mode: Literal["processed", "raw"] = Field(
+        "processed", description="processed = the distribution sampled from; raw = log_softmax of the logits"
+    )
+    max_logprobs: int = Field(20, ge=-1, description="most top logprobs a request may ask for (-1 = no cap)")
+
+
+class Config(Section):
+    seed: int = Field(0, description="seed of the engine's generator for unseeded requests")
+    memory_budget_bytes: int | None = Field(
+        None, ge=1, description="cap on the KV-cache pool when engine.kv_cache_bytes is not set"
+    )
+    num_threads: int | None = Field(None, ge=1, description="torch CPU threads; none = all cores")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> "Config":
+        if self.model.max_model_len is not None and self.engine.max_num_batched_tokens < self.engine.block_size:
+            raise ValueError("engine.max_num_batched_tokens must be at least engine.block_size")
+        return self

@@ -1,0 +1,370 @@
+"""The synchronous engine: add requests, call `step()` (schedule -> run -> sample -> postprocess)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoTokenizer
+
+from rlserve.config import Config
+from rlserve.engine.detokenizer import IncrementalDetokenizer
+from rlserve.engine.kv_cache import BlockPool, extra_key
+from rlserve.engine.outputs import RequestOutput
+from rlserve.engine.params import SamplingParams
+from rlserve.engine.runner import ModelRunner, kv_bytes_per_token
+from rlserve.engine.sampler import Sampler, SamplingRow
+from rlserve.engine.scheduler import Scheduler
+from rlserve.engine.sequence import Request, Sequence, Status
+from rlserve.model.llama import ModelShape
+from rlserve.model.loader import load_model, resolve_model_dir
+
+log = logging.getLogger(__name__)
+
+_DEFAULT_KV_CAP = 1 << 30  # bytes, when neither engine.kv_cache_bytes nor memory_budget_bytes is set
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_blocks: int
+    block_size: int
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prompt_tokens_computed: int
+    generation_tokens: int
+    policy_version: int
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        return torch.device("cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+class Engine:
+    def __init__(self, config: Config | None = None):
+        self.config = config = config or Config()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = resolve_device(config.model.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.model_dir: Path = resolve_model_dir(config.model.name)
+        self.hf_config = AutoConfig.from_pretrained(self.model_dir, trust_remote_code=config.model.trust_remote_code)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, trust_remote_code=config.model.trust_remote_code)
+        self.shape = ModelShape.from_hf(self.hf_config)
+        self.max_model_len = config.model.max_model_len or self.shape.max_position_embeddings
+        self.vocab_size = self.shape.vocab_size
+        self.eos_token_ids = self._eos_ids()
+        self.model = load_model(self.model_dir, self.shape, self.dtype, self.device)
+
+        ec = config.engine
+        num_blocks = self._num_blocks(ec.kv_cache_bytes or config.memory_budget_bytes)
+        if num_blocks * ec.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks * ec.block_size} tokens, fewer than max_model_len "
+                f"({self.max_model_len}): raise engine.kv_cache_bytes or lower model.max_model_len"
+            )
+        self.pool = BlockPool(num_blocks, ec.block_size, ec.enable_prefix_caching)
+        self.scheduler = Scheduler(self.pool, ec.max_num_seqs, ec.max_num_batched_tokens, self._cache_key)
+        self.runner = ModelRunner(self.model, num_blocks, ec.block_size, self.dtype, self.device)
+        self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
+        self.policy_version = 0
+        self.weight_generation = 0  # bumps at every committed update: prefix-cache entries never cross it
+        self.adapter_generations: dict[str, int] = {}
+        self.requests: dict[str, list[Request]] = {}
+        self.generation_tokens = 0
+        self._pending: list[RequestOutput] = []
+        self._ids = itertools.count()
+
+    # ---- public API -------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+        adapter: str | None = None,
+    ) -> None:
+        """Validate and queue a request; raises ValueError naming the field at fault."""
+        self.submit(self.make_request(request_id, prompt, params, cache_salt=cache_salt, adapter=adapter))
+
+    def make_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+        adapter: str | None = None,
+    ) -> Request:
+        """Everything that can fail for the caller, without touching engine state (any thread)."""
+        params = params or SamplingParams()
+        params.validate()
+        ids = self._prompt_ids(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; this model's maximum context length is {self.max_model_len} "
+                f"tokens and at least one must be left to generate: shorten the prompt"
+            )
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {self.vocab_size})")
+        cap = self.config.engine.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and cap != -1 and (k > cap or k == -1):
+                raise ValueError(f"{name}={k} exceeds the server's max_logprobs ({cap})")
+        if adapter is not None and adapter not in self.adapter_generations:
+            raise ValueError(f"adapter {adapter!r} is not loaded")
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        req = Request(request_id, ids, params, max_tokens, cache_salt=cache_salt, adapter=adapter)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * len(ids)
+            req.prompt_logprob_ranks = [None] * len(ids)
+        for j in range(params.n):
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator().manual_seed((params.seed + j * 0x9E3779B1) % (1 << 63))
+            detok = IncrementalDetokenizer.create(self.tokenizer, ids, params) if params.detokenize else None
+            req.seqs.append(Sequence(req, j, generator, detok))
+        return req
+
+    def submit(self, req: Request) -> None:
+        self.requests.setdefault(req.request_id, []).append(req)
+        self.scheduler.add(req.seqs[0])
+
+    def abort(self, request_id: str) -> int:
+        """Finish every request with this id now ("abort", partial tokens kept); returns how many."""
+        reqs = self.requests.pop(request_id, [])
+        for req in reqs:
+            for seq in req.live_seqs:
+                if seq.status is not Status.FINISHED:
+                    seq.finish_reason = "abort"
+                    self.scheduler.finish(seq)
+            self._pending.append(req.output())
+        return len(reqs)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or bool(self._pending)
+
+    def step(self) -> list[RequestOutput]:
+        """One engine iteration; returns the (cumulative) outputs of every request it touched."""
+        outputs, self._pending = self._pending, []
+        batch = self.scheduler.schedule()
+        if batch.empty:
+            return outputs
+        logits = self.runner.run(batch)
+        touched: dict[int, Request] = {}
+        for seq, n in batch.prefills:
+            seq.num_computed_tokens += n
+            self.scheduler.stats.prompt_tokens_computed += n
+            touched[id(seq.request)] = seq.request
+        for seq in batch.decodes:
+            seq.num_computed_tokens += 1
+        for seq, first, rows in logits.prompt_logits:
+            self._record_prompt_logprobs(seq.request, first, rows)
+        if logits.sample_seqs:
+            self._sample_and_append(logits.sample_logits, logits.sample_seqs, touched)
+        for seq, _ in batch.prefills:
+            if seq.status is Status.RUNNING:
+                self.scheduler.register_computed_blocks(seq)
+        for seq in batch.decodes:
+            if seq.status is Status.RUNNING:
+                self.scheduler.register_computed_blocks(seq)
+        for req in touched.values():
+            outputs.append(req.output())
+            if req.finished:
+                self._forget(req)
+        return outputs
+
+    def generate(
+        self, prompts: str | list[int] | Iterable[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; outputs come back in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        for rid, prompt, p in zip(ids, prompts, plist):
+            self.add_request(rid, prompt, p)
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[rid] for rid in ids]
+
+    @property
+    def stats(self) -> EngineStats:
+        s = self.scheduler.stats
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.pool.usage,
+            num_blocks=self.pool.num_blocks,
+            block_size=self.pool.block_size,
+            num_preemptions=s.num_preemptions,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+            prompt_tokens_computed=s.prompt_tokens_computed,
+            generation_tokens=self.generation_tokens,
+            policy_version=self.policy_version,
+        )
+
+    # ---- internals --------------------------------------------------------------------------
+
+    def _sample_and_append(self, logits: torch.Tensor, seqs: list[Sequence], touched: dict) -> None:
+        # a request whose prompt just finished samples all n first tokens from the same logits row
+        rows_seqs: list[Sequence] = []
+        row_index: list[int] = []
+        for i, seq in enumerate(seqs):
+            req = seq.request
+            if seq.index == 0 and not req.forked and len(req.seqs) > 1:
+                rows_seqs.extend(req.seqs)
+                row_index.extend([i] * len(req.seqs))
+            else:
+                rows_seqs.append(seq)
+                row_index.append(i)
+        if len(row_index) != len(seqs):
+            logits = logits.index_select(0, torch.tensor(row_index, device=logits.device))
+        result = self.sampler(logits, [self._sampling_row(s) for s in rows_seqs])
+        now = time.monotonic()
+        for r, seq in enumerate(rows_seqs):
+            req = seq.request
+            if seq.index > 0 and not req.forked:
+                self.scheduler.fork(req.seqs[0], seq)
+            touched[id(req)] = req
+            token = result.token_ids[r]
+            seq.append_token(token, self.policy_version)
+            self.generation_tokens += 1
+            if seq.logprobs is not None:
+                seq.logprobs.append(result.logprobs[r])
+            if seq.top_logprobs is not None:
+                seq.top_logprobs.append(dict(result.top_logprobs[r]))
+            req.first_token_time = req.first_token_time or now
+            seq.last_token_time = now
+            self._check_finish(seq, token)
+        for seq in rows_seqs:
+            seq.request.forked = seq.request.forked or len(seq.request.seqs) > 1 and seq.index > 0
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        p = seq.params
+        banned = None
+        if seq.num_output_tokens < p.min_tokens:
+            banned = list(self.eos_token_ids) + list(p.stop_token_ids)
+        mode = p.logprobs_mode or self.config.engine.logprobs_mode
+        return SamplingRow(
+            temperature=p.temperature,
+            top_k=p.top_k,
+            top_p=p.top_p,
+            min_p=p.min_p,
+            generator=seq.generator,
+            num_logprobs=p.logprobs,
+            raw_logprobs=mode == "raw",
+            banned_ids=banned,
+        )
+
+    def _check_finish(self, seq: Sequence, token: int) -> None:
+        p = seq.params
+        n_out = seq.num_output_tokens
+        reason = stop_reason = None
+        if token in p.stop_token_ids and n_out > p.min_tokens - 1:
+            reason, stop_reason = "stop", token
+        elif token in self.eos_token_ids and not p.ignore_eos and n_out >= p.min_tokens:
+            reason = "stop"
+        if seq.detok is not None and reason is None:
+            matched = seq.detok.feed(token)
+            if matched is not None and n_out >= p.min_tokens:
+                reason, stop_reason = "stop", matched
+        elif seq.detok is not None and p.include_stop_str_in_output and stop_reason is not None:
+            seq.detok.feed(token)
+        if reason is None and (n_out >= seq.request.max_tokens or len(seq.token_ids) >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            seq.finish_reason, seq.stop_reason = reason, stop_reason
+            if seq.detok is not None:
+                seq.detok.flush()
+            self.scheduler.finish(seq)
+
+    def _record_prompt_logprobs(self, req: Request, first: int, logits: torch.Tensor) -> None:
+        k = req.params.prompt_logprobs
+        lp = torch.log_softmax(logits, dim=-1)
+        actual = torch.tensor(req.prompt_token_ids[first : first + lp.shape[0]], device=lp.device)
+        actual_lp = lp.gather(1, actual.unsqueeze(1)).squeeze(1)
+        ranks = (lp > actual_lp.unsqueeze(1)).sum(dim=1) + 1
+        width = lp.shape[1] if k == -1 else k
+        top_v, top_i = lp.topk(width, dim=-1) if width else (lp[:, :0], lp[:, :0].long())
+        for j, (t, v, r) in enumerate(zip(actual.tolist(), actual_lp.tolist(), ranks.tolist())):
+            entry = {t: v}
+            entry_ranks = {t: r}
+            for rank, (i, val) in enumerate(zip(top_i[j].tolist(), top_v[j].tolist()), start=1):
+                entry.setdefault(i, val)
+                entry_ranks.setdefault(i, rank)
+            req.prompt_logprobs[first + j] = entry
+            req.prompt_logprob_ranks[first + j] = entry_ranks
+
+    def _forget(self, req: Request) -> None:
+        reqs = self.requests.get(req.request_id)
+        if reqs is not None and req in reqs:
+            reqs.remove(req)
+            if not reqs:
+                del self.requests[req.request_id]
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty: send at least one character or token id")
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        if not isinstance(prompt, list) or not prompt:
+            raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
+        for t in prompt:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
+        return list(prompt)
+
+    def _cache_key(self, req: Request) -> bytes:
+        return extra_key(self.weight_generation, req.adapter, self.adapter_generations.get(req.adapter or "", 0), req.cache_salt)
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids = set()
+        gen_cfg = self.model_dir / "generation_config.json"
+        if gen_cfg.exists():
+            import json
+
+            eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        eos = getattr(self.hf_config, "eos_token_id", None)
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return frozenset(ids)
+
+    def _num_blocks(self, budget: int | None) -> int:
+        ec = self.config.engine
+        per_block = kv_bytes_per_token(self.model, self.dtype) * ec.block_size
+        if budget is None:
+            wanted = ec.max_num_seqs * self.max_model_len * per_block // ec.block_size
+            budget = min(wanted, _DEFAULT_KV_CAP)
+        return max(1, budget // per_block)

@@ -1,0 +1,108 @@
+"""Batch tensors for one step -> model -> the logits rows the sampler and prompt logprobs need."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlserve.engine.scheduler import ScheduledBatch
+from rlserve.model.llama import AttentionBatch, CausalLM, PrefillSeq
+
+
+@dataclass(slots=True)
+class StepLogits:
+    sample_logits: torch.Tensor  # [num sampling rows, vocab] fp32
+    sample_seqs: list  # the sequence of each sampling row
+    # per sequence asking for prompt logprobs: (sequence, first prompt position predicted, logits rows)
+    prompt_logits: list[tuple[object, int, torch.Tensor]]
+
+
+def kv_bytes_per_token(model: CausalLM, dtype: torch.dtype) -> int:
+    s = model.shape
+    return s.num_layers * 2 * s.num_kv_heads * s.head_dim * torch.finfo(dtype).bits // 8
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
+        self.model, self.block_size, self.device = model, block_size, device
+        s = model.shape
+        # [layers, 2, slots, kv_heads, head_dim]; zeros so padded gathers never read NaN garbage
+        self.kv_cache = torch.zeros(
+            s.num_layers, 2, num_blocks * block_size, s.num_kv_heads, s.head_dim, dtype=dtype, device=device
+        )
+        self._block_offsets = torch.arange(block_size, device=device)
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> StepLogits:
+        if batch.block_copies:
+            self._copy_blocks(batch.block_copies)
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for seq in batch.decodes:
+            pos = len(seq.token_ids) - 1
+            input_ids.append(seq.token_ids[pos])
+            positions.append(pos)
+            slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+        prefills: list[PrefillSeq] = []
+        sample_rows: list[int] = list(range(len(batch.decodes)))
+        sample_seqs: list = list(batch.decodes)
+        prompt_rows: list[tuple[object, int, int, int]] = []
+        for seq, n in batch.prefills:
+            start = seq.num_computed_tokens
+            q_start = len(input_ids)
+            input_ids.extend(seq.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            ctx = start + n
+            ctx_slots = None if start == 0 else self._context_slots([table], [ctx], ctx)
+            prefills.append(PrefillSeq(q_start, n, ctx, ctx_slots))
+            if ctx == len(seq.token_ids):
+                sample_rows.append(q_start + n - 1)
+                sample_seqs.append(seq)
+            if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
+                last = min(ctx, seq.num_prompt_tokens - 1)  # rows predicting prompt tokens start+1 .. last
+                prompt_rows.append((seq, start + 1, q_start, last - start))
+
+        decode_slots = decode_mask = None
+        if batch.decodes:
+            ctx_lens = [len(s.token_ids) for s in batch.decodes]
+            max_ctx = max(ctx_lens)
+            decode_slots = self._context_slots([s.block_table for s in batch.decodes], ctx_lens, max_ctx)
+            lens = torch.tensor(ctx_lens, device=self.device)
+            decode_mask = (torch.arange(max_ctx, device=self.device) < lens.unsqueeze(1)).view(len(ctx_lens), 1, 1, max_ctx)
+        attn = AttentionBatch(
+            slot_mapping=torch.tensor(slots, device=self.device),
+            num_decode=len(batch.decodes),
+            decode_slots=decode_slots,
+            decode_mask=decode_mask,
+            prefills=prefills,
+        )
+        hidden = self.model(
+            torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device), attn, self.kv_cache
+        )
+        rows = torch.tensor(sample_rows, device=self.device)
+        sample_logits = self.model.compute_logits(hidden.index_select(0, rows)) if sample_rows else None
+        prompt_logits = [
+            (seq, first, self.model.compute_logits(hidden[q0 : q0 + count])) for seq, first, q0, count in prompt_rows
+        ]
+        return StepLogits(sample_logits, sample_seqs, prompt_logits)
+
+    def _context_slots(self, tables: list[list[int]], ctx_lens: list[int], max_ctx: int) -> torch.Tensor:
+        """KV slots of positions [0, max_ctx) for each table, flattened; positions past a sequence's
+        context point at real slots of its own blocks or block 0 and are masked out."""
+        bs = self.block_size
+        width = -(-max_ctx // bs)
+        padded = [t[:width] + [0] * (width - len(t[:width])) for t in tables]
+        blocks = torch.tensor(padded, device=self.device)
+        slots = (blocks.unsqueeze(2) * bs + self._block_offsets).view(len(tables), -1)[:, :max_ctx]
+        return slots.reshape(-1)
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        bs = self.block_size
+        src = torch.tensor([s * bs + i for s, _ in copies for i in range(bs)], device=self.device)
+        dst = torch.tensor([d * bs + i for _, d in copies for i in range(bs)], device=self.device)
+        self.kv_cache.index_copy_(2, dst, self.kv_cache.index_select(2, src))

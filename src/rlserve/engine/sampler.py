@@ -1,0 +1,120 @@
+"""From fp32 logits to sampled tokens and their logprobs.
+
+The processed distribution is: min_tokens masking, temperature, then top-k / top-p / min-p with the
+kept set renormalised. Sampling is by inverse CDF with one uniform per row drawn from the row's own
+generator, so a seeded request samples the same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    generator: torch.Generator | None
+    num_logprobs: int | None  # None: no logprobs; k: sampled + k best
+    raw_logprobs: bool
+    banned_ids: list[int] | None  # EOS / stop ids masked until min_tokens is reached
+
+
+@dataclass(slots=True)
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float] | None  # per row, the sampled token's logprob (None when no row asked)
+    top_logprobs: list[list[tuple[int, float]]]  # per row, the k best (empty when not asked)
+
+
+class Sampler:
+    def __init__(self, generator: torch.Generator):
+        self.generator = generator
+
+    @torch.no_grad()
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
+        n, device = logits.shape[0], logits.device
+        want_logprobs = any(r.num_logprobs is not None for r in rows)
+        raw = torch.log_softmax(logits, dim=-1) if any(r.raw_logprobs for r in rows) else None
+        for i, r in enumerate(rows):
+            if r.banned_ids:
+                logits[i, r.banned_ids] = NEG_INF
+
+        greedy = [r.temperature == 0 for r in rows]
+        temps = [1.0 if g else r.temperature for g, r in zip(greedy, rows)]
+        scaled = logits if all(t == 1.0 for t in temps) else logits / torch.tensor(temps, device=device).unsqueeze(1)
+        scaled = _filter(scaled, rows)
+        processed = torch.log_softmax(scaled, dim=-1)
+
+        tokens = self._draw(processed, rows, greedy)
+        chosen = raw if raw is not None and all(r.raw_logprobs for r in rows) else processed
+        if raw is not None and chosen is processed:  # a mix of modes: pick per row
+            pick = torch.tensor([r.raw_logprobs for r in rows], device=device).unsqueeze(1)
+            chosen = torch.where(pick, raw, processed)
+        token_lp = chosen.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist() if want_logprobs else None
+        k = max((r.num_logprobs or 0) for r in rows)
+        top: list[list[tuple[int, float]]] = [[] for _ in range(n)]
+        if k > 0:
+            values, ids = chosen.topk(k, dim=-1)
+            values, ids = values.tolist(), ids.tolist()
+            for i, r in enumerate(rows):
+                if r.num_logprobs:
+                    top[i] = list(zip(ids[i][: r.num_logprobs], values[i][: r.num_logprobs]))
+        return SampleResult(tokens.tolist(), token_lp, top)
+
+    def _draw(self, processed: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]) -> torch.Tensor:
+        if all(greedy):
+            return processed.argmax(dim=-1)
+        probs = processed.exp()
+        cdf = probs.cumsum(dim=-1)
+        u = torch.empty(len(rows), dtype=torch.float32)
+        unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+        if unseeded:
+            u[unseeded] = torch.rand(len(unseeded), generator=self.generator)
+        for i, r in enumerate(rows):
+            if r.generator is not None:
+                u[i] = torch.rand(1, generator=r.generator)[0]
+        u = u.to(processed.device) * cdf[:, -1]
+        tokens = torch.searchsorted(cdf, u.unsqueeze(1), right=True).squeeze(1).clamp_(max=processed.shape[1] - 1)
+        # rounding at the top of the CDF could land on a masked token: fall back to the mode
+        masked = processed.gather(1, tokens.unsqueeze(1)).squeeze(1) == NEG_INF
+        if any(greedy) or bool(masked.any()):
+            use_argmax = torch.tensor(greedy, device=processed.device) | masked
+            tokens = torch.where(use_argmax, processed.argmax(dim=-1), tokens)
+        return tokens
+
+
+def _filter(scaled: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Top-k, then top-p, then min-p, each only on the rows that ask for it."""
+    device = scaled.device
+    ks = [r.top_k if r.top_k > 0 else 0 for r in rows]
+    if any(ks):
+        kmax = min(max(ks), scaled.shape[1])
+        kth = scaled.topk(kmax, dim=-1).values
+        idx = torch.tensor([min(k, kmax) - 1 if k else 0 for k in ks], device=device)
+        thresh = kth.gather(1, idx.unsqueeze(1))
+        active = torch.tensor([k > 0 for k in ks], device=device).unsqueeze(1)
+        scaled = scaled.masked_fill(active & (scaled < thresh), NEG_INF)
+    p_rows = [i for i, r in enumerate(rows) if r.top_p < 1.0]
+    if p_rows:
+        sub = scaled[p_rows]
+        sorted_logits, order = sub.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass strictly ahead of each token
+        top_p = torch.tensor([rows[i].top_p for i in p_rows], device=device).unsqueeze(1)
+        drop_sorted = before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+        scaled[p_rows] = sub.masked_fill(drop, NEG_INF)
+    m_rows = [i for i, r in enumerate(rows) if r.min_p > 0]
+    if m_rows:
+        sub = scaled[m_rows]
+        probs = sub.softmax(dim=-1)
+        min_p = torch.tensor([rows[i].min_p for i in m_rows], device=device).unsqueeze(1)
+        scaled[m_rows] = sub.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, NEG_INF)
+    return scaled

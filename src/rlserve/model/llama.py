@@ -1,0 +1,238 @@
+"""One Llama-family decoder (Llama, Qwen2 with qkv bias, Qwen3 with q/k norm) over a paged KV cache.
+
+Projections are fused (one QKV matmul, one gate-up matmul): fewer, larger matmuls are the main
+lever on CPU. Arithmetic order follows transformers so logprobs match its forward pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    rope_scaling: dict | None = None
+
+    @classmethod
+    def from_hf(cls, cfg) -> "ModelShape":
+        model_type = getattr(cfg, "model_type", "llama")
+        if model_type not in ("llama", "qwen2", "qwen3", "mistral"):
+            raise ValueError(f"model_type {model_type!r} is not supported; rlserve serves llama, mistral, qwen2 and qwen3")
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        rope_scaling = getattr(cfg, "rope_scaling", None)
+        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (None, "default", "llama3"):
+            raise ValueError(f"rope_scaling {rope_scaling} is not supported")
+        rope_theta = getattr(cfg, "rope_theta", None)
+        if rope_theta is None:  # transformers 5 keeps it in rope_parameters
+            rope_theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+        return cls(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.rms_norm_eps,
+            rope_theta=float(rope_theta),
+            max_position_embeddings=cfg.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            rope_scaling=rope_scaling if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) == "llama3" else None,
+        )
+
+
+@dataclass(slots=True)
+class PrefillSeq:
+    """One sequence's chunk in a step: query rows [q_start, q_start + q_len) of the packed batch."""
+
+    q_start: int
+    q_len: int
+    ctx_len: int  # tokens of context the chunk attends to, including itself
+    ctx_slots: torch.Tensor | None  # KV slots of the whole context; None when the chunk is the whole context
+
+
+@dataclass(slots=True)
+class AttentionBatch:
+    """Where each token's K/V goes and what each query attends to. Decode rows come first."""
+
+    slot_mapping: torch.Tensor  # [T] KV slot of every token in the step
+    num_decode: int
+    decode_slots: torch.Tensor | None  # [num_decode * max_ctx] padded context slots
+    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_ctx] True = attend
+    prefills: list[PrefillSeq]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, shape: ModelShape, device: torch.device):
+        super().__init__()
+        dim = shape.head_dim
+        with torch.device("cpu"):  # real tables even when the module is built on the meta device
+            inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+            if shape.rope_scaling:
+                inv_freq = _llama3_scale(inv_freq, shape.rope_scaling)
+            positions = torch.arange(shape.max_position_embeddings, dtype=torch.float32)
+            freqs = torch.outer(positions, inv_freq)
+            emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos().to(device), persistent=False)
+        self.register_buffer("sin", emb.sin().to(device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos.index_select(0, positions).unsqueeze(1).to(q.dtype)
+        sin = self.sin.index_select(0, positions).unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _llama3_scale(inv_freq: torch.Tensor, cfg: dict) -> torch.Tensor:
+    import math
+
+    factor, low, high = cfg["factor"], cfg.get("low_freq_factor", 1.0), cfg.get("high_freq_factor", 4.0)
+    old_len = cfg["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class Attention(nn.Module):
+    def __init__(self, shape: ModelShape):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
+        self.q_size, self.kv_size = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+        self.qkv_proj = nn.Linear(shape.hidden_size, self.q_size + 2 * self.kv_size, bias=shape.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, shape.hidden_size, bias=False)
+        self.eps = shape.rms_norm_eps
+        if shape.qk_norm:
+            self.q_norm = nn.Parameter(torch.ones(shape.head_dim))
+            self.k_norm = nn.Parameter(torch.ones(shape.head_dim))
+        else:
+            self.q_norm = self.k_norm = None
+        self.scale = shape.head_dim**-0.5
+
+    def forward(self, x, positions, rope: RotaryEmbedding, batch: AttentionBatch, kv: torch.Tensor):
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+        q, k = rope(positions, q, k)
+        k_cache, v_cache = kv[0], kv[1]  # [slots, kv_heads, head_dim]
+        k_cache.index_copy_(0, batch.slot_mapping, k)
+        v_cache.index_copy_(0, batch.slot_mapping, v)
+        out = torch.empty_like(q)
+        if batch.num_decode:
+            out[: batch.num_decode] = self._decode(q[: batch.num_decode], batch, k_cache, v_cache)
+        for p in batch.prefills:
+            rows = slice(p.q_start, p.q_start + p.q_len)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], p, k_cache, v_cache)
+        return self.o_proj(out.view(t, self.q_size))
+
+    def _decode(self, q, batch: AttentionBatch, k_cache, v_cache):
+        b = q.shape[0]
+        keys = k_cache.index_select(0, batch.decode_slots).view(b, -1, self.num_kv_heads, self.head_dim)
+        values = v_cache.index_select(0, batch.decode_slots).view(b, -1, self.num_kv_heads, self.head_dim)
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=batch.decode_mask,
+            scale=self.scale,
+            enable_gqa=True,
+        )
+        return o.squeeze(2)
+
+    def _prefill(self, q, k, v, p: PrefillSeq, k_cache, v_cache):
+        if p.ctx_slots is None:
+            mask, causal = None, True
+        else:
+            k, v = k_cache.index_select(0, p.ctx_slots), v_cache.index_select(0, p.ctx_slots)
+            mask = torch.ones(p.q_len, p.ctx_len, dtype=torch.bool, device=q.device).tril(p.ctx_len - p.q_len)
+            causal = False
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask,
+            is_causal=causal,
+            scale=self.scale,
+            enable_gqa=True,
+        )
+        return o.squeeze(0).transpose(0, 1)
+
+
+class MLP(nn.Module):
+    def __init__(self, shape: ModelShape):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(shape.hidden_size, 2 * shape.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, shape: ModelShape):
+        super().__init__()
+        self.input_layernorm = nn.Parameter(torch.ones(shape.hidden_size))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(shape.hidden_size))
+        self.self_attn = Attention(shape)
+        self.mlp = MLP(shape)
+        self.eps = shape.rms_norm_eps
+
+    def forward(self, h, positions, rope, batch, kv):
+        h = h + self.self_attn(rms_norm(h, self.input_layernorm, self.eps), positions, rope, batch, kv)
+        return h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps))
+
+
+class CausalLM(nn.Module):
+    def __init__(self, shape: ModelShape, device: torch.device):
+        super().__init__()
+        self.shape = shape
+        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(shape) for _ in range(shape.num_layers))
+        self.norm = nn.Parameter(torch.ones(shape.hidden_size))
+        self.lm_head = None if shape.tie_word_embeddings else nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(shape, device)
+
+    def forward(self, input_ids, positions, batch: AttentionBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm; kv_cache is [layers, 2, slots, kv_heads, head_dim]."""
+        h = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, positions, self.rope, batch, kv_cache[i])
+        return rms_norm(h, self.norm, self.shape.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

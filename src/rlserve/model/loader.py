@@ -1,0 +1,157 @@
+"""Hugging Face checkpoint names <-> our fused parameters, and loading a model directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from rlserve.model.llama import CausalLM, ModelShape
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# HF suffix -> (our suffix, index of the slice inside the fused tensor)
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+_RENAMED = {
+    "input_layernorm.weight": "input_layernorm",
+    "post_attention_layernorm.weight": "post_attention_layernorm",
+    "self_attn.q_norm.weight": "self_attn.q_norm",
+    "self_attn.k_norm.weight": "self_attn.k_norm",
+    "self_attn.o_proj.weight": "self_attn.o_proj.weight",
+    "mlp.down_proj.weight": "mlp.down_proj.weight",
+}
+
+
+def resolve_model_dir(name: str | None) -> Path:
+    """A local directory, or a hub id downloaded through huggingface_hub when the machine has a hub."""
+    if name is None:
+        from rlserve.model.make import default_model_dir
+
+        return default_model_dir()
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    if path.is_absolute() or name.startswith("."):
+        raise ValueError(f"model.name {name!r}: no such directory")
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt"]))
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / s for s in shards]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir} holds no *.safetensors files")
+    return files
+
+
+def read_safetensors(files: Iterable[Path], device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    for f in files:
+        with safe_open(os.fspath(f), framework="pt", device=device) as st:
+            for name in st.keys():
+                yield name, st.get_tensor(name)
+
+
+def checkpoint_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
+    """Every tensor a full HF checkpoint of this model holds, with its shape."""
+    h, hd = shape.hidden_size, shape.head_dim
+    q, kv = shape.num_heads * hd, shape.num_kv_heads * hd
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (shape.vocab_size, h), "model.norm.weight": (h,)}
+    if not shape.tie_word_embeddings:
+        out["lm_head.weight"] = (shape.vocab_size, h)
+    for i in range(shape.num_layers):
+        p = f"model.layers.{i}."
+        out |= {
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (shape.intermediate_size, h),
+            p + "mlp.up_proj.weight": (shape.intermediate_size, h),
+            p + "mlp.down_proj.weight": (h, shape.intermediate_size),
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+        }
+        if shape.qkv_bias:
+            out |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,), p + "self_attn.v_proj.bias": (kv,)}
+        if shape.qk_norm:
+            out |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
+    return out
+
+
+def target_of(model: CausalLM, params: dict[str, torch.Tensor], hf_name: str) -> torch.Tensor:
+    """The slice of our parameter that holds the HF tensor `hf_name` (a view: copy_ into it to load).
+
+    `params` is dict(model.named_parameters()), built once by the caller.
+    """
+    if hf_name == "model.embed_tokens.weight":
+        return params["embed_tokens.weight"]
+    if hf_name == "model.norm.weight":
+        return params["norm"]
+    if hf_name == "lm_head.weight" and model.lm_head is not None:
+        return params["lm_head.weight"]
+    m = _LAYER.match(hf_name)
+    if m is None:
+        raise KeyError(hf_name)
+    layer, suffix = m.group(1), m.group(2)
+    module, kind = suffix.rsplit(".", 1)
+    if module in _FUSED:
+        fused, part = _FUSED[module]
+        tensor = params[f"layers.{layer}.{fused}.{kind}"]
+        sizes = _fused_sizes(model.shape, fused)
+        start = sum(sizes[:part])
+        return tensor.narrow(0, start, sizes[part])
+    if suffix in _RENAMED:
+        return params[f"layers.{layer}.{_RENAMED[suffix]}"]
+    raise KeyError(hf_name)
+
+
+def _fused_sizes(shape: ModelShape, fused: str) -> list[int]:
+    if fused == "self_attn.qkv_proj":
+        return [shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim]
+    return [shape.intermediate_size, shape.intermediate_size]
+
+
+def ignorable(name: str, shape: ModelShape) -> bool:
+    # tied checkpoints sometimes still carry lm_head; rotary caches are derived, not loaded
+    return (name == "lm_head.weight" and shape.tie_word_embeddings) or name.endswith("rotary_emb.inv_freq")
+
+
+@torch.no_grad()
+def load_model(model_dir: Path, shape: ModelShape, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    with torch.device("meta"):
+        model = CausalLM(shape, device)
+    rope = model.rope
+    model.rope = None
+    model = model.to_empty(device=device).to(dtype)
+    model.rope = rope.to(device)  # fp32 tables, computed rather than loaded
+    expected = checkpoint_shapes(shape)
+    params = dict(model.named_parameters())
+    seen: set[str] = set()
+    for name, tensor in read_safetensors(safetensors_files(model_dir)):
+        if ignorable(name, shape):
+            continue
+        if name not in expected:
+            raise ValueError(f"{model_dir}: unexpected tensor {name!r}")
+        if tuple(tensor.shape) != expected[name]:
+            raise ValueError(f"{model_dir}: {name} has shape {tuple(tensor.shape)}, expected {expected[name]}")
+        target_of(model, params, name).copy_(tensor)
+        seen.add(name)
+    missing = sorted(set(expected) - seen)
+    if missing:
+        raise ValueError(f"{model_dir}: missing tensors, e.g. {missing[:3]}")
+    return model.eval()
