@@ -91,7 +91,7 @@ class Engine:
         self.adapter_generations: dict[str, int] = {}
         self.requests: dict[str, list[Request]] = {}
         self.generation_tokens = 0
-        self._pending: list[RequestOutput] = []
+        self._pending: list[tuple[Request, RequestOutput]] = []
         self._ids = itertools.count()
 
     # ---- public API -------------------------------------------------------------------------
@@ -156,13 +156,27 @@ class Engine:
 
     def abort(self, request_id: str) -> int:
         """Finish every request with this id now ("abort", partial tokens kept); returns how many."""
-        reqs = self.requests.pop(request_id, [])
+        reqs = list(self.requests.get(request_id, []))
         for req in reqs:
-            for seq in req.live_seqs:
-                if seq.status is not Status.FINISHED:
-                    seq.finish_reason = "abort"
-                    self.scheduler.finish(seq)
-            self._pending.append(req.output())
+            self.abort_request(req)
+        return len(reqs)
+
+    def abort_request(self, req: Request) -> None:
+        if req.finished:
+            return
+        for seq in req.live_seqs:
+            if seq.status is not Status.FINISHED:
+                seq.finish_reason = "abort"
+                if seq.detok is not None:
+                    seq.detok.flush()
+                self.scheduler.finish(seq)
+        self._forget(req)
+        self._pending.append((req, req.output()))
+
+    def abort_all(self) -> int:
+        reqs = [r for rs in self.requests.values() for r in rs]
+        for req in reqs:
+            self.abort_request(req)
         return len(reqs)
 
     def has_unfinished(self) -> bool:
@@ -170,6 +184,10 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One engine iteration; returns the (cumulative) outputs of every request it touched."""
+        return [out for _, out in self.step_with_requests()]
+
+    @torch.inference_mode()
+    def step_with_requests(self) -> list[tuple[Request, RequestOutput]]:
         outputs, self._pending = self._pending, []
         batch = self.scheduler.schedule()
         if batch.empty:
@@ -193,7 +211,7 @@ class Engine:
             if seq.status is Status.RUNNING:
                 self.scheduler.register_computed_blocks(seq)
         for req in touched.values():
-            outputs.append(req.output())
+            outputs.append((req, req.output()))
             if req.finished:
                 self._forget(req)
         return outputs

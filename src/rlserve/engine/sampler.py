@@ -37,7 +37,7 @@ class Sampler:
     def __init__(self, generator: torch.Generator):
         self.generator = generator
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
         n, device = logits.shape[0], logits.device
         want_logprobs = any(r.num_logprobs is not None for r in rows)

@@ -1,0 +1,153 @@
+"""The asyncio face of the engine: the engine steps in its own thread; the event loop never waits on it.
+
+Everything that touches engine state runs in the engine thread between steps: requests are
+submitted and aborted through a command queue, control operations run there as callables.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+from rlserve.config import Config
+from rlserve.engine.engine import Engine
+from rlserve.engine.outputs import RequestOutput
+from rlserve.engine.params import SamplingParams
+from rlserve.engine.sequence import Request
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, config: Config | None = None, engine: Engine | None = None):
+        self.engine = engine or Engine(config)
+        self._commands: queue.SimpleQueue[Callable[[Engine], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stop = False
+        self.dead: BaseException | None = None
+        self.paused = False
+        self._thread = threading.Thread(target=self._loop, name="rlserve-engine", daemon=True)
+        self._thread.start()
+
+    # the engine's read-only facts, for the server
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        cache_salt: str | None = None,
+        adapter: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yields the cumulative output after every step that touched the request; the last has
+        finished=True. Raises ValueError for bad input before yielding. Leaving the iteration early
+        (client gone, task cancelled) aborts the request and frees its blocks."""
+        if self.dead is not None:
+            raise EngineDeadError(f"engine loop died: {self.dead!r}")
+        req = self.engine.make_request(request_id, prompt, params, cache_salt=cache_salt, adapter=adapter)
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[id(req)] = (asyncio.get_running_loop(), stream)
+        self._post(lambda e: e.submit(req))
+        finished = False
+        try:
+            while not finished:
+                out = await stream.get()
+                if isinstance(out, BaseException):
+                    raise EngineDeadError(f"engine loop died: {out!r}") from out
+                finished = out.finished
+                yield out
+        finally:
+            self._streams.pop(id(req), None)
+            if not finished:
+                self._post(lambda e: e.abort_request(req))
+
+    async def abort(self, request_id: str) -> int:
+        return await self.call(lambda e: e.abort(request_id))
+
+    async def call(self, fn: Callable[[Engine], T]) -> T:
+        """Run fn(engine) in the engine thread between two steps and return its result."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+
+        def run(engine: Engine) -> None:
+            try:
+                result = fn(engine)
+            except BaseException as exc:  # handed to the caller, not swallowed
+                loop.call_soon_threadsafe(_set_exception, fut, exc)
+            else:
+                loop.call_soon_threadsafe(_set_result, fut, result)
+
+        self._post(run)
+        return await fut
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # ---- engine thread ----------------------------------------------------------------------
+
+    def _post(self, command: Callable[[Engine], None]) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(f"engine loop died: {self.dead!r}")
+        self._commands.put(command)
+        self._wake.set()
+
+    def _loop(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stop:
+                self._wake.clear()
+                while True:
+                    try:
+                        self._commands.get_nowait()(engine)
+                    except queue.Empty:
+                        break
+                if engine.has_unfinished() and not self.paused:
+                    self._dispatch(engine.step_with_requests())
+                else:
+                    self._wake.wait(timeout=0.5)
+        except BaseException as exc:
+            log.exception("engine loop died")
+            self.dead = exc
+            for loop, stream in list(self._streams.values()):
+                loop.call_soon_threadsafe(stream.put_nowait, exc)
+
+    def _dispatch(self, results: list[tuple[Request, RequestOutput]]) -> None:
+        for req, out in results:
+            target = self._streams.get(id(req))
+            if target is not None:
+                loop, stream = target
+                loop.call_soon_threadsafe(stream.put_nowait, out)
+
+
+def _set_result(fut: asyncio.Future, value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
