@@ -52,6 +52,11 @@ class Config(Section):
         None, ge=1, description="cap on the KV-cache pool when engine.kv_cache_bytes is not set"
     )
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads; none = all cores")
+    weight_version: str = Field("default", description="initial label of the served weights (trainer-owned)")
+    weight_roots: list[str] = Field(
+        default_factory=lambda: ["."],
+        description="directories under which weight and adapter directories may be read (symlinks resolved)",
+    )
     model: ModelConfig = Field(default_factory=ModelConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)

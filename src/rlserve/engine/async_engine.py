@@ -18,6 +18,7 @@ from rlserve.engine.engine import Engine
 from rlserve.engine.outputs import RequestOutput
 from rlserve.engine.params import SamplingParams
 from rlserve.engine.sequence import Request
+from rlserve.engine.weights import check_under_roots, stage_from_dir
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -102,6 +103,38 @@ class AsyncEngine:
         self._post(run)
         return await fut
 
+    # ---- control plane: every mutation lands between two engine steps ----------------------
+
+    async def pause(self, mode: str = "keep") -> int:
+        """keep: freeze in-flight requests; abort: finish them now; wait: let them finish first.
+        New requests are queued in every mode. Returns how many requests were aborted."""
+        if mode not in ("keep", "abort", "wait"):
+            raise ValueError(f"mode must be keep, abort or wait, got {mode!r}")
+        if mode == "abort":
+            return await self.call(lambda e: self._set_paused(True, e.abort_all()))
+        if mode == "wait":
+            await self.call(lambda e: setattr(e.scheduler, "hold_new", True))
+            while await self.call(lambda e: e.scheduler.num_in_flight()):
+                await asyncio.sleep(0.01)
+        return await self.call(lambda e: self._set_paused(True, 0))
+
+    async def resume(self) -> None:
+        def run(e: Engine) -> None:
+            e.scheduler.hold_new = False
+            self._set_paused(False, 0)
+
+        await self.call(run)
+
+    def _set_paused(self, paused: bool, result: int) -> int:
+        self.paused = paused
+        return result
+
+    async def update_weights_from_dir(self, weight_dir: str, roots: list[str], weight_version: str | None = None) -> int:
+        """Read and validate off the engine thread, then swap between two steps. Returns the new version."""
+        path = check_under_roots(weight_dir, roots)
+        staged = await asyncio.to_thread(stage_from_dir, self.engine.model, path)
+        return await self.call(lambda e: e.commit_weights(staged, weight_version))
+
     def shutdown(self) -> None:
         self._stop = True
         self._wake.set()
@@ -125,7 +158,10 @@ class AsyncEngine:
                         self._commands.get_nowait()(engine)
                     except queue.Empty:
                         break
-                if engine.has_unfinished() and not self.paused:
+                if self.paused:
+                    self._dispatch(engine.take_pending())
+                    self._wake.wait(timeout=0.5)
+                elif engine.has_unfinished():
                     self._dispatch(engine.step_with_requests())
                 else:
                     self._wake.wait(timeout=0.5)

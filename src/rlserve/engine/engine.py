@@ -21,9 +21,11 @@ from rlserve.engine.params import SamplingParams
 from rlserve.engine.runner import ModelRunner, kv_bytes_per_token
 from rlserve.engine.sampler import Sampler, SamplingRow
 from rlserve.engine.scheduler import Scheduler
+from rlserve.engine.weights import StagedWeights, commit
 from rlserve.engine.sequence import Request, Sequence, Status
 from rlserve.model.llama import ModelShape
 from rlserve.model.loader import load_model, resolve_model_dir
+from rlserve.model.lora import LoraAdapter
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +89,10 @@ class Engine:
         self.runner = ModelRunner(self.model, num_blocks, ec.block_size, self.dtype, self.device)
         self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
         self.policy_version = 0
+        self.weight_version = config.weight_version  # the trainer's label for the current weights
         self.weight_generation = 0  # bumps at every committed update: prefix-cache entries never cross it
-        self.adapter_generations: dict[str, int] = {}
+        self.adapters: dict[str, LoraAdapter] = {}
+        self.adapter_generations: dict[str, int] = {}  # bumps at every (re)load of a name
         self.requests: dict[str, list[Request]] = {}
         self.generation_tokens = 0
         self._pending: list[tuple[Request, RequestOutput]] = []
@@ -134,7 +138,7 @@ class Engine:
             k = getattr(params, name)
             if k is not None and cap != -1 and (k > cap or k == -1):
                 raise ValueError(f"{name}={k} exceeds the server's max_logprobs ({cap})")
-        if adapter is not None and adapter not in self.adapter_generations:
+        if adapter is not None and adapter not in self.adapters:
             raise ValueError(f"adapter {adapter!r} is not loaded")
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -179,6 +183,38 @@ class Engine:
             self.abort_request(req)
         return len(reqs)
 
+    def take_pending(self) -> list[tuple[Request, RequestOutput]]:
+        """Outputs produced outside a step (aborts), for a caller that is not stepping (paused)."""
+        pending, self._pending = self._pending, []
+        return pending
+
+    def commit_weights(self, staged: StagedWeights, weight_version: str | None = None) -> int:
+        """Swap in validated weights between steps; every later token carries the new version."""
+        commit(self.model, staged)
+        return self._bump_version(weight_version)
+
+    def add_adapter(self, adapter: LoraAdapter) -> int:
+        """Load or reload (in place, same name) an adapter; requests already using the name go on
+        with the new weights from the next step, like a weight update."""
+        self.adapters[adapter.name] = adapter
+        self.adapter_generations[adapter.name] = self.adapter_generations.get(adapter.name, 0) + 1
+        return self._bump_version(None)
+
+    def remove_adapter(self, name: str) -> int:
+        """Unload an adapter; requests still using it are aborted. Returns how many."""
+        users = [r for rs in self.requests.values() for r in rs if r.adapter == name]
+        for req in users:
+            self.abort_request(req)
+        del self.adapters[name]
+        return len(users)
+
+    def _bump_version(self, weight_version: str | None) -> int:
+        self.policy_version += 1
+        self.weight_generation += 1
+        if weight_version is not None:
+            self.weight_version = weight_version
+        return self.policy_version
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending)
 
@@ -192,7 +228,7 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch.empty:
             return outputs
-        logits = self.runner.run(batch)
+        logits = self.runner.run(batch, self.adapters)
         touched: dict[int, Request] = {}
         for seq, n in batch.prefills:
             seq.num_computed_tokens += n

@@ -8,6 +8,7 @@ import torch
 
 from rlserve.engine.scheduler import ScheduledBatch
 from rlserve.model.llama import AttentionBatch, CausalLM, PrefillSeq
+from rlserve.model.lora import LoraAdapter, LoraBatch
 
 
 @dataclass(slots=True)
@@ -34,7 +35,7 @@ class ModelRunner:
         self._block_offsets = torch.arange(block_size, device=device)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> StepLogits:
+    def run(self, batch: ScheduledBatch, adapters: dict[str, LoraAdapter]) -> StepLogits:
         if batch.block_copies:
             self._copy_blocks(batch.block_copies)
         bs = self.block_size
@@ -80,6 +81,7 @@ class ModelRunner:
             decode_slots=decode_slots,
             decode_mask=decode_mask,
             prefills=prefills,
+            lora=self._lora_batch(batch, adapters) if adapters else None,
         )
         hidden = self.model(
             torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device), attn, self.kv_cache
@@ -90,6 +92,21 @@ class ModelRunner:
             (seq, first, self.model.compute_logits(hidden[q0 : q0 + count])) for seq, first, q0, count in prompt_rows
         ]
         return StepLogits(sample_logits, sample_seqs, prompt_logits)
+
+    def _lora_batch(self, batch: ScheduledBatch, adapters: dict[str, LoraAdapter]) -> LoraBatch | None:
+        rows: dict[str, list[int]] = {}
+        for i, seq in enumerate(batch.decodes):
+            if seq.request.adapter is not None:
+                rows.setdefault(seq.request.adapter, []).append(i)
+        start = len(batch.decodes)
+        for seq, n in batch.prefills:
+            if seq.request.adapter is not None:
+                rows.setdefault(seq.request.adapter, []).extend(range(start, start + n))
+            start += n
+        if not rows:
+            return None
+        segments = [(adapters[name], torch.tensor(r, device=self.device)) for name, r in rows.items()]
+        return LoraBatch(segments, self.model.shape)
 
     def _context_slots(self, tables: list[list[int]], ctx_lens: list[int], max_ctx: int) -> torch.Tensor:
         """KV slots of positions [0, max_ctx) for each table, flattened; positions past a sequence's

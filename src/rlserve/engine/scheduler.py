@@ -55,6 +55,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
+        self.hold_new = False  # set while draining for a `wait` pause
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -75,17 +76,25 @@ class Scheduler:
             elif self._reserve_slot(seq, batch):
                 batch.decodes.append(seq)
                 budget -= 1
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if budget == 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if self.hold_new and not seq.request.started:
+                continue  # draining for a pause: only requests already in flight go on
             if not self._admit(seq):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = Status.RUNNING
+            seq.request.started = True
             self.running.append(seq)
             n = min(seq.num_uncomputed, budget)
             batch.prefills.append((seq, n))
             budget -= n
         return batch
+
+    def num_in_flight(self) -> int:
+        """Sequences admitted at least once and not finished (what a `wait` pause waits for)."""
+        return len(self.running) + sum(1 for s in self.waiting if s.request.started)
 
     def _reserve_slot(self, seq: Sequence, batch: ScheduledBatch) -> bool:
         """Make the block that will hold this decode's KV writable; preempt others if needed."""

@@ -30,6 +30,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     seqs: list["Sequence"] = field(default_factory=list)
     forked: bool = False  # siblings of an n > 1 request exist once the prompt is computed
+    started: bool = False  # admitted to the running batch at least once
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_logprob_ranks: list[dict[int, int] | None] | None = None

@@ -7,10 +7,14 @@ lever on CPU. Arithmetic order follows transformers so logprobs match its forwar
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from rlserve.model.lora import LoraBatch
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +83,7 @@ class AttentionBatch:
     decode_slots: torch.Tensor | None  # [num_decode * max_ctx] padded context slots
     decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_ctx] True = attend
     prefills: list[PrefillSeq]
+    lora: "LoraBatch | None" = None  # adapters by row group, when any request in the step uses one
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -124,8 +129,9 @@ def _llama3_scale(inv_freq: torch.Tensor, cfg: dict) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, shape: ModelShape):
+    def __init__(self, shape: ModelShape, layer: int):
         super().__init__()
+        self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
         self.q_size, self.kv_size = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
         self.qkv_proj = nn.Linear(shape.hidden_size, self.q_size + 2 * self.kv_size, bias=shape.qkv_bias)
@@ -140,7 +146,10 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, rope: RotaryEmbedding, batch: AttentionBatch, kv: torch.Tensor):
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if batch.lora is not None:
+            batch.lora.apply(qkv, x, self.layer, ("q_proj", "k_proj", "v_proj"))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -156,7 +165,11 @@ class Attention(nn.Module):
         for p in batch.prefills:
             rows = slice(p.q_start, p.q_start + p.q_len)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], p, k_cache, v_cache)
-        return self.o_proj(out.view(t, self.q_size))
+        out = out.view(t, self.q_size)
+        o = self.o_proj(out)
+        if batch.lora is not None:
+            batch.lora.apply(o, out, self.layer, ("o_proj",))
+        return o
 
     def _decode(self, q, batch: AttentionBatch, k_cache, v_cache):
         b = q.shape[0]
@@ -192,28 +205,36 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, shape: ModelShape):
+    def __init__(self, shape: ModelShape, layer: int):
         super().__init__()
+        self.layer = layer
         self.gate_up_proj = nn.Linear(shape.hidden_size, 2 * shape.intermediate_size, bias=False)
         self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=False)
 
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x, lora: "LoraBatch | None"):
+        gate_up = self.gate_up_proj(x)
+        if lora is not None:
+            lora.apply(gate_up, x, self.layer, ("gate_proj", "up_proj"))
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.silu(gate) * up
+        down = self.down_proj(act)
+        if lora is not None:
+            lora.apply(down, act, self.layer, ("down_proj",))
+        return down
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, shape: ModelShape):
+    def __init__(self, shape: ModelShape, layer: int):
         super().__init__()
         self.input_layernorm = nn.Parameter(torch.ones(shape.hidden_size))
         self.post_attention_layernorm = nn.Parameter(torch.ones(shape.hidden_size))
-        self.self_attn = Attention(shape)
-        self.mlp = MLP(shape)
+        self.self_attn = Attention(shape, layer)
+        self.mlp = MLP(shape, layer)
         self.eps = shape.rms_norm_eps
 
     def forward(self, h, positions, rope, batch, kv):
         h = h + self.self_attn(rms_norm(h, self.input_layernorm, self.eps), positions, rope, batch, kv)
-        return h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps))
+        return h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps), batch.lora)
 
 
 class CausalLM(nn.Module):
@@ -221,7 +242,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.shape = shape
         self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(shape) for _ in range(shape.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(shape, i) for i in range(shape.num_layers))
         self.norm = nn.Parameter(torch.ones(shape.hidden_size))
         self.lm_head = None if shape.tie_word_embeddings else nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
         self.rope = RotaryEmbedding(shape, device)

@@ -1,0 +1,89 @@
+"""Weight updates: validate everything first, then swap at a step boundary, then bump the version.
+
+Reading a checkpoint happens off the engine thread; only `commit` (a memcpy into the live
+parameters plus the version bump) runs between two engine steps, so no forward pass mixes weights.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rlserve.model.llama import CausalLM
+from rlserve.model.loader import checkpoint_shapes, ignorable, read_safetensors, safetensors_files, target_of
+
+
+class WeightUpdateError(ValueError):
+    """The checkpoint does not fit the served model; nothing was changed."""
+
+
+@dataclass(slots=True)
+class StagedWeights:
+    """Validated tensors, ready to be copied into the model."""
+
+    tensors: dict[str, torch.Tensor]
+    source: str
+
+
+def check_under_roots(path: str, roots: list[str]) -> Path:
+    """Refuse any path that does not resolve (symlinks included) inside one of the configured roots."""
+    resolved = Path(os.path.realpath(path))
+    for root in roots:
+        if resolved.is_relative_to(Path(os.path.realpath(root))):
+            return resolved
+    raise PermissionError(
+        f"{path!r} is outside the configured weight roots {roots}: add its parent to weights.roots"
+    )
+
+
+def stage_from_dir(model: CausalLM, weight_dir: Path) -> StagedWeights:
+    if not weight_dir.is_dir():
+        raise FileNotFoundError(f"weight_dir {str(weight_dir)!r} does not exist")
+    try:
+        files = safetensors_files(weight_dir)
+    except ValueError as exc:
+        raise WeightUpdateError(str(exc)) from None
+    try:
+        tensors = dict(read_safetensors(files))
+    except Exception as exc:  # a truncated or corrupt file: report it, keep serving
+        raise WeightUpdateError(f"cannot read the safetensors files in {weight_dir}: {exc}") from None
+    return stage(model, tensors.items(), str(weight_dir), require_all=True)
+
+
+def stage(
+    model: CausalLM, named_tensors: Iterable[tuple[str, torch.Tensor]], source: str, require_all: bool
+) -> StagedWeights:
+    expected = checkpoint_shapes(model.shape)
+    staged: dict[str, torch.Tensor] = {}
+    for name, tensor in named_tensors:
+        if ignorable(name, model.shape):
+            continue
+        if name not in expected:
+            raise WeightUpdateError(f"{source}: tensor {name!r} does not belong to this model")
+        if tuple(tensor.shape) != expected[name]:
+            raise WeightUpdateError(
+                f"{source}: {name} has shape {list(tensor.shape)}, the served model needs {list(expected[name])}"
+            )
+        if not tensor.is_floating_point():
+            raise WeightUpdateError(f"{source}: {name} has dtype {tensor.dtype}; weights must be floating point")
+        if not torch.isfinite(tensor).all():
+            raise WeightUpdateError(f"{source}: {name} contains NaN or infinite values")
+        staged[name] = tensor
+    if require_all:
+        missing = sorted(set(expected) - set(staged))
+        if missing:
+            raise WeightUpdateError(f"{source}: {len(missing)} tensors are missing, e.g. {missing[:3]}")
+    if not staged:
+        raise WeightUpdateError(f"{source}: no tensors to load")
+    return StagedWeights(staged, source)
+
+
+@torch.no_grad()
+def commit(model: CausalLM, staged: StagedWeights) -> None:
+    params = dict(model.named_parameters())
+    for name, tensor in staged.tensors.items():
+        target_of(model, params, name).copy_(tensor)

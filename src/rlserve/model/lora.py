@@ -1,0 +1,118 @@
+"""LoRA adapters in PEFT layout, applied per row group so requests with different adapters share a batch."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from rlserve.model.llama import ModelShape
+
+# PEFT module name -> (our fused projection, index of the slice)
+MODULES = {
+    "q_proj": ("qkv", 0),
+    "k_proj": ("qkv", 1),
+    "v_proj": ("qkv", 2),
+    "o_proj": ("o", 0),
+    "gate_proj": ("gate_up", 0),
+    "up_proj": ("gate_up", 1),
+    "down_proj": ("down", 0),
+}
+_NAME = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
+
+
+class AdapterError(ValueError):
+    pass
+
+
+@dataclass(slots=True)
+class LoraAdapter:
+    name: str
+    path: str
+    rank: int
+    # (layer, PEFT module) -> (A [r, in], B [out, r] with the scaling folded in)
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+def module_dims(shape: ModelShape) -> dict[str, tuple[int, int]]:
+    h, hd, i = shape.hidden_size, shape.head_dim, shape.intermediate_size
+    q, kv = shape.num_heads * hd, shape.num_kv_heads * hd
+    return {
+        "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+        "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
+    }  # fmt: skip
+
+
+def slice_of(shape: ModelShape, module: str) -> tuple[int, int]:
+    """(start, size) of a PEFT module's output inside our fused projection's output."""
+    dims = module_dims(shape)
+    fused, part = MODULES[module]
+    group = [m for m, (f, _) in MODULES.items() if f == fused]
+    start = sum(dims[m][1] for m in group[:part])
+    return start, dims[module][1]
+
+
+def load_peft_adapter(name: str, path: Path, shape: ModelShape, dtype: torch.dtype, device: torch.device) -> LoraAdapter:
+    config_file, weights_file = path / "adapter_config.json", path / "adapter_model.safetensors"
+    if not config_file.exists() or not weights_file.exists():
+        raise FileNotFoundError(f"{path} needs adapter_config.json and adapter_model.safetensors (PEFT layout)")
+    try:
+        cfg = json.loads(config_file.read_text())
+        r, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise AdapterError(f"{config_file}: not a LoRA adapter config ({exc})") from None
+    if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
+        raise AdapterError(f"{config_file}: rank_pattern / alpha_pattern are not supported")
+    scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+    try:
+        tensors = load_file(str(weights_file))
+    except Exception as exc:
+        raise AdapterError(f"cannot read {weights_file}: {exc}") from None
+    dims = module_dims(shape)
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        m = _NAME.match(key)
+        if m is None or m.group(2) not in MODULES or int(m.group(1)) >= shape.num_layers:
+            raise AdapterError(f"{weights_file}: tensor {key!r} does not fit this model (only attention/MLP projections)")
+        pairs.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = t
+    weights = {}
+    for (layer, module), ab in pairs.items():
+        if set(ab) != {"A", "B"}:
+            raise AdapterError(f"{weights_file}: layer {layer} {module} lacks lora_A or lora_B")
+        fan_in, fan_out = dims[module]
+        a, b = ab["A"], ab["B"]
+        if tuple(a.shape) != (r, fan_in) or tuple(b.shape) != (fan_out, r):
+            raise AdapterError(
+                f"{weights_file}: layer {layer} {module} has A {list(a.shape)} B {list(b.shape)}, "
+                f"expected A {[r, fan_in]} B {[fan_out, r]}"
+            )
+        weights[(layer, module)] = (a.to(device, dtype), (b.float() * scaling).to(device, dtype))
+    if not weights:
+        raise AdapterError(f"{weights_file}: no LoRA tensors")
+    return LoraAdapter(name, str(path), r, weights)
+
+
+@dataclass(slots=True)
+class LoraBatch:
+    """Rows of the step's packed batch that run under each adapter."""
+
+    segments: list[tuple[LoraAdapter, torch.Tensor]]
+    shape: ModelShape
+
+    def apply(self, out: torch.Tensor, x: torch.Tensor, layer: int, modules: tuple[str, ...]) -> None:
+        for adapter, rows in self.segments:
+            xs = None
+            for module in modules:
+                ab = adapter.weights.get((layer, module))
+                if ab is None:
+                    continue
+                if xs is None:
+                    xs = x.index_select(0, rows)
+                start, size = slice_of(self.shape, module)
+                delta = (xs @ ab[0].t()) @ ab[1].t()
+                out.narrow(1, start, size).index_add_(0, rows, delta)
