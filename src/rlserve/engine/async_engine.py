@@ -18,7 +18,7 @@ from rlserve.engine.engine import Engine
 from rlserve.engine.outputs import RequestOutput
 from rlserve.engine.params import SamplingParams
 from rlserve.engine.sequence import Request
-from rlserve.engine.weights import check_under_roots, stage_from_dir
+from rlserve.engine.weights import check_under_roots, stage, stage_from_dir
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -37,6 +37,7 @@ class AsyncEngine:
         self._stop = False
         self.dead: BaseException | None = None
         self.paused = False
+        self._group: asyncio.Future | None = None  # torch.distributed group with a trainer
         self._thread = threading.Thread(target=self._loop, name="rlserve-engine", daemon=True)
         self._thread.start()
 
@@ -133,6 +134,29 @@ class AsyncEngine:
         """Read and validate off the engine thread, then swap between two steps. Returns the new version."""
         path = check_under_roots(weight_dir, roots)
         staged = await asyncio.to_thread(stage_from_dir, self.engine.model, path)
+        return await self.call(lambda e: e.commit_weights(staged, weight_version))
+
+    async def init_broadcaster(self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 300.0) -> None:
+        """Join the trainer's group in the background: the trainer joins whenever it is ready."""
+        from rlserve import weight_transfer
+
+        if self._group is not None and not self._group.done():
+            raise RuntimeError("a broadcaster is already being set up")
+        self._group = asyncio.ensure_future(
+            asyncio.to_thread(weight_transfer.init_group, host, port, rank, world_size, timeout_s)
+        )
+
+    async def update_weights_from_broadcast(self, weight_version: str | None = None) -> int:
+        """Receive one push from the trainer (all of it, even if invalid, so the group stays in
+        step), validate, then swap between two steps. Returns the new version."""
+        from rlserve import weight_transfer
+
+        if self._group is None:
+            raise RuntimeError("no broadcaster: call /init_broadcaster first")
+        await self._group
+        device = "cuda" if self.engine.device.type == "cuda" else "cpu"
+        received = await asyncio.to_thread(lambda: list(weight_transfer.receive(device)))
+        staged = stage(self.engine.model, received, "broadcast", require_all=False)
         return await self.call(lambda e: e.commit_weights(staged, weight_version))
 
     def shutdown(self) -> None:
