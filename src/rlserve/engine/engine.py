@@ -236,16 +236,15 @@ class Engine:
             touched[id(seq.request)] = seq.request
         for seq in batch.decodes:
             seq.num_computed_tokens += 1
+        # cache computed blocks before sampling: a sequence finishing now releases them right away
+        for seq, _ in batch.prefills:
+            self.scheduler.register_computed_blocks(seq)
+        for seq in batch.decodes:
+            self.scheduler.register_computed_blocks(seq)
         for seq, first, rows in logits.prompt_logits:
             self._record_prompt_logprobs(seq.request, first, rows)
         if logits.sample_seqs:
             self._sample_and_append(logits.sample_logits, logits.sample_seqs, touched)
-        for seq, _ in batch.prefills:
-            if seq.status is Status.RUNNING:
-                self.scheduler.register_computed_blocks(seq)
-        for seq in batch.decodes:
-            if seq.status is Status.RUNNING:
-                self.scheduler.register_computed_blocks(seq)
         for req in touched.values():
             outputs.append((req, req.output()))
             if req.finished:

@@ -1,0 +1,173 @@
+"""The FastAPI app: OpenAI routes, tokenizer routes, health and metrics; `serve` runs it on uvicorn."""
+
+from __future__ import annotations
+
+import hmac
+import importlib.metadata
+import logging
+import socket
+
+import uvicorn
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from rlserve.config import Config
+from rlserve.engine.async_engine import AsyncEngine
+from rlserve.server import chat, completions, control, generate, tokenization
+from rlserve.server.chat_template import load_template
+from rlserve.server.errors import APIError, install_error_handlers
+from rlserve.server.metrics import Metrics
+from rlserve.server.serving import ServerState
+
+log = logging.getLogger("rlserve.server")
+
+# no key needed: router health probes and Prometheus scrapers carry none (§2.13)
+PUBLIC_PATHS = frozenset({"/health", "/liveness", "/ping", "/version", "/load", "/get_load", "/metrics", "/docs",
+                          "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+
+router = APIRouter()
+
+
+def served_model_name(config: Config) -> str:
+    return config.model.served_model_name or config.model.name or "rlserve-default"
+
+
+def build_app(engine: AsyncEngine, config: Config) -> FastAPI:
+    app = FastAPI(title="rlserve", redirect_slashes=False)
+    name = served_model_name(config)
+    app.state.rlserve = ServerState(engine, config, Metrics(engine, name), name,
+                                    chat_template=load_template(config.model.chat_template))
+    install_error_handlers(app)
+    for r in (router, completions.router, chat.router, tokenization.router, generate.router, control.router):
+        app.include_router(r)
+    app.add_middleware(Gate, api_key=config.server.api_key, admin_api_key=config.server.admin_api_key)
+    return app
+
+
+class Gate:
+    """Drops a trailing slash before routing (TRL legacy uses them; no redirects) and checks keys:
+    admin routes need admin_api_key when it is set; every other non-public route needs api_key
+    (the admin key is accepted there too)."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, admin_api_key: str | None = None):
+        self.app, self.api_key, self.admin_api_key = app, api_key, admin_api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            path = scope["path"]
+            if len(path) > 1 and path.endswith("/"):
+                path = path.rstrip("/") or "/"
+                scope = {**scope, "path": path, "raw_path": scope.get("raw_path", b"").rstrip(b"/")}
+            if path in control.ADMIN_PATHS and self.admin_api_key:
+                allowed = [self.admin_api_key]
+            elif path in PUBLIC_PATHS:
+                allowed = []
+            else:
+                allowed = [k for k in (self.api_key, self.admin_api_key if self.api_key else None) if k]
+            if allowed and not self._authorized(scope, allowed):
+                await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    @staticmethod
+    def _authorized(scope: Scope, keys: list[str]) -> bool:
+        for key, value in scope.get("headers", ()):
+            if key == b"authorization":
+                scheme, _, token = value.decode("latin-1").partition(" ")
+                token = token.strip().encode()
+                return scheme.lower() == "bearer" and any(hmac.compare_digest(token, k.encode()) for k in keys)
+        return False
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.rlserve
+
+
+def _model_card(state: ServerState) -> dict:
+    config = state.config
+    return {"id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "rlserve",
+            "root": config.model.name or str(state.engine.engine.model_dir), "parent": None,
+            "max_model_len": state.max_model_len, "permission": []}
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict:
+    state = _state(request)
+    base = _model_card(state)
+    adapters = [
+        {**base, "id": name, "root": adapter.path, "parent": state.served_model_name}
+        for name, adapter in state.engine.engine.adapters.items()
+    ]
+    return {"object": "list", "data": [base, *adapters]}
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(model: str, request: Request) -> dict:
+    state = _state(request)
+    state.check_model(model)
+    return _model_card(state)
+
+
+@router.get("/health")
+@router.get("/liveness")
+@router.get("/ping")
+async def health(request: Request) -> dict:
+    engine = _state(request).engine
+    if engine.dead is not None:
+        raise APIError(503, f"engine loop died: {engine.dead!r}")
+    return {"status": "healthy", "model_loaded": True}
+
+
+@router.get("/version")
+async def version() -> dict:
+    return {"version": importlib.metadata.version("rlserve")}
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    """Prometheus text, or the MLX-style JSON status when JSON is asked for (§2.0 dispatch)."""
+    state = _state(request)
+    accept = request.headers.get("accept", "").split(",")[0].strip().lower()
+    if request.query_params.get("format") == "json" or accept == "application/json":
+        stats = state.engine.engine.stats
+        return JSONResponse({
+            "current_policy_version": stats.policy_version, "queue_depth": stats.num_waiting,
+            "num_running": stats.num_running, "max_batch_size": state.config.engine.max_num_seqs,
+            "flush_interval_ms": 0, "is_paused": state.engine.paused, "weight_version": state.engine.engine.weight_version,
+        })
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def serve(config: Config) -> None:
+    """Load the engine, bind host:port (0 = any free port), log the URL, and serve until stopped."""
+    logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        engine = AsyncEngine(config)
+    except ValueError as e:  # the engine's config checks (KV cache too small, ...) say what to change
+        raise SystemExit(f"rlserve: error: {e}") from None
+    try:
+        app = build_app(engine, config)
+        try:
+            sock = _bind(config.server.host, config.server.port)
+        except OSError as e:
+            raise SystemExit(f"rlserve: error: cannot listen on {config.server.host}:{config.server.port}: {e}") from None
+        host, port = sock.getsockname()[:2]
+        url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+        print(f"rlserve: serving {served_model_name(config)} on {url}", flush=True)
+        log.info("serving %s on %s", served_model_name(config), url)
+        server = uvicorn.Server(uvicorn.Config(app, log_level=config.server.log_level, timeout_graceful_shutdown=5))
+        server.run(sockets=[sock])
+    finally:
+        engine.shutdown()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(address)
+    sock.set_inheritable(True)
+    return sock

@@ -1,0 +1,191 @@
+"""`POST /v1/chat/completions` (wire-protocols §2.3): chat template in, message + token ids out."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from rlserve.engine.outputs import CompletionOutput, RequestOutput
+from rlserve.server.chat_parsing import RawParser, RawStreamer, output_parser
+from rlserve.server.chat_template import render_chat
+from rlserve.server.errors import bad_request
+from rlserve.server.protocol import ChatCompletionRequest
+from rlserve.server.serving import (
+    ChoiceCursor,
+    ClientGone,
+    Run,
+    ServerState,
+    SSEResponse,
+    clamp,
+    prompt_logprobs_json,
+    request_id,
+    run_to_end,
+    sampling_params,
+    sse,
+    sse_stream,
+    start_stream,
+    truncate,
+    usage,
+    version_fields,
+)
+
+router = APIRouter()
+
+
+@dataclass
+class Ctx:
+    state: ServerState
+    body: ChatCompletionRequest
+    id: str
+    model: str
+    created: int
+    parser: RawParser
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    state: ServerState = request.app.state.rlserve
+    model = state.check_model(body.model)
+    state.check_policy_version(body.model_extra or {})
+    prompt = render_chat(state.tokenizer, body, state.chat_template)
+    prompt = truncate(prompt, body.truncate_prompt_tokens, state.max_model_len)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    params = sampling_params(state, body, max_tokens=max_tokens, logprobs=_top_logprobs(state, body),
+                             prompt_logprobs=body.prompt_logprobs)
+    rid = request_id(request, body)
+    ctx = Ctx(state, body, f"chatcmpl-{rid}", model, int(time.time()), output_parser(body))
+    run = Run(state, [prompt], params, rid, body.cache_salt, adapter=state.adapter_for(body.model))
+    headers = {"X-Request-Id": rid}
+    try:
+        if body.stream:
+            await start_stream(request, run)
+            return SSEResponse(sse_stream(_stream(ctx, run), run), headers=headers)
+        (final,) = await run_to_end(request, run)
+    except ClientGone:
+        return Response(status_code=499)
+    return JSONResponse(_response(ctx, final), headers=headers)
+
+
+def _top_logprobs(state: ServerState, body: ChatCompletionRequest) -> int | None:
+    if not body.logprobs:
+        return None
+    k = body.top_logprobs or 0
+    cap = state.config.engine.max_logprobs
+    if k < 0 or (cap != -1 and k > cap):
+        limit = "an integer >= 0" if cap == -1 else f"between 0 and {cap} (engine.max_logprobs)"
+        raise bad_request(f"top_logprobs must be {limit}, got {k}", "top_logprobs")
+    return k
+
+
+def _logprob_entry(state: ServerState, token_id: int, logprob: float, as_ids: bool) -> dict[str, Any]:
+    return {"token": state.token_label(token_id, as_ids), "logprob": clamp(logprob),
+            "bytes": list(state.token_text(token_id).encode("utf-8"))}
+
+
+def _logprobs(ctx: Ctx, o: CompletionOutput, start: int) -> dict[str, list] | None:
+    if o.logprobs is None:
+        return None
+    state, as_ids = ctx.state, ctx.body.return_tokens_as_token_ids
+    content = []
+    for j in range(start, len(o.token_ids)):
+        entry = _logprob_entry(state, o.token_ids[j], o.logprobs[j], as_ids)
+        top = o.top_logprobs[j] if o.top_logprobs else {}
+        entry["top_logprobs"] = [_logprob_entry(state, t, lp, as_ids) for t, lp in top.items()]
+        content.append(entry)
+    return {"content": content}
+
+
+def _finish_reason(o: CompletionOutput, has_tool_calls: bool) -> str | None:
+    # vLLM parity: parsed tool calls win over "length" too; len(token_ids) reveals truncation
+    return "tool_calls" if has_tool_calls and o.finish_reason != "abort" else o.finish_reason
+
+
+def _response(ctx: Ctx, out: RequestOutput) -> dict[str, Any]:
+    body, choices = ctx.body, []
+    for o in sorted(out.outputs, key=lambda o: o.index):
+        parsed = ctx.parser.parse(o.text)
+        message = {"role": "assistant", "content": parsed.content, "reasoning": parsed.reasoning,
+                   "reasoning_content": parsed.reasoning, "tool_calls": parsed.tool_calls}
+        choice = {"index": o.index, "message": message, "logprobs": _logprobs(ctx, o, 0),
+                  "finish_reason": _finish_reason(o, bool(parsed.tool_calls)), "stop_reason": o.stop_reason}
+        if body.return_token_ids:
+            choice["token_ids"] = o.token_ids
+        choice.update(version_fields(ctx.state, o))
+        choices.append(choice)
+    response = {"id": ctx.id, "object": "chat.completion", "created": ctx.created, "model": ctx.model}
+    if body.return_token_ids:
+        response["prompt_token_ids"] = out.prompt_token_ids
+    completion_tokens = sum(len(o.token_ids) for o in out.outputs)
+    return {**response, "choices": choices,
+            "usage": usage(len(out.prompt_token_ids), completion_tokens, out.num_cached_tokens),
+            "prompt_logprobs": prompt_logprobs_json(ctx.state, out, body.prompt_logprobs,
+                                                    body.return_tokens_as_token_ids),
+            "kv_transfer_params": None}
+
+
+def _delta_choice(ctx: Ctx, o: CompletionOutput, cur: ChoiceCursor, streamer: RawStreamer) -> dict[str, Any] | None:
+    """Every new token rides in exactly one chunk, even when the parser holds its text back."""
+    finishing = o.finished and not cur.finished
+    new_ids, new_text = o.token_ids[cur.tokens:], o.text[cur.text:]
+    if not (finishing or new_ids or new_text):
+        return None
+    delta = streamer.feed(new_text)
+    if finishing:
+        delta = _merge_deltas(delta, streamer.finish())
+    choice: dict[str, Any] = {"index": o.index, "delta": delta, "logprobs": _logprobs(ctx, o, cur.tokens),
+                              "finish_reason": _finish_reason(o, streamer.has_tool_calls) if finishing else None}
+    if ctx.body.return_token_ids:
+        choice["token_ids"] = new_ids
+    if finishing:
+        choice["stop_reason"] = o.stop_reason
+        choice.update(version_fields(ctx.state, o))
+    cur.tokens, cur.text, cur.finished = len(o.token_ids), len(o.text), o.finished
+    return choice
+
+
+def _merge_deltas(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(a)
+    for key, value in b.items():
+        if isinstance(value, str) and isinstance(merged.get(key), str):
+            merged[key] += value
+        elif isinstance(value, list) and isinstance(merged.get(key), list):
+            merged[key] = merged[key] + value
+        else:
+            merged[key] = value
+    return merged
+
+
+async def _stream(ctx: Ctx, run: Run) -> AsyncIterator[str]:
+    body = ctx.body
+    head = {"id": ctx.id, "object": "chat.completion.chunk", "created": ctx.created, "model": ctx.model}
+    options = body.stream_options
+    cursors = [ChoiceCursor() for _ in range(body.n)]
+    streamers = [ctx.parser.streamer() for _ in range(body.n)]
+    latest: RequestOutput | None = None
+    async for _, out in run.events():
+        if latest is None:
+            for i in range(body.n):  # the role goes first and alone, one chunk per choice
+                chunk = {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                              "logprobs": None, "finish_reason": None}]}
+                if i == 0 and body.return_token_ids:
+                    chunk["prompt_token_ids"] = out.prompt_token_ids
+                yield sse(chunk)
+        latest = out
+        for o in out.outputs:
+            choice = _delta_choice(ctx, o, cursors[o.index], streamers[o.index])
+            if choice is not None:
+                chunk = {**head, "choices": [choice]}
+                if options and options.continuous_usage_stats:
+                    chunk["usage"] = _usage(out)
+                yield sse(chunk)
+    if options and options.include_usage and latest is not None:
+        yield sse({**head, "choices": [], "usage": _usage(latest)})
+
+
+def _usage(out: RequestOutput) -> dict[str, Any]:
+    return usage(len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs), out.num_cached_tokens)

@@ -1,0 +1,252 @@
+"""Control plane (wire-protocols §2.11): weight updates, pause/resume, aborts, prefix cache, LoRA adapters.
+
+Every mutation runs between two engine steps (AsyncEngine.call), so no forward pass mixes weights;
+each committed one bumps policy_version and the prefix-cache generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse
+
+from rlserve.engine.weights import WeightUpdateError, check_under_roots
+from rlserve.model.lora import AdapterError, load_peft_adapter
+from rlserve.server.errors import APIError, bad_request
+from rlserve.server.serving import ServerState
+
+router = APIRouter()
+
+# routes that need server.admin_api_key when it is set
+ADMIN_PATHS = frozenset({
+    "/update_weights", "/init_broadcaster", "/pause", "/resume", "/abort_requests", "/reset_prefix_cache",
+    "/load_lora_adapter", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/load_adapter", "/upload_adapter",
+    "/update_weights_from_disk", "/pause_generation", "/continue_generation", "/flush_cache", "/abort_request",
+})
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.rlserve
+
+
+async def _json(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    return body
+
+
+def _under_roots(state: ServerState, path: str, field: str) -> Path:
+    try:
+        return check_under_roots(path, state.config.weight_roots)
+    except PermissionError as exc:
+        raise APIError(403, str(exc), param=field) from None
+
+
+async def _update_from_dir(state: ServerState, weight_dir: str, field: str, label: str | None) -> int:
+    path = _under_roots(state, weight_dir, field)
+    if not path.is_dir():
+        raise APIError(404, f"{field} {weight_dir!r} does not exist", param=field)
+    try:
+        return await state.engine.update_weights_from_dir(str(path), state.config.weight_roots, label)
+    except WeightUpdateError as exc:
+        raise bad_request(f"{exc}; the previous weights keep serving", field) from None
+
+
+def _label(body: dict) -> str | None:
+    label = body.get("weight_version")
+    return None if label is None else str(label)
+
+
+@router.post("/update_weights")
+async def update_weights(request: Request) -> dict:
+    """prime-rl {"weight_dir"} (null = receive a trainer push), NexRL {"weight_path"}; §2.0 dispatch."""
+    state, body = _state(request), await _json(request)
+    if "update_info" in body:
+        raise bad_request("vLLM's update_info weight transfer is not supported; use /init_broadcaster", "update_info")
+    if "weight_path" in body:
+        path = Path(str(body["weight_path"]))
+        if (path / "adapter_config.json").exists():
+            version = await _load_adapter(state, str(body.get("model_name") or path.name), str(path), "weight_path")
+        else:
+            version = await _update_from_dir(state, str(path), "weight_path", _label(body))
+        return {"status": "ok", "policy_version": version}
+    if body.get("weight_dir") is None:
+        try:
+            version = await state.engine.update_weights_from_broadcast(_label(body))
+        except RuntimeError as exc:
+            raise APIError(409, str(exc)) from None
+        except WeightUpdateError as exc:
+            raise bad_request(f"{exc}; the previous weights keep serving") from None
+        return {"status": "ok", "policy_version": version}
+    version = await _update_from_dir(state, str(body["weight_dir"]), "weight_dir", _label(body))
+    return {"status": "ok", "policy_version": version}
+
+
+@router.post("/init_broadcaster")
+async def init_broadcaster(request: Request) -> dict:
+    state, body = _state(request), await _json(request)
+    try:
+        host, port = str(body["host"]), int(body["port"])
+        rank = int(body.get("rank_offset", 0)) + 1
+        world = int(body.get("inference_world_size", 1)) + 1
+        timeout = float(body.get("timeout", 300))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise bad_request(f"init_broadcaster needs host, port, rank_offset, inference_world_size ({exc})") from None
+    try:
+        await state.engine.init_broadcaster(host, port, rank, world, timeout)
+    except RuntimeError as exc:
+        raise APIError(409, str(exc)) from None
+    return {"status": "ok"}
+
+
+@router.post("/pause")
+async def pause(request: Request) -> dict:
+    mode = request.query_params.get("mode")
+    wait_flag = request.query_params.get("wait_for_inflight_requests")
+    if mode is None and wait_flag is not None:  # vLLM 0.14 form
+        mode = "wait" if wait_flag.lower() == "true" else "abort"
+    mode = mode or "keep"
+    if mode not in ("keep", "abort", "wait"):
+        raise bad_request(f"mode must be keep, abort or wait, got {mode!r}", "mode")
+    aborted = await _state(request).engine.pause(mode)
+    if request.query_params.get("clear_cache", "false").lower() == "true":
+        await _state(request).engine.call(lambda e: e.pool.reset_prefix_cache())
+    return {"status": "paused", "aborted": aborted} if mode == "abort" else {"status": "paused"}
+
+
+@router.post("/resume")
+async def resume(request: Request) -> dict:
+    await _state(request).engine.resume()
+    return {"status": "resumed"}
+
+
+@router.get("/is_paused")
+async def is_paused(request: Request) -> dict:
+    return {"is_paused": _state(request).engine.paused}
+
+
+@router.post("/abort_requests")
+async def abort_requests(request: Request) -> dict:
+    body = await _json(request)
+    ids = body.get("request_ids") or []
+    engine = _state(request).engine
+    if not ids:
+        count = await engine.call(lambda e: e.abort_all())
+    else:
+        count = await engine.call(lambda e: sum(e.abort(str(i)) for i in ids))
+    return {"status": "aborted", "aborted": count}
+
+
+@router.post("/reset_prefix_cache")
+async def reset_prefix_cache(request: Request) -> dict:
+    ok = await _state(request).engine.call(lambda e: e.pool.reset_prefix_cache())
+    message = "prefix cache reset" if ok else "blocks still referenced by running requests were kept"
+    return {"success": ok, "message": message}
+
+
+# ---- LoRA adapters (§2.11.1) --------------------------------------------------------------------
+
+
+async def _load_adapter(state: ServerState, name: str, path: str, field: str) -> int:
+    resolved = _under_roots(state, path, field)
+    engine = state.engine.engine
+    try:
+        adapter = await asyncio.to_thread(load_peft_adapter, name, resolved, engine.shape, engine.dtype, engine.device)
+    except FileNotFoundError as exc:
+        raise APIError(404, str(exc), param=field) from None
+    except AdapterError as exc:
+        raise bad_request(str(exc), field) from None
+    return await state.engine.call(lambda e: e.add_adapter(adapter))
+
+
+def _name_and_path(body: dict) -> tuple[str, str]:
+    name, path = body.get("lora_name"), body.get("lora_path")
+    if not name or not path:
+        raise bad_request("lora_name and lora_path are required", "lora_name" if not name else "lora_path")
+    return str(name), str(path)
+
+
+@router.post("/v1/load_lora_adapter")
+async def load_lora_adapter_v1(request: Request) -> PlainTextResponse:
+    state, body = _state(request), await _json(request)
+    name, path = _name_and_path(body)
+    if name in state.engine.engine.adapters and not body.get("load_inplace", False):
+        raise bad_request(f"adapter {name!r} is already loaded; send load_inplace=true to replace it", "lora_name")
+    await _load_adapter(state, name, path, "lora_path")
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+
+@router.post("/load_lora_adapter")
+async def load_lora_adapter(request: Request) -> dict:
+    """prime-rl / SGLang: always in place under the same name."""
+    state, body = _state(request), await _json(request)
+    name, path = _name_and_path(body)
+    version = await _load_adapter(state, name, path, "lora_path")
+    return {"status": "ok", "success": True, "message": f"adapter {name!r} loaded", "policy_version": version}
+
+
+@router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(request: Request) -> PlainTextResponse:
+    state, body = _state(request), await _json(request)
+    name = body.get("lora_name")
+    if name not in state.engine.engine.adapters:
+        raise APIError(404, f"adapter {name!r} is not loaded", param="lora_name")
+    await state.engine.call(lambda e: e.remove_adapter(name))
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+@router.post("/load_adapter")
+async def load_adapter(request: Request) -> dict:
+    """MLX-style: one adapter that every request of the base model uses from now on."""
+    state, body = _state(request), await _json(request)
+    path = body.get("adapter_path")
+    if not path:
+        raise bad_request("adapter_path is required", "adapter_path")
+    version = await _activate(state, str(path))
+    return {"status": "success", "policy_version": version, "message": f"adapter loaded from {path}"}
+
+
+async def _activate(state: ServerState, path: str) -> int:
+    version = await _load_adapter(state, MLX_ADAPTER, path, "adapter_path")
+    state.default_adapter = MLX_ADAPTER
+    return version
+
+
+MLX_ADAPTER = "mlx-adapter"
+
+
+@router.post("/upload_adapter")
+async def upload_adapter(request: Request) -> dict:
+    """Multipart `adapter_weights` (MLX layout: lora_a [in, r], lora_b [r, out]) + `adapter_config`."""
+    state = _state(request)
+    form = await request.form()
+    weights, config = form.get("adapter_weights"), form.get("adapter_config")
+    if weights is None or config is None or isinstance(weights, str) or isinstance(config, str):
+        raise bad_request("upload adapter_weights and adapter_config as multipart files")
+    root = Path(state.config.weight_roots[0]).resolve() / ".rlserve-uploads"
+    root.mkdir(parents=True, exist_ok=True)
+    target = Path(tempfile.mkdtemp(dir=root))
+    try:
+        from rlserve.model.mlx_adapter import convert_mlx_adapter
+
+        try:
+            convert_mlx_adapter(await weights.read(), await config.read(), target, state.engine.engine.shape)
+        except (ValueError, KeyError) as exc:
+            raise bad_request(f"invalid MLX adapter: {exc}") from None
+        version = await _activate(state, str(target))
+    finally:
+        shutil.rmtree(target, ignore_errors=True)
+    return {"status": "success", "policy_version": version, "message": "adapter uploaded and loaded"}

@@ -1,0 +1,270 @@
+"""Token-in/token-out generation routes: vLLM's /inference/v1/generate and the shared /generate path
+(TRL legacy, SGLang native, MLX-style RL server; dispatched on the body, wire-protocols §2.0)."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from rlserve.engine.outputs import CompletionOutput, RequestOutput
+from rlserve.engine.params import SamplingParams
+from rlserve.server.errors import APIError, bad_request, from_value_error
+from rlserve.server.metrics import weight_version
+from rlserve.server.serving import (
+    SAMPLING_FIELDS,
+    SSE_DONE,
+    Run,
+    ServerState,
+    SSEResponse,
+    clamp,
+    prompt_logprobs_json,
+    run_to_end,
+    sse,
+    sse_error,
+    start_stream,
+    usage,
+    version_fields,
+)
+
+router = APIRouter()
+_PARAM_NAMES = frozenset(SamplingParams.__dataclass_fields__) - {"logprobs_mode", "detokenize"}
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.rlserve
+
+
+async def _json(request: Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.body() or b"{}")
+    except json.JSONDecodeError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    return body
+
+
+def make_params(fields: dict[str, Any], **overrides: Any) -> SamplingParams:
+    kwargs = {k: v for k, v in fields.items() if k in _PARAM_NAMES and v is not None}
+    if kwargs.get("top_k") == 0:
+        kwargs["top_k"] = -1
+    if kwargs.pop("no_stop_trim", False):
+        kwargs["include_stop_str_in_output"] = True
+    kwargs.update({k: v for k, v in overrides.items() if v is not None or k == "logprobs"})
+    try:
+        return SamplingParams(**kwargs)
+    except (ValueError, TypeError) as exc:
+        raise from_value_error(ValueError(str(exc)), SAMPLING_FIELDS) from None
+
+
+def _token_ids(state: ServerState, ids: Any, field: str) -> list[int]:
+    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise bad_request(f"{field} must be a non-empty list of token ids", field)
+    state.check_token_ids(ids, field)
+    return ids
+
+
+def _logprob_content(state: ServerState, comp: CompletionOutput, as_ids: bool) -> dict | None:
+    if comp.logprobs is None:
+        return None
+    tops = comp.top_logprobs or [{} for _ in comp.token_ids]
+    return {"content": [
+        {"token": state.token_label(t, as_ids), "logprob": clamp(lp),
+         "top_logprobs": [{"token": state.token_label(i, as_ids), "logprob": clamp(v)} for i, v in top.items()]}
+        for t, lp, top in zip(comp.token_ids, comp.logprobs, tops)
+    ]}
+
+
+# ---- vLLM /inference/v1/generate (§2.6) ----------------------------------------------------------
+
+
+@router.post("/inference/v1/generate")
+async def inference_generate(request: Request):
+    state, body = _state(request), await _json(request)
+    state.check_model(body.get("model"))
+    state.check_policy_version(body)
+    prompt = _token_ids(state, body.get("token_ids"), "token_ids")
+    sp = body.get("sampling_params") or {}
+    if not isinstance(sp, dict):
+        raise bad_request("sampling_params must be an object", "sampling_params")
+    if sp.get("prompt_logprobs") is not None and body.get("stream"):
+        raise bad_request("prompt_logprobs is not available with stream=true", "prompt_logprobs")
+    params = make_params(sp)
+    rid = request.headers.get("x-request-id") or body.get("request_id") or uuid.uuid4().hex
+    as_ids = bool(sp.get("return_tokens_as_token_ids") or body.get("return_tokens_as_token_ids"))
+    run = Run(state, [prompt], params, rid, body.get("cache_salt"), adapter=state.adapter_for(body.get("model")))
+    if body.get("stream"):
+        await start_stream(request, run)
+        return SSEResponse(_generate_stream(state, run, rid, as_ids))
+    (out,) = await run_to_end(request, run)
+    return {
+        "request_id": rid,
+        "choices": [
+            {"index": c.index, "token_ids": c.token_ids, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+             "logprobs": _logprob_content(state, c, as_ids), "routed_experts": None, **version_fields(state, c)}
+            for c in out.outputs
+        ],
+        "prompt_logprobs": prompt_logprobs_json(state, out, params.prompt_logprobs, as_ids),
+        "kv_transfer_params": None,
+        "usage": _usage(out),
+    }
+
+
+def _usage(out: RequestOutput) -> dict:
+    u = usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens)
+    if not out.num_cached_tokens:
+        u.pop("prompt_tokens_details")
+    return u
+
+
+async def _generate_stream(state: ServerState, run: Run, rid: str, as_ids: bool):
+    sent: dict[int, int] = {}
+    try:
+        async for _, out in run.events():
+            for c in out.outputs:
+                start = sent.get(c.index, 0)
+                if start == len(c.token_ids) and not c.finished:
+                    continue
+                sent[c.index] = len(c.token_ids)
+                delta = CompletionOutput(c.index, c.token_ids[start:], "", c.logprobs[start:] if c.logprobs is not None else None,
+                                         c.top_logprobs[start:] if c.top_logprobs is not None else None)
+                choice = {"index": c.index, "token_ids": delta.token_ids, "logprobs": _logprob_content(state, delta, as_ids),
+                          "finish_reason": c.finish_reason}
+                chunk: dict[str, Any] = {"request_id": rid, "choices": [choice]}
+                if c.finished:
+                    choice.update(version_fields(state, c))
+                    if out.finished:
+                        chunk["usage"] = _usage(out)
+                yield sse(chunk)
+        yield SSE_DONE
+    except Exception as exc:
+        yield sse_error(exc)
+        yield SSE_DONE
+    finally:
+        await run.close()
+
+
+# ---- /generate: TRL legacy, SGLang, MLX ----------------------------------------------------------
+
+
+@router.post("/generate")
+async def generate(request: Request):
+    state, body = _state(request), await _json(request)
+    state.check_policy_version(body)
+    if "prompts" in body:
+        return await _trl_generate(request, state, body)
+    if {"input_ids", "text", "sampling_params"} & body.keys():
+        return await _sglang_generate(request, state, body)
+    if "prompt" in body:
+        return await _mlx_generate(request, state, body)
+    raise bad_request("/generate needs `prompts` (TRL), `input_ids`/`text` (SGLang) or `prompt` (MLX-style)")
+
+
+def _prompt_list(state: ServerState, prompts: Any, field: str) -> list[list[int]]:
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if not isinstance(prompts, list) or not prompts:
+        raise bad_request(f"{field} must be a string, a list of strings, or token-id lists", field)
+    out = []
+    for p in prompts:
+        if isinstance(p, str):
+            if not p:
+                raise bad_request(f"{field} holds an empty prompt", field)
+            out.append(state.tokenizer.encode(p, add_special_tokens=True))
+        else:
+            out.append(_token_ids(state, p, field))
+    return out
+
+
+async def _run_all(request: Request, state: ServerState, prompts, params, rid, salt=None, adapter=None):
+    run = Run(state, prompts, params, rid, salt, adapter=adapter)
+    return await run_to_end(request, run)
+
+
+async def _mlx_generate(request: Request, state: ServerState, body: dict):
+    prompts = _prompt_list(state, body["prompt"], "prompt")
+    fields = {"temperature": 0.0, "max_tokens": 128, **body}
+    params = make_params(fields, logprobs=0)
+    rid = body.get("request_id") or uuid.uuid4().hex
+    started = time.monotonic()
+    outs = await _run_all(request, state, prompts, params, rid, adapter=state.adapter_for(None))
+    latency = (time.monotonic() - started) * 1000
+    current = state.engine.engine.policy_version
+    results = []
+    for out in outs:
+        for c in out.outputs:
+            results.append({
+                "request_id": rid, "policy_version": c.policy_version if c.policy_version is not None else current,
+                "step_id": body.get("step_id"), "prompt_ids": out.prompt_token_ids, "completion_ids": c.token_ids,
+                "text": c.text, "logprobs": [clamp(x) for x in c.logprobs or []], "finish_reason": c.finish_reason,
+                "metadata": {"batch_size": len(prompts) * params.n, "latency_ms": round(latency, 3),
+                             "current_policy_version": current},
+            })
+    if len(results) == 1 and not isinstance(body["prompt"], list):
+        return results[0]
+    for i, r in enumerate(results):
+        r["request_id"] = f"{rid}-{i}"
+    return {"results": results}
+
+
+async def _trl_generate(request: Request, state: ServerState, body: dict):
+    fields = {"max_tokens": 16, **body, **(body.get("generation_kwargs") or {})}
+    prompts = _prompt_list(state, body["prompts"], "prompts")
+    if fields.get("truncate_prompt_tokens"):
+        prompts = [p[-int(fields["truncate_prompt_tokens"]) :] for p in prompts]
+    k = fields.get("logprobs")
+    params = make_params(fields, logprobs=k)
+    outs = await _run_all(request, state, prompts, params, uuid.uuid4().hex)
+    completions = [c for out in outs for c in out.outputs]
+    result: dict[str, Any] = {"prompt_ids": [o.prompt_token_ids for o in outs], "completion_ids": [c.token_ids for c in completions]}
+    if k is None:
+        result |= {"logprobs": None, "logprob_token_ids": None}
+        return result
+    lps, ids = [], []
+    for c in completions:
+        seq_lp, seq_ids = [], []
+        for pos, (t, lp) in enumerate(zip(c.token_ids, c.logprobs)):
+            alts = sorted((c.top_logprobs[pos] if c.top_logprobs else {}).items(), key=lambda kv: -kv[1])
+            entry = [(t, lp)] + [(i, v) for i, v in alts if i != t][:k]
+            entry.sort(key=lambda kv: -kv[1])
+            seq_ids.append([i for i, _ in entry])
+            seq_lp.append([None if v != v else v for _, v in entry])
+        lps.append(seq_lp)
+        ids.append(seq_ids)
+    return result | {"logprobs": lps, "logprob_token_ids": ids}
+
+
+async def _sglang_generate(request: Request, state: ServerState, body: dict):
+    if body.get("stream"):
+        raise bad_request("streaming on SGLang's /generate is not supported; use /inference/v1/generate", "stream")
+    single = not (isinstance(body.get("input_ids"), list) and body["input_ids"] and isinstance(body["input_ids"][0], list))
+    source = body.get("input_ids") if body.get("input_ids") is not None else body.get("text")
+    prompts = _prompt_list(state, source, "input_ids" if body.get("input_ids") is not None else "text")
+    sp = dict(body.get("sampling_params") or {})
+    sp["max_tokens"] = sp.pop("max_new_tokens", 128)
+    want_lp = bool(body.get("return_logprob"))
+    params = make_params(sp, logprobs=int(body.get("top_logprobs_num") or 0) if want_lp else None)
+    rid = body.get("rid") or uuid.uuid4().hex
+    lora = body.get("lora_path")
+    outs = await _run_all(request, state, prompts, params, rid, adapter=state.adapter_for(lora) if lora else None)
+    label = weight_version(state.engine)
+    results = []
+    for out in outs:
+        for c in out.outputs:
+            matched = c.stop_reason
+            meta = {
+                "id": rid, "finish_reason": {"type": c.finish_reason, "matched": matched},
+                "prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(c.token_ids),
+                "cached_tokens": out.num_cached_tokens, "weight_version": label,
+                "weight_versions": version_fields(state, c)["weight_versions"],
+                "policy_version": version_fields(state, c)["policy_version"],
+                "output_token_logprobs": [[clamp(lp), t, None] for t, lp in zip(c.token_ids, c.logprobs)] if want_lp else None,
+                "input_token_logprobs": None, "output_top_logprobs": None,
+            }
+            results.append({"text": c.text, "output_ids": c.token_ids, "meta_info": meta})
+    return JSONResponse(results[0] if single and len(results) == 1 else results)

@@ -1,0 +1,148 @@
+"""Prometheus metrics under vLLM's names (wire-protocols §2.12), one registry per app.
+
+Engine gauges and counters are read from `engine.stats` at scrape time; request histograms are
+observed by the server as outputs stream by.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from rlserve.engine.async_engine import AsyncEngine
+from rlserve.engine.outputs import RequestOutput
+
+
+def weight_version(engine: AsyncEngine) -> str:
+    """The trainer-owned label (§2.15); "default" until weight updates set one on the engine."""
+    return getattr(engine.engine, "weight_version", None) or "default"
+
+LABELS = ("model_name", "engine")
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+
+
+def token_buckets(limit: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's request-length buckets)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return out
+            out.append(float(m * scale))
+        scale *= 10
+
+
+class Metrics:
+    def __init__(self, engine: AsyncEngine, model_name: str):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.labels = {"model_name": model_name, "engine": "0"}
+        reg, labels = self.registry, LABELS
+        limit = engine.max_model_len
+        self.request_success = Counter(
+            "vllm:request_success", "Finished requests by finish reason.", (*labels, "finished_reason"), registry=reg
+        )
+        for reason in ("stop", "length", "abort"):  # present from the start, as in vLLM
+            self.request_success.labels(**self.labels, finished_reason=reason)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of requests (cached ones included).",
+                                     labels, registry=reg).labels(**self.labels)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", labels,
+                              buckets=TTFT_BUCKETS, registry=reg).labels(**self.labels)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between two output steps.", labels,
+                             buckets=ITL_BUCKETS, registry=reg).labels(**self.labels)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to last token.", labels,
+                             buckets=E2E_BUCKETS, registry=reg).labels(**self.labels)
+        self.request_prompt_tokens = Histogram("vllm:request_prompt_tokens", "Prompt length per request.", labels,
+                                               buckets=token_buckets(limit), registry=reg).labels(**self.labels)
+        self.request_generation_tokens = Histogram(
+            "vllm:request_generation_tokens", "Generated tokens per sample.", labels,
+            buckets=token_buckets(limit), registry=reg,
+        ).labels(**self.labels)
+        reg.register(_EngineCollector(engine, self.labels))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def timer(self) -> RequestTimer:
+        return RequestTimer(self)
+
+
+class RequestTimer:
+    """Latency and length observations of one engine request, fed its cumulative outputs."""
+
+    def __init__(self, metrics: Metrics):
+        self.m = metrics
+        self.start = time.monotonic()
+        self.last_token_time: float | None = None
+        self.num_tokens = 0
+
+    def step(self, out: RequestOutput) -> None:
+        tokens = sum(len(o.token_ids) for o in out.outputs)
+        if tokens <= self.num_tokens:
+            return
+        now = time.monotonic()
+        if self.last_token_time is None:
+            self.m.ttft.observe(now - self.start)
+            self.m.prompt_tokens.inc(len(out.prompt_token_ids))
+        else:
+            self.m.itl.observe(now - self.last_token_time)
+        self.last_token_time, self.num_tokens = now, tokens
+
+    def end(self, out: RequestOutput | None, n: int) -> None:
+        """`out` is the last output seen (None if none arrived); unfinished samples count as aborts."""
+        self.m.e2e.observe(time.monotonic() - self.start)
+        if out is not None:
+            self.m.request_prompt_tokens.observe(len(out.prompt_token_ids))
+        outputs = out.outputs if out is not None else []
+        for i in range(n):
+            o = outputs[i] if i < len(outputs) else None
+            self.m.request_generation_tokens.observe(len(o.token_ids) if o else 0)
+            reason = (o.finish_reason if o else None) or "abort"
+            self.m.request_success.labels(**self.m.labels, finished_reason=reason).inc()
+
+
+class _EngineCollector(Collector):
+    def __init__(self, engine: AsyncEngine, labels: dict[str, str]):
+        self.engine, self.labels = engine, labels
+
+    def collect(self):
+        s = self.engine.engine.stats
+        names, values = list(self.labels), list(self.labels.values())
+
+        def gauge(name: str, doc: str, value: float, **extra: str) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=names + list(extra))
+            g.add_metric(values + list(extra.values()), value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=names)
+            c.add_metric(values, value)
+            return c
+
+        yield gauge("vllm:num_requests_running", "Sequences in the running batch.", s.num_running)
+        yield gauge("vllm:num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", s.kv_cache_usage)
+        yield gauge(
+            "vllm:cache_config_info", "KV-cache configuration.", 1,
+            block_size=str(s.block_size), num_gpu_blocks=str(s.num_blocks),
+            kv_cache_size_tokens=str(s.num_blocks * s.block_size),
+            enable_prefix_caching=str(self.engine.engine.config.engine.enable_prefix_caching),
+        )
+        yield counter("vllm:num_preemptions", "Preempted sequences.", s.num_preemptions)
+        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      s.prefix_cache_queries)
+        yield counter("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.prefix_cache_hits)
+        yield counter("vllm:generation_tokens", "Generated tokens.", s.generation_tokens)
+        yield counter("rlserve:prompt_tokens_computed", "Prompt tokens run through the model.",
+                      s.prompt_tokens_computed)
+        yield gauge("rlserve:policy_version", "Policy version of the served weights.", s.policy_version)
+        yield gauge("rlserve:weight_version_info", "Trainer-owned weight version label.", 1,
+                    weight_version=weight_version(self.engine))
+        yield gauge("rlserve:is_paused", "1 while generation is paused.", float(self.engine.paused))

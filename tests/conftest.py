@@ -1,0 +1,81 @@
+"""Shared fixtures: real `rlserve serve` processes on 127.0.0.1 with the embedded tiny model."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+# small and quick: the tiny model, a 64 MiB KV cache, a 512-token context
+SERVER_DEFAULTS = ("--engine.kv_cache_bytes", str(64 << 20), "--model.max_model_len", "512")
+_URL_LINE = re.compile(r"rlserve: serving \S+ on (http://\S+)")
+
+
+def start_server(*args: str, timeout: float = 180.0) -> tuple[str, subprocess.Popen]:
+    """Start `python -m rlserve.cli serve` on a free port; return (base_url, process) once /health is 200.
+
+    `args` are config overrides (`--section.key value`); they win over SERVER_DEFAULTS.
+    The caller owns the process: stop it with `stop_server`.
+    """
+    fd, log_path = tempfile.mkstemp(prefix="rlserve-test-server-", suffix=".log")
+    env = {k: v for k, v in os.environ.items() if k not in ("RLSERVE_API_KEY", "VLLM_API_KEY")}
+    cmd = [sys.executable, "-m", "rlserve.cli", "serve", "--server.host", "127.0.0.1", "--server.port", "0",
+           *SERVER_DEFAULTS, *args]
+    with os.fdopen(fd, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    proc.log_path = Path(log_path)  # type: ignore[attr-defined]
+    deadline, url = time.monotonic() + timeout, None
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with code {proc.returncode}:\n{server_log(proc)}")
+            if url is None:
+                match = _URL_LINE.search(server_log(proc))
+                url = match.group(1) if match else None
+            if url is not None:
+                try:
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        return url, proc
+                except httpx.HTTPError:
+                    pass
+            time.sleep(0.1)
+        raise RuntimeError(f"server not healthy after {timeout:.0f}s:\n{server_log(proc)}")
+    except BaseException:
+        stop_server(proc)
+        raise
+
+
+def server_log(proc: subprocess.Popen) -> str:
+    path = getattr(proc, "log_path", None)
+    return path.read_text(errors="replace") if path is not None and path.exists() else ""
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    path = getattr(proc, "log_path", None)
+    if path is not None:
+        path.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[str]:
+    """Base URL (no /v1) of one default server shared by the whole session."""
+    url, proc = start_server()
+    try:
+        yield url
+    finally:
+        stop_server(proc)

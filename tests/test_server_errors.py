@@ -1,0 +1,130 @@
+"""Client mistakes: OpenAI-style JSON errors with a 4xx status, the same table as docs/errors.md,
+and a server that keeps serving afterwards. Plus the API key (wire-protocols §2.0, §2.13)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from conftest import start_server, stop_server
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
+USER = [{"role": "user", "content": "x"}]
+
+# (case, route, body (dict, or raw text sent as JSON), status, fragment of error.message)
+BAD_INPUTS = [
+    ("malformed-json", "/v1/completions", '{"prompt": "x",', 400, "not valid JSON"),
+    ("body-not-object", "/v1/completions", "[1, 2]", 400, "valid dictionary"),
+    ("wrong-type", "/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ("prompt-type", "/v1/completions", {"prompt": 123}, 400, "prompt must be a string"),
+    ("prompt-empty", "/v1/completions", {"prompt": ""}, 400, "prompt is empty"),
+    ("prompt-missing", "/v1/completions", {"max_tokens": 1}, 400, "prompt is empty"),
+    ("token-id-range", "/v1/completions", {"prompt": [1, 99999]}, 400, "outside the vocabulary"),
+    ("context-overflow", "/v1/completions", {"prompt": [5] * 600}, 400, "maximum context length is 512 tokens"),
+    ("chat-overflow", "/v1/chat/completions", {"messages": [{"role": "user", "content": "a " * 600}]}, 400,
+     "maximum context length is 512 tokens"),
+    ("stream-overflow", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "a " * 600}], "stream": True}, 400,
+     "maximum context length is 512 tokens"),
+    ("n-too-large", "/v1/completions", {"prompt": "x", "n": 1000}, 400, "n must be at most"),
+    ("n-zero", "/v1/completions", {"prompt": "x", "n": 0}, 400, "n must be"),
+    ("temperature", "/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature must be"),
+    ("top-p", "/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p must be"),
+    ("top-k", "/v1/completions", {"prompt": "x", "top_k": -2}, 400, "top_k must be"),
+    ("min-p", "/v1/completions", {"prompt": "x", "min_p": 2}, 400, "min_p must be"),
+    ("max-tokens-zero", "/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens must be"),
+    ("max-tokens-negative", "/v1/chat/completions", {"messages": USER, "max_tokens": -5}, 400, "max_tokens must be"),
+    ("min-tokens", "/v1/completions", {"prompt": "x", "min_tokens": 9, "max_tokens": 5}, 400, "min_tokens"),
+    ("logprobs-cap", "/v1/completions", {"prompt": "x", "logprobs": 50}, 400, "max_logprobs"),
+    ("top-logprobs-cap", "/v1/chat/completions", {"messages": USER, "logprobs": True, "top_logprobs": 50}, 400,
+     "top_logprobs must be"),
+    ("stop-token-range", "/v1/completions", {"prompt": "x", "stop_token_ids": [5000]}, 400, "stop_token_ids"),
+    ("seed-type", "/v1/chat/completions", {"messages": USER, "seed": "abc"}, 400, "seed"),
+    ("prompt-logprobs-stream", "/v1/completions", {"prompt": "x", "prompt_logprobs": 1, "stream": True}, 400,
+     "prompt_logprobs is not available with stream"),
+    ("penalty", "/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty is not supported"),
+    ("unknown-model", "/v1/completions", {"prompt": "x", "model": "nope"}, 404, "does not exist"),
+    ("chat-unknown-model", "/v1/chat/completions", {"messages": USER, "model": "nope"}, 404, "does not exist"),
+    ("messages-missing", "/v1/chat/completions", {"max_tokens": 1}, 400, "messages"),
+    ("messages-empty", "/v1/chat/completions", {"messages": []}, 400, "at least one message"),
+    ("message-role", "/v1/chat/completions", {"messages": [{"content": "x"}]}, 400, "role"),
+    ("both-generation-flags", "/v1/chat/completions", {"messages": USER, "continue_final_message": True}, 400,
+     "cannot both be true"),
+    ("image-part", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
+     "text only"),
+    ("tokenize-nothing", "/tokenize", {}, 400, "send either prompt"),
+    ("detokenize-range", "/detokenize", {"tokens": [99999]}, 400, "outside the vocabulary"),
+    ("unknown-route", "/v1/nothing", {}, 404, "no route"),
+]
+
+
+@pytest.mark.parametrize(("case", "route", "body", "status", "fragment"), BAD_INPUTS, ids=[r[0] for r in BAD_INPUTS])
+def test_bad_input(server: str, case: str, route: str, body, status: int, fragment: str) -> None:
+    with httpx.Client(base_url=server, timeout=30) as http:
+        if isinstance(body, str):
+            r = http.post(route, content=body, headers={"content-type": "application/json"})
+        else:
+            r = http.post(route, json=body)
+        assert r.status_code == status, r.text
+        error = r.json()["error"]
+        assert fragment in error["message"]
+        assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
+        assert http.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("row", BAD_INPUTS, ids=[r[0] for r in BAD_INPUTS])
+def test_bad_input_is_documented(row) -> None:
+    case, route, _, status, fragment = row
+    lines = [line for line in DOCS.read_text().splitlines() if line.startswith(f"| {case} |")]
+    assert len(lines) == 1, f"docs/errors.md needs one row for {case!r}"
+    assert f"`{route}`" in lines[0] and f"| {status} |" in lines[0] and f"`{fragment}`" in lines[0]
+
+
+def test_server_keeps_serving_after_errors(server: str) -> None:
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="rlserve-default", prompt="x", temperature=-3)
+    assert "temperature" in info.value.message
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="other", messages=USER)
+    r = client.completions.create(model="rlserve-default", prompt="still here", max_tokens=2)
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_unknown_fields_and_router_defaults_are_ignored(server: str) -> None:
+    injected = {"no_stop_trim": False, "ignore_eos": False, "skip_special_tokens": True, "echo": False,
+                "return_hidden_states": False, "separate_reasoning": True, "stream_reasoning": True,
+                "include_reasoning": True, "priority": 0, "kv_transfer_params": None, "vllm_xargs": {"a": 1},
+                "something_new": {"nested": [1, 2]}, "user": "u", "temperature": None, "stop": None}
+    with httpx.Client(base_url=server, timeout=30) as http:
+        r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, **injected})
+        assert r.status_code == 200, r.text
+        assert r.json()["kv_transfer_params"] is None
+        r = http.post("/v1/chat/completions/", json={"messages": USER, "max_tokens": 1, **injected},
+                      headers={"X-Session-ID": "s1", "X-data-parallel-rank": "0"})
+        assert r.status_code == 200, r.text
+
+
+def test_api_key_guards_all_but_public_routes() -> None:
+    url, proc = start_server("--server.api_key", "secret")
+    try:
+        with httpx.Client(base_url=url, timeout=30) as http:
+            for path in ("/v1/models", "/v1/models/"):
+                r = http.get(path)
+                assert r.status_code == 401 and r.json() == {"error": "Unauthorized"}
+            r = http.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer wrong"})
+            assert r.status_code == 401
+            assert http.post("/tokenize", json={"prompt": "x"}).status_code == 401
+            for path in ("/health", "/metrics", "/liveness", "/ping", "/version"):
+                assert http.get(path).status_code == 200, path
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="secret", max_retries=0)
+        assert client.models.list().data[0].id == "rlserve-default"
+        r = client.completions.create(model="rlserve-default", prompt="x", max_tokens=2)
+        assert len(r.choices) == 1
+    finally:
+        stop_server(proc)
