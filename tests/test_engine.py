@@ -306,3 +306,18 @@ def test_chunked_prefill_matches_single_chunk(model_dir):
     for a, b in zip(whole, chunked):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert torch.allclose(torch.tensor(a.outputs[0].logprobs), torch.tensor(b.outputs[0].logprobs), atol=1e-5)
+
+
+def test_forced_tokens_are_emitted_with_one_hot_processed_logprobs(engine, hf):
+    prompt = random_prompts(1, engine.vocab_size, seed=17)[0]
+    forced = [2044, 10, 11, 2045]
+    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, logprobs=0, forced_token_ids=forced, seed=1)
+    comp = engine.generate([prompt], params)[0].outputs[0]
+    assert comp.token_ids[:4] == forced and len(comp.token_ids) == 8
+    assert comp.logprobs[:4] == [0.0] * 4
+    raw_params = SamplingParams(
+        temperature=1.0, max_tokens=8, ignore_eos=True, logprobs=0, forced_token_ids=forced, seed=1, logprobs_mode="raw"
+    )
+    raw = engine.generate([prompt], raw_params)[0].outputs[0]
+    ref = hf_logprobs(hf, prompt, raw.token_ids).gather(1, torch.tensor(raw.token_ids).unsqueeze(1)).squeeze(1)
+    assert torch.allclose(torch.tensor(raw.logprobs), ref, atol=1e-4)

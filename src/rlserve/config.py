@@ -44,6 +44,9 @@ class EngineConfig(Section):
         "processed", description="processed = the distribution sampled from; raw = log_softmax of the logits"
     )
     max_logprobs: int = Field(20, ge=-1, description="most top logprobs a request may ask for (-1 = no cap)")
+    allow_forced_tokens: bool = Field(
+        False, description="testing only: accept vllm_xargs.forced_token_ids (the first completion tokens)"
+    )
 
 
 class Config(Section):

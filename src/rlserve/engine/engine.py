@@ -130,9 +130,10 @@ class Engine:
                 f"prompt has {len(ids)} tokens; this model's maximum context length is {self.max_model_len} "
                 f"tokens and at least one must be left to generate: shorten the prompt"
             )
-        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {self.vocab_size})")
+        for name in ("stop_token_ids", "forced_token_ids"):
+            bad = [t for t in getattr(params, name) or [] if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} {bad} are outside the vocabulary [0, {self.vocab_size})")
         cap = self.config.engine.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
@@ -328,6 +329,7 @@ class Engine:
         if seq.num_output_tokens < p.min_tokens:
             banned = list(self.eos_token_ids) + list(p.stop_token_ids)
         mode = p.logprobs_mode or self.config.engine.logprobs_mode
+        forced = p.forced_token_ids
         return SamplingRow(
             temperature=p.temperature,
             top_k=p.top_k,
@@ -337,6 +339,7 @@ class Engine:
             num_logprobs=p.logprobs,
             raw_logprobs=mode == "raw",
             banned_ids=banned,
+            forced_id=forced[seq.num_output_tokens] if forced and seq.num_output_tokens < len(forced) else None,
         )
 
     def _check_finish(self, seq: Sequence, token: int) -> None:

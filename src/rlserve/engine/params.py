@@ -27,6 +27,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     detokenize: bool = True
+    # test-only: the first completion tokens, emitted as if sampled from a one-hot distribution
+    # (the server accepts it only with engine.allow_forced_tokens; random-weight models never
+    # produce tool calls or reasoning tags on their own)
+    forced_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -71,6 +75,11 @@ class SamplingParams:
             not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < -1
         ):
             raise bad("prompt_logprobs", f"must be null, -1 or an integer >= 0, got {self.prompt_logprobs!r}")
+        if self.forced_token_ids is not None and (
+            not isinstance(self.forced_token_ids, list)
+            or not all(isinstance(t, int) and t >= 0 for t in self.forced_token_ids)
+        ):
+            raise bad("forced_token_ids", f"must be a list of token ids, got {self.forced_token_ids!r}")
         if self.logprobs_mode not in (None, "processed", "raw"):
             raise bad("logprobs_mode", f"must be 'processed' or 'raw', got {self.logprobs_mode!r}")
 

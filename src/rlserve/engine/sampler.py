@@ -24,6 +24,7 @@ class SamplingRow:
     num_logprobs: int | None  # None: no logprobs; k: sampled + k best
     raw_logprobs: bool
     banned_ids: list[int] | None  # EOS / stop ids masked until min_tokens is reached
+    forced_id: int | None = None  # test-only: the processed distribution is one-hot on this token
 
 
 @dataclass(slots=True)
@@ -50,6 +51,12 @@ class Sampler:
         temps = [1.0 if g else r.temperature for g, r in zip(greedy, rows)]
         scaled = logits if all(t == 1.0 for t in temps) else logits / torch.tensor(temps, device=device).unsqueeze(1)
         scaled = _filter(scaled, rows)
+        forced = [(i, r.forced_id) for i, r in enumerate(rows) if r.forced_id is not None]
+        if forced:
+            rows_idx = torch.tensor([i for i, _ in forced], device=device)
+            keep = torch.full((len(forced), scaled.shape[1]), NEG_INF, device=device)
+            keep[torch.arange(len(forced)), torch.tensor([t for _, t in forced], device=device)] = 0.0
+            scaled = scaled.index_copy(0, rows_idx, keep)
         processed = torch.log_softmax(scaled, dim=-1)
 
         tokens = self._draw(processed, rows, greedy)

@@ -22,6 +22,7 @@ from rlserve.server.serving import (
     ServerState,
     SSEResponse,
     clamp,
+    forced_token_ids,
     prompt_logprobs_json,
     run_to_end,
     sse,
@@ -94,7 +95,7 @@ async def inference_generate(request: Request):
         raise bad_request("sampling_params must be an object", "sampling_params")
     if sp.get("prompt_logprobs") is not None and body.get("stream"):
         raise bad_request("prompt_logprobs is not available with stream=true", "prompt_logprobs")
-    params = make_params(sp)
+    params = make_params(sp, forced_token_ids=forced_token_ids(state, body))
     rid = request.headers.get("x-request-id") or body.get("request_id") or uuid.uuid4().hex
     as_ids = bool(sp.get("return_tokens_as_token_ids") or body.get("return_tokens_as_token_ids"))
     run = Run(state, [prompt], params, rid, body.get("cache_salt"), adapter=state.adapter_for(body.get("model")))

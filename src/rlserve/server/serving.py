@@ -120,9 +120,20 @@ def sampling_params(
             stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output or body.no_stop_trim,
+            forced_token_ids=forced_token_ids(state, body.model_extra or {}),
         )
     except ValueError as e:
         raise from_value_error(e, SAMPLING_FIELDS) from None
+
+
+def forced_token_ids(state: ServerState, extra: dict[str, Any]) -> list[int] | None:
+    """Test-only `vllm_xargs.forced_token_ids`, honoured when the server allows it."""
+    forced = (extra.get("vllm_xargs") or {}).get("forced_token_ids") if isinstance(extra.get("vllm_xargs"), dict) else None
+    if forced is None:
+        return None
+    if not state.config.engine.allow_forced_tokens:
+        raise bad_request("forced_token_ids needs a server started with --engine.allow-forced-tokens", "vllm_xargs")
+    return forced
 
 
 def _reject_unsupported(body: GenerationFields) -> None:
