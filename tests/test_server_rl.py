@@ -82,6 +82,9 @@ def test_update_weights_from_dir(rl_server, next_weights, root):
     version = httpx.get(f"{rl_server}/metrics", params={"format": "json"}).json()["current_policy_version"]
     r = httpx.post(f"{rl_server}/update_weights", json={"weight_dir": str(next_weights)}, headers=ADMIN, timeout=60)
     assert r.status_code == 200 and r.json()["policy_version"] == version + 1
+    # a retried update of the same unchanged directory is a no-op
+    r = httpx.post(f"{rl_server}/update_weights/", json={"weight_dir": str(next_weights)}, headers=ADMIN, timeout=60)
+    assert r.status_code == 200 and r.json()["policy_version"] == version + 1
     for prompt, old in zip(PROMPTS, before):
         new = generate(rl_server, prompt)["choices"][0]
         assert new["policy_version"] == version + 1

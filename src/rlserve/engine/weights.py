@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from rlserve.model.llama import CausalLM
-from rlserve.model.loader import checkpoint_shapes, ignorable, read_safetensors, safetensors_files, target_of
+from rlserve.model.loader import checkpoint_shapes, ignorable, read_safetensors_whole, safetensors_files, target_of
 
 
 class WeightUpdateError(ValueError):
@@ -48,7 +48,7 @@ def stage_from_dir(model: CausalLM, weight_dir: Path) -> StagedWeights:
     except ValueError as exc:
         raise WeightUpdateError(str(exc)) from None
     try:
-        tensors = dict(read_safetensors(files))
+        tensors = dict(read_safetensors_whole(files))
     except Exception as exc:  # a truncated or corrupt file: report it, keep serving
         raise WeightUpdateError(f"cannot read the safetensors files in {weight_dir}: {exc}") from None
     return stage(model, tensors.items(), str(weight_dir), require_all=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Iterable, Iterator
@@ -60,10 +61,49 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def read_safetensors(files: Iterable[Path], device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors backed by the files' memory maps (read lazily, page by page)."""
     for f in files:
         with safe_open(os.fspath(f), framework="pt", device=device) as st:
             for name in st.keys():
                 yield name, st.get_tensor(name)
+
+
+_ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}  # fmt: skip
+
+
+def read_safetensors_whole(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each file read into memory with one large read, tensors as views into it: several times
+    faster than faulting in a memory map page by page. Raises ValueError on a malformed file."""
+    for f in files:
+        size = f.stat().st_size
+        buf = torch.empty(size, dtype=torch.uint8)
+        with open(f, "rb", buffering=0) as fh:
+            if fh.readinto(memoryview(buf.numpy())) != size:
+                raise ValueError(f"{f}: short read")
+        if size < 8:
+            raise ValueError(f"{f}: not a safetensors file")
+        header_len = int.from_bytes(buf[:8].numpy().tobytes(), "little")
+        if header_len > size - 8:
+            raise ValueError(f"{f}: truncated safetensors header")
+        header = json.loads(buf[8 : 8 + header_len].numpy().tobytes())
+        base = 8 + header_len
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            start, end = meta["data_offsets"]
+            dtype, shape = _ST_DTYPES.get(meta["dtype"]), meta["shape"]
+            if dtype is None:
+                raise ValueError(f"{f}: {name} has unsupported dtype {meta['dtype']}")
+            if base + end > size or end - start != math.prod(shape) * dtype.itemsize:
+                raise ValueError(f"{f}: {name} lies outside the file (truncated?)")
+            raw = buf[base + start : base + end]
+            if (base + start) % dtype.itemsize:
+                raw = raw.clone()  # unaligned: views need offsets divisible by the item size
+            yield name, raw.view(dtype).view(shape)
 
 
 def checkpoint_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:

@@ -59,10 +59,17 @@ async def _update_from_dir(state: ServerState, weight_dir: str, field: str, labe
     path = _under_roots(state, weight_dir, field)
     if not path.is_dir():
         raise APIError(404, f"{field} {weight_dir!r} does not exist", param=field)
+    # trainers retry updates on timeouts: the same unchanged directory again is a no-op
+    fingerprint = (str(path), tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(path.glob("*"))))
+    engine = state.engine.engine
+    if state.last_update == (fingerprint, engine.policy_version):
+        return engine.policy_version
     try:
-        return await state.engine.update_weights_from_dir(str(path), state.config.weight_roots, label)
+        version = await state.engine.update_weights_from_dir(str(path), state.config.weight_roots, label)
     except WeightUpdateError as exc:
         raise bad_request(f"{exc}; the previous weights keep serving", field) from None
+    state.last_update = (fingerprint, version)
+    return version
 
 
 def _label(body: dict) -> str | None:

@@ -39,6 +39,7 @@ class ServerState:
     served_model_name: str
     chat_template: str | None = None  # config.model.chat_template, loaded
     default_adapter: str | None = None  # MLX-style /load_adapter: the adapter behind the base model
+    last_update: tuple | None = None  # (directory fingerprint, policy version) of the last disk update
     created: int = field(default_factory=lambda: int(time.time()))
     _token_text: dict[int, str] = field(default_factory=dict)
 
