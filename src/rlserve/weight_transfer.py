@@ -1,8 +1,9 @@
 """Moving named tensors from a trainer to servers over torch.distributed, without pickling.
 
-One push is: an int64 bucket count, then per bucket an int64 header length, a uint8 JSON header
-[[name, dtype, shape, offset, nbytes], ...] and one flat uint8 buffer holding the tensors' bytes.
-Buckets of ~256 MiB move a 135M-parameter fp32 model in three collectives. Trainer = rank 0.
+One push is: an int64 header length, a uint8 JSON header listing every bucket's tensors
+[[[name, dtype, shape, offset, nbytes], ...], ...], then one flat uint8 buffer per bucket holding
+the tensors' bytes. Buckets of ~256 MiB move a 135M-parameter fp32 model in three collectives.
+Trainer = rank 0.
 """
 
 from __future__ import annotations
@@ -43,45 +44,64 @@ def _buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> It
         yield bucket
 
 
+def _broadcast_header(header: list | None, device: str) -> list:
+    if header is not None:
+        raw = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8).to(device)
+        length = torch.tensor([raw.numel()], dtype=torch.int64, device=device)
+    else:
+        length = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.broadcast(length, src=0)
+    if header is None:
+        raw = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(raw, src=0)
+    return header if header is not None else json.loads(raw.cpu().numpy().tobytes().decode())
+
+
 def send(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: str = "cpu") -> int:
-    """Broadcast from rank 0; returns the number of bytes sent."""
+    """Broadcast from rank 0; returns the number of bytes sent.
+
+    One JSON header describes every bucket; then the buckets go out as asynchronous broadcasts
+    from two reused buffers, so packing the next bucket overlaps sending the last one."""
     buckets = list(_buckets(named, bucket_bytes))
-    dist.broadcast(torch.tensor([len(buckets)], dtype=torch.int64, device=device), src=0)
-    total = 0
+    header = []
     for bucket in buckets:
-        header, offset = [], 0
+        entries, offset = [], 0
         for name, t in bucket:
             dtype = str(t.dtype).removeprefix("torch.")
             if dtype not in _DTYPES:
                 raise ValueError(f"{name}: dtype {t.dtype} cannot be pushed; use a floating-point dtype")
             nbytes = t.numel() * t.element_size()
-            header.append([name, dtype, list(t.shape), offset, nbytes])
+            entries.append([name, dtype, list(t.shape), offset, nbytes])
             offset += nbytes
-        raw = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8).to(device)
-        dist.broadcast(torch.tensor([raw.numel()], dtype=torch.int64, device=device), src=0)
-        dist.broadcast(raw, src=0)
-        flat = torch.empty(offset, dtype=torch.uint8, device=device)
-        for (_, t), (_, _, _, start, nbytes) in zip(bucket, header):
+        header.append(entries)
+    _broadcast_header(header, device)
+    sizes = [sum(e[4] for e in entries) for entries in header]
+    buffers = [torch.empty(max(sizes, default=0), dtype=torch.uint8, device=device) for _ in range(min(2, len(sizes)))]
+    pending: list = [None, None]
+    for i, (bucket, entries) in enumerate(zip(buckets, header)):
+        slot = i % 2
+        if pending[slot] is not None:
+            pending[slot].wait()
+        flat = buffers[slot][: sizes[i]]
+        for (_, t), (_, _, _, start, nbytes) in zip(bucket, entries):
             flat[start : start + nbytes].copy_(t.detach().contiguous().view(-1).view(torch.uint8))
-        dist.broadcast(flat, src=0)
-        total += offset
-    return total
+        pending[slot] = dist.broadcast(flat, src=0, async_op=True)
+    for work in pending:
+        if work is not None:
+            work.wait()
+    return sum(sizes)
 
 
-def receive(device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
-    """Receive one push on a non-zero rank, yielding tensors as each bucket arrives."""
-    count = torch.zeros(1, dtype=torch.int64, device=device)
-    dist.broadcast(count, src=0)
-    for _ in range(int(count.item())):
-        length = torch.zeros(1, dtype=torch.int64, device=device)
-        dist.broadcast(length, src=0)
-        raw = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
-        dist.broadcast(raw, src=0)
-        header = json.loads(raw.cpu().numpy().tobytes().decode())
-        total = sum(entry[4] for entry in header)
-        flat = torch.empty(total, dtype=torch.uint8, device=device)
-        dist.broadcast(flat, src=0)
-        for name, dtype, shape, start, nbytes in header:
+def receive(device: str = "cpu") -> list[tuple[str, torch.Tensor]]:
+    """Receive one push on a non-zero rank: all buckets are posted at once and land in order."""
+    header = _broadcast_header(None, device)
+    flats = [torch.empty(sum(e[4] for e in entries), dtype=torch.uint8, device=device) for entries in header]
+    works = [dist.broadcast(flat, src=0, async_op=True) for flat in flats]
+    out = []
+    for entries, flat, work in zip(header, flats, works):
+        work.wait()
+        for name, dtype, shape, start, nbytes in entries:
             if dtype not in _DTYPES:
                 raise ValueError(f"{name}: unsupported dtype {dtype!r}")
-            yield name, flat[start : start + nbytes].view(_DTYPES[dtype]).view(shape)
+            out.append((name, flat[start : start + nbytes].view(_DTYPES[dtype]).view(shape)))
+    return out

@@ -155,7 +155,7 @@ class AsyncEngine:
             raise RuntimeError("no broadcaster: call /init_broadcaster first")
         await self._group
         device = "cuda" if self.engine.device.type == "cuda" else "cpu"
-        received = await asyncio.to_thread(lambda: list(weight_transfer.receive(device)))
+        received = await asyncio.to_thread(weight_transfer.receive, device)
         staged = stage(self.engine.model, received, "broadcast", require_all=False)
         return await self.call(lambda e: e.commit_weights(staged, weight_version))
 
