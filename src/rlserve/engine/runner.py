@@ -59,8 +59,11 @@ class ModelRunner:
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             ctx = start + n
-            ctx_slots = None if start == 0 else self._context_slots([table], [ctx], ctx)
-            prefills.append(PrefillSeq(q_start, n, ctx, ctx_slots))
+            if start == 0:
+                prefills.append(PrefillSeq(q_start, n, ctx, None))
+            else:  # built once per step, shared by every layer
+                mask = torch.ones(n, ctx, dtype=torch.bool, device=self.device).tril(ctx - n)
+                prefills.append(PrefillSeq(q_start, n, ctx, self._context_slots([table], [ctx], ctx), mask))
             if ctx == len(seq.token_ids):
                 sample_rows.append(q_start + n - 1)
                 sample_seqs.append(seq)

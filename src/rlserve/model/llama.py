@@ -72,6 +72,7 @@ class PrefillSeq:
     q_len: int
     ctx_len: int  # tokens of context the chunk attends to, including itself
     ctx_slots: torch.Tensor | None  # KV slots of the whole context; None when the chunk is the whole context
+    mask: torch.Tensor | None = None  # [q_len, ctx_len] causal mask past a cached prefix (with ctx_slots)
 
 
 @dataclass(slots=True)
@@ -190,8 +191,7 @@ class Attention(nn.Module):
             mask, causal = None, True
         else:
             k, v = k_cache.index_select(0, p.ctx_slots), v_cache.index_select(0, p.ctx_slots)
-            mask = torch.ones(p.q_len, p.ctx_len, dtype=torch.bool, device=q.device).tril(p.ctx_len - p.q_len)
-            causal = False
+            mask, causal = p.mask, False
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
             k.transpose(0, 1).unsqueeze(0),
