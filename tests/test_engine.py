@@ -321,3 +321,28 @@ def test_forced_tokens_are_emitted_with_one_hot_processed_logprobs(engine, hf):
     raw = engine.generate([prompt], raw_params)[0].outputs[0]
     ref = hf_logprobs(hf, prompt, raw.token_ids).gather(1, torch.tensor(raw.token_ids).unsqueeze(1)).squeeze(1)
     assert torch.allclose(torch.tensor(raw.logprobs), ref, atol=1e-4)
+
+
+def test_penalties_and_logit_bias_shape_the_processed_distribution(engine, hf):
+    prompt = random_prompts(1, engine.vocab_size, seed=18)[0]
+    params = SamplingParams(
+        temperature=0.8, max_tokens=10, ignore_eos=True, logprobs=0, seed=4,
+        repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.7, logit_bias={7: 2.5, 9: -1.0},
+    )
+    comp = engine.generate([prompt], params)[0].outputs[0]
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + comp.token_ids])).logits[0].float()
+    for pos, token in enumerate(comp.token_ids):
+        row = logits[len(prompt) - 1 + pos].clone()
+        row[7] += 2.5
+        row[9] -= 1.0
+        out = comp.token_ids[:pos]
+        seen = sorted(set(prompt) | set(out))
+        row[seen] = torch.where(row[seen] > 0, row[seen] / 1.3, row[seen] * 1.3)
+        for t in set(out):
+            row[t] -= 0.7 * out.count(t) + 0.5
+        want = torch.log_softmax(row / 0.8, -1)[token].item()
+        assert abs(comp.logprobs[pos] - want) < 1e-4
+    # a huge bias forces a token
+    forced = engine.generate([prompt], SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, logit_bias={42: 100.0}))
+    assert forced[0].outputs[0].token_ids == [42, 42, 42]

@@ -44,7 +44,7 @@ BAD_INPUTS = [
     ("seed-type", "/v1/chat/completions", {"messages": USER, "seed": "abc"}, 400, "seed"),
     ("prompt-logprobs-stream", "/v1/completions", {"prompt": "x", "prompt_logprobs": 1, "stream": True}, 400,
      "prompt_logprobs is not available with stream"),
-    ("penalty", "/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty is not supported"),
+    ("penalty", "/v1/completions", {"prompt": "x", "presence_penalty": 5}, 400, "presence_penalty must be in [-2, 2]"),
     ("unknown-model", "/v1/completions", {"prompt": "x", "model": "nope"}, 404, "does not exist"),
     ("chat-unknown-model", "/v1/chat/completions", {"messages": USER, "model": "nope"}, 404, "does not exist"),
     ("messages-missing", "/v1/chat/completions", {"max_tokens": 1}, 400, "messages"),

@@ -130,7 +130,7 @@ class Engine:
                 f"prompt has {len(ids)} tokens; this model's maximum context length is {self.max_model_len} "
                 f"tokens and at least one must be left to generate: shorten the prompt"
             )
-        for name in ("stop_token_ids", "forced_token_ids"):
+        for name in ("stop_token_ids", "forced_token_ids", "logit_bias"):
             bad = [t for t in getattr(params, name) or [] if t >= self.vocab_size]
             if bad:
                 raise ValueError(f"{name} {bad} are outside the vocabulary [0, {self.vocab_size})")
@@ -340,6 +340,13 @@ class Engine:
             raw_logprobs=mode == "raw",
             banned_ids=banned,
             forced_id=forced[seq.num_output_tokens] if forced and seq.num_output_tokens < len(forced) else None,
+            logit_bias=p.logit_bias,
+            penalties=(
+                (p.repetition_penalty, p.presence_penalty, p.frequency_penalty, seq.request.prompt_token_ids,
+                 seq.output_token_ids)
+                if p.penalized
+                else None
+            ),
         )
 
     def _check_finish(self, seq: Sequence, token: int) -> None:

@@ -15,6 +15,10 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1  # 0 and -1 both mean "off" (TRL sends 0)
     min_p: float = 0.0
+    repetition_penalty: float = 1.0  # > 1 discourages tokens already in the prompt or the output
+    presence_penalty: float = 0.0  # subtracted once from tokens already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    logit_bias: dict[int, float] | None = None  # added to the logits before anything else
     seed: int | None = None
     max_tokens: int | None = None  # None: up to the end of the context
     min_tokens: int = 0
@@ -55,6 +59,17 @@ class SamplingParams:
             raise bad("top_k", f"must be -1 or 0 (off) or a positive integer, got {self.top_k!r}")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise bad(name, f"must be in [-2, 2], got {value!r}")
+        if self.logit_bias is not None and (
+            not isinstance(self.logit_bias, dict)
+            or not all(isinstance(k, int) and k >= 0 and _is_number(v) for k, v in self.logit_bias.items())
+        ):
+            raise bad("logit_bias", f"must map token ids to numbers, got {self.logit_bias!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", f"must be an integer, got {self.seed!r}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
@@ -82,6 +97,10 @@ class SamplingParams:
             raise bad("forced_token_ids", f"must be a list of token ids, got {self.forced_token_ids!r}")
         if self.logprobs_mode not in (None, "processed", "raw"):
             raise bad("logprobs_mode", f"must be 'processed' or 'raw', got {self.logprobs_mode!r}")
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def greedy(self) -> bool:

@@ -25,6 +25,9 @@ class SamplingRow:
     raw_logprobs: bool
     banned_ids: list[int] | None  # EOS / stop ids masked until min_tokens is reached
     forced_id: int | None = None  # test-only: the processed distribution is one-hot on this token
+    logit_bias: dict[int, float] | None = None
+    # (repetition, presence, frequency, prompt ids, output ids) when any penalty is active
+    penalties: tuple[float, float, float, list[int], list[int]] | None = None
 
 
 @dataclass(slots=True)
@@ -44,6 +47,11 @@ class Sampler:
         want_logprobs = any(r.num_logprobs is not None for r in rows)
         raw = torch.log_softmax(logits, dim=-1) if any(r.raw_logprobs for r in rows) else None
         for i, r in enumerate(rows):
+            if r.logit_bias:
+                ids = torch.tensor(list(r.logit_bias), device=device)
+                logits[i].index_add_(0, ids, torch.tensor(list(r.logit_bias.values()), device=device))
+            if r.penalties is not None:
+                _penalize(logits[i], *r.penalties)
             if r.banned_ids:
                 logits[i, r.banned_ids] = NEG_INF
 
@@ -95,6 +103,21 @@ class Sampler:
             use_argmax = torch.tensor(greedy, device=processed.device) | masked
             tokens = torch.where(use_argmax, processed.argmax(dim=-1), tokens)
         return tokens
+
+
+def _penalize(row: torch.Tensor, repetition: float, presence: float, frequency: float,
+              prompt_ids: list[int], output_ids: list[int]) -> None:
+    """vLLM's penalties, in place on one row of logits."""
+    device = row.device
+    if repetition != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=device)
+        vals = row.index_select(0, seen)
+        row.index_copy_(0, seen, torch.where(vals > 0, vals / repetition, vals * repetition))
+    if output_ids and (presence or frequency):
+        counts = torch.zeros_like(row).index_add_(
+            0, torch.tensor(output_ids, device=device), torch.ones(len(output_ids), device=device)
+        )
+        row -= frequency * counts + presence * (counts > 0).to(row.dtype)
 
 
 def _filter(scaled: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

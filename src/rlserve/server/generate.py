@@ -23,6 +23,7 @@ from rlserve.server.serving import (
     SSEResponse,
     clamp,
     forced_token_ids,
+    logit_bias,
     prompt_logprobs_json,
     run_to_end,
     sse,
@@ -56,6 +57,8 @@ def make_params(fields: dict[str, Any], **overrides: Any) -> SamplingParams:
         kwargs["top_k"] = -1
     if kwargs.pop("no_stop_trim", False):
         kwargs["include_stop_str_in_output"] = True
+    if kwargs.get("logit_bias") is not None:
+        kwargs["logit_bias"] = logit_bias(kwargs["logit_bias"])
     kwargs.update({k: v for k, v in overrides.items() if v is not None or k == "logprobs"})
     try:
         return SamplingParams(**kwargs)

@@ -122,9 +122,21 @@ def sampling_params(
             prompt_logprobs=prompt_logprobs, skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output or body.no_stop_trim,
             forced_token_ids=forced_token_ids(state, body.model_extra or {}),
+            repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty, logit_bias=logit_bias(body.logit_bias),
         )
     except ValueError as e:
         raise from_value_error(e, SAMPLING_FIELDS) from None
+
+
+def logit_bias(bias: dict | None) -> dict[int, float] | None:
+    """OpenAI sends token ids as JSON object keys (strings)."""
+    if not bias:
+        return None
+    try:
+        return {int(k): float(v) for k, v in bias.items()}
+    except (TypeError, ValueError):
+        raise bad_request("logit_bias must map token ids to numbers", "logit_bias") from None
 
 
 def forced_token_ids(state: ServerState, extra: dict[str, Any]) -> list[int] | None:
@@ -139,12 +151,6 @@ def forced_token_ids(state: ServerState, extra: dict[str, Any]) -> list[int] | N
 
 def _reject_unsupported(body: GenerationFields) -> None:
     """Known fields the engine cannot honour yet: refuse rather than silently sample differently."""
-    defaults = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
-    for name, default in defaults.items():
-        if getattr(body, name) != default:
-            raise bad_request(f"{name} is not supported yet; omit it or send {default}", name)
-    if body.logit_bias:
-        raise bad_request("logit_bias is not supported yet; omit it", "logit_bias")
     extra = body.model_extra or {}
     for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                  "allowed_token_ids", "bad_words"):
