@@ -105,15 +105,19 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos().to(device), persistent=False)
         self.register_buffer("sin", emb.sin().to(device), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos.index_select(0, positions).unsqueeze(1).to(q.dtype)
-        sin = self.sin.index_select(0, positions).unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        # rotate_half(x) * sin == roll(x, half) * sin_signed: one op fewer per application
+        half = dim // 2
+        self.register_buffer("sin_signed", torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1), persistent=False)
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin for the step's positions, [T, 1, head_dim]; computed once per step."""
+        cos = self.cos.index_select(0, positions).unsqueeze(1).to(dtype)
+        sin = self.sin_signed.index_select(0, positions).unsqueeze(1).to(dtype)
+        return cos, sin
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
 
 
 def _llama3_scale(inv_freq: torch.Tensor, cfg: dict) -> torch.Tensor:
@@ -145,29 +149,34 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.scale = shape.head_dim**-0.5
 
-    def forward(self, x, positions, rope: RotaryEmbedding, batch: AttentionBatch, kv: torch.Tensor):
-        t = x.shape[0]
-        qkv = self.qkv_proj(x)
+    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch, kv: torch.Tensor):
+        t, nh, nkv = x.shape[0], self.num_heads, self.num_kv_heads
+        qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         if batch.lora is not None:
             batch.lora.apply(qkv, x, self.layer, ("q_proj", "k_proj", "v_proj"))
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        heads = qkv.view(t, nh + 2 * nkv, self.head_dim)
         if self.q_norm is not None:
-            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
-        q, k = rope(positions, q, k)
+            qk = torch.cat((rms_norm(heads[:, :nh], self.q_norm, self.eps), rms_norm(heads[:, nh : nh + nkv], self.k_norm, self.eps)), 1)
+        else:
+            qk = heads[:, : nh + nkv]
+        qk = apply_rope(qk, *rope)  # q and k in one pass
+        q, k, v = qk[:, :nh], qk[:, nh:], heads[:, nh + nkv :]
         k_cache, v_cache = kv[0], kv[1]  # [slots, kv_heads, head_dim]
         k_cache.index_copy_(0, batch.slot_mapping, k)
         v_cache.index_copy_(0, batch.slot_mapping, v)
-        out = torch.empty_like(q)
-        if batch.num_decode:
-            out[: batch.num_decode] = self._decode(q[: batch.num_decode], batch, k_cache, v_cache)
-        for p in batch.prefills:
-            rows = slice(p.q_start, p.q_start + p.q_len)
-            out[rows] = self._prefill(q[rows], k[rows], v[rows], p, k_cache, v_cache)
-        out = out.view(t, self.q_size)
-        o = self.o_proj(out)
+        if not batch.prefills:
+            out = self._decode(q, batch, k_cache, v_cache)
+        elif not batch.num_decode and len(batch.prefills) == 1:
+            out = self._prefill(q, k, v, batch.prefills[0], k_cache, v_cache)
+        else:
+            out = torch.empty_like(q)
+            if batch.num_decode:
+                out[: batch.num_decode] = self._decode(q[: batch.num_decode], batch, k_cache, v_cache)
+            for p in batch.prefills:
+                rows = slice(p.q_start, p.q_start + p.q_len)
+                out[rows] = self._prefill(q[rows], k[rows], v[rows], p, k_cache, v_cache)
+        out = out.reshape(t, self.q_size)
+        o = F.linear(out, self.o_proj.weight)
         if batch.lora is not None:
             batch.lora.apply(o, out, self.layer, ("o_proj",))
         return o
@@ -212,12 +221,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=False)
 
     def forward(self, x, lora: "LoraBatch | None"):
-        gate_up = self.gate_up_proj(x)
+        gate_up = F.linear(x, self.gate_up_proj.weight)
         if lora is not None:
             lora.apply(gate_up, x, self.layer, ("gate_proj", "up_proj"))
         gate, up = gate_up.chunk(2, dim=-1)
         act = F.silu(gate) * up
-        down = self.down_proj(act)
+        down = F.linear(act, self.down_proj.weight)
         if lora is not None:
             lora.apply(down, act, self.layer, ("down_proj",))
         return down
@@ -232,8 +241,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(shape, layer)
         self.eps = shape.rms_norm_eps
 
-    def forward(self, h, positions, rope, batch, kv):
-        h = h + self.self_attn(rms_norm(h, self.input_layernorm, self.eps), positions, rope, batch, kv)
+    def forward(self, h, rope, batch, kv):
+        h = h + self.self_attn(rms_norm(h, self.input_layernorm, self.eps), rope, batch, kv)
         return h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps), batch.lora)
 
 
@@ -250,8 +259,9 @@ class CausalLM(nn.Module):
     def forward(self, input_ids, positions, batch: AttentionBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; kv_cache is [layers, 2, slots, kv_heads, head_dim]."""
         h = self.embed_tokens(input_ids)
+        rope = self.rope.tables(positions, h.dtype)
         for i, layer in enumerate(self.layers):
-            h = layer(h, positions, self.rope, batch, kv_cache[i])
+            h = layer(h, rope, batch, kv_cache[i])
         return rms_norm(h, self.norm, self.shape.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
