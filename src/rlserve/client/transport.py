@@ -1,0 +1,277 @@
+"""HTTP under the client: routing over several base URLs, retries, failover, probes, and the
+weight-sync gate that holds new generations while weights change.
+
+All state lives on one event loop; nothing here is thread-safe (SyncInferenceClient runs it on its own thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+from rlserve.client.endpoints import Endpoint, Pool
+from rlserve.client.errors import EndpointUnavailable, RLServeError, WeightSyncTimeout, error_for
+
+# the connection broke or never formed: the endpoint is taken out until a probe brings it back
+_CONNECTION_ERRORS = (httpx.NetworkError, httpx.RemoteProtocolError, httpx.ConnectTimeout)
+_RETRYABLE = (httpx.TimeoutException, *_CONNECTION_ERRORS)
+_WAIT_POLL_S = 0.25  # how often a held call looks again, besides being woken
+
+
+class Transport:
+    def __init__(
+        self,
+        base_urls: list[str],
+        *,
+        api_key: str | None,
+        admin_api_key: str | None,
+        connect_timeout: float,
+        read_timeout: float,
+        retry_deadline: float,
+        backoff_base: float,
+        backoff_max: float,
+        probe_interval: float,
+        weight_sync_timeout: float,
+        max_connections: int,
+    ):
+        self.pool = Pool(base_urls, probe_interval)
+        self.retry_deadline, self.weight_sync_timeout = retry_deadline, weight_sync_timeout
+        self.backoff_base, self.backoff_max = backoff_base, backoff_max
+        self._probe_timeout = httpx.Timeout(max(connect_timeout, 5.0), connect=connect_timeout)
+        admin_key = admin_api_key or api_key
+        self._admin_headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+        self.http = httpx.AsyncClient(
+            headers={"Authorization": f"Bearer {api_key}"} if api_key else {},
+            timeout=httpx.Timeout(read_timeout, connect=connect_timeout, pool=None),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        )
+        self._syncs = 0  # weight mutations through this client now running
+        self.held = False  # paused through this client: hold generations until resume()
+        self._changed = asyncio.Event()
+
+    # ---- one call, routed ----------------------------------------------------------------------
+
+    async def call(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: dict[str, Any] | None = None,
+        session_id: str | None = None,
+        generation: bool = False,
+        allow_mixed_versions: bool = False,
+    ) -> tuple[Any, Endpoint]:
+        """Send to the session's (or the least busy) endpoint; retry connection errors and 5xx with
+        backoff until retry_deadline, on another endpoint when there is one. Generations first wait
+        out weight syncs (unless allow_mixed_versions) and ask for no older policy than the endpoint
+        already served. Returns (decoded body, endpoint)."""
+        gated = generation and not allow_mixed_versions
+        headers = {"X-Session-ID": session_id} if session_id is not None else {}
+        held_since: list[float] = []  # when this call first waited for a sync; shared by its retries
+        attempt, avoid, deadline = 0, None, None
+        while True:
+            ep = await self._acquire(session_id, gated, avoid, held_since)
+            if deadline is None:  # time held for a sync does not count against the retries
+                deadline = time.monotonic() + self.retry_deadline
+            if ep is None:
+                error: RLServeError = EndpointUnavailable(f"no endpoint is up among {self.urls}")
+            else:
+                body = json
+                if gated and ep.floor > 0 and json is not None:
+                    body = {**json, "min_policy_version": max(ep.floor, json.get("min_policy_version") or 0)}
+                try:
+                    r = await self._send(ep, method, path, body, headers)
+                except _RETRYABLE as exc:
+                    error, avoid = EndpointUnavailable(f"{method} {ep.url}{path} failed: {exc!r}"), ep
+                else:
+                    data = _decode(r)
+                    if r.status_code < 400:
+                        if generation:
+                            _observe_versions(ep, data)
+                        return data, ep
+                    if r.status_code == 409 and gated:
+                        await self._refresh(ep)
+                        if ep.behind:  # it restarted under an older policy: wait for it or move
+                            continue
+                    error = error_for(r.status_code, data, r.text, ep.url)
+                    if r.status_code < 500:
+                        raise error
+                    avoid = ep
+            attempt += 1
+            await self._backoff(attempt, deadline, error)
+
+    async def _acquire(self, session_id: str | None, gated: bool, avoid: Endpoint | None,
+                       held_since: list[float]) -> Endpoint | None:
+        """The endpoint to send to, once no weight sync holds it; None when no endpoint is up."""
+        while True:
+            self._probe_due()
+            ep = self.pool.pick(session_id, gated, avoid)
+            if ep is not None and ep.probe is not None:  # stale state: refresh it before trusting it
+                await asyncio.shield(ep.probe)
+                continue
+            if ep is None and not any(e.up for e in self.pool.endpoints):
+                return None
+            if ep is not None and not (gated and (self._syncs or self.held or ep.paused)):
+                return ep
+            now = time.monotonic()
+            if not held_since:
+                held_since.append(now)
+            remaining = held_since[0] + self.weight_sync_timeout - now
+            if remaining <= 0:
+                raise WeightSyncTimeout(f"waited {self.weight_sync_timeout:.1f}s for a weight sync to end: "
+                                        f"{self.sync_state()}")
+            await self._wait_change(min(remaining, _WAIT_POLL_S))
+
+    def sync_state(self) -> str:
+        parts = [f"{self._syncs} update(s) through this client"] if self._syncs else []
+        if self.held:
+            parts.append("paused through this client (call resume())")
+        for e in self.pool.endpoints:
+            if e.paused:
+                parts.append(f"{e.url} is paused")
+            if e.behind:
+                parts.append(f"{e.url} serves policy_version {e.policy_version} < {e.floor} it served before "
+                             "(restarted? push the weights again through update_weights)")
+        return "; ".join(parts) or "nothing in progress"
+
+    # ---- admin: every endpoint -----------------------------------------------------------------
+
+    async def broadcast(self, method: str, path: str, *, json: dict[str, Any] | None = None,
+                        params: dict[str, str] | None = None) -> dict[str, Any]:
+        """Send to every endpoint (down ones too), each with its own retries; maps URL to the decoded
+        answer or the exception it ended with."""
+        results = await asyncio.gather(
+            *(self._admin_call(ep, method, path, json, params) for ep in self.pool.endpoints), return_exceptions=True)
+        return {ep.url: r for ep, r in zip(self.pool.endpoints, results, strict=True)}
+
+    async def _admin_call(self, ep: Endpoint, method: str, path: str, json: dict[str, Any] | None,
+                          params: dict[str, str] | None) -> Any:
+        deadline, attempt = time.monotonic() + self.retry_deadline, 0
+        while True:
+            try:
+                r = await self._send(ep, method, path, json, self._admin_headers, params)
+            except _RETRYABLE as exc:
+                error: RLServeError = EndpointUnavailable(f"{method} {ep.url}{path} failed: {exc!r}")
+            else:
+                data = _decode(r)
+                if r.status_code < 400:
+                    return data
+                error = error_for(r.status_code, data, r.text, ep.url)
+                if r.status_code < 500:
+                    raise error
+            attempt += 1
+            await self._backoff(attempt, deadline, error)
+
+    @contextlib.asynccontextmanager
+    async def syncing(self) -> AsyncIterator[None]:
+        """Hold new gated generations while the body runs."""
+        self._syncs += 1
+        try:
+            yield
+        finally:
+            self._syncs -= 1
+            self.notify()
+
+    def set_held(self, held: bool) -> None:
+        self.held = held
+        self.notify()
+
+    # ---- probes --------------------------------------------------------------------------------
+
+    async def probe_all(self) -> None:
+        for ep in self.pool.endpoints:
+            if ep.probe is None:
+                ep.probe = asyncio.ensure_future(self._probe(ep))
+        await asyncio.gather(*(asyncio.shield(ep.probe) for ep in self.pool.endpoints if ep.probe is not None))
+
+    async def _refresh(self, ep: Endpoint) -> None:
+        if ep.probe is None:
+            ep.probe = asyncio.ensure_future(self._probe(ep))
+        await asyncio.shield(ep.probe)
+
+    def _probe_due(self) -> None:
+        for ep in self.pool.due(time.monotonic()):
+            ep.probe = asyncio.ensure_future(self._probe(ep))
+
+    async def _probe(self, ep: Endpoint) -> None:
+        """/health says up or down; the JSON metrics say paused and which policy it serves."""
+        try:
+            r = await self.http.get(f"{ep.url}/health", timeout=self._probe_timeout)
+            if r.status_code != 200:
+                ep.went_down()
+                return
+            m = await self.http.get(f"{ep.url}/metrics", params={"format": "json"}, timeout=self._probe_timeout)
+            state = m.json() if m.status_code == 200 else {}
+            state = state if isinstance(state, dict) else {}
+            ep.probed(int(state.get("current_policy_version", ep.policy_version)), bool(state.get("is_paused", False)))
+        except (httpx.TransportError, ValueError):
+            ep.went_down()
+        finally:
+            ep.checked_at, ep.probe = time.monotonic(), None
+            self.notify()
+
+    # ---- plumbing ------------------------------------------------------------------------------
+
+    @property
+    def urls(self) -> list[str]:
+        return [e.url for e in self.pool.endpoints]
+
+    def endpoint(self, url: str) -> Endpoint:
+        return next(e for e in self.pool.endpoints if e.url == url)
+
+    async def _send(self, ep: Endpoint, method: str, path: str, json: dict[str, Any] | None,
+                    headers: dict[str, str], params: dict[str, str] | None = None) -> httpx.Response:
+        ep.in_flight += 1
+        try:
+            return await self.http.request(method, f"{ep.url}{path}", json=json, headers=headers, params=params)
+        except _CONNECTION_ERRORS:
+            if ep.up:
+                ep.went_down()
+                self.notify()
+            raise
+        finally:
+            ep.in_flight -= 1
+
+    async def _backoff(self, attempt: int, deadline: float, error: Exception) -> None:
+        """Exponential backoff with full jitter; give up with `error` when the deadline would pass."""
+        delay = random.uniform(0, min(self.backoff_max, self.backoff_base * 2 ** attempt))
+        if time.monotonic() + delay > deadline:
+            raise error
+        await asyncio.sleep(delay)
+
+    def notify(self) -> None:
+        """Wake every held call to look again."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _wait_change(self, timeout: float) -> None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), timeout)
+
+    async def aclose(self) -> None:
+        probes = [ep.probe for ep in self.pool.endpoints if ep.probe is not None]
+        for task in probes:
+            task.cancel()
+        await asyncio.gather(*probes, return_exceptions=True)
+        await self.http.aclose()
+
+
+def _decode(r: httpx.Response) -> Any:
+    try:
+        return r.json()
+    except ValueError:
+        return r.text
+
+
+def _observe_versions(ep: Endpoint, data: Any) -> None:
+    if isinstance(data, dict):
+        versions = [c.get("policy_version") for c in data.get("choices") or [] if isinstance(c, dict)]
+        versions = [v for v in versions if isinstance(v, int)]
+        if versions:
+            ep.observed(max(versions))
