@@ -22,6 +22,12 @@ class ModelConfig(Section):
     trust_remote_code: bool = Field(False, description="allow custom code from the model directory")
     chat_template: str | None = Field(None, description="a Jinja chat template (file path or inline) replacing the model's")
     served_model_name: str | None = Field(None, description="the name clients use; default = model.name")
+    tool_call_parser: Literal["hermes", "llama3_json", "llama4_json", "mistral"] | None = Field(
+        None, description="parse tool calls out of chat output when a request has tools; none = raw text"
+    )
+    reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = Field(
+        None, description="split <think> reasoning from chat content; none = raw text"
+    )
 
 
 class ServerConfig(Section):

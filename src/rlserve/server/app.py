@@ -15,7 +15,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rlserve.config import Config
 from rlserve.engine.async_engine import AsyncEngine
-from rlserve.server import chat, completions, control, generate, tokenization
+from rlserve.server import chat, completions, control, generate, responses, tokenization
 from rlserve.server.chat_template import load_template
 from rlserve.server.errors import APIError, install_error_handlers
 from rlserve.server.metrics import Metrics
@@ -40,7 +40,8 @@ def build_app(engine: AsyncEngine, config: Config) -> FastAPI:
     app.state.rlserve = ServerState(engine, config, Metrics(engine, name), name,
                                     chat_template=load_template(config.model.chat_template))
     install_error_handlers(app)
-    for r in (router, completions.router, chat.router, tokenization.router, generate.router, control.router):
+    for r in (router, completions.router, chat.router, tokenization.router, generate.router, control.router,
+              responses.router):
         app.include_router(r)
     app.add_middleware(Gate, api_key=config.server.api_key, admin_api_key=config.server.admin_api_key)
     return app

@@ -11,7 +11,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from rlserve.engine.outputs import CompletionOutput, RequestOutput
-from rlserve.server.chat_parsing import RawParser, RawStreamer, output_parser
+from rlserve.engine.params import SamplingParams
+from rlserve.server.chat_parsing import (
+    MessageStreamer,
+    OutputParser,
+    ParsedMessage,
+    output_parser,
+)
 from rlserve.server.chat_template import render_chat
 from rlserve.server.errors import bad_request
 from rlserve.server.protocol import ChatCompletionRequest
@@ -39,28 +45,25 @@ router = APIRouter()
 
 @dataclass
 class Ctx:
+    """One chat request, rendered and checked, ready to run (shared with /v1/responses)."""
+
     state: ServerState
     body: ChatCompletionRequest
     id: str
     model: str
     created: int
-    parser: RawParser
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    parser: OutputParser
 
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     state: ServerState = request.app.state.rlserve
-    model = state.check_model(body.model)
-    state.check_policy_version(body.model_extra or {})
-    prompt = render_chat(state.tokenizer, body, state.chat_template)
-    prompt = truncate(prompt, body.truncate_prompt_tokens, state.max_model_len)
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    params = sampling_params(state, body, max_tokens=max_tokens, logprobs=_top_logprobs(state, body),
-                             prompt_logprobs=body.prompt_logprobs)
-    rid = request_id(request, body)
-    ctx = Ctx(state, body, f"chatcmpl-{rid}", model, int(time.time()), output_parser(body))
-    run = Run(state, [prompt], params, rid, body.cache_salt, adapter=state.adapter_for(body.model))
-    headers = {"X-Request-Id": rid}
+    ctx = prepare(state, body, request_id(request, body))
+    run = launch(ctx)
+    headers = {"X-Request-Id": ctx.rid}
     try:
         if body.stream:
             await start_stream(request, run)
@@ -69,6 +72,23 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     except ClientGone:
         return Response(status_code=499)
     return JSONResponse(_response(ctx, final), headers=headers)
+
+
+def prepare(state: ServerState, body: ChatCompletionRequest, rid: str) -> Ctx:
+    model = state.check_model(body.model)
+    state.check_policy_version(body.model_extra or {})
+    prompt = render_chat(state.tokenizer, body, state.chat_template)
+    prompt = truncate(prompt, body.truncate_prompt_tokens, state.max_model_len)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    params = sampling_params(state, body, max_tokens=max_tokens, logprobs=_top_logprobs(state, body),
+                             prompt_logprobs=body.prompt_logprobs)
+    parser = output_parser(state.config.model, state.tokenizer, body, params, prompt)
+    return Ctx(state, body, f"chatcmpl-{rid}", model, int(time.time()), rid, prompt, params, parser)
+
+
+def launch(ctx: Ctx) -> Run:
+    return Run(ctx.state, [ctx.prompt], ctx.params, ctx.rid, ctx.body.cache_salt,
+               adapter=ctx.state.adapter_for(ctx.body.model))
 
 
 def _top_logprobs(state: ServerState, body: ChatCompletionRequest) -> int | None:
@@ -100,19 +120,22 @@ def _logprobs(ctx: Ctx, o: CompletionOutput, start: int) -> dict[str, list] | No
     return {"content": content}
 
 
-def _finish_reason(o: CompletionOutput, has_tool_calls: bool) -> str | None:
+def finish_reason(o: CompletionOutput, has_tool_calls: bool) -> str | None:
     # vLLM parity: parsed tool calls win over "length" too; len(token_ids) reveals truncation
     return "tool_calls" if has_tool_calls and o.finish_reason != "abort" else o.finish_reason
+
+
+def message_json(parsed: ParsedMessage) -> dict[str, Any]:
+    return {"role": "assistant", "content": parsed.content, "reasoning": parsed.reasoning,
+            "reasoning_content": parsed.reasoning, "tool_calls": parsed.tool_calls}
 
 
 def _response(ctx: Ctx, out: RequestOutput) -> dict[str, Any]:
     body, choices = ctx.body, []
     for o in sorted(out.outputs, key=lambda o: o.index):
-        parsed = ctx.parser.parse(o.text)
-        message = {"role": "assistant", "content": parsed.content, "reasoning": parsed.reasoning,
-                   "reasoning_content": parsed.reasoning, "tool_calls": parsed.tool_calls}
-        choice = {"index": o.index, "message": message, "logprobs": _logprobs(ctx, o, 0),
-                  "finish_reason": _finish_reason(o, bool(parsed.tool_calls)), "stop_reason": o.stop_reason}
+        parsed = ctx.parser.parse(o)
+        choice = {"index": o.index, "message": message_json(parsed), "logprobs": _logprobs(ctx, o, 0),
+                  "finish_reason": finish_reason(o, bool(parsed.tool_calls)), "stop_reason": o.stop_reason}
         if body.return_token_ids:
             choice["token_ids"] = o.token_ids
         choice.update(version_fields(ctx.state, o))
@@ -120,44 +143,28 @@ def _response(ctx: Ctx, out: RequestOutput) -> dict[str, Any]:
     response = {"id": ctx.id, "object": "chat.completion", "created": ctx.created, "model": ctx.model}
     if body.return_token_ids:
         response["prompt_token_ids"] = out.prompt_token_ids
-    completion_tokens = sum(len(o.token_ids) for o in out.outputs)
-    return {**response, "choices": choices,
-            "usage": usage(len(out.prompt_token_ids), completion_tokens, out.num_cached_tokens),
+    return {**response, "choices": choices, "usage": _usage(ctx, out),
             "prompt_logprobs": prompt_logprobs_json(ctx.state, out, body.prompt_logprobs,
                                                     body.return_tokens_as_token_ids),
             "kv_transfer_params": None}
 
 
-def _delta_choice(ctx: Ctx, o: CompletionOutput, cur: ChoiceCursor, streamer: RawStreamer) -> dict[str, Any] | None:
+def _delta_choice(ctx: Ctx, o: CompletionOutput, cur: ChoiceCursor, streamer: MessageStreamer) -> dict[str, Any] | None:
     """Every new token rides in exactly one chunk, even when the parser holds its text back."""
     finishing = o.finished and not cur.finished
-    new_ids, new_text = o.token_ids[cur.tokens:], o.text[cur.text:]
-    if not (finishing or new_ids or new_text):
+    new_ids = o.token_ids[cur.tokens:]
+    delta = streamer.feed(o)
+    if not (finishing or new_ids or delta):
         return None
-    delta = streamer.feed(new_text)
-    if finishing:
-        delta = _merge_deltas(delta, streamer.finish())
     choice: dict[str, Any] = {"index": o.index, "delta": delta, "logprobs": _logprobs(ctx, o, cur.tokens),
-                              "finish_reason": _finish_reason(o, streamer.has_tool_calls) if finishing else None}
+                              "finish_reason": finish_reason(o, streamer.has_tool_calls) if finishing else None}
     if ctx.body.return_token_ids:
         choice["token_ids"] = new_ids
     if finishing:
         choice["stop_reason"] = o.stop_reason
         choice.update(version_fields(ctx.state, o))
-    cur.tokens, cur.text, cur.finished = len(o.token_ids), len(o.text), o.finished
+    cur.tokens, cur.finished = len(o.token_ids), o.finished
     return choice
-
-
-def _merge_deltas(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    merged = dict(a)
-    for key, value in b.items():
-        if isinstance(value, str) and isinstance(merged.get(key), str):
-            merged[key] += value
-        elif isinstance(value, list) and isinstance(merged.get(key), list):
-            merged[key] = merged[key] + value
-        else:
-            merged[key] = value
-    return merged
 
 
 async def _stream(ctx: Ctx, run: Run) -> AsyncIterator[str]:
@@ -181,11 +188,15 @@ async def _stream(ctx: Ctx, run: Run) -> AsyncIterator[str]:
             if choice is not None:
                 chunk = {**head, "choices": [choice]}
                 if options and options.continuous_usage_stats:
-                    chunk["usage"] = _usage(out)
+                    chunk["usage"] = _usage(ctx, out)
                 yield sse(chunk)
     if options and options.include_usage and latest is not None:
-        yield sse({**head, "choices": [], "usage": _usage(latest)})
+        yield sse({**head, "choices": [], "usage": _usage(ctx, latest)})
 
 
-def _usage(out: RequestOutput) -> dict[str, Any]:
-    return usage(len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs), out.num_cached_tokens)
+def _usage(ctx: Ctx, out: RequestOutput) -> dict[str, Any]:
+    result = usage(len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs), out.num_cached_tokens)
+    if ctx.parser.reasoning_parser is not None:
+        reasoning = sum(ctx.parser.reasoning_tokens(o.token_ids) for o in out.outputs)
+        result["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+    return result

@@ -1,7 +1,9 @@
 """Messages -> prompt token ids through the model's HF chat template (wire-protocols §2.3 "Rendering").
 
 The ids must equal HF `apply_chat_template(..., tokenize=True)` for the same inputs: NexRL and
-verifiers rebuild prompts on the client and compare.
+verifiers rebuild prompts on the client and compare. An assistant message carrying its turn's exact
+tokens (`prompt_token_ids` + `generation_token_ids`) replaces the rendering up to the end of that turn
+(§2.3 token splice), so multi-turn prompts never re-tokenize what the model generated.
 """
 
 from __future__ import annotations
@@ -39,14 +41,36 @@ def render_chat(tokenizer, fields: ChatTemplateFields, default_template: str | N
     if not fields.messages:
         raise bad_request("messages must hold at least one message", "messages")
     messages = [_message(m, i) for i, m in enumerate(fields.messages)]
+    ids = _apply(tokenizer, fields, default_template, messages, fields.add_generation_prompt,
+                 fields.continue_final_message)
+    turn = _spliced_turn(fields.messages)
+    if turn is None:
+        return ids
+    k, turn_ids = turn
+    end = tokenizer.eos_token_id
+    head = turn_ids[:-1] if turn_ids and turn_ids[-1] == end else turn_ids
+    if k == len(messages) - 1 and fields.continue_final_message:
+        return head  # the spliced turn is the one being continued
+    # the template closes message k with its `closes`-th end-of-turn token: keep what follows it
+    closes = _apply(tokenizer, fields, default_template, messages[: k + 1], False, False).count(end)
+    ends = [i for i, t in enumerate(ids) if t == end]
+    if closes == 0 or len(ends) < closes:
+        raise bad_request(f"messages[{k}] carries token ids, but the chat template does not close that turn with "
+                          "the end-of-turn token, so they cannot be spliced; drop prompt_token_ids and "
+                          "generation_token_ids", f"messages.{k}")
+    return head + ids[ends[closes - 1]:]
+
+
+def _apply(tokenizer, fields: ChatTemplateFields, default_template: str | None, messages: list[dict[str, Any]],
+           add_generation_prompt: bool, continue_final_message: bool) -> list[int]:
     kwargs = {k: v for k, v in (fields.chat_template_kwargs or {}).items() if k not in _RESERVED}
     try:
         ids = tokenizer.apply_chat_template(
             messages,
             tools=fields.tools,
             chat_template=fields.chat_template or default_template,
-            add_generation_prompt=fields.add_generation_prompt,
-            continue_final_message=fields.continue_final_message,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             tokenize=True,
             return_dict=False,
             **kwargs,
@@ -58,8 +82,25 @@ def render_chat(tokenizer, fields: ChatTemplateFields, default_template: str | N
     return list(ids)
 
 
+def _spliced_turn(messages: list[ChatMessage]) -> tuple[int, list[int]] | None:
+    """The last assistant message carrying its exact tokens: (index, prompt + generation ids)."""
+    found = None
+    for i, m in enumerate(messages):
+        fields = (m.prompt_token_ids, m.generation_token_ids, m.generation_log_probs)
+        if all(f is None for f in fields) or m.role != "assistant":
+            continue
+        if m.prompt_token_ids is None or m.generation_token_ids is None:
+            raise bad_request(f"messages[{i}] carries only some token fields: send prompt_token_ids and "
+                              "generation_token_ids (and generation_log_probs) together, or none", f"messages.{i}")
+        if m.generation_log_probs is not None and len(m.generation_log_probs) != len(m.generation_token_ids):
+            raise bad_request(f"messages[{i}].generation_log_probs must have one entry per generation_token_ids "
+                              "entry", f"messages.{i}.generation_log_probs")
+        found = (i, [*m.prompt_token_ids, *m.generation_token_ids])
+    return found
+
+
 def _message(m: ChatMessage, i: int) -> dict[str, Any]:
-    d = m.model_dump(exclude_none=True)
+    d = m.model_dump(exclude_none=True, exclude={"prompt_token_ids", "generation_token_ids", "generation_log_probs"})
     d["content"] = _content(m, i)
     reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
     d.pop("reasoning", None)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 
 class Body(BaseModel):
@@ -80,6 +81,10 @@ class ChatMessage(Body):
     tool_call_id: str | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None
+    # an earlier turn's exact tokens (§2.3 token splice): all of the first two or none
+    prompt_token_ids: list[int] | None = None
+    generation_token_ids: list[int] | None = None
+    generation_log_probs: list[float] | None = None
 
 
 class ChatTemplateFields(Body):
@@ -112,3 +117,48 @@ class TokenizeRequest(ChatTemplateFields):
 class DetokenizeRequest(Body):
     model: str | None = None
     tokens: list[int]
+
+
+class ResponsesRequest(GenerationFields):
+    """`POST /v1/responses` (§2.9); converted to a chat request in `responses_input`."""
+
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] = "auto"
+    parallel_tool_calls: bool = True
+    max_output_tokens: int | None = None
+    metadata: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    text: dict[str, Any] | None = None
+    truncation: str | None = None
+    previous_response_id: str | None = None
+    include_reasoning: bool = True
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    replace_developer_role_with_system: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _metadata_extras(cls, data: Any) -> Any:
+        # NeMo Gym convention: JSON strings metadata.extra_body / metadata.chat_template_kwargs; request fields win
+        meta = data.get("metadata") if isinstance(data, dict) else None
+        if not isinstance(meta, dict):
+            return data
+        merged = {**_json_object(meta.get("extra_body"), "metadata.extra_body"), **data}
+        kwargs = _json_object(meta.get("chat_template_kwargs"), "metadata.chat_template_kwargs")
+        if kwargs:
+            merged["chat_template_kwargs"] = {**kwargs, **(data.get("chat_template_kwargs") or {})}
+        return merged
+
+
+def _json_object(value: Any, name: str) -> dict[str, Any]:
+    if not isinstance(value, str):
+        return {}
+    try:
+        obj = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{name} must be a JSON object string: {e}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{name} must be a JSON object string")  # noqa: TRY004 (pydantic: ValueError -> 400)
+    return obj
