@@ -272,3 +272,18 @@ def test_lora_over_http(root, adapter_dir):
         assert r.json()["status"] == "success" and r.json()["policy_version"] == 3
     finally:
         stop_server(proc)
+
+
+def test_chat_completions_tokens_uses_the_ids_verbatim(server):
+    messages = [{"role": "user", "content": "hi there"}]
+    rendered = httpx.post(f"{server}/tokenize", json={"messages": messages, "add_generation_prompt": True}).json()["tokens"]
+    tokens = rendered[:-2] + [7, 8] + rendered[-2:]  # differs from the rendering: used anyway
+    body = {"messages": messages, "tokens": tokens, "max_tokens": 4, "logprobs": True, "return_token_ids": True, "seed": 1}
+    out = httpx.post(f"{server}/v1/chat/completions/tokens", json=body, timeout=60).json()
+    assert out["prompt_token_ids"] == tokens and len(out["choices"][0]["token_ids"]) == 4
+    assert len(out["choices"][0]["logprobs"]["content"]) == 4
+    plain = httpx.post(f"{server}/inference/v1/generate", json={
+        "token_ids": tokens, "sampling_params": {"max_tokens": 4, "seed": 1, "logprobs": 0}}).json()
+    assert plain["choices"][0]["token_ids"] == out["choices"][0]["token_ids"]
+    r = httpx.post(f"{server}/v1/chat/completions/tokens", json={**body, "tokens": [1] * 600})
+    assert r.status_code == 400 and "maximum context length is 512 tokens" in r.json()["error"]["message"]

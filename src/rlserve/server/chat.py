@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from rlserve.server.chat_parsing import (
 )
 from rlserve.server.chat_template import render_chat
 from rlserve.server.errors import bad_request
-from rlserve.server.protocol import ChatCompletionRequest
+from rlserve.server.protocol import ChatCompletionRequest, ChatTokensRequest
 from rlserve.server.serving import (
     ChoiceCursor,
     ClientGone,
@@ -41,6 +42,7 @@ from rlserve.server.serving import (
 )
 
 router = APIRouter()
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -61,7 +63,26 @@ class Ctx:
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     state: ServerState = request.app.state.rlserve
-    ctx = prepare(state, body, request_id(request, body))
+    return await _respond(request, prepare(state, body, request_id(request, body)))
+
+
+@router.post("/v1/chat/completions/tokens")
+async def create_chat_completion_from_tokens(body: ChatTokensRequest, request: Request) -> Response:
+    """verifiers' TITO client (§2.7): messages still render (parsers need their context), but the
+    prompt is `tokens`, verbatim."""
+    state: ServerState = request.app.state.rlserve
+    tokens = body.tokens
+    if not tokens or not all(isinstance(t, int) for t in tokens):
+        raise bad_request("tokens must be a non-empty list of token ids", "tokens")
+    state.check_token_ids(tokens, "tokens")
+    if len(tokens) >= state.max_model_len:
+        raise bad_request(f"tokens has {len(tokens)} tokens; this model's maximum context length is "
+                          f"{state.max_model_len} tokens", "tokens")
+    return await _respond(request, prepare(state, body, request_id(request, body), prompt=tokens))
+
+
+async def _respond(request: Request, ctx: Ctx) -> Response:
+    body = ctx.body
     run = launch(ctx)
     headers = {"X-Request-Id": ctx.rid}
     try:
@@ -74,11 +95,14 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     return JSONResponse(_response(ctx, final), headers=headers)
 
 
-def prepare(state: ServerState, body: ChatCompletionRequest, rid: str) -> Ctx:
+def prepare(state: ServerState, body: ChatCompletionRequest, rid: str, prompt: list[int] | None = None) -> Ctx:
     model = state.check_model(body.model)
     state.check_policy_version(body.model_extra or {})
-    prompt = render_chat(state.tokenizer, body, state.chat_template)
-    prompt = truncate(prompt, body.truncate_prompt_tokens, state.max_model_len)
+    rendered = render_chat(state.tokenizer, body, state.chat_template)
+    if prompt is None:
+        prompt = truncate(rendered, body.truncate_prompt_tokens, state.max_model_len)
+    elif prompt[: len(rendered)] != rendered:
+        log.info("request %s: tokens differ from the rendered messages; using tokens as sent", rid)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = sampling_params(state, body, max_tokens=max_tokens, logprobs=_top_logprobs(state, body),
                              prompt_logprobs=body.prompt_logprobs)

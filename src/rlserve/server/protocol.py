@@ -107,6 +107,10 @@ class ChatCompletionRequest(ChatTemplateFields, GenerationFields):
     include_reasoning: bool = True
 
 
+class ChatTokensRequest(ChatCompletionRequest):
+    tokens: list[int]
+
+
 class TokenizeRequest(ChatTemplateFields):
     model: str | None = None
     prompt: str | None = None
