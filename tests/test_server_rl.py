@@ -287,3 +287,23 @@ def test_chat_completions_tokens_uses_the_ids_verbatim(server):
     assert plain["choices"][0]["token_ids"] == out["choices"][0]["token_ids"]
     r = httpx.post(f"{server}/v1/chat/completions/tokens", json={**body, "tokens": [1] * 600})
     assert r.status_code == 400 and "maximum context length is 512 tokens" in r.json()["error"]["message"]
+
+
+def test_sglang_and_trl_control_aliases(rl_server, root):
+    assert httpx.get(f"{rl_server}/get_world_size/").json() == {"world_size": 1}
+    info = httpx.get(f"{rl_server}/get_model_info").json()
+    assert info["is_generation"] is True
+    r = httpx.post(f"{rl_server}/update_weight_version", json={"new_version": "step-42"}, headers=ADMIN)
+    assert r.json()["success"] is True
+    assert httpx.get(f"{rl_server}/get_weight_version").json()["weight_version"] == "step-42"
+    choice = generate(rl_server, PROMPTS[2])["choices"][0]
+    assert choice["weight_version"] == "step-42"
+    target = make_model("tiny", root / "sglang", seed=5)
+    r = httpx.post(f"{rl_server}/update_weights_from_disk", json={"model_path": str(target), "weight_version": "step-43"},
+                   headers=ADMIN, timeout=60)
+    assert r.json()["success"] is True and httpx.get(f"{rl_server}/get_weight_version").json()["weight_version"] == "step-43"
+    assert httpx.post(f"{rl_server}/pause_generation", json={"mode": "in_place"}, headers=ADMIN).json()["status"] == "ok"
+    assert httpx.get(f"{rl_server}/is_paused").json() == {"is_paused": True}
+    assert httpx.post(f"{rl_server}/continue_generation", json={}, headers=ADMIN).json()["status"] == "ok"
+    assert httpx.post(f"{rl_server}/flush_cache", headers=ADMIN).status_code == 200
+    assert httpx.post(f"{rl_server}/abort_request", json={"rid": "nope"}, headers=ADMIN).status_code == 200

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import PlainTextResponse, Response
 
 from rlserve.engine.weights import WeightUpdateError, check_under_roots
 from rlserve.model.lora import AdapterError, load_peft_adapter
@@ -28,6 +28,7 @@ ADMIN_PATHS = frozenset({
     "/update_weights", "/init_broadcaster", "/pause", "/resume", "/abort_requests", "/reset_prefix_cache",
     "/load_lora_adapter", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/load_adapter", "/upload_adapter",
     "/update_weights_from_disk", "/pause_generation", "/continue_generation", "/flush_cache", "/abort_request",
+    "/update_weight_version",
 })
 
 
@@ -257,3 +258,86 @@ async def upload_adapter(request: Request) -> dict:
     finally:
         shutil.rmtree(target, ignore_errors=True)
     return {"status": "success", "policy_version": version, "message": "adapter uploaded and loaded"}
+
+
+# ---- SGLang and TRL aliases (§2.11.4, §2.11.6) -------------------------------------------------
+
+
+@router.get("/get_world_size")
+async def get_world_size() -> dict:
+    return {"world_size": 1}
+
+
+@router.get("/get_model_info")
+async def get_model_info(request: Request) -> dict:
+    engine = _state(request).engine.engine
+    return {"model_path": str(engine.model_dir), "tokenizer_path": str(engine.model_dir), "is_generation": True,
+            "weight_version": engine.weight_version, "policy_version": engine.policy_version}
+
+
+@router.get("/get_weight_version")
+async def get_weight_version(request: Request) -> dict:
+    engine = _state(request).engine.engine
+    return {"weight_version": engine.weight_version, "policy_version": engine.policy_version}
+
+
+@router.post("/update_weight_version")
+async def update_weight_version(request: Request) -> dict:
+    """Relabel the current weights; aborts in-flight requests only when asked (§2.15)."""
+    body = await _json(request)
+    label = body.get("new_version", body.get("weight_version"))
+    if label is None:
+        raise bad_request("new_version is required", "new_version")
+    engine = _state(request).engine
+
+    def relabel(e) -> None:
+        if body.get("abort_all_requests", False):
+            e.abort_all()
+        e.weight_version = str(label)
+
+    await engine.call(relabel)
+    return {"success": True, "message": f"weight_version is now {label}"}
+
+
+@router.post("/update_weights_from_disk")
+async def update_weights_from_disk(request: Request) -> dict:
+    state, body = _state(request), await _json(request)
+    if not body.get("model_path"):
+        raise bad_request("model_path is required", "model_path")
+    aborted = await state.engine.call(lambda e: e.abort_all()) if body.get("abort_all_requests") else 0
+    version = await _update_from_dir(state, str(body["model_path"]), "model_path", _label(body))
+    return {"success": True, "message": f"weights updated (policy_version {version})", "num_paused_requests": aborted}
+
+
+@router.post("/abort_request")
+async def abort_request(request: Request) -> Response:
+    body = await _json(request)
+    engine = _state(request).engine
+    if body.get("abort_all"):
+        await engine.call(lambda e: e.abort_all())
+    elif body.get("rid") is not None:
+        await engine.call(lambda e: e.abort(str(body["rid"])))
+    return Response(status_code=200)
+
+
+@router.get("/flush_cache")
+@router.post("/flush_cache")
+async def flush_cache(request: Request) -> PlainTextResponse:
+    await _state(request).engine.call(lambda e: e.pool.reset_prefix_cache())
+    return PlainTextResponse("Cache flushed.")
+
+
+@router.post("/pause_generation")
+async def pause_generation(request: Request) -> dict:
+    body = await _json(request)
+    mode = {"in_place": "keep", "abort": "abort", None: "abort"}.get(body.get("mode"))
+    if mode is None:
+        raise bad_request(f"mode {body.get('mode')!r} is not supported; use abort or in_place", "mode")
+    await _state(request).engine.pause(mode)
+    return {"status": "ok", "message": "Generation paused successfully."}
+
+
+@router.post("/continue_generation")
+async def continue_generation(request: Request) -> dict:
+    await _state(request).engine.resume()
+    return {"status": "ok", "message": "Generation continued successfully."}
