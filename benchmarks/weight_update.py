@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 from rlserve import weight_transfer
 from rlserve.config import Config
 from rlserve.engine.engine import Engine
-from rlserve.engine.weights import stage_from_dir
+from rlserve.engine.weights import StagingBuffers, stage_from_dir
 from rlserve.model.loader import read_safetensors, safetensors_files
 from rlserve.model.make import make_model
 
@@ -65,8 +65,10 @@ def bench_disk(base: Path, update: Path, repeats: int) -> tuple[float, float, in
         for f in files:  # every byte into memory: the least any loader must do
             f.read_bytes()
 
+    staging = StagingBuffers()  # as the server keeps one for its updates
+
     def rlserve_update():
-        engine.commit_weights(stage_from_dir(engine.model, update))
+        engine.commit_weights(stage_from_dir(engine.model, update, staging))
 
     read_only()  # warm the page cache for both
     return median_time(read_only, repeats), median_time(rlserve_update, repeats), nbytes

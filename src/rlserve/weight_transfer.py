@@ -92,10 +92,12 @@ def send(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_
     return sum(sizes)
 
 
-def receive(device: str = "cpu") -> list[tuple[str, torch.Tensor]]:
-    """Receive one push on a non-zero rank: all buckets are posted at once and land in order."""
+def receive(device: str = "cpu", buffer=None) -> list[tuple[str, torch.Tensor]]:
+    """Receive one push on a non-zero rank: all buckets are posted at once and land in order.
+    `buffer(i, nbytes, device)` may hand out reused memory for bucket i."""
     header = _broadcast_header(None, device)
-    flats = [torch.empty(sum(e[4] for e in entries), dtype=torch.uint8, device=device) for entries in header]
+    alloc = buffer or (lambda i, n, dev: torch.empty(n, dtype=torch.uint8, device=dev))
+    flats = [alloc(i, sum(e[4] for e in entries), device) for i, entries in enumerate(header)]
     works = [dist.broadcast(flat, src=0, async_op=True) for flat in flats]
     out = []
     for entries, flat, work in zip(header, flats, works):

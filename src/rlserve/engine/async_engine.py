@@ -18,7 +18,7 @@ from rlserve.engine.engine import Engine
 from rlserve.engine.outputs import RequestOutput
 from rlserve.engine.params import SamplingParams
 from rlserve.engine.sequence import Request
-from rlserve.engine.weights import check_under_roots, stage, stage_from_dir
+from rlserve.engine.weights import StagingBuffers, check_under_roots, stage, stage_from_dir
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -33,11 +33,14 @@ class AsyncEngine:
         self.engine = engine or Engine(config)
         self._commands: queue.SimpleQueue[Callable[[Engine], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # id(request) -> (loop, queue, every step's output wanted, first output sent)
+        self._streams: dict[int, list] = {}
         self._stop = False
         self.dead: BaseException | None = None
         self.paused = False
         self._group: asyncio.Future | None = None  # torch.distributed group with a trainer
+        self._staging = StagingBuffers()  # reused by every update; the lock keeps one in flight
+        self._update_lock = asyncio.Lock()
         self._thread = threading.Thread(target=self._loop, name="rlserve-engine", daemon=True)
         self._thread.start()
 
@@ -62,20 +65,22 @@ class AsyncEngine:
         *,
         cache_salt: str | None = None,
         adapter: str | None = None,
+        stream: bool = True,
     ) -> AsyncIterator[RequestOutput]:
-        """Yields the cumulative output after every step that touched the request; the last has
-        finished=True. Raises ValueError for bad input before yielding. Leaving the iteration early
-        (client gone, task cancelled) aborts the request and frees its blocks."""
+        """Yields the cumulative output after every step that touched the request (stream=False:
+        only the first and the last); the last has finished=True. Raises ValueError for bad input
+        before yielding. Leaving the iteration early (client gone, task cancelled) aborts the
+        request and frees its blocks."""
         if self.dead is not None:
             raise EngineDeadError(f"engine loop died: {self.dead!r}")
         req = self.engine.make_request(request_id, prompt, params, cache_salt=cache_salt, adapter=adapter)
-        stream: asyncio.Queue = asyncio.Queue()
-        self._streams[id(req)] = (asyncio.get_running_loop(), stream)
+        outputs: asyncio.Queue = asyncio.Queue()
+        self._streams[id(req)] = [asyncio.get_running_loop(), outputs, stream, False]
         self._post(lambda e: e.submit(req))
         finished = False
         try:
             while not finished:
-                out = await stream.get()
+                out = await outputs.get()
                 if isinstance(out, BaseException):
                     raise EngineDeadError(f"engine loop died: {out!r}") from out
                 finished = out.finished
@@ -133,8 +138,9 @@ class AsyncEngine:
     async def update_weights_from_dir(self, weight_dir: str, roots: list[str], weight_version: str | None = None) -> int:
         """Read and validate off the engine thread, then swap between two steps. Returns the new version."""
         path = check_under_roots(weight_dir, roots)
-        staged = await asyncio.to_thread(stage_from_dir, self.engine.model, path)
-        return await self.call(lambda e: e.commit_weights(staged, weight_version))
+        async with self._update_lock:
+            staged = await asyncio.to_thread(stage_from_dir, self.engine.model, path, self._staging)
+            return await self.call(lambda e: e.commit_weights(staged, weight_version))
 
     async def init_broadcaster(self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 300.0) -> None:
         """Join the trainer's group in the background: the trainer joins whenever it is ready."""
@@ -155,9 +161,10 @@ class AsyncEngine:
             raise RuntimeError("no broadcaster: call /init_broadcaster first")
         await self._group
         device = "cuda" if self.engine.device.type == "cuda" else "cpu"
-        received = await asyncio.to_thread(weight_transfer.receive, device)
-        staged = stage(self.engine.model, received, "broadcast", require_all=False)
-        return await self.call(lambda e: e.commit_weights(staged, weight_version))
+        async with self._update_lock:
+            received = await asyncio.to_thread(weight_transfer.receive, device, self._staging)
+            staged = stage(self.engine.model, received, "broadcast", require_all=False)
+            return await self.call(lambda e: e.commit_weights(staged, weight_version))
 
     def shutdown(self) -> None:
         self._stop = True
@@ -186,21 +193,24 @@ class AsyncEngine:
                     self._dispatch(engine.take_pending())
                     self._wake.wait(timeout=0.5)
                 elif engine.has_unfinished():
-                    self._dispatch(engine.step_with_requests())
+                    self._dispatch(engine.step_requests())
                 else:
                     self._wake.wait(timeout=0.5)
         except BaseException as exc:
             log.exception("engine loop died")
             self.dead = exc
-            for loop, stream in list(self._streams.values()):
+            for loop, stream, *_ in list(self._streams.values()):
                 loop.call_soon_threadsafe(stream.put_nowait, exc)
 
-    def _dispatch(self, results: list[tuple[Request, RequestOutput]]) -> None:
-        for req, out in results:
+    def _dispatch(self, touched: list[Request]) -> None:
+        for req in touched:
             target = self._streams.get(id(req))
-            if target is not None:
-                loop, stream = target
-                loop.call_soon_threadsafe(stream.put_nowait, out)
+            if target is None:
+                continue
+            loop, stream, every_step, sent_first = target
+            if every_step or not sent_first or req.finished:
+                target[3] = True
+                loop.call_soon_threadsafe(stream.put_nowait, req.output())
 
 
 def _set_result(fut: asyncio.Future, value: Any) -> None:

@@ -95,7 +95,7 @@ class Engine:
         self.adapter_generations: dict[str, int] = {}  # bumps at every (re)load of a name
         self.requests: dict[str, list[Request]] = {}
         self.generation_tokens = 0
-        self._pending: list[tuple[Request, RequestOutput]] = []
+        self._pending: list[Request] = []  # finished outside a step (aborts), reported by the next one
         self._ids = itertools.count()
 
     # ---- public API -------------------------------------------------------------------------
@@ -176,7 +176,7 @@ class Engine:
                     seq.detok.flush()
                 self.scheduler.finish(seq)
         self._forget(req)
-        self._pending.append((req, req.output()))
+        self._pending.append(req)
 
     def abort_all(self) -> int:
         reqs = [r for rs in self.requests.values() for r in rs]
@@ -184,7 +184,7 @@ class Engine:
             self.abort_request(req)
         return len(reqs)
 
-    def take_pending(self) -> list[tuple[Request, RequestOutput]]:
+    def take_pending(self) -> list[Request]:
         """Outputs produced outside a step (aborts), for a caller that is not stepping (paused)."""
         pending, self._pending = self._pending, []
         return pending
@@ -223,12 +223,17 @@ class Engine:
         """One engine iteration; returns the (cumulative) outputs of every request it touched."""
         return [out for _, out in self.step_with_requests()]
 
-    @torch.inference_mode()
     def step_with_requests(self) -> list[tuple[Request, RequestOutput]]:
-        outputs, self._pending = self._pending, []
+        return [(req, req.output()) for req in self.step_requests()]
+
+    @torch.inference_mode()
+    def step_requests(self) -> list[Request]:
+        """One iteration; the requests it touched. Outputs are built by the caller, only for the
+        requests it reports (a server need not copy every request's lists every step)."""
+        touched_list, self._pending = self._pending, []
         batch = self.scheduler.schedule()
         if batch.empty:
-            return outputs
+            return touched_list
         logits = self.runner.run(batch, self.adapters)
         touched: dict[int, Request] = {}
         for seq, n in batch.prefills:
@@ -247,10 +252,10 @@ class Engine:
         if logits.sample_seqs:
             self._sample_and_append(logits.sample_logits, logits.sample_seqs, touched)
         for req in touched.values():
-            outputs.append((req, req.output()))
+            touched_list.append(req)
             if req.finished:
                 self._forget(req)
-        return outputs
+        return touched_list
 
     def generate(
         self, prompts: str | list[int] | Iterable[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None

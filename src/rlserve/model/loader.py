@@ -75,12 +75,13 @@ _ST_DTYPES = {
 }  # fmt: skip
 
 
-def read_safetensors_whole(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def read_safetensors_whole(files: Iterable[Path], buffer=None) -> Iterator[tuple[str, torch.Tensor]]:
     """Each file read into memory with one large read, tensors as views into it: several times
-    faster than faulting in a memory map page by page. Raises ValueError on a malformed file."""
-    for f in files:
+    faster than faulting in a memory map page by page. `buffer(i, nbytes)` may hand out reused
+    memory for file i. Raises ValueError on a malformed file."""
+    for i, f in enumerate(files):
         size = f.stat().st_size
-        buf = torch.empty(size, dtype=torch.uint8)
+        buf = buffer(i, size) if buffer is not None else torch.empty(size, dtype=torch.uint8)
         with open(f, "rb", buffering=0) as fh:
             if fh.readinto(memoryview(buf.numpy())) != size:
                 raise ValueError(f"{f}: short read")

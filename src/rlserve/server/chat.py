@@ -110,9 +110,10 @@ def prepare(state: ServerState, body: ChatCompletionRequest, rid: str, prompt: l
     return Ctx(state, body, f"chatcmpl-{rid}", model, int(time.time()), rid, prompt, params, parser)
 
 
-def launch(ctx: Ctx) -> Run:
+def launch(ctx: Ctx, stream: bool | None = None) -> Run:
+    stream = bool(ctx.body.stream) if stream is None else stream
     return Run(ctx.state, [ctx.prompt], ctx.params, ctx.rid, ctx.body.cache_salt,
-               adapter=ctx.state.adapter_for(ctx.body.model))
+               adapter=ctx.state.adapter_for(ctx.body.model), stream=stream)
 
 
 def _top_logprobs(state: ServerState, body: ChatCompletionRequest) -> int | None:

@@ -64,7 +64,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
                              prompt_logprobs=prompt_k)
     rid = request_id(request, body)
     ctx = Ctx(state, body, f"cmpl-{rid}", model, int(time.time()), k, texts, score_only)
-    run = Run(state, prompts, params, rid, body.cache_salt, adapter=state.adapter_for(body.model))
+    run = Run(state, prompts, params, rid, body.cache_salt, adapter=state.adapter_for(body.model), stream=body.stream)
     headers = {"X-Request-Id": rid}
     try:
         if body.stream:

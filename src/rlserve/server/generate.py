@@ -101,7 +101,8 @@ async def inference_generate(request: Request):
     params = make_params(sp, forced_token_ids=forced_token_ids(state, body))
     rid = request.headers.get("x-request-id") or body.get("request_id") or uuid.uuid4().hex
     as_ids = bool(sp.get("return_tokens_as_token_ids") or body.get("return_tokens_as_token_ids"))
-    run = Run(state, [prompt], params, rid, body.get("cache_salt"), adapter=state.adapter_for(body.get("model")))
+    run = Run(state, [prompt], params, rid, body.get("cache_salt"), adapter=state.adapter_for(body.get("model")),
+              stream=bool(body.get("stream")))
     if body.get("stream"):
         await start_stream(request, run)
         return SSEResponse(_generate_stream(state, run, rid, as_ids))
@@ -186,7 +187,7 @@ def _prompt_list(state: ServerState, prompts: Any, field: str) -> list[list[int]
 
 
 async def _run_all(request: Request, state: ServerState, prompts, params, rid, salt=None, adapter=None):
-    run = Run(state, prompts, params, rid, salt, adapter=adapter)
+    run = Run(state, prompts, params, rid, salt, adapter=adapter, stream=False)
     return await run_to_end(request, run)
 
 

@@ -92,7 +92,10 @@ class RequestTimer:
             self.m.ttft.observe(now - self.start)
             self.m.prompt_tokens.inc(len(out.prompt_token_ids))
         else:
-            self.m.itl.observe(now - self.last_token_time)
+            # non-streamed requests only see their first and last output: spread the gap evenly
+            steps = max(1, round((tokens - self.num_tokens) / max(1, len(out.outputs))))
+            for _ in range(steps):
+                self.m.itl.observe((now - self.last_token_time) / steps)
         self.last_token_time, self.num_tokens = now, tokens
 
     def end(self, out: RequestOutput | None, n: int) -> None:

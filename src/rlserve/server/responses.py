@@ -41,7 +41,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         if body.stream:
             return SSEResponse(stream_events(turn, None), headers=headers)
         return JSONResponse(turn.finished(output_items(ParsedMessage(None)), None), headers=headers)
-    run = chat.launch(ctx)
+    run = chat.launch(ctx, stream=bool(body.stream))
     try:
         if body.stream:
             await start_stream(request, run)

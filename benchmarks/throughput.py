@@ -1,0 +1,284 @@
+"""Offline generation throughput: rlserve's engine against transformers, measured in one run.
+
+All systems run the same random-weight model (built once by `make_model`) on the same workload:
+B random prompts x n samples each, a fixed number of new tokens, temperature 1, EOS ignored; then
+the same at batch 1. tok/s = generated tokens / wall seconds of the whole call (prefill included).
+
+    python benchmarks/throughput.py            # smollm2-135m shape, 8 prompts x n=8, 64 + 64 tokens
+    python benchmarks/throughput.py --quick    # tiny model, small counts: a smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig  # noqa: E402
+
+from rlserve.config import Config  # noqa: E402
+from rlserve.engine.engine import Engine  # noqa: E402
+from rlserve.engine.params import SamplingParams  # noqa: E402
+from rlserve.model.make import make_model  # noqa: E402
+
+# From the issue, for the default workload on a 2-core CPU (fp32 smollm2-135m shape).
+TARGET_BATCH_TOK_S = 300.0
+TARGET_SINGLE_TOK_S = 45.0
+TARGET_VS_GENERATE = 12.0
+TARGET_VS_GENERATE_BATCH = 4.0
+
+RLSERVE, GENERATE, GENERATE_BATCH = "rlserve", "transformers generate", "transformers generate_batch"
+CB_PAGE_SIZE = 32  # tokens per generate_batch cache page; the default 256 wastes memory on short sequences
+
+
+@dataclass(slots=True)
+class Workload:
+    name: str  # "warmup", "batch" or "single"
+    prompts: list[list[int]]
+    n: int
+    new_tokens: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.prompts) * self.n
+
+    @property
+    def max_len(self) -> int:
+        return max(len(p) for p in self.prompts) + self.new_tokens
+
+
+@dataclass(slots=True)
+class Result:
+    system: str
+    workload: str
+    seqs: int
+    tokens: int
+    seconds: float
+    others: float | None  # CPU cores other processes used meanwhile (None off Linux)
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+Runner = Callable[[Workload], int]  # runs a workload, returns the generated tokens it got back
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="smollm2-135m", help="make_model preset (random weights)")
+    p.add_argument("--batch-prompts", type=int, default=8, help="distinct prompts in the batch workload")
+    p.add_argument("--n", type=int, default=8, help="samples per prompt (rlserve shares the prompt's KV)")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch threads (default: all cores)")
+    p.add_argument("--repeats", type=int, default=1, help="timed runs per system and workload; the fastest is kept")
+    p.add_argument("--skip-hf", action="store_true", help="skip transformers `generate`")
+    p.add_argument("--skip-generate-batch", action="store_true", help="skip transformers `generate_batch`")
+    p.add_argument("--quick", action="store_true", help="tiny preset and small counts (smoke test)")
+    p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "rlserve" / "bench")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.preset, args.batch_prompts, args.n, args.prompt_len, args.new_tokens = "tiny", 2, 2, 16, 8
+    return args
+
+
+def make_workloads(args: argparse.Namespace, vocab_size: int) -> tuple[Workload, list[Workload]]:
+    """A warm-up workload (not timed) and the timed ones. Prompts are fresh random ids, so no run
+    hits a prefix cache left by another."""
+    g = torch.Generator().manual_seed(args.seed)
+
+    def prompts(k: int) -> list[list[int]]:
+        return torch.randint(0, vocab_size, (k, args.prompt_len), generator=g).tolist()
+
+    warmup = Workload("warmup", prompts(1), 2, min(4, args.new_tokens))
+    timed = [
+        Workload("batch", prompts(args.batch_prompts), args.n, args.new_tokens),
+        Workload("single", prompts(1), 1, args.new_tokens),
+    ]
+    return warmup, timed
+
+
+# ---- the systems: each loads its model and returns a runner ---------------------------------
+
+
+def rlserve_runner(model_dir: Path, workloads: list[Workload], args) -> tuple[Runner, dict[str, dict]]:
+    """The runner, and the engine stats of its last run of each workload."""
+    cfg = Config(num_threads=args.threads, seed=args.seed)
+    cfg.model.name = str(model_dir)
+    cfg.model.max_model_len = max(512, max(w.max_len for w in workloads))
+    cfg.engine.kv_cache_bytes = kv_bytes_for(model_dir, workloads, cfg.engine.block_size, cfg.model.max_model_len)
+    engine = Engine(cfg)
+    stats: dict[str, dict] = {}
+
+    def run(w: Workload) -> int:
+        params = SamplingParams(n=w.n, temperature=1.0, max_tokens=w.new_tokens, ignore_eos=True, seed=args.seed)
+        before = asdict(engine.stats)
+        outs = engine.generate(w.prompts, params)
+        stats[w.name] = stats_delta(before, asdict(engine.stats))
+        return sum(len(c.token_ids) for o in outs for c in o.outputs)
+
+    return run, stats
+
+
+def kv_bytes_for(model_dir: Path, workloads: list[Workload], block_size: int, min_tokens: int) -> int:
+    """An fp32 KV pool that holds every sequence of the largest workload unshared, plus slack."""
+    c = json.loads((model_dir / "config.json").read_text())
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    per_token = c["num_hidden_layers"] * 2 * c.get("num_key_value_heads", c["num_attention_heads"]) * head_dim * 4
+    tokens = max(w.num_seqs * (w.max_len + block_size) for w in workloads)
+    return max(tokens, min_tokens + block_size) * per_token
+
+
+def load_hf(model_dir: Path, attn: str) -> transformers.PreTrainedModel:
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn).eval()
+
+
+def generate_runner(model_dir: Path, args) -> Runner:
+    """Static batch: every sequence of a workload in one batch (prompts have equal lengths, so no padding)."""
+    model = load_hf(model_dir, "sdpa")
+    torch.manual_seed(args.seed)
+
+    def run(w: Workload) -> int:
+        ids = torch.tensor(w.prompts)
+        config = GenerationConfig(
+            do_sample=True, temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=w.n,
+            max_new_tokens=w.new_tokens, min_new_tokens=w.new_tokens,  # EOS masked: every row runs to the end
+        )
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
+        return out.shape[0] * (out.shape[1] - ids.shape[1])
+
+    return run
+
+
+def generate_batch_runner(model_dir: Path, args) -> Runner:
+    """Continuous batching, under no_grad: inference_mode fails on CPU."""
+    try:
+        model = load_hf(model_dir, "paged|sdpa")
+    except ValueError:  # a transformers that dropped the "paged|" prefix
+        model = load_hf(model_dir, "sdpa")
+
+    def run(w: Workload) -> int:
+        config = GenerationConfig(
+            do_sample=True, temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=w.n,
+            max_new_tokens=w.new_tokens, eos_token_id=-1,  # -1: no EOS
+        )
+        cb = ContinuousBatchingConfig(
+            page_size=CB_PAGE_SIZE,
+            num_blocks=w.num_seqs * -(-w.max_len // CB_PAGE_SIZE) + 1,  # sized from the workload, not free memory
+            max_batch_tokens=max(256, sum(len(p) for p in w.prompts)),
+            seed=args.seed,
+        )
+        with torch.no_grad():
+            outs = model.generate_batch(w.prompts, generation_config=config, continuous_batching_config=cb)
+        failed = [o.error for o in outs.values() if o.error is not None]
+        if failed or len(outs) != w.num_seqs:
+            raise RuntimeError(f"generate_batch returned {len(outs)}/{w.num_seqs} sequences; errors: {failed[:3]}")
+        return sum(len(o.generated_tokens) for o in outs.values())
+
+    return run
+
+
+# ---- timing and report ----------------------------------------------------------------------
+
+
+def cpu_seconds() -> tuple[float, float] | None:
+    """(busy CPU seconds of the whole machine, of this process); None where /proc/stat is missing."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return None
+    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK"), time.process_time()
+
+
+def measure(system: str, run: Runner, warmup: Workload, timed: list[Workload], repeats: int) -> list[Result]:
+    run(warmup)
+    results = []
+    for w in timed:
+        best = None
+        for _ in range(repeats):
+            c0, t0 = cpu_seconds(), time.perf_counter()
+            tokens = run(w)
+            dt, c1 = time.perf_counter() - t0, cpu_seconds()
+            others = None if c0 is None else max(0.0, (c1[0] - c0[0]) - (c1[1] - c0[1])) / dt
+            if best is None or dt < best.seconds:
+                best = Result(system, w.name, w.num_seqs, tokens, dt, others)
+        results.append(best)
+    return results
+
+
+def stats_delta(before: dict, after: dict) -> dict:
+    """Counters as the run's own increments; gauges (running, usage, blocks) as they are after it."""
+    counters = ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens_computed", "generation_tokens")
+    return {k: after[k] - before[k] if k in counters else after[k] for k in after}
+
+
+def target(r: Result, ours: Result | None) -> str:
+    if r.system == RLSERVE:
+        goal = TARGET_BATCH_TOK_S if r.workload == "batch" else TARGET_SINGLE_TOK_S
+        return f">= {goal:.0f} tok/s: {'met' if r.tok_s >= goal else 'missed'}"
+    goal = {GENERATE: TARGET_VS_GENERATE, GENERATE_BATCH: TARGET_VS_GENERATE_BATCH}[r.system]
+    if r.workload != "batch" or ours is None:
+        return ""
+    return f"rlserve >= {goal:.0f}x: {'met' if ours.tok_s / r.tok_s >= goal else 'missed'}"
+
+
+def report(results: list[Result], stats: dict[str, dict], timed: list[Workload], args) -> None:
+    print(f"\n{'system':<28} {'batch':>5} {'tokens':>7} {'seconds':>8} {'tok/s':>8} {'rlserve/x':>10} {'others':>7}  target")
+    for w in timed:
+        rows = [r for r in results if r.workload == w.name]
+        ours = next((r for r in rows if r.system == RLSERVE), None)
+        for r in rows:
+            ratio = "" if ours is None or r is ours else f"{ours.tok_s / r.tok_s:.1f}x"
+            others = "" if r.others is None else f"{r.others:.2f}"
+            goal = "" if args.quick else target(r, ours)
+            print(f"{r.system:<28} {r.seqs:>5} {r.tokens:>7} {r.seconds:>8.2f} {r.tok_s:>8.1f} {ratio:>10} {others:>7}  {goal}")
+    print(f"others = CPU cores used by other processes during the run (of {os.cpu_count()}): "
+          "well above 0 means the figures are low")
+    if not args.quick:
+        print("targets (from the issue) are for the default workload on a 2-core CPU")
+    for w in timed:
+        print(f"\nrlserve engine stats, {w.name} run ({w.num_seqs} seqs; counters are this run's increments):")
+        print("  " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in stats[w.name].items()))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", message="The `paged|` prefix")  # 5.23 still needs it for generate_batch on CPU
+    model_dir = make_model(args.preset, args.cache_dir / args.preset)
+    warmup, timed = make_workloads(args, json.loads((model_dir / "config.json").read_text())["vocab_size"])
+    print(f"model {args.preset} (random weights, fp32) at {model_dir}")
+    print(f"workload: {args.batch_prompts} prompts x n={args.n}, {args.prompt_len} prompt + {args.new_tokens} new "
+          f"tokens, temperature 1, EOS ignored; then 1 prompt x n=1; best of {args.repeats}")
+    print(f"torch {torch.__version__} ({args.threads} threads, {os.cpu_count()} cores), "
+          f"transformers {transformers.__version__}")
+
+    run, stats = rlserve_runner(model_dir, timed, args)
+    results = measure(RLSERVE, run, warmup, timed, args.repeats)
+    del run  # frees the engine
+    gc.collect()
+    if not args.skip_hf:
+        results += measure(GENERATE, generate_runner(model_dir, args), warmup, timed, args.repeats)
+        gc.collect()
+    if not args.skip_generate_batch:
+        results += measure(GENERATE_BATCH, generate_batch_runner(model_dir, args), warmup, timed, args.repeats)
+    report(results, stats, timed, args)
+
+
+if __name__ == "__main__":
+    main()
