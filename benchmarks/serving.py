@@ -14,14 +14,13 @@ import argparse
 import asyncio
 import os
 import random
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import torch
 
+from _server import rlserve_server
 from rlserve.config import Config
 from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams
@@ -71,21 +70,9 @@ async def _clients(url: str, prompts, args) -> float:
 
 
 def served(model_dir: Path, prompts, args) -> float:
-    cmd = [sys.executable, "-m", "rlserve.cli", "serve", "--server.port", "0", "--model.name", str(model_dir),
-           "--model.max_model_len", str(args.prompt_len + args.new_tokens + 16), "--server.log_level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        url = None
-        for line in proc.stdout:
-            if "rlserve: serving" in line:
-                url = line.split(" on ")[-1].strip()
-                break
-        if url is None:
-            raise RuntimeError("server did not start")
+    with rlserve_server("--model.name", str(model_dir), "--model.max_model_len",
+                        str(args.prompt_len + args.new_tokens + 16), "--server.log_level", "warning") as url:
         return asyncio.run(_clients(url, prompts, args))
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def main() -> None:

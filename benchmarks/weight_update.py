@@ -16,8 +16,6 @@ import json
 import os
 import socket
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from _server import rlserve_server
 from rlserve import weight_transfer
 from rlserve.config import Config
 from rlserve.engine.engine import Engine
@@ -107,27 +106,15 @@ def bench_raw_broadcast(tensors: dict[str, torch.Tensor], bucket_bytes: int, rep
 def bench_push(base: Path, tensors: dict[str, torch.Tensor], bucket_bytes: int, repeats: int) -> float:
     from rlserve.client.weights import WeightBroadcaster
 
-    cmd = [sys.executable, "-m", "rlserve.cli", "serve", "--server.port", "0", "--model.name", str(base),
-           "--model.max_model_len", "256", "--engine.kv_cache_bytes", str(64 << 20)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        url = None
-        for line in proc.stdout:
-            if "rlserve: serving" in line:
-                url = line.split(" on ")[-1].strip()
-                break
-        if url is None:
-            raise RuntimeError("server did not start")
-        times = []
+    times = []
+    with rlserve_server("--model.name", str(base), "--model.max_model_len", "256",
+                        "--engine.kv_cache_bytes", str(64 << 20)) as url:
         with WeightBroadcaster([url], "127.0.0.1", free_port(), bucket_bytes=bucket_bytes) as b:
             for _ in range(repeats):
                 start = time.perf_counter()
                 b.push(tensors.items())
                 times.append(time.perf_counter() - start)
-        return statistics.median(times)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    return statistics.median(times)
 
 
 def main() -> None:

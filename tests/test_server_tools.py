@@ -8,15 +8,10 @@ The tiny model has random weights, so tool calls and reasoning are forced tokens
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import httpx
 import openai
-import pytest
-from conftest import start_server, stop_server
-from transformers import AutoTokenizer
 
-from rlserve.model.make import default_model_dir
 
 MODEL = "rlserve-default"
 EOS = 2043
@@ -28,30 +23,7 @@ TOOLS = [{"type": "function", "function": {
 USER = [{"role": "user", "content": "weather in SF?"}]
 
 
-@pytest.fixture(scope="module")
-def base_url() -> Iterator[str]:
-    url, proc = start_server("--engine.allow-forced-tokens", "--model.tool_call_parser", "hermes",
-                             "--model.reasoning_parser", "qwen3")
-    try:
-        yield url
-    finally:
-        stop_server(proc)
-
-
-@pytest.fixture(scope="module")
-def client(base_url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def http(base_url: str) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=base_url, timeout=60) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return AutoTokenizer.from_pretrained(default_model_dir())
+from parser_server import base_url, client, http, tok  # noqa: E402,F401  (shared fixtures)
 
 
 def forced(tok, text: str, eos: bool = True) -> list[int]:

@@ -7,11 +7,9 @@ each committed one bumps policy_version and the prefix-cache generation.
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
@@ -19,7 +17,7 @@ from fastapi.responses import PlainTextResponse, Response
 from rlserve.engine.weights import WeightUpdateError, check_under_roots
 from rlserve.model.lora import AdapterError, load_peft_adapter
 from rlserve.server.errors import APIError, bad_request
-from rlserve.server.serving import ServerState
+from rlserve.server.serving import ServerState, json_body
 
 router = APIRouter()
 
@@ -34,19 +32,6 @@ ADMIN_PATHS = frozenset({
 
 def _state(request: Request) -> ServerState:
     return request.app.state.rlserve
-
-
-async def _json(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    if not raw.strip():
-        return {}
-    try:
-        body = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise bad_request("request body must be a JSON object")
-    return body
 
 
 def _under_roots(state: ServerState, path: str, field: str) -> Path:
@@ -81,7 +66,7 @@ def _label(body: dict) -> str | None:
 @router.post("/update_weights")
 async def update_weights(request: Request) -> dict:
     """prime-rl {"weight_dir"} (null = receive a trainer push), NexRL {"weight_path"}; §2.0 dispatch."""
-    state, body = _state(request), await _json(request)
+    state, body = _state(request), await json_body(request)
     if "update_info" in body:
         raise bad_request("vLLM's update_info weight transfer is not supported; use /init_broadcaster", "update_info")
     if "weight_path" in body:
@@ -105,7 +90,7 @@ async def update_weights(request: Request) -> dict:
 
 @router.post("/init_broadcaster")
 async def init_broadcaster(request: Request) -> dict:
-    state, body = _state(request), await _json(request)
+    state, body = _state(request), await json_body(request)
     try:
         host, port = str(body["host"]), int(body["port"])
         rank = int(body.get("rank_offset", 0)) + 1
@@ -148,7 +133,7 @@ async def is_paused(request: Request) -> dict:
 
 @router.post("/abort_requests")
 async def abort_requests(request: Request) -> dict:
-    body = await _json(request)
+    body = await json_body(request)
     ids = body.get("request_ids") or []
     engine = _state(request).engine
     if not ids:
@@ -189,7 +174,7 @@ def _name_and_path(body: dict) -> tuple[str, str]:
 
 @router.post("/v1/load_lora_adapter")
 async def load_lora_adapter_v1(request: Request) -> PlainTextResponse:
-    state, body = _state(request), await _json(request)
+    state, body = _state(request), await json_body(request)
     name, path = _name_and_path(body)
     if name in state.engine.engine.adapters and not body.get("load_inplace", False):
         raise bad_request(f"adapter {name!r} is already loaded; send load_inplace=true to replace it", "lora_name")
@@ -200,7 +185,7 @@ async def load_lora_adapter_v1(request: Request) -> PlainTextResponse:
 @router.post("/load_lora_adapter")
 async def load_lora_adapter(request: Request) -> dict:
     """prime-rl / SGLang: always in place under the same name."""
-    state, body = _state(request), await _json(request)
+    state, body = _state(request), await json_body(request)
     name, path = _name_and_path(body)
     version = await _load_adapter(state, name, path, "lora_path")
     return {"status": "ok", "success": True, "message": f"adapter {name!r} loaded", "policy_version": version}
@@ -208,7 +193,7 @@ async def load_lora_adapter(request: Request) -> dict:
 
 @router.post("/v1/unload_lora_adapter")
 async def unload_lora_adapter(request: Request) -> PlainTextResponse:
-    state, body = _state(request), await _json(request)
+    state, body = _state(request), await json_body(request)
     name = body.get("lora_name")
     if name not in state.engine.engine.adapters:
         raise APIError(404, f"adapter {name!r} is not loaded", param="lora_name")
@@ -219,7 +204,7 @@ async def unload_lora_adapter(request: Request) -> PlainTextResponse:
 @router.post("/load_adapter")
 async def load_adapter(request: Request) -> dict:
     """MLX-style: one adapter that every request of the base model uses from now on."""
-    state, body = _state(request), await _json(request)
+    state, body = _state(request), await json_body(request)
     path = body.get("adapter_path")
     if not path:
         raise bad_request("adapter_path is required", "adapter_path")
@@ -284,7 +269,7 @@ async def get_weight_version(request: Request) -> dict:
 @router.post("/update_weight_version")
 async def update_weight_version(request: Request) -> dict:
     """Relabel the current weights; aborts in-flight requests only when asked (§2.15)."""
-    body = await _json(request)
+    body = await json_body(request)
     label = body.get("new_version", body.get("weight_version"))
     if label is None:
         raise bad_request("new_version is required", "new_version")
@@ -301,7 +286,7 @@ async def update_weight_version(request: Request) -> dict:
 
 @router.post("/update_weights_from_disk")
 async def update_weights_from_disk(request: Request) -> dict:
-    state, body = _state(request), await _json(request)
+    state, body = _state(request), await json_body(request)
     if not body.get("model_path"):
         raise bad_request("model_path is required", "model_path")
     aborted = await state.engine.call(lambda e: e.abort_all()) if body.get("abort_all_requests") else 0
@@ -311,7 +296,7 @@ async def update_weights_from_disk(request: Request) -> dict:
 
 @router.post("/abort_request")
 async def abort_request(request: Request) -> Response:
-    body = await _json(request)
+    body = await json_body(request)
     engine = _state(request).engine
     if body.get("abort_all"):
         await engine.call(lambda e: e.abort_all())
@@ -329,7 +314,7 @@ async def flush_cache(request: Request) -> PlainTextResponse:
 
 @router.post("/pause_generation")
 async def pause_generation(request: Request) -> dict:
-    body = await _json(request)
+    body = await json_body(request)
     mode = {"in_place": "keep", "abort": "abort", None: "abort"}.get(body.get("mode"))
     if mode is None:
         raise bad_request(f"mode {body.get('mode')!r} is not supported; use abort or in_place", "mode")

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Any
@@ -13,7 +12,7 @@ from fastapi.responses import JSONResponse
 
 from rlserve.engine.outputs import CompletionOutput, RequestOutput
 from rlserve.engine.params import SamplingParams
-from rlserve.server.errors import APIError, bad_request, from_value_error
+from rlserve.server.errors import bad_request, from_value_error
 from rlserve.server.metrics import weight_version
 from rlserve.server.serving import (
     SAMPLING_FIELDS,
@@ -23,6 +22,7 @@ from rlserve.server.serving import (
     SSEResponse,
     clamp,
     forced_token_ids,
+    json_body,
     logit_bias,
     prompt_logprobs_json,
     run_to_end,
@@ -39,16 +39,6 @@ _PARAM_NAMES = frozenset(SamplingParams.__dataclass_fields__) - {"logprobs_mode"
 
 def _state(request: Request) -> ServerState:
     return request.app.state.rlserve
-
-
-async def _json(request: Request) -> dict[str, Any]:
-    try:
-        body = json.loads(await request.body() or b"{}")
-    except json.JSONDecodeError as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise bad_request("request body must be a JSON object")
-    return body
 
 
 def make_params(fields: dict[str, Any], **overrides: Any) -> SamplingParams:
@@ -89,7 +79,7 @@ def _logprob_content(state: ServerState, comp: CompletionOutput, as_ids: bool) -
 
 @router.post("/inference/v1/generate")
 async def inference_generate(request: Request):
-    state, body = _state(request), await _json(request)
+    state, body = _state(request), await json_body(request)
     state.check_model(body.get("model"))
     state.check_policy_version(body)
     prompt = _token_ids(state, body.get("token_ids"), "token_ids")
@@ -159,7 +149,7 @@ async def _generate_stream(state: ServerState, run: Run, rid: str, as_ids: bool)
 
 @router.post("/generate")
 async def generate(request: Request):
-    state, body = _state(request), await _json(request)
+    state, body = _state(request), await json_body(request)
     state.check_policy_version(body)
     if "prompts" in body:
         return await _trl_generate(request, state, body)

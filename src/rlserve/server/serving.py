@@ -99,6 +99,20 @@ class ServerState:
                 raise bad_request(f"token id {t} in {what} is outside the vocabulary [0, {vocab})", what)
 
 
+async def json_body(request: Request) -> dict[str, Any]:
+    """The body of a route that takes free-form JSON (control and native routes): empty = {}."""
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    return body
+
+
 def request_id(request: Request, body: Any) -> str:
     return request.headers.get("x-request-id") or getattr(body, "request_id", None) or getattr(
         body, "rid", None) or uuid.uuid4().hex
