@@ -52,6 +52,16 @@ def hf_logprobs(hf, prompt: list[int], completion: list[int], temperature: float
     return torch.log_softmax(logits[start : start + len(completion)] / temperature, dim=-1)
 
 
+def assert_matches_hf(hf, prompts, outs):
+    """Greedy tokens equal transformers `generate`; logprobs equal its forward pass."""
+    for prompt, out in zip(prompts, outs):
+        comp = out.outputs[0]
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=len(comp.token_ids), do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert comp.token_ids == ref[0, len(prompt) :].tolist()
+        lp = hf_logprobs(hf, prompt, comp.token_ids).gather(1, torch.tensor(comp.token_ids).unsqueeze(1)).squeeze(1)
+        assert torch.allclose(torch.tensor(comp.logprobs), lp, atol=1e-4)
+
+
 def test_greedy_matches_transformers_generate(engine, hf):
     prompts = random_prompts(6, engine.vocab_size) + [engine.tokenizer.encode("Hello, my name is")]
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 from rlserve.config import Config
 from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams
+from test_engine import assert_matches_hf
 from rlserve.model.make import default_model_dir
 
 SHAPE = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
@@ -36,11 +37,4 @@ def test_family_member_matches_transformers(tmp_path, config_cls):
     engine = Engine(cfg)
     prompts = [[5, 17, 300, 2], [1000, 3, 3, 3, 9, 12, 40]]
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0))
-    for prompt, out in zip(prompts, outs):
-        comp = out.outputs[0]
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert comp.token_ids == ref[0, len(prompt) :].tolist()
-        with torch.no_grad():
-            logits = hf(torch.tensor([prompt + comp.token_ids])).logits[0].float()
-        lp = torch.log_softmax(logits[len(prompt) - 1 : -1], -1).gather(1, torch.tensor(comp.token_ids).unsqueeze(1))
-        assert torch.allclose(torch.tensor(comp.logprobs), lp.squeeze(1), atol=1e-4)
+    assert_matches_hf(hf, prompts, outs)

@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 from rlserve.config import Config
 from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams
+from test_engine import assert_matches_hf
 from rlserve.model.make import make_model
 
 pytestmark = pytest.mark.slow
@@ -28,11 +29,4 @@ def test_greedy_and_logprobs_match_transformers(model_dir):
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompts = [engine.tokenizer.encode("The capital of France is"), [11, 2000, 40000, 7, 123, 999], [42]]
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0))
-    for prompt, out in zip(prompts, outs):
-        comp = out.outputs[0]
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert comp.token_ids == ref[0, len(prompt) :].tolist()
-        with torch.no_grad():
-            logits = hf(torch.tensor([prompt + comp.token_ids])).logits[0].float()
-        lp = torch.log_softmax(logits[len(prompt) - 1 : -1], -1).gather(1, torch.tensor(comp.token_ids).unsqueeze(1))
-        assert torch.allclose(torch.tensor(comp.logprobs), lp.squeeze(1), atol=1e-4)
+    assert_matches_hf(hf, prompts, outs)

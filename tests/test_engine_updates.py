@@ -15,7 +15,7 @@ from rlserve.engine.params import SamplingParams
 from rlserve.engine.weights import WeightUpdateError, check_under_roots, stage_from_dir
 from rlserve.model.lora import AdapterError, load_peft_adapter
 from rlserve.model.make import make_model
-from test_engine import hf_logprobs, make_engine, random_prompts
+from test_engine import assert_matches_hf, hf_logprobs, make_engine, random_prompts
 
 
 @pytest.fixture(scope="module")
@@ -26,15 +26,6 @@ def dirs(tmp_path_factory):
 
 def greedy_with_logprobs(engine, prompts, n=8):
     return engine.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0))
-
-
-def assert_matches_hf(hf, prompts, outs):
-    for prompt, out in zip(prompts, outs):
-        comp = out.outputs[0]
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=len(comp.token_ids), do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert comp.token_ids == ref[0, len(prompt) :].tolist()
-        lp = hf_logprobs(hf, prompt, comp.token_ids).gather(1, torch.tensor(comp.token_ids).unsqueeze(1)).squeeze(1)
-        assert torch.allclose(torch.tensor(comp.logprobs), lp, atol=1e-4)
 
 
 def test_update_from_dir_swaps_weights_and_bumps_version(dirs):
