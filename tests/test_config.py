@@ -294,3 +294,15 @@ def test_console_script_serve_help():
     result = _run("rlserve", "serve", "--help")
     assert result.returncode == 0, result.stderr
     assert "--model.name" in result.stdout
+
+
+def test_serve_with_a_bad_model_exits_with_one_clear_line(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "rlserve.cli", "serve", "--model.name", str(tmp_path / "nope"), "--server.port", "0"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode != 0
+    assert "no such directory" in out.stderr and "Traceback" not in out.stderr

@@ -46,7 +46,13 @@ def resolve_model_dir(name: str | None) -> Path:
         raise ValueError(f"model.name {name!r}: no such directory")
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt"]))
+    try:
+        return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt"]))
+    except Exception as exc:  # offline, unknown repo, gated: one clear line instead of a traceback
+        raise ValueError(
+            f"model.name {name!r} is not a local directory and could not be fetched from the hub ({exc}); "
+            "pass a directory holding config.json and *.safetensors"
+        ) from None
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
