@@ -297,9 +297,11 @@ class Engine:
         # a request whose prompt just finished samples all n first tokens from the same logits row
         rows_seqs: list[Sequence] = []
         row_index: list[int] = []
+        forking: list[Request] = []
         for i, seq in enumerate(seqs):
             req = seq.request
             if seq.index == 0 and not req.forked and len(req.seqs) > 1:
+                forking.append(req)
                 rows_seqs.extend(req.seqs)
                 row_index.extend([i] * len(req.seqs))
             else:
@@ -324,8 +326,8 @@ class Engine:
             req.first_token_time = req.first_token_time or now
             seq.last_token_time = now
             self._check_finish(seq, token)
-        for seq in rows_seqs:
-            seq.request.forked = seq.request.forked or len(seq.request.seqs) > 1 and seq.index > 0
+        for req in forking:
+            req.forked = True
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         p = seq.params
