@@ -46,6 +46,9 @@ class EngineConfig(Section):
         None, ge=1, description="KV-cache pool size in bytes; none = enough for max_num_seqs, capped by memory"
     )
     enable_prefix_caching: bool = Field(True, description="reuse KV of identical prompt prefixes")
+    cascade_attention: bool = Field(
+        True, description="decode attention over a prefix shared by several sequences reads it once (CPU)"
+    )
     logprobs_mode: Literal["processed", "raw"] = Field(
         "processed", description="processed = the distribution sampled from; raw = log_softmax of the logits"
     )

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from rlserve.engine.scheduler import ScheduledBatch
-from rlserve.model.llama import AttentionBatch, CausalLM, PrefillSeq
+from rlserve.model.llama import AttentionBatch, CascadePlan, CausalLM, PrefillSeq
 from rlserve.model.lora import LoraAdapter, LoraBatch
 
 
@@ -25,8 +25,20 @@ def kv_bytes_per_token(model: CausalLM, dtype: torch.dtype) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        model: CausalLM,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        cascade_attention: bool = True,
+    ):
         self.model, self.block_size, self.device = model, block_size, device
+        # the split attention needs the CPU kernel that returns log-sum-exp
+        self.cascade_attention = cascade_attention and device.type == "cpu"
+        self.dtype = dtype
+        model.pack_lm_head()
         s = model.shape
         # [layers, 2, slots, kv_heads, head_dim]; zeros so padded gathers never read NaN garbage
         self.kv_cache = torch.zeros(
@@ -38,6 +50,10 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch, adapters: dict[str, LoraAdapter]) -> StepLogits:
         if batch.block_copies:
             self._copy_blocks(batch.block_copies)
+        cascade = None
+        if len(batch.decodes) > 1 and self.cascade_attention:
+            # rows are reordered for the plan; the batch keeps that order for everything after
+            cascade, batch.decodes = self._cascade_plan(batch.decodes)
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -72,7 +88,7 @@ class ModelRunner:
                 prompt_rows.append((seq, start + 1, q_start, last - start))
 
         decode_blocks = decode_mask = None
-        if batch.decodes:
+        if batch.decodes and cascade is None:
             ctx_lens = [len(s.token_ids) for s in batch.decodes]
             width = -(-max(ctx_lens) // bs)
             decode_blocks = torch.tensor(
@@ -87,6 +103,7 @@ class ModelRunner:
             num_decode=len(batch.decodes),
             decode_blocks=decode_blocks,
             decode_mask=decode_mask,
+            cascade=cascade,
             prefills=prefills,
             block_size=bs,
             lora=self._lora_batch(batch, adapters) if adapters else None,
@@ -100,6 +117,72 @@ class ModelRunner:
             (seq, first, self.model.compute_logits(hidden[q0 : q0 + count])) for seq, first, q0, count in prompt_rows
         ]
         return StepLogits(sample_logits, sample_seqs, prompt_logits)
+
+    def _cascade_plan(self, decodes: list) -> tuple[CascadePlan | None, list]:
+        """Groups of decoding sequences whose tables start with the same full blocks, and the
+        decodes reordered with each group's members together, first; (None, decodes) when no two
+        sequences share a block. A block id shared by two tables is full and immutable (the last,
+        partial block is copied on write), and a block id always sits at the same index."""
+        bs = self.block_size
+        by_first: dict[int, list] = {}
+        for seq in decodes:
+            if len(seq.token_ids) - 1 >= bs:  # at least one full block before the written slot
+                by_first.setdefault(seq.block_table[0], []).append(seq)
+        groups = [(members, self._shared_blocks(members)) for members in by_first.values() if len(members) > 1]
+        if not groups:
+            return None, decodes
+        in_group = {id(s) for members, _ in groups for s in members}
+        ordered = [s for members, _ in groups for s in members] + [s for s in decodes if id(s) not in in_group]
+        grouped = len(in_group)
+        width = max(len(members) for members, _ in groups)
+        query_rows = None
+        if any(len(members) != width for members, _ in groups):
+            rows, start = [], 0
+            for members, _ in groups:
+                rows += list(range(start, start + len(members))) + [grouped] * (width - len(members))
+                start += len(members)
+            query_rows = torch.tensor(rows, device=self.device)
+        prefix_width = max(shared for _, shared in groups)
+        prefix_blocks = [
+            blk for members, shared in groups for blk in members[0].block_table[:shared] + [0] * (prefix_width - shared)
+        ]
+        prefix_mask = None
+        if any(shared != prefix_width for _, shared in groups):
+            valid = torch.arange(prefix_width * bs) < torch.tensor([shared * bs for _, shared in groups]).unsqueeze(1)
+            prefix_mask = self._additive(valid).view(len(groups), 1, 1, -1)
+        prefix_len = [shared for members, shared in groups for _ in members] + [0] * (len(decodes) - grouped)
+        ctx_lens = [len(s.token_ids) for s in ordered]
+        own = [-(-c // bs) - p for c, p in zip(ctx_lens, prefix_len)]
+        suffix_width = max(own)
+        suffix_blocks = [
+            blk for s, p, n in zip(ordered, prefix_len, own) for blk in s.block_table[p : p + n] + [0] * (suffix_width - n)
+        ]
+        start = torch.tensor([p * bs for p in prefix_len]).unsqueeze(1)
+        valid = start + torch.arange(suffix_width * bs) < torch.tensor(ctx_lens).unsqueeze(1)
+        plan = CascadePlan(
+            prefix_blocks=torch.tensor(prefix_blocks, device=self.device),
+            prefix_mask=prefix_mask,
+            group_width=width,
+            num_grouped=grouped,
+            query_rows=query_rows,
+            suffix_blocks=torch.tensor(suffix_blocks, device=self.device),
+            suffix_mask=self._additive(valid).view(len(ordered), 1, 1, -1),
+        )
+        return plan, ordered
+
+    def _shared_blocks(self, members: list) -> int:
+        """Leading blocks common to every member's table, all of them full for every member."""
+        shared = min((len(s.token_ids) - 1) // self.block_size for s in members)
+        first = members[0].block_table
+        for seq in members[1:]:
+            table, i = seq.block_table, 1
+            while i < shared and table[i] == first[i]:
+                i += 1
+            shared = i
+        return shared
+
+    def _additive(self, valid: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(valid.shape, dtype=self.dtype).masked_fill_(~valid, float("-inf")).to(self.device)
 
     def _lora_batch(self, batch: ScheduledBatch, adapters: dict[str, LoraAdapter]) -> LoraBatch | None:
         rows: dict[str, list[int]] = {}

@@ -76,6 +76,25 @@ class PrefillSeq:
 
 
 @dataclass(slots=True)
+class CascadePlan:
+    """Decode attention split in two for sequences that share leading KV blocks (n samples of one
+    prompt, or requests whose prompts hit the same cached prefix): each group's queries attend to
+    the shared prefix together, gathered once, then each sequence to the rest of its own context;
+    the halves are merged by their log-sum-exp. Grouped rows come first in the batch, each group's
+    rows together; groups are padded to the same width."""
+
+    prefix_blocks: torch.Tensor  # [groups * prefix_width] shared blocks of each group, padded
+    prefix_mask: torch.Tensor | None  # [groups, 1, 1, prefix_width * block_size] additive; None = no padding
+    group_width: int  # most members in a group
+    num_grouped: int  # decode rows [0, num_grouped) belong to a group
+    # decode row of each group member, padding rows point at row num_grouped; None when every
+    # group is full width (the grouped rows are then exactly [0, groups * group_width))
+    query_rows: torch.Tensor | None
+    suffix_blocks: torch.Tensor  # [B * suffix_width] each sequence's blocks after its group's prefix
+    suffix_mask: torch.Tensor  # [B, 1, 1, suffix_width * block_size] additive
+
+
+@dataclass(slots=True)
 class AttentionBatch:
     """Where each token's K/V goes and what each query attends to. Decode rows come first."""
 
@@ -85,6 +104,7 @@ class AttentionBatch:
     # time (large contiguous copies), positions past a sequence's context masked out
     decode_blocks: torch.Tensor | None
     decode_mask: torch.Tensor | None  # [num_decode, 1, 1, width * block_size] True = attend
+    cascade: CascadePlan | None
     prefills: list[PrefillSeq]
     block_size: int = 16
     lora: "LoraBatch | None" = None  # adapters by row group, when any request in the step uses one
@@ -185,6 +205,8 @@ class Attention(nn.Module):
         return o
 
     def _decode(self, q, batch: AttentionBatch, k_cache, v_cache):
+        if batch.cascade is not None:
+            return self._decode_cascade(q, batch.cascade, batch.block_size, k_cache, v_cache)
         b, block = q.shape[0], batch.block_size * self.num_kv_heads * self.head_dim
         keys = k_cache.view(-1, block).index_select(0, batch.decode_blocks).view(b, -1, self.num_kv_heads, self.head_dim)
         values = v_cache.view(-1, block).index_select(0, batch.decode_blocks).view(b, -1, self.num_kv_heads, self.head_dim)
@@ -199,6 +221,34 @@ class Attention(nn.Module):
             scale=self.scale,
         )
         return o.reshape(b, self.num_heads, self.head_dim)
+
+    def _decode_cascade(self, q, plan: CascadePlan, block_size: int, k_cache, v_cache):
+        b, nkv, d = q.shape[0], self.num_kv_heads, self.head_dim
+        group, width, grouped = self.num_heads // nkv, plan.group_width, plan.num_grouped
+        block = block_size * nkv * d
+        # each sequence's own blocks
+        keys = k_cache.view(-1, block).index_select(0, plan.suffix_blocks).view(b, -1, nkv, d).transpose(1, 2)
+        values = v_cache.view(-1, block).index_select(0, plan.suffix_blocks).view(b, -1, nkv, d).transpose(1, 2)
+        out, lse = _attention_with_lse(q.reshape(b, nkv, group, d), keys, values, plan.suffix_mask, self.scale)
+        # shared prefixes: the query heads of a group's members become query positions of one attention
+        if plan.query_rows is None:
+            q_rows = q[:grouped]
+        else:
+            q_rows = torch.cat((q[:grouped], q.new_zeros(1, *q.shape[1:]))).index_select(0, plan.query_rows)
+        g = q_rows.shape[0] // width
+        q_prefix = q_rows.view(g, width, nkv, group, d).transpose(1, 2).reshape(g, nkv, width * group, d)
+        keys = k_cache.view(-1, block).index_select(0, plan.prefix_blocks).view(g, -1, nkv, d).transpose(1, 2)
+        values = v_cache.view(-1, block).index_select(0, plan.prefix_blocks).view(g, -1, nkv, d).transpose(1, 2)
+        o_pre, lse_pre = _attention_with_lse(q_prefix, keys, values, plan.prefix_mask, self.scale)
+        o_pre = o_pre.reshape(g, nkv, width, group, d).transpose(1, 2).reshape(g * width, nkv, group, d)
+        lse_pre = lse_pre.reshape(g, nkv, width, group).transpose(1, 2).reshape(g * width, nkv, group)
+        if plan.query_rows is not None:  # back to one row per grouped sequence
+            o_pre = o_pre.new_empty(grouped + 1, nkv, group, d).index_copy_(0, plan.query_rows, o_pre)[:grouped]
+            lse_pre = lse_pre.new_empty(grouped + 1, nkv, group).index_copy_(0, plan.query_rows, lse_pre)[:grouped]
+        # softmax over both halves = the halves weighted by sigmoid of their log-sum-exp difference
+        weight = (lse_pre - lse[:grouped]).sigmoid_().unsqueeze(-1)
+        out[:grouped].lerp_(o_pre, weight)
+        return out.reshape(b, self.num_heads, d)
 
     def _prefill(self, q, k, v, p: PrefillSeq, k_cache, v_cache):
         if p.ctx_slots is None:
@@ -216,6 +266,12 @@ class Attention(nn.Module):
             enable_gqa=True,
         )
         return o.squeeze(0).transpose(0, 1)
+
+
+def _attention_with_lse(q, k, v, mask: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """SDPA that also returns each query's log-sum-exp of scores ([B, H, L, D] and [B, H, L])."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scale)
+    return out, lse
 
 
 class MLP(nn.Module):
@@ -260,6 +316,15 @@ class CausalLM(nn.Module):
         self.norm = nn.Parameter(torch.ones(shape.hidden_size))
         self.lm_head = None if shape.tie_word_embeddings else nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
         self.rope = RotaryEmbedding(shape, device)
+        self.packed_head: PackedLinear | None = None
+
+    def pack_lm_head(self) -> bool:
+        """Use oneDNN's pre-packed weight layout for the vocabulary projection (fp32 on CPU only)."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if weight.device.type != "cpu" or weight.dtype != torch.float32 or not PackedLinear.available():
+            return False
+        self.packed_head = PackedLinear(weight)
+        return True
 
     def forward(self, input_ids, positions, batch: AttentionBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; kv_cache is [layers, 2, slots, kv_heads, head_dim]."""
@@ -270,5 +335,29 @@ class CausalLM(nn.Module):
         return rms_norm(h, self.norm, self.shape.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.packed_head is not None:
+            return self.packed_head(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
+
+
+class PackedLinear:
+    """A bias-free fp32 projection through oneDNN with its weight packed once into the kernel's
+    blocked layout. MKL's sgemm repacks the weight on every call, which dominates at decode batch
+    sizes for the vocabulary projection (~1.4x faster at 64 rows here). The packed copy costs one
+    more weight's memory; it is rebuilt when the weight changes in place (weight updates)."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+        self._packed: torch.Tensor | None = None
+        self._version = -1
+
+    @staticmethod
+    def available() -> bool:
+        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._version != self.weight._version:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 64)
+            self._version = self.weight._version
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, None, "none", [], "")
