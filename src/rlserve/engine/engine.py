@@ -13,6 +13,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from rlserve.config import Config
+from rlserve.engine.allocator import keep_freed_memory
 from rlserve.engine.detokenizer import IncrementalDetokenizer
 from rlserve.engine.kv_cache import BlockPool, extra_key
 from rlserve.engine.outputs import RequestOutput
@@ -67,6 +68,8 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.model_dir: Path = resolve_model_dir(config.model.name)
         self.hf_config = AutoConfig.from_pretrained(self.model_dir, trust_remote_code=config.model.trust_remote_code)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, trust_remote_code=config.model.trust_remote_code)

@@ -65,14 +65,15 @@ class Sampler:
             keep = torch.full((len(forced), scaled.shape[1]), NEG_INF, device=device)
             keep[torch.arange(len(forced)), torch.tensor([t for _, t in forced], device=device)] = 0.0
             scaled = scaled.index_copy(0, rows_idx, keep)
-        tokens = self._draw(scaled, rows, greedy)
+        tokens, lse = self._draw(scaled, rows, greedy)
         # logprobs as x - logsumexp(x) (what log_softmax computes), without materialising the
-        # full log-distribution: one read pass instead of a write pass plus an exp pass
+        # full log-distribution
         token_lp: list[float] | None = None
         k = max((r.num_logprobs or 0) for r in rows)
         top: list[list[tuple[int, float]]] = [[] for _ in range(n)]
         if want_logprobs:
-            lse = torch.logsumexp(scaled, dim=-1, keepdim=True)
+            if lse is None:
+                lse = torch.logsumexp(scaled, dim=-1, keepdim=True)
             lp = scaled.gather(1, tokens.unsqueeze(1)) - lse
             top_v = top_i = None
             if k > 0:
@@ -92,10 +93,19 @@ class Sampler:
                         top[i] = list(zip(ids[i][: r.num_logprobs], values[i][: r.num_logprobs]))
         return SampleResult(tokens.tolist(), token_lp, top)
 
-    def _draw(self, scaled: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]) -> torch.Tensor:
+    def _draw(
+        self, scaled: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Sampled tokens, and each row's log-sum-exp [n, 1] when it came for free (else None)."""
         if all(greedy):
-            return scaled.argmax(dim=-1)
-        cdf = torch.softmax(scaled, dim=-1).cumsum_(dim=-1)
+            return scaled.argmax(dim=-1), None
+        # an unnormalised CDF: u is scaled by its total instead of dividing every probability, and
+        # on CPU the total also gives the log-sum-exp the logprobs need (cumsum accumulates in double
+        # there; CUDA's accumulates in float, so it computes logsumexp separately)
+        top = scaled.amax(dim=-1, keepdim=True)
+        cdf = (scaled - top).exp_().cumsum_(dim=-1)
+        total = cdf[:, -1:]
+        lse = total.log() + top if scaled.device.type == "cpu" else None
         u = torch.empty(len(rows), dtype=torch.float32)
         unseeded = [i for i, r in enumerate(rows) if r.generator is None]
         if unseeded:
@@ -103,14 +113,14 @@ class Sampler:
         for i, r in enumerate(rows):
             if r.generator is not None:
                 u[i] = torch.rand(1, generator=r.generator)[0]
-        u = u.to(scaled.device) * cdf[:, -1]
+        u = u.to(scaled.device) * total.squeeze(1)
         tokens = torch.searchsorted(cdf, u.unsqueeze(1), right=True).squeeze(1).clamp_(max=scaled.shape[1] - 1)
         # rounding at the top of the CDF could land on a masked token: fall back to the mode
         masked = scaled.gather(1, tokens.unsqueeze(1)).squeeze(1) == NEG_INF
         if any(greedy) or bool(masked.any()):
             use_argmax = torch.tensor(greedy, device=scaled.device) | masked
             tokens = torch.where(use_argmax, scaled.argmax(dim=-1), tokens)
-        return tokens
+        return tokens, lse
 
 
 def _penalize(row: torch.Tensor, repetition: float, presence: float, frequency: float,
