@@ -87,3 +87,34 @@ def test_cascade_gives_the_tokens_of_plain_decode(model_dir, cascade_calls):
         assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
         for x, y in zip(a.outputs, b.outputs):
             assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4)
+
+
+def test_reordered_rows_keep_their_adapters(model_dir, hf, tmp_path, cascade_calls):
+    """Grouped rows move to the front of the batch; LoRA row groups must follow them."""
+    from peft import LoraConfig, get_peft_model
+
+    from rlserve.model.lora import load_peft_adapter
+
+    torch.manual_seed(3)
+    cfg = LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), cfg).eval()
+    peft_model.save_pretrained(tmp_path / "adapter")
+    engine = make_engine(model_dir)
+    engine.add_adapter(load_peft_adapter("a", tmp_path / "adapter", engine.shape, engine.dtype, engine.device))
+    prompts = random_prompts(3, engine.vocab_size, lo=20, hi=40, seed=31)
+    # a singleton first, so the groups behind it are moved ahead of it
+    requests = [(prompts[0], 1, "a"), (prompts[1], 4, "a"), (prompts[2], 3, None)]
+    for i, (prompt, n, adapter) in enumerate(requests):
+        params = SamplingParams(n=n, temperature=1.0, max_tokens=12, ignore_eos=True, logprobs=0, seed=i)
+        engine.add_request(str(i), prompt, params, adapter=adapter)
+    outs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out
+    assert cascade_calls
+    for i, (prompt, _, adapter) in enumerate(requests):
+        reference = peft_model if adapter else hf
+        for comp in outs[str(i)].outputs:
+            want = hf_logprobs(reference, prompt, comp.token_ids).gather(1, torch.tensor(comp.token_ids).unsqueeze(1)).squeeze(1)
+            assert torch.allclose(torch.tensor(comp.logprobs), want, atol=1e-4)
