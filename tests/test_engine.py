@@ -356,3 +356,17 @@ def test_penalties_and_logit_bias_shape_the_processed_distribution(engine, hf):
     # a huge bias forces a token
     forced = engine.generate([prompt], SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, logit_bias={42: 100.0}))
     assert forced[0].outputs[0].token_ids == [42, 42, 42]
+
+
+@pytest.mark.parametrize("rows", [1, 4, 5, 16, 56, 57, 64])
+def test_projection_forms_agree(rows):
+    from rlserve.model.llama import SWAPPED_GEMM_ROWS, linear
+
+    gen = torch.Generator().manual_seed(rows)
+    x, weight, bias = torch.randn(rows, 96, generator=gen), torch.randn(160, 96, generator=gen), torch.randn(160, generator=gen)
+    out = linear(x, weight, bias)
+    assert out.shape == (rows, 160)
+    assert torch.allclose(out, torch.nn.functional.linear(x, weight, bias), atol=1e-5)
+    # the swapped form hands back a transposed view; callers must not assume contiguity
+    if rows > 1:
+        assert (linear(x, weight).stride(0) == 1) == (rows in SWAPPED_GEMM_ROWS)
