@@ -112,8 +112,8 @@ class AttentionBatch:
 
 # MKL's CPU sgemm computes x @ W^T 1.3-1.9x faster for 5 to 56 rows of x when it is asked for
 # (W @ x^T)^T: for the row-major x @ W^T form with few rows it picks a poor blocking (measured with
-# torch 2.13's MKL on AVX-512 for every projection shape of a SmolLM2-135M; at 1-4 and at 60-64+
-# rows the two forms are even or the plain one wins). The result is a transposed view; an MLP's
+# torch 2.13's MKL on AVX-512 for every projection shape of a SmolLM2-135M; at 1-4 rows and from
+# 57 rows the plain form is as fast or faster). The result is a transposed view; an MLP's
 # activation then reaches the down projection already in the layout the swapped form wants.
 SWAPPED_GEMM_ROWS = range(5, 57)
 
@@ -285,8 +285,7 @@ class Attention(nn.Module):
 
 def _attention_with_lse(q, k, v, mask: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """SDPA that also returns each query's log-sum-exp of scores ([B, H, L, D] and [B, H, L])."""
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scale)
-    return out, lse
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scale)
 
 
 class MLP(nn.Module):
