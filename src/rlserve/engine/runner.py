@@ -24,6 +24,12 @@ def kv_bytes_per_token(model: CausalLM, dtype: torch.dtype) -> int:
     return s.num_layers * 2 * s.num_kv_heads * s.head_dim * torch.finfo(dtype).bits // 8
 
 
+def padded_blocks(blocks: list[int], width: int) -> list[int]:
+    """The first `width` block ids, padded with block 0 (padding is always masked out)."""
+    blocks = blocks[:width]
+    return blocks + [0] * (width - len(blocks))
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -92,7 +98,7 @@ class ModelRunner:
             ctx_lens = [len(s.token_ids) for s in batch.decodes]
             width = -(-max(ctx_lens) // bs)
             decode_blocks = torch.tensor(
-                [s.block_table[:width] + [0] * (width - len(s.block_table[:width])) for s in batch.decodes],
+                [padded_blocks(s.block_table, width) for s in batch.decodes],
                 device=self.device,
             ).view(-1)
             lens = torch.tensor(ctx_lens, device=self.device)
@@ -144,7 +150,7 @@ class ModelRunner:
             query_rows = torch.tensor(rows, device=self.device)
         prefix_width = max(shared for _, shared in groups)
         prefix_blocks = [
-            blk for members, shared in groups for blk in members[0].block_table[:shared] + [0] * (prefix_width - shared)
+            blk for members, shared in groups for blk in padded_blocks(members[0].block_table[:shared], prefix_width)
         ]
         prefix_mask = None
         if any(shared != prefix_width for _, shared in groups):
@@ -155,7 +161,7 @@ class ModelRunner:
         own = [-(-c // bs) - p for c, p in zip(ctx_lens, prefix_len)]
         suffix_width = max(own)
         suffix_blocks = [
-            blk for s, p, n in zip(ordered, prefix_len, own) for blk in s.block_table[p : p + n] + [0] * (suffix_width - n)
+            blk for s, p, n in zip(ordered, prefix_len, own) for blk in padded_blocks(s.block_table[p : p + n], suffix_width)
         ]
         start = torch.tensor([p * bs for p in prefix_len]).unsqueeze(1)
         valid = start + torch.arange(suffix_width * bs) < torch.tensor(ctx_lens).unsqueeze(1)
@@ -204,8 +210,7 @@ class ModelRunner:
         context point at real slots of its own blocks or block 0 and are masked out."""
         bs = self.block_size
         width = -(-max_ctx // bs)
-        padded = [t[:width] + [0] * (width - len(t[:width])) for t in tables]
-        blocks = torch.tensor(padded, device=self.device)
+        blocks = torch.tensor([padded_blocks(t, width) for t in tables], device=self.device)
         slots = (blocks.unsqueeze(2) * bs + self._block_offsets).view(len(tables), -1)[:, :max_ctx]
         return slots.reshape(-1)
 
