@@ -370,3 +370,30 @@ def test_projection_forms_agree(rows):
     # the swapped form hands back a transposed view; callers must not assume contiguity
     if rows > 1:
         assert (linear(x, weight).stride(0) == 1) == (rows in SWAPPED_GEMM_ROWS)
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="packed projections need MKL")
+def test_packed_projection_matches_sgemm_and_follows_weight_changes():
+    from rlserve.model.llama import Projection
+
+    gen = torch.Generator().manual_seed(0)
+    proj = Projection(96, 160, bias=True)
+    assert proj.pack()
+    with torch.no_grad():
+        for rows in (1, 2, 5, 16, 57, 64, 130):
+            x = torch.randn(rows, 96, generator=gen)
+            assert torch.allclose(proj(x), torch.nn.functional.linear(x, proj.weight, proj.bias), atol=1e-5)
+        x = torch.randn(8, 96, generator=gen)
+        proj.weight[:, :48].mul_(2.0)  # an in-place update through a view (how weight updates land)
+        assert torch.allclose(proj(x), torch.nn.functional.linear(x, proj.weight, proj.bias), atol=1e-5)
+        proj.weight = torch.nn.Parameter(torch.randn(160, 96, generator=gen))  # a replaced parameter
+        assert torch.allclose(proj(x), torch.nn.functional.linear(x, proj.weight, proj.bias), atol=1e-5)
+
+
+def test_pack_weights_setting_decides_the_projection_path(model_dir):
+    packed = make_engine(model_dir).model
+    plain = make_engine(model_dir, pack_weights=False).model
+    expect = torch.backends.mkl.is_available()
+    assert (packed.layers[0].mlp.down_proj.packed is not None) == expect
+    assert (packed.packed_head is not None) == expect
+    assert plain.layers[0].mlp.down_proj.packed is None and plain.packed_head is None

@@ -49,6 +49,11 @@ class EngineConfig(Section):
     cascade_attention: bool = Field(
         True, description="decode attention over a prefix shared by several sequences reads it once (CPU)"
     )
+    pack_weights: bool = Field(
+        True,
+        description="fp32 on CPU: keep a second, MKL-packed copy of every projection's weight "
+        "(1.3-2.3x faster decode matmuls; costs the weights' size again in memory)",
+    )
     logprobs_mode: Literal["processed", "raw"] = Field(
         "processed", description="processed = the distribution sampled from; raw = log_softmax of the logits"
     )

@@ -1,11 +1,11 @@
 """Keep freed host memory in the process instead of handing it back to the kernel.
 
-A CPU decode step allocates the same few multi-megabyte tensors every time (logits, gathered KV,
-MLP activations). glibc serves blocks that large with fresh mmaps, or trims them off the heap top
-when freed, so each step page-faults its working set in again: ~6,000 faults per decode step and
-~90,000 per 512-token prefill for the SmolLM2-135M shape. Raising the mmap and trim thresholds
-keeps the pages mapped and reused; the price is that the heap stays at its peak size.
-"""
+A CPU step allocates the same multi-megabyte buffers every time. glibc serves blocks that large
+with fresh mmaps, or trims them off the heap top when freed, so each step page-faults its working
+set in again. With unpacked weights (`engine.pack_weights` off, or not fp32) MKL's sgemm packs
+every weight into such a buffer on each call: ~3,000 faults per decode step for the SmolLM2-135M
+shape at 32 sequences. Raising the mmap and trim thresholds keeps the pages mapped and reused;
+the price is that the heap stays at its peak size."""
 
 from __future__ import annotations
 

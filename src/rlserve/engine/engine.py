@@ -89,7 +89,13 @@ class Engine:
         self.pool = BlockPool(num_blocks, ec.block_size, ec.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, ec.max_num_seqs, ec.max_num_batched_tokens, self._cache_key)
         self.runner = ModelRunner(
-            self.model, num_blocks, ec.block_size, self.dtype, self.device, cascade_attention=ec.cascade_attention
+            self.model,
+            num_blocks,
+            ec.block_size,
+            self.dtype,
+            self.device,
+            cascade_attention=ec.cascade_attention,
+            pack_weights=ec.pack_weights,
         )
         self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
         self.policy_version = 0

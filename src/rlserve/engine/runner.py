@@ -39,12 +39,14 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         cascade_attention: bool = True,
+        pack_weights: bool = True,
     ):
         self.model, self.block_size, self.device = model, block_size, device
         # the split attention needs the CPU kernel that returns log-sum-exp
         self.cascade_attention = cascade_attention and device.type == "cpu"
         self.dtype = dtype
-        model.pack_lm_head()
+        if pack_weights:
+            model.pack_weights()
         s = model.shape
         # [layers, 2, slots, kv_heads, head_dim]; zeros so padded gathers never read NaN garbage
         self.kv_cache = torch.zeros(

@@ -1,7 +1,7 @@
 """Weight updates: validate everything first, then swap at a step boundary, then bump the version.
 
 Reading a checkpoint happens off the engine thread; only `commit` (a memcpy into the live
-parameters plus the version bump) runs between two engine steps, so no forward pass mixes weights.
+parameters, a repack of their CPU packed copies, the version bump) runs between two engine steps, so no forward pass mixes weights.
 """
 
 from __future__ import annotations
@@ -101,3 +101,4 @@ def commit(model: CausalLM, staged: StagedWeights) -> None:
     params = dict(model.named_parameters())
     for name, tensor in staged.tensors.items():
         target_of(model, params, name).copy_(tensor)
+    model.refresh_packed()
