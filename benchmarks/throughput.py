@@ -17,7 +17,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -44,9 +44,17 @@ CB_PAGE_SIZE = 32  # tokens per generate_batch cache page; the default 256 waste
 @dataclass(slots=True)
 class Workload:
     name: str  # "warmup", "batch" or "single"
-    prompts: list[list[int]]
+    prompt_sets: list[list[list[int]]]  # the prompts of each timed repeat: fresh ones every time
     n: int
     new_tokens: int
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        return self.prompt_sets[0]
+
+    def repeat(self, i: int) -> "Workload":
+        """The workload of the i-th timed run; a repeat never hits a prefix cache an earlier one left."""
+        return replace(self, prompt_sets=[self.prompt_sets[i]])
 
     @property
     def num_seqs(self) -> int:
@@ -54,7 +62,7 @@ class Workload:
 
     @property
     def max_len(self) -> int:
-        return max(len(p) for p in self.prompts) + self.new_tokens
+        return max(len(p) for prompts in self.prompt_sets for p in prompts) + self.new_tokens
 
 
 @dataclass(slots=True)
@@ -102,10 +110,10 @@ def make_workloads(args: argparse.Namespace, vocab_size: int) -> tuple[Workload,
     def prompts(k: int) -> list[list[int]]:
         return torch.randint(0, vocab_size, (k, args.prompt_len), generator=g).tolist()
 
-    warmup = Workload("warmup", prompts(1), 2, min(4, args.new_tokens))
+    warmup = Workload("warmup", [prompts(1)], 2, min(4, args.new_tokens))
     timed = [
-        Workload("batch", prompts(args.batch_prompts), args.n, args.new_tokens),
-        Workload("single", prompts(1), 1, args.new_tokens),
+        Workload("batch", [prompts(args.batch_prompts) for _ in range(args.repeats)], args.n, args.new_tokens),
+        Workload("single", [prompts(1) for _ in range(args.repeats)], 1, args.new_tokens),
     ]
     return warmup, timed
 
@@ -208,9 +216,9 @@ def measure(system: str, run: Runner, warmup: Workload, timed: list[Workload], r
     results = []
     for w in timed:
         best = None
-        for _ in range(repeats):
+        for i in range(repeats):
             c0, t0 = cpu_seconds(), time.perf_counter()
-            tokens = run(w)
+            tokens = run(w.repeat(i))
             dt, c1 = time.perf_counter() - t0, cpu_seconds()
             others = None if c0 is None else max(0.0, (c1[0] - c0[0]) - (c1[1] - c0[1])) / dt
             if best is None or dt < best.seconds:
