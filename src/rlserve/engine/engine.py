@@ -97,6 +97,8 @@ class Engine:
             cascade_attention=ec.cascade_attention,
             pack_weights=ec.pack_weights,
         )
+        if self.device.type == "cuda" and not config.model.enforce_eager:
+            self.runner.use_decode_graphs(ec.max_num_seqs, self.max_model_len)
         self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
         self.policy_version = 0
         self.weight_version = config.weight_version  # the trainer's label for the current weights

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlserve.engine.graphs import DecodeGraphs
 from rlserve.engine.scheduler import ScheduledBatch
 from rlserve.model.llama import AttentionBatch, CascadePlan, CausalLM, PrefillSeq
 from rlserve.model.lora import LoraAdapter, LoraBatch
@@ -48,11 +49,19 @@ class ModelRunner:
         if pack_weights:
             model.pack_weights()
         s = model.shape
-        # [layers, 2, slots, kv_heads, head_dim]; zeros so padded gathers never read NaN garbage
+        # [layers, 2, slots, kv_heads, head_dim]; zeros so padded gathers never read NaN garbage.
+        # One block more than the pool hands out: the scratch block padded graph rows write to.
+        self.scratch_block = num_blocks
         self.kv_cache = torch.zeros(
-            s.num_layers, 2, num_blocks * block_size, s.num_kv_heads, s.head_dim, dtype=dtype, device=device
+            s.num_layers, 2, (num_blocks + 1) * block_size, s.num_kv_heads, s.head_dim, dtype=dtype, device=device
         )
         self._block_offsets = torch.arange(block_size, device=device)
+        self.graphs: DecodeGraphs | None = None
+
+    def use_decode_graphs(self, max_batch: int, max_model_len: int, capture: bool = True) -> None:
+        """Run decode-only steps through static-shape forwards, captured as CUDA graphs (`capture`)."""
+        max_blocks = -(-max_model_len // self.block_size)
+        self.graphs = DecodeGraphs(self.model, self.kv_cache, self.block_size, self.scratch_block, max_batch, max_blocks, capture)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, adapters: dict[str, LoraAdapter]) -> StepLogits:
@@ -95,10 +104,16 @@ class ModelRunner:
                 last = min(ctx, seq.num_prompt_tokens - 1)  # rows predicting prompt tokens start+1 .. last
                 prompt_rows.append((seq, start + 1, q_start, last - start))
 
+        lora = self._lora_batch(batch, adapters) if adapters else None
         decode_blocks = decode_mask = None
         if batch.decodes and cascade is None:
             ctx_lens = [len(s.token_ids) for s in batch.decodes]
             width = -(-max(ctx_lens) // bs)
+            key = None if prefills or lora or self.graphs is None else self.graphs.bucket(len(ctx_lens), width)
+            if key is not None:
+                tables = [s.block_table for s in batch.decodes]
+                hidden = self.graphs.forward(key, input_ids, positions, slots, tables)
+                return StepLogits(self.model.compute_logits(hidden), sample_seqs, [])
             decode_blocks = torch.tensor(
                 [padded_blocks(s.block_table, width) for s in batch.decodes],
                 device=self.device,
@@ -114,7 +129,7 @@ class ModelRunner:
             cascade=cascade,
             prefills=prefills,
             block_size=bs,
-            lora=self._lora_batch(batch, adapters) if adapters else None,
+            lora=lora,
         )
         hidden = self.model(
             torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device), attn, self.kv_cache
