@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlserve.config import Config
+from rlserve.engine.engine import Engine
 from rlserve.engine.graphs import MAX_GATHERED_TOKENS, DecodeGraphs, batch_bucket, width_bucket
 from rlserve.engine.params import SamplingParams
 from test_engine import hf, hf_logprobs, make_engine, model_dir, random_prompts  # noqa: F401 (fixtures)
@@ -76,11 +78,11 @@ def test_greedy_tokens_equal_the_eager_engine(model_dir, counted):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graphs_match_eager_decode(model_dir):
-    def engine_on_gpu(enforce_eager: bool):
-        engine = make_engine(model_dir)
-        cfg = engine.config.model_copy(deep=True)
+    def engine_on_gpu(enforce_eager: bool) -> Engine:
+        cfg = Config()
+        cfg.model.name, cfg.model.max_model_len, cfg.engine.kv_cache_bytes = str(model_dir), 1024, 32 << 20
         cfg.model.device, cfg.model.enforce_eager = "cuda", enforce_eager
-        return type(engine)(cfg)
+        return Engine(cfg)
 
     # 8 sequences fill the 8-row graph: the same GEMM shapes as eager, so bf16 rounding agrees
     prompts = random_prompts(8, 2048, lo=5, hi=40, seed=13)
