@@ -397,3 +397,19 @@ def test_pack_weights_setting_decides_the_projection_path(model_dir):
     assert (packed.layers[0].mlp.down_proj.packed is not None) == expect
     assert (packed.packed_head is not None) == expect
     assert plain.layers[0].mlp.down_proj.packed is None and plain.packed_head is None
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="packed projections need MKL")
+def test_weights_stay_unpacked_when_the_copy_would_not_fit(model_dir, monkeypatch, caplog):
+    import rlserve.engine.runner as runner_module
+
+    engine = make_engine(model_dir)
+    need = engine.model.packable_bytes()
+    assert need > 0
+    monkeypatch.setattr(runner_module, "available_memory_bytes", lambda: 2 * need - 1)
+    with caplog.at_level("WARNING"):
+        tight = make_engine(model_dir)
+    assert tight.model.packed_head is None and tight.model.layers[0].self_attn.qkv_proj.packed is None
+    assert "not packing the weights" in caplog.text
+    monkeypatch.setattr(runner_module, "available_memory_bytes", lambda: 2 * need)
+    assert make_engine(model_dir).model.packed_head is not None

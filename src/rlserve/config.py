@@ -52,7 +52,8 @@ class EngineConfig(Section):
     pack_weights: bool = Field(
         True,
         description="fp32 on CPU: keep a second, MKL-packed copy of every projection's weight "
-        "(1.3-2.3x faster decode matmuls; costs the weights' size again in memory)",
+        "(1.3-2.3x faster decode matmuls; costs the weights' size again in memory, and is skipped "
+        "when that is more than half the available memory)",
     )
     logprobs_mode: Literal["processed", "raw"] = Field(
         "processed", description="processed = the distribution sampled from; raw = log_softmax of the logits"

@@ -45,3 +45,15 @@ def keep_freed_memory() -> bool:
         log.debug("mallopt refused a setting; freed memory may be returned to the kernel")
     _done = ok
     return ok
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (free plus reclaimable); None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
+from rlserve.engine.allocator import available_memory_bytes
 from rlserve.engine.graphs import DecodeGraphs
 from rlserve.engine.scheduler import ScheduledBatch
 from rlserve.model.llama import AttentionBatch, CascadePlan, CausalLM, PrefillSeq
 from rlserve.model.lora import LoraAdapter, LoraBatch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -47,7 +51,7 @@ class ModelRunner:
         self.cascade_attention = cascade_attention and device.type == "cpu"
         self.dtype = dtype
         if pack_weights:
-            model.pack_weights()
+            self._pack_weights_if_they_fit()
         s = model.shape
         # [layers, 2, slots, kv_heads, head_dim]; zeros so padded gathers never read NaN garbage.
         # One block more than the pool hands out: the scratch block padded graph rows write to.
@@ -57,6 +61,18 @@ class ModelRunner:
         )
         self._block_offsets = torch.arange(block_size, device=device)
         self.graphs: DecodeGraphs | None = None
+
+    def _pack_weights_if_they_fit(self) -> None:
+        """Packed copies double the weights' memory: take at most half of what is available, so
+        the KV pool and activations still fit."""
+        need, available = self.model.packable_bytes(), available_memory_bytes()
+        if need and available is not None and need > available // 2:
+            log.warning(
+                "not packing the weights: the packed copies need %.1f GiB and %.1f GiB of memory is "
+                "available (set engine.pack_weights=false to silence this)", need / 2**30, available / 2**30
+            )
+            return
+        self.model.pack_weights()
 
     def use_decode_graphs(self, max_batch: int, max_model_len: int, capture: bool = True) -> None:
         """Run decode-only steps through static-shape forwards, captured as CUDA graphs (`capture`)."""

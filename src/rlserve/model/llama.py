@@ -399,6 +399,11 @@ class CausalLM(nn.Module):
         self.rope = RotaryEmbedding(shape, device)
         self.packed_head: PackedWeight | None = None
 
+    def packable_bytes(self) -> int:
+        """Memory that `pack_weights` would take (a second copy of each weight it can pack)."""
+        weights = [m.weight for m in self.modules() if isinstance(m, Projection)] + [self.head_weight]
+        return sum(w.numel() * w.element_size() for w in weights if PackedWeight.supported(w))
+
     def pack_weights(self) -> int:
         """Keep MKL-packed copies of every projection's weight (fp32 on CPU); how many were packed."""
         packed = sum(m.pack() for m in self.modules() if isinstance(m, Projection))
