@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from rlserve.engine.kv_cache import padded_blocks
 from rlserve.model.llama import AttentionBatch, CausalLM
 
 # Sequences per graph: every size up to 8, then steps of 16 (padding wastes at most 15 rows).
@@ -79,7 +80,7 @@ class DecodeGraphs:
         b, w = key
         n, pad = len(input_ids), b - len(input_ids)
         bs, scratch = self.block_size, self.scratch_block
-        rows = [table[:w] + [scratch] * (w - len(table[:w])) for table in tables] + [[scratch] * w] * pad
+        rows = [padded_blocks(table, w) for table in tables] + [[scratch] * w] * pad
         host = torch.tensor(
             [input_ids + [0] * pad, positions + [0] * pad, slots + [scratch * bs] * pad, [p + 1 for p in positions] + [1] * pad]
         )

@@ -24,6 +24,12 @@ def extra_key(weight_generation: int, adapter: str | None, adapter_generation: i
     return f"w{weight_generation}|a{adapter or ''}#{adapter_generation}|s{cache_salt if cache_salt is not None else ''}".encode()
 
 
+def padded_blocks(blocks: list[int], width: int) -> list[int]:
+    """The first `width` block ids, padded with block 0 (padding is always masked out)."""
+    blocks = blocks[:width]
+    return blocks + [0] * (width - len(blocks))
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool):
         self.num_blocks, self.block_size, self.enable_caching = num_blocks, block_size, enable_caching

@@ -9,6 +9,7 @@ import torch
 
 from rlserve.engine.allocator import available_memory_bytes
 from rlserve.engine.graphs import DecodeGraphs
+from rlserve.engine.kv_cache import padded_blocks
 from rlserve.engine.scheduler import ScheduledBatch
 from rlserve.model.llama import AttentionBatch, CascadePlan, CausalLM, PrefillSeq
 from rlserve.model.lora import LoraAdapter, LoraBatch
@@ -27,12 +28,6 @@ class StepLogits:
 def kv_bytes_per_token(model: CausalLM, dtype: torch.dtype) -> int:
     s = model.shape
     return s.num_layers * 2 * s.num_kv_heads * s.head_dim * torch.finfo(dtype).bits // 8
-
-
-def padded_blocks(blocks: list[int], width: int) -> list[int]:
-    """The first `width` block ids, padded with block 0 (padding is always masked out)."""
-    blocks = blocks[:width]
-    return blocks + [0] * (width - len(blocks))
 
 
 class ModelRunner:
