@@ -1,4 +1,7 @@
-"""Cascade decode attention: sequences sharing leading KV blocks attend to them once, together."""
+"""Cascade decode attention: sequences sharing leading KV blocks attend to them once, together.
+
+The split is the decode path when the C attention kernel is off or cannot be built, so these
+engines turn the kernel off."""
 
 from __future__ import annotations
 
@@ -9,7 +12,12 @@ from transformers import AutoModelForCausalLM
 from rlserve.engine.params import SamplingParams
 from rlserve.model.llama import Attention
 from rlserve.model.make import make_model
-from test_engine import hf_logprobs, make_engine, random_prompts
+from test_engine import hf_logprobs, random_prompts
+from test_engine import make_engine as make_any_engine
+
+
+def make_engine(model_dir, **engine):
+    return make_any_engine(model_dir, cpu_attention_kernel=False, **engine)
 
 
 @pytest.fixture(scope="module")
@@ -83,10 +91,14 @@ def test_cascade_gives_the_tokens_of_plain_decode(model_dir, cascade_calls):
     assert not cascade_calls
     split = run(make_engine(model_dir), prompts, params)
     assert cascade_calls
-    for a, b in zip(plain, split):
-        assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
-        for x, y in zip(a.outputs, b.outputs):
+    calls = len(cascade_calls)
+    kernel = run(make_any_engine(model_dir), prompts, params)  # the C kernel's engine never splits
+    assert len(cascade_calls) == calls
+    for a, b, c in zip(plain, split, kernel):
+        assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs] == [o.token_ids for o in c.outputs]
+        for x, y, z in zip(a.outputs, b.outputs, c.outputs):
             assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4)
+            assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(z.logprobs), atol=1e-4)
 
 
 def test_reordered_rows_keep_their_adapters(model_dir, hf, tmp_path, cascade_calls):

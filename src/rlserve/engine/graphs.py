@@ -105,6 +105,7 @@ class DecodeGraphs:
             num_decode=b,
             decode_blocks=self.blocks[: b * w],
             decode_mask=mask,
+            decode_lens=self.context_lens[:b],
             cascade=None,
             prefills=[],
             block_size=self.block_size,

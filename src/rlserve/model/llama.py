@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
+    from rlserve.model.cpu_kernels import PagedAttention
     from rlserve.model.lora import LoraBatch
 
 log = logging.getLogger(__name__)
@@ -107,11 +108,14 @@ class AttentionBatch:
     # [num_decode * width] each decode sequence's KV blocks, padded; gathered whole blocks at a
     # time (large contiguous copies), positions past a sequence's context masked out
     decode_blocks: torch.Tensor | None
-    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, width * block_size] True = attend
+    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, width * block_size] True = attend; None with decode_kernel
+    decode_lens: torch.Tensor | None  # [num_decode] context length of each decode row
     cascade: CascadePlan | None
     prefills: list[PrefillSeq]
     block_size: int = 16
-    lora: "LoraBatch | None" = None  # adapters by row group, when any request in the step uses one
+    lora: "LoraBatch | None" = None
+    # decode attention straight from the paged cache (cpu_kernels.PagedAttention); None = gather + SDPA
+    decode_kernel: "PagedAttention | None" = None  # adapters by row group, when any request in the step uses one
 
 
 # MKL's CPU sgemm computes x @ W^T 1.3-1.9x faster for 5 to 56 rows of x when it is asked for
@@ -289,6 +293,9 @@ class Attention(nn.Module):
     def _decode(self, q, batch: AttentionBatch, k_cache, v_cache):
         if batch.cascade is not None:
             return self._decode_cascade(q, batch.cascade, batch.block_size, k_cache, v_cache)
+        if batch.decode_kernel is not None:
+            blocks = batch.decode_blocks.view(q.shape[0], -1)
+            return batch.decode_kernel(q, k_cache, v_cache, blocks, batch.decode_lens, batch.block_size, self.scale)
         b, block = q.shape[0], batch.block_size * self.num_kv_heads * self.head_dim
         keys = k_cache.view(-1, block).index_select(0, batch.decode_blocks).view(b, -1, self.num_kv_heads, self.head_dim)
         values = v_cache.view(-1, block).index_select(0, batch.decode_blocks).view(b, -1, self.num_kv_heads, self.head_dim)
