@@ -92,7 +92,7 @@ def test_engine_decodes_through_the_kernel_with_exact_logprobs(model_dir, kernel
 
 
 def test_without_a_compiler_the_engine_falls_back_to_sdpa(model_dir, tmp_path, monkeypatch, caplog):
-    monkeypatch.setenv("RLSERVE_CACHE", str(tmp_path))  # nothing built there yet
+    monkeypatch.setenv("RLSERVE_CACHE_DIR", str(tmp_path))  # nothing built there yet
     monkeypatch.setenv("CC", "/bin/false")  # a "compiler" that always fails
     paged_attention.cache_clear()
     try:
@@ -110,7 +110,7 @@ def test_without_a_compiler_the_engine_falls_back_to_sdpa(model_dir, tmp_path, m
 
 
 def test_the_library_is_built_once_and_reused(tmp_path, monkeypatch):
-    monkeypatch.setenv("RLSERVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("RLSERVE_CACHE_DIR", str(tmp_path))
     cc = cpu_kernels._compiler()
     first = cpu_kernels._build(cc)
     stamp = first.stat().st_mtime_ns

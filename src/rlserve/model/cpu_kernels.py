@@ -4,7 +4,7 @@ Only what PyTorch has no fast op for: decode attention that reads K/V where they
 paged cache (`kernels/paged_attention.c`). The eager alternative gathers every sequence's blocks
 into a contiguous copy for SDPA, reading the cache, writing it and reading it again.
 
-The shared library is cached under `$RLSERVE_CACHE/kernels` (default ~/.cache/rlserve), keyed by
+The shared library is cached under `$RLSERVE_CACHE_DIR/kernels` (default ~/.cache/rlserve), keyed by
 the source, the compiler and the machine; `-march=native` code never moves to another CPU kind.
 Where there is no compiler, or the build or its self-check fails, callers get None and keep the
 eager path (logged once).
@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from rlserve.model.make import cache_root
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels") / "paged_attention.c"
@@ -33,8 +35,7 @@ FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-f
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("RLSERVE_CACHE") or Path.home() / ".cache" / "rlserve"
-    return Path(root) / "kernels"
+    return cache_root() / "kernels"
 
 
 def _compiler() -> str | None:

@@ -321,10 +321,14 @@ def make_model(preset: str, out_dir: str | Path, seed: int = 0) -> Path:
     return out
 
 
+def cache_root() -> Path:
+    """Where rlserve keeps what it builds: $RLSERVE_CACHE_DIR, or ~/.cache/rlserve."""
+    return Path(os.environ.get("RLSERVE_CACHE_DIR") or Path.home() / ".cache" / "rlserve").expanduser()
+
+
 def default_model_dir() -> Path:
     """The embedded tiny model, built once into $RLSERVE_CACHE_DIR (or ~/.cache/rlserve)."""
-    root = Path(os.environ.get("RLSERVE_CACHE_DIR") or Path.home() / ".cache" / "rlserve")
-    return make_model("tiny", root.expanduser() / "models" / f"tiny-v{FORMAT_VERSION}")
+    return make_model("tiny", cache_root() / "models" / f"tiny-v{FORMAT_VERSION}")
 
 
 def make_model_main(argv: list[str] | None = None) -> int:
