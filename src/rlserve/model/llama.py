@@ -113,9 +113,9 @@ class AttentionBatch:
     cascade: CascadePlan | None
     prefills: list[PrefillSeq]
     block_size: int = 16
-    lora: "LoraBatch | None" = None
+    lora: "LoraBatch | None" = None  # adapters by row group, when any request in the step uses one
     # decode attention straight from the paged cache (cpu_kernels.PagedAttention); None = gather + SDPA
-    decode_kernel: "PagedAttention | None" = None  # adapters by row group, when any request in the step uses one
+    decode_kernel: "PagedAttention | None" = None
 
 
 # MKL's CPU sgemm computes x @ W^T 1.3-1.9x faster for 5 to 56 rows of x when it is asked for
