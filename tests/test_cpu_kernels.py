@@ -1,4 +1,5 @@
-"""The C decode-attention kernel: equal to gather + SDPA, used by the engine, and a clean fallback."""
+"""The C kernels: each equal to the PyTorch ops it replaces, used by the engine with exact
+logprobs, and a clean fallback where they cannot be built."""
 
 from __future__ import annotations
 
@@ -8,17 +9,18 @@ import pytest
 import torch
 
 from rlserve.engine.params import SamplingParams
-from rlserve.model import cpu_kernels
-from rlserve.model.cpu_kernels import PagedAttention, paged_attention, reference_paged_attention
+from rlserve.model import cpu_kernels as kernels_module
+from rlserve.model.cpu_kernels import CpuKernels, cpu_kernels, reference_paged_attention
+from rlserve.model.llama import apply_rope, rms_norm
 from rlserve.model.make import make_model
 from test_engine import hf_logprobs, make_engine, random_prompts
 
 
 @pytest.fixture(scope="module")
-def kernel() -> PagedAttention:
-    k = paged_attention()
-    # this machine (and CI) has gcc: a kernel that silently fell back would hide every check below
-    assert k is not None, "the paged-attention kernel did not build; see the warning logged"
+def kernels() -> CpuKernels:
+    k = cpu_kernels()
+    # this machine (and CI) has gcc: kernels that silently fell back would hide every check below
+    assert k is not None, "the CPU kernels did not build; see the warning logged"
     return k
 
 
@@ -44,21 +46,67 @@ def case(seed: int, batch: int, kv_heads: int, group: int, head_dim: int, block_
         (4, 1, 64, 32, [40, 1]),  # no grouping (MHA)
     ],
 )
-def test_kernel_equals_gather_and_sdpa(kernel, kv_heads, group, head_dim, block_size, lens):
+def test_attention_equals_gather_and_sdpa(kernels, kv_heads, group, head_dim, block_size, lens):
     q, k_cache, v_cache, tables, ctx_lens = case(len(lens), len(lens), kv_heads, group, head_dim, block_size, lens)
     scale = head_dim**-0.5
-    got = kernel(q, k_cache, v_cache, tables, ctx_lens, block_size, scale)
+    got = kernels.attention(q, k_cache, v_cache, tables, ctx_lens, block_size, scale)
     want = reference_paged_attention(q, k_cache, v_cache, tables, ctx_lens, block_size, scale)
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
 
 
-def test_kernel_reads_a_non_contiguous_query_as_its_values(kernel):
-    """The model hands the kernel q as a view into the fused QKV rows."""
+def test_attention_reads_the_query_as_a_view_into_qkv_rows(kernels):
     q, k_cache, v_cache, tables, ctx_lens = case(0, 3, 2, 2, 32, 16, [20, 3, 40])
     wide = torch.cat((q, torch.full_like(q, 1e9)), 1)[:, : q.shape[1]]
     assert not wide.is_contiguous()
-    got = kernel(wide, k_cache, v_cache, tables, ctx_lens, 16, 0.2)
+    got = kernels.attention(wide, k_cache, v_cache, tables, ctx_lens, 16, 0.2)
     assert torch.allclose(got, reference_paged_attention(q, k_cache, v_cache, tables, ctx_lens, 16, 0.2), atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("transposed_delta", [False, True])
+def test_add_rms_norm_equals_the_torch_ops(kernels, rows, transposed_delta):
+    gen = torch.Generator().manual_seed(rows)
+    hidden, weight = torch.randn(rows, 576, generator=gen), torch.randn(576, generator=gen)
+    delta = torch.randn(576, rows, generator=gen).t() if transposed_delta else torch.randn(rows, 576, generator=gen)
+    want_hidden = hidden + delta
+    want = rms_norm(want_hidden, weight, 1e-5)
+    out = torch.empty_like(hidden)
+    kernels.add_rms_norm(hidden, delta, weight, out, 1e-5)
+    assert torch.allclose(hidden, want_hidden, atol=1e-6) and torch.allclose(out, want, atol=1e-5)
+    kernels.add_rms_norm(hidden, None, weight, out, 1e-5)  # no residual: the norm alone, hidden untouched
+    assert torch.allclose(hidden, want_hidden, atol=1e-6) and torch.allclose(out, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_qk_rope_store_equals_the_torch_ops(kernels, qk_norm):
+    gen = torch.Generator().manual_seed(int(qk_norm))
+    t, nh, nkv, d, slots_total = 5, 4, 2, 64, 40
+    qkv = torch.randn(t, (nh + 2 * nkv) * d, generator=gen)
+    angles = torch.rand(t, d // 2, generator=gen) * 6
+    cos = torch.cat((angles.cos(), angles.cos()), -1).unsqueeze(1)
+    sin = torch.cat((-angles.sin(), angles.sin()), -1).unsqueeze(1)
+    q_norm, k_norm = (torch.randn(d, generator=gen), torch.randn(d, generator=gen)) if qk_norm else (None, None)
+    slots = torch.tensor([3, 17, 0, 39, 8])
+    heads = qkv.clone().view(t, nh + 2 * nkv, d)
+    qk = heads[:, : nh + nkv]
+    if qk_norm:
+        qk = torch.cat((rms_norm(qk[:, :nh], q_norm, 1e-6), rms_norm(qk[:, nh:], k_norm, 1e-6)), 1)
+    qk = apply_rope(qk, cos, sin)
+    k_cache, v_cache = torch.zeros(2, slots_total, nkv, d).unbind(0)
+    kernels.qk_rope_store(qkv, cos, sin, q_norm, k_norm, 1e-6, slots, k_cache, v_cache, nh, nkv)
+    got = qkv.view(t, nh + 2 * nkv, d)
+    assert torch.allclose(got[:, : nh + nkv], qk, atol=1e-5)
+    assert torch.equal(got[:, nh + nkv :], heads[:, nh + nkv :])  # v is left as it was
+    assert torch.equal(k_cache[slots], got[:, nh : nh + nkv]) and torch.equal(v_cache[slots], heads[:, nh + nkv :])
+    untouched = torch.ones(slots_total, dtype=torch.bool)
+    untouched[slots] = False
+    assert not k_cache[untouched].any() and not v_cache[untouched].any()
+
+
+def test_silu_mul_equals_the_torch_ops(kernels):
+    gate_up = torch.randn(9, 2 * 1536, generator=torch.Generator().manual_seed(0)) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.allclose(kernels.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, atol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -66,19 +114,19 @@ def model_dir(tmp_path_factory):
     return make_model("tiny", tmp_path_factory.mktemp("models") / "tiny")
 
 
-def test_engine_decodes_through_the_kernel_with_exact_logprobs(model_dir, kernel, monkeypatch):
+def test_engine_runs_on_the_kernels_with_exact_logprobs(model_dir, kernels, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     calls = []
-    original = PagedAttention.__call__
+    original = CpuKernels.attention
 
     def counted(self, q, *args):
         calls.append(q.shape[0])
         return original(self, q, *args)
 
-    monkeypatch.setattr(PagedAttention, "__call__", counted)
+    monkeypatch.setattr(CpuKernels, "attention", counted)
     engine = make_engine(model_dir)
-    assert engine.runner.decode_kernel is not None and not engine.runner.cascade_attention
+    assert engine.runner.kernels is not None and not engine.runner.cascade_attention
     prompts = random_prompts(4, engine.vocab_size, lo=10, hi=40, seed=5)
     params = SamplingParams(n=3, temperature=1.0, max_tokens=24, ignore_eos=True, logprobs=0, seed=1)
     outs = engine.generate(prompts, params)
@@ -94,25 +142,25 @@ def test_engine_decodes_through_the_kernel_with_exact_logprobs(model_dir, kernel
 def test_without_a_compiler_the_engine_falls_back_to_sdpa(model_dir, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("RLSERVE_CACHE_DIR", str(tmp_path))  # nothing built there yet
     monkeypatch.setenv("CC", "/bin/false")  # a "compiler" that always fails
-    paged_attention.cache_clear()
+    cpu_kernels.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="rlserve.model.cpu_kernels"):
             engine = make_engine(model_dir)
-        assert engine.runner.decode_kernel is None and engine.runner.cascade_attention
-        assert "kernel is unavailable" in caplog.text
+        assert engine.runner.kernels is None and engine.runner.cascade_attention
+        assert "kernels are unavailable" in caplog.text
         prompts = random_prompts(2, engine.vocab_size, seed=8)
         fallback = engine.generate(prompts, SamplingParams(n=2, temperature=0, max_tokens=8, ignore_eos=True))
     finally:
         monkeypatch.undo()  # the real compiler again, and no cached "unavailable" for later tests
-        paged_attention.cache_clear()
+        cpu_kernels.cache_clear()
     built = make_engine(model_dir).generate(prompts, SamplingParams(n=2, temperature=0, max_tokens=8, ignore_eos=True))
     assert [[c.token_ids for c in o.outputs] for o in fallback] == [[c.token_ids for c in o.outputs] for o in built]
 
 
 def test_the_library_is_built_once_and_reused(tmp_path, monkeypatch):
     monkeypatch.setenv("RLSERVE_CACHE_DIR", str(tmp_path))
-    cc = cpu_kernels._compiler()
-    first = cpu_kernels._build(cc)
+    cc = kernels_module._compiler()
+    first = kernels_module._build(cc)
     stamp = first.stat().st_mtime_ns
-    assert cpu_kernels._build(cc) == first and first.stat().st_mtime_ns == stamp
+    assert kernels_module._build(cc) == first and first.stat().st_mtime_ns == stamp
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary file left behind

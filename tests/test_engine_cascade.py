@@ -17,7 +17,7 @@ from test_engine import make_engine as make_any_engine
 
 
 def make_engine(model_dir, **engine):
-    return make_any_engine(model_dir, cpu_attention_kernel=False, **engine)
+    return make_any_engine(model_dir, cpu_kernels=False, **engine)
 
 
 @pytest.fixture(scope="module")

@@ -48,7 +48,7 @@ class EngineConfig(Section):
     enable_prefix_caching: bool = Field(True, description="reuse KV of identical prompt prefixes")
     cascade_attention: bool = Field(
         True,
-        description="CPU, without the attention kernel: decode attention over a prefix shared by "
+        description="CPU, without the C kernels: decode attention over a prefix shared by "
         "several sequences reads it once",
     )
     pack_weights: bool = Field(
@@ -57,10 +57,11 @@ class EngineConfig(Section):
         "(1.3-2.3x faster decode matmuls; costs the weights' size again in memory, and is skipped "
         "when that is more than half the available memory)",
     )
-    cpu_attention_kernel: bool = Field(
+    cpu_kernels: bool = Field(
         True,
-        description="CPU, fp32: decode attention runs in a C kernel that reads K/V where they lie in the "
-        "paged cache (built with the machine's C compiler at first use; without one, gather + SDPA)",
+        description="CPU, fp32: decode attention and the element-wise steps between matmuls run in C "
+        "kernels (decode attention reads K/V where they lie in the paged cache), built with the "
+        "machine's C compiler at first use; without one, PyTorch ops",
     )
     logprobs_mode: Literal["processed", "raw"] = Field(
         "processed", description="processed = the distribution sampled from; raw = log_softmax of the logits"

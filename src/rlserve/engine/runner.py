@@ -11,7 +11,7 @@ from rlserve.engine.allocator import available_memory_bytes
 from rlserve.engine.graphs import DecodeGraphs
 from rlserve.engine.kv_cache import padded_blocks
 from rlserve.engine.scheduler import ScheduledBatch
-from rlserve.model.cpu_kernels import PagedAttention, paged_attention
+from rlserve.model.cpu_kernels import CpuKernels, cpu_kernels
 from rlserve.model.llama import AttentionBatch, CascadePlan, CausalLM, PrefillSeq
 from rlserve.model.lora import LoraAdapter, LoraBatch
 
@@ -41,14 +41,14 @@ class ModelRunner:
         device: torch.device,
         cascade_attention: bool = True,
         pack_weights: bool = True,
-        cpu_attention_kernel: bool = True,
+        cpu_kernels_on: bool = True,
     ):
         self.model, self.block_size, self.device = model, block_size, device
-        self.decode_kernel = self._decode_kernel(dtype) if cpu_attention_kernel and device.type == "cpu" else None
-        # The split attention needs the CPU SDPA kernel that returns log-sum-exp. The C kernel
-        # reads shared blocks from cache for every sequence and is faster still (~10% a step at
-        # 64 sequences, n = 8), so the split is only the fallback's.
-        self.cascade_attention = cascade_attention and device.type == "cpu" and self.decode_kernel is None
+        self.kernels = self._cpu_kernels(dtype) if cpu_kernels_on and device.type == "cpu" else None
+        # The split attention needs the CPU SDPA kernel that returns log-sum-exp. The C attention
+        # kernel reads shared blocks from cache for every sequence and is faster still (~10% a
+        # step at 64 sequences, n = 8), so the split is only the fallback's.
+        self.cascade_attention = cascade_attention and device.type == "cpu" and self.kernels is None
         self.dtype = dtype
         if pack_weights:
             self._pack_weights_if_they_fit()
@@ -62,12 +62,12 @@ class ModelRunner:
         self._block_offsets = torch.arange(block_size, device=device)
         self.graphs: DecodeGraphs | None = None
 
-    def _decode_kernel(self, dtype: torch.dtype) -> PagedAttention | None:
-        kernel = paged_attention()
+    def _cpu_kernels(self, dtype: torch.dtype) -> CpuKernels | None:
+        kernels = cpu_kernels()
         s = self.model.shape
-        if kernel is None or not kernel.supports(s.num_heads, s.num_kv_heads, s.head_dim, self.block_size, dtype):
+        if kernels is None or not kernels.supports(s.num_heads, s.num_kv_heads, s.head_dim, self.block_size, dtype):
             return None
-        return kernel
+        return kernels
 
     def _pack_weights_if_they_fit(self) -> None:
         """Packed copies double the weights' memory: take at most half of what is available, so
@@ -142,7 +142,7 @@ class ModelRunner:
                 device=self.device,
             ).view(-1)
             lens = torch.tensor(ctx_lens, device=self.device)
-            if self.decode_kernel is None:
+            if self.kernels is None:
                 positions_ = torch.arange(width * bs, device=self.device)
                 decode_mask = (positions_ < lens.unsqueeze(1)).view(len(ctx_lens), 1, 1, width * bs)
         attn = AttentionBatch(
@@ -155,7 +155,7 @@ class ModelRunner:
             prefills=prefills,
             block_size=bs,
             lora=lora,
-            decode_kernel=self.decode_kernel,
+            kernels=self.kernels,
         )
         hidden = self.model(
             torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device), attn, self.kv_cache

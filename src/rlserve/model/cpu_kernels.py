@@ -1,13 +1,16 @@
 """CPU kernels in C, built with the machine's C compiler at first use and loaded through ctypes.
 
-Only what PyTorch has no fast op for: decode attention that reads K/V where they lie in the
-paged cache (`kernels/paged_attention.c`). The eager alternative gathers every sequence's blocks
-into a contiguous copy for SDPA, reading the cache, writing it and reading it again.
+Only what PyTorch has no fast op for on CPU (fp32), in `kernels/`:
+- `paged_attention.c`: decode attention that reads K/V where they lie in the paged cache. The
+  eager path gathers every sequence's blocks into a contiguous copy for SDPA, reading the cache,
+  writing it and reading it again.
+- `fused_ops.c`: the element-wise steps between a layer's matmuls (residual add + RMSNorm,
+  q/k norm + RoPE + KV-cache write, SiLU x up), one call each instead of 3-8 eager ops.
 
-The shared library is cached under `$RLSERVE_CACHE_DIR/kernels` (default ~/.cache/rlserve), keyed by
-the source, the compiler and the machine; `-march=native` code never moves to another CPU kind.
-Where there is no compiler, or the build or its self-check fails, callers get None and keep the
-eager path (logged once).
+The shared library is cached under `$RLSERVE_CACHE_DIR/kernels` (default ~/.cache/rlserve),
+keyed by the sources, the compiler and the CPU; `-march=native` code never moves to another CPU
+kind. Where there is no compiler, or the build or its self-check fails, `cpu_kernels()` is None
+and the model keeps its PyTorch path (logged once).
 """
 
 from __future__ import annotations
@@ -30,36 +33,13 @@ from rlserve.model.make import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels") / "paged_attention.c"
+SOURCES = sorted((Path(__file__).with_name("kernels")).glob("*.c"))
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC", "-shared"]
-
-
-def _cache_dir() -> Path:
-    return cache_root() / "kernels"
+MAX_HEAD_DIM = 256  # as the C sources define it
 
 
 def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-
-
-def _build(cc: str) -> Path:
-    source = SOURCE.read_bytes()
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(source + version.encode() + " ".join(FLAGS).encode() + _cpu_id().encode()).hexdigest()[:16]
-    lib = _cache_dir() / f"paged_attention-{key}.so"
-    if lib.exists():
-        return lib
-    lib.parent.mkdir(parents=True, exist_ok=True)
-    # build beside the target and rename: processes starting together never load a half-written file
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
-    os.close(fd)
-    try:
-        subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True, timeout=120)
-        os.replace(tmp, lib)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return lib
 
 
 def _cpu_id() -> str:
@@ -71,75 +51,155 @@ def _cpu_id() -> str:
         return platform.processor() + platform.machine()
 
 
-class PagedAttention:
-    """The compiled kernel; `__call__` has the signature of `reference_paged_attention`."""
+def _build(cc: str) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    digest = hashlib.sha256()
+    for part in [src.read_bytes() for src in SOURCES] + [version.encode(), " ".join(FLAGS).encode(), _cpu_id().encode()]:
+        digest.update(part)
+    lib = cache_root() / "kernels" / f"rlserve-kernels-{digest.hexdigest()[:16]}.so"
+    if lib.exists():
+        return lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    # build beside the target and rename: processes starting together never load a half-written file
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
+    os.close(fd)
+    try:
+        cmd = [cc, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"]
+        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
+        os.replace(tmp, lib)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class CpuKernels:
+    """The compiled library. Every tensor argument is fp32 on CPU with contiguous rows (checked
+    by the model's shapes, not here: these run 100+ times a step)."""
 
     def __init__(self, lib: ctypes.CDLL):
-        self._fn = lib.rlserve_paged_attention
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        self._fn.argtypes = [ptr] * 6 + [i64] * 6 + [ctypes.c_float, ctypes.c_int]
-        self._fn.restype = None
-        self._limits = lib.rlserve_paged_attention_limits
-        self._limits.argtypes = [i64] * 3
-        self._limits.restype = ctypes.c_int
+        i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+        self._attention = self._fn(lib.rlserve_paged_attention, [ptr, i64] + [ptr] * 5 + [i64] * 6 + [f32, i32])
+        self._add_rms_norm = self._fn(lib.rlserve_add_rms_norm, [ptr] * 4 + [i64] * 2 + [f32, i32])
+        self._qk_rope_store = self._fn(lib.rlserve_qk_rope_store, [ptr] * 5 + [f32] + [ptr] * 3 + [i64] * 4 + [i32])
+        self._silu_mul = self._fn(lib.rlserve_silu_mul, [ptr, ptr, i64, i64, i32])
+        self._limits = self._fn(lib.rlserve_paged_attention_limits, [i64] * 3, ctypes.c_int)
+
+    @staticmethod
+    def _fn(fn, argtypes, restype=None):
+        fn.argtypes, fn.restype = argtypes, restype
+        return fn
 
     def supports(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> bool:
-        return dtype == torch.float32 and bool(self._limits(num_heads // num_kv_heads, head_dim, block_size))
+        return (
+            dtype == torch.float32
+            and head_dim % 2 == 0
+            and head_dim <= MAX_HEAD_DIM
+            and bool(self._limits(num_heads // num_kv_heads, head_dim, block_size))
+        )
 
-    def __call__(self, q, k_cache, v_cache, blocks, ctx_lens, block_size: int, scale: float) -> torch.Tensor:
+    def attention(self, q, k_cache, v_cache, blocks, ctx_lens, block_size: int, scale: float) -> torch.Tensor:
+        """q [B, H, D] (rows may be strided: a view into the QKV rows); caches [slots, KVH, D];
+        blocks [B, W] int64; ctx_lens [B] int64 -> [B, H, D]."""
         b, h, d = q.shape
-        q = q.contiguous()  # the caller's q is a view into the fused QKV rows
-        assert k_cache.is_contiguous() and v_cache.is_contiguous() and blocks.is_contiguous()
-        assert blocks.dtype == torch.int64 and ctx_lens.dtype == torch.int64 and ctx_lens.is_contiguous()
-        out = torch.empty_like(q)
-        self._fn(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), blocks.data_ptr(), ctx_lens.data_ptr(), out.data_ptr(),
-            b, blocks.shape[1], h, k_cache.shape[1], d, block_size, scale, torch.get_num_threads(),
+        assert q.stride(2) == 1 and q.stride(1) == d, "each row's heads must be contiguous"
+        out = q.new_empty(b, h, d)
+        self._attention(
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), blocks.data_ptr(), ctx_lens.data_ptr(),
+            out.data_ptr(), b, blocks.shape[1], h, k_cache.shape[1], d, block_size, scale, torch.get_num_threads(),
         )  # fmt: skip
+        return out
+
+    def add_rms_norm(self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, out: torch.Tensor, eps: float) -> None:
+        """hidden += delta (the residual stream, in place); out = RMSNorm(hidden) * weight."""
+        rows, dim = hidden.shape
+        delta = None if delta is None else delta.contiguous()  # a swapped GEMM's output is a transposed view
+        self._add_rms_norm(hidden.data_ptr(), _ptr(delta), weight.data_ptr(), out.data_ptr(), rows, dim, eps, torch.get_num_threads())
+
+    def qk_rope_store(self, qkv, cos, sin_signed, q_norm, k_norm, eps: float, slots, k_cache, v_cache, num_heads: int, num_kv_heads: int) -> None:
+        """In place on qkv [T, (H + 2 KVH) * D]: per-head q/k RMSNorm (when given), RoPE on q and k;
+        then k and v written to their KV slots."""
+        d = k_cache.shape[-1]
+        self._qk_rope_store(
+            qkv.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), _ptr(q_norm), _ptr(k_norm), eps, slots.data_ptr(),
+            k_cache.data_ptr(), v_cache.data_ptr(), qkv.shape[0], num_heads, num_kv_heads, d, torch.get_num_threads(),
+        )  # fmt: skip
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate_up = gate_up.contiguous()
+        rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        out = gate_up.new_empty(rows, inter)
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, inter, torch.get_num_threads())
         return out
 
 
 def reference_paged_attention(q, k_cache, v_cache, blocks, ctx_lens, block_size: int, scale: float) -> torch.Tensor:
-    """What the kernel computes, in torch: q [B, H, D], caches [slots, KVH, D], blocks [B, W],
-    ctx_lens [B] -> [B, H, D]."""
+    """What the attention kernel computes, in torch: q [B, H, D], caches [slots, KVH, D],
+    blocks [B, W], ctx_lens [B] -> [B, H, D]."""
     b, w = blocks.shape
     nkv, d = k_cache.shape[1], k_cache.shape[2]
     slots = (blocks.unsqueeze(2) * block_size + torch.arange(block_size)).view(b, w * block_size)
     mask = (torch.arange(w * block_size) < ctx_lens.unsqueeze(1)).view(b, 1, 1, -1)
     out = F.scaled_dot_product_attention(
-        q.view(b, nkv, -1, d), k_cache[slots].transpose(1, 2), v_cache[slots].transpose(1, 2), attn_mask=mask, scale=scale
+        q.reshape(b, nkv, -1, d), k_cache[slots].transpose(1, 2), v_cache[slots].transpose(1, 2), attn_mask=mask, scale=scale
     )
     return out.reshape(q.shape)
 
 
 @functools.cache
-def paged_attention() -> PagedAttention | None:
-    """The kernel, built and self-checked once per process; None where it cannot be had."""
+def cpu_kernels() -> CpuKernels | None:
+    """The kernels, built and self-checked once per process; None where they cannot be had."""
     if platform.system() != "Linux" or os.environ.get("RLSERVE_NO_CPU_KERNELS"):
         return None
     cc = _compiler()
     if cc is None:
-        log.warning("no C compiler found (set CC); decode attention uses gather + SDPA")
+        log.warning("no C compiler found (set CC); the CPU kernels are unavailable, using PyTorch ops")
         return None
     try:
-        kernel = PagedAttention(ctypes.CDLL(str(_build(cc))))
-        _self_check(kernel)
-    except (OSError, subprocess.SubprocessError, AssertionError) as exc:
+        kernels = CpuKernels(ctypes.CDLL(str(_build(cc))))
+        _self_check(kernels)
+    except (OSError, subprocess.SubprocessError, AssertionError, AttributeError) as exc:
         detail = getattr(exc, "stderr", "") or exc
-        log.warning("the CPU paged-attention kernel is unavailable (%s); decode attention uses gather + SDPA", detail)
+        log.warning("the CPU kernels are unavailable (%s); using PyTorch ops", detail)
         return None
-    return kernel
+    return kernels
 
 
-def _self_check(kernel: PagedAttention) -> None:
-    """Against gather + SDPA, through the generic and a special-cased head size."""
+def _self_check(kernels: CpuKernels) -> None:
+    """Each kernel against the PyTorch ops it replaces, once per process: a build that computes
+    something else is never used. Attention goes through a generic and a special-cased head size."""
+    from rlserve.model.llama import apply_rope
+
     gen = torch.Generator().manual_seed(0)
+
+    def check(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+        assert torch.allclose(got, want, atol=1e-5), f"{name} differs by {(got - want).abs().max().item():.2e}"
+
     bs, nkv, group = 4, 2, 3
     blocks = torch.tensor([[3, 7, 1], [5, 0, 0], [11, 2, 9]])
     ctx_lens = torch.tensor([10, 1, 12])
     for d in (16, 64):
         k_cache, v_cache = torch.randn(2, 12 * bs, nkv, d, generator=gen).unbind(0)
         q = torch.randn(3, nkv * group, d, generator=gen)
-        got = kernel(q, k_cache.contiguous(), v_cache.contiguous(), blocks, ctx_lens, bs, 0.25)
-        want = reference_paged_attention(q, k_cache, v_cache, blocks, ctx_lens, bs, 0.25)
-        assert torch.allclose(got, want, atol=1e-5), f"self-check differs by {(got - want).abs().max().item():.2e}"
+        got = kernels.attention(q, k_cache.contiguous(), v_cache.contiguous(), blocks, ctx_lens, bs, 0.25)
+        check("attention", got, reference_paged_attention(q, k_cache, v_cache, blocks, ctx_lens, bs, 0.25))
+
+    hidden, delta, weight = torch.randn(3, 3, 40, generator=gen).unbind(0)
+    out, want = torch.empty_like(hidden), F.rms_norm(hidden + delta, (40,), weight[0], 1e-6)
+    kernels.add_rms_norm(hidden, delta, weight[0], out, 1e-6)
+    check("add_rms_norm", out, want)
+    gate_up = torch.randn(3, 80, generator=gen)
+    check("silu_mul", kernels.silu_mul(gate_up), F.silu(gate_up[:, :40]) * gate_up[:, 40:])
+
+    nh, d = nkv * group, 16
+    qkv, angles = torch.randn(2, nh + 2 * nkv, d, generator=gen), torch.rand(2, 1, d // 2, generator=gen)
+    cos, sin = torch.cat((angles.cos(), angles.cos()), -1), torch.cat((-angles.sin(), angles.sin()), -1)
+    want = apply_rope(qkv[:, : nh + nkv], cos, sin)
+    k_cache, v_cache = torch.zeros(2, 5, nkv, d).unbind(0)
+    kernels.qk_rope_store(qkv.view(2, -1), cos, sin, None, None, 1e-6, torch.tensor([4, 1]), k_cache, v_cache, nh, nkv)
+    stored = torch.cat((qkv[:, : nh + nkv], k_cache[[4, 1]], v_cache[[4, 1]]), 1)
+    check("qk_rope_store", stored, torch.cat((want, want[:, nh:], qkv[:, nh + nkv :]), 1))

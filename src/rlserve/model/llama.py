@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from rlserve.model.cpu_kernels import PagedAttention
+    from rlserve.model.cpu_kernels import CpuKernels
     from rlserve.model.lora import LoraBatch
 
 log = logging.getLogger(__name__)
@@ -108,14 +108,14 @@ class AttentionBatch:
     # [num_decode * width] each decode sequence's KV blocks, padded; gathered whole blocks at a
     # time (large contiguous copies), positions past a sequence's context masked out
     decode_blocks: torch.Tensor | None
-    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, width * block_size] True = attend; None with decode_kernel
+    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, width * block_size] True = attend; None with kernels
     decode_lens: torch.Tensor | None  # [num_decode] context length of each decode row
     cascade: CascadePlan | None
     prefills: list[PrefillSeq]
     block_size: int = 16
     lora: "LoraBatch | None" = None  # adapters by row group, when any request in the step uses one
-    # decode attention straight from the paged cache (cpu_kernels.PagedAttention); None = gather + SDPA
-    decode_kernel: "PagedAttention | None" = None
+    # C kernels for decode attention and the element-wise steps (cpu_kernels.py); None = PyTorch ops
+    kernels: "CpuKernels | None" = None
 
 
 # MKL's CPU sgemm computes x @ W^T 1.3-1.9x faster for 5 to 56 rows of x when it is asked for
@@ -263,16 +263,23 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         if batch.lora is not None:
             batch.lora.apply(qkv, x, self.layer, ("q_proj", "k_proj", "v_proj"))
-        heads = qkv.reshape(t, nh + 2 * nkv, self.head_dim)
-        if self.q_norm is not None:
-            qk = torch.cat((rms_norm(heads[:, :nh], self.q_norm, self.eps), rms_norm(heads[:, nh : nh + nkv], self.k_norm, self.eps)), 1)
-        else:
-            qk = heads[:, : nh + nkv]
-        qk = apply_rope(qk, *rope)  # q and k in one pass
-        q, k, v = qk[:, :nh], qk[:, nh:], heads[:, nh + nkv :]
         k_cache, v_cache = kv[0], kv[1]  # [slots, kv_heads, head_dim]
-        k_cache.index_copy_(0, batch.slot_mapping, k)
-        v_cache.index_copy_(0, batch.slot_mapping, v)
+        if batch.kernels is not None:  # the same steps, in place on qkv, in one C call
+            qkv = qkv.contiguous()  # the swapped GEMM of unpacked weights returns a transposed view
+            heads = qkv.view(t, nh + 2 * nkv, self.head_dim)
+            cos, sin = rope
+            batch.kernels.qk_rope_store(qkv, cos, sin, self.q_norm, self.k_norm, self.eps, batch.slot_mapping, k_cache, v_cache, nh, nkv)
+            q, k, v = heads[:, :nh], heads[:, nh : nh + nkv], heads[:, nh + nkv :]
+        else:
+            heads = qkv.reshape(t, nh + 2 * nkv, self.head_dim)
+            if self.q_norm is not None:
+                qk = torch.cat((rms_norm(heads[:, :nh], self.q_norm, self.eps), rms_norm(heads[:, nh : nh + nkv], self.k_norm, self.eps)), 1)
+            else:
+                qk = heads[:, : nh + nkv]
+            qk = apply_rope(qk, *rope)  # q and k in one pass
+            q, k, v = qk[:, :nh], qk[:, nh:], heads[:, nh + nkv :]
+            k_cache.index_copy_(0, batch.slot_mapping, k)
+            v_cache.index_copy_(0, batch.slot_mapping, v)
         if not batch.prefills:
             out = self._decode(q, batch, k_cache, v_cache)
         elif not batch.num_decode and len(batch.prefills) == 1:
@@ -293,9 +300,9 @@ class Attention(nn.Module):
     def _decode(self, q, batch: AttentionBatch, k_cache, v_cache):
         if batch.cascade is not None:
             return self._decode_cascade(q, batch.cascade, batch.block_size, k_cache, v_cache)
-        if batch.decode_kernel is not None:
+        if batch.kernels is not None:
             blocks = batch.decode_blocks.view(q.shape[0], -1)
-            return batch.decode_kernel(q, k_cache, v_cache, blocks, batch.decode_lens, batch.block_size, self.scale)
+            return batch.kernels.attention(q, k_cache, v_cache, blocks, batch.decode_lens, batch.block_size, self.scale)
         b, block = q.shape[0], batch.block_size * self.num_kv_heads * self.head_dim
         keys = k_cache.view(-1, block).index_select(0, batch.decode_blocks).view(b, -1, self.num_kv_heads, self.head_dim)
         values = v_cache.view(-1, block).index_select(0, batch.decode_blocks).view(b, -1, self.num_kv_heads, self.head_dim)
@@ -369,12 +376,15 @@ class MLP(nn.Module):
         self.gate_up_proj = Projection(shape.hidden_size, 2 * shape.intermediate_size, bias=False)
         self.down_proj = Projection(shape.intermediate_size, shape.hidden_size, bias=False)
 
-    def forward(self, x, lora: "LoraBatch | None"):
+    def forward(self, x, lora: "LoraBatch | None", kernels: "CpuKernels | None" = None):
         gate_up = self.gate_up_proj(x)
         if lora is not None:
             lora.apply(gate_up, x, self.layer, ("gate_proj", "up_proj"))
-        gate, up = gate_up.chunk(2, dim=-1)
-        act = F.silu(gate) * up
+        if kernels is not None:
+            act = kernels.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
         down = self.down_proj(act)
         if lora is not None:
             lora.apply(down, act, self.layer, ("down_proj",))
@@ -434,9 +444,23 @@ class CausalLM(nn.Module):
         """Hidden states [T, hidden] after the final norm; kv_cache is [layers, 2, slots, kv_heads, head_dim]."""
         h = self.embed_tokens(input_ids)
         rope = self.rope.tables(positions, h.dtype)
+        if batch.kernels is not None:
+            return self._forward_fused(h, rope, batch, kv_cache)
         for i, layer in enumerate(self.layers):
             h = layer(h, rope, batch, kv_cache[i])
         return rms_norm(h, self.norm, self.shape.rms_norm_eps)
+
+    def _forward_fused(self, h, rope, batch: AttentionBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        """The layers with the C kernels: each residual add is fused with the norm after it, the
+        residual stream h updated in place, x the normed input of the next block."""
+        ops, eps = batch.kernels, self.shape.rms_norm_eps
+        norms = [w for layer in self.layers for w in (layer.input_layernorm, layer.post_attention_layernorm)] + [self.norm]
+        x = torch.empty_like(h)
+        ops.add_rms_norm(h, None, norms[0], x, eps)
+        for i, layer in enumerate(self.layers):
+            ops.add_rms_norm(h, layer.self_attn(x, rope, batch, kv_cache[i]), norms[2 * i + 1], x, eps)
+            ops.add_rms_norm(h, layer.mlp(x, batch.lora, ops), norms[2 * i + 2], x, eps)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packed_head is not None:

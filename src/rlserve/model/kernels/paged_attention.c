@@ -74,21 +74,24 @@ static inline __attribute__((always_inline)) void attend_one(
     }
 }
 
-/* q, out: [B, H, D]; k_cache, v_cache: [slots, KVH, D] (one layer); blocks: [B, W] block ids;
- * ctx_lens: [B]. Slot of position t of sequence b: blocks[b, t / block_size] * block_size + t % block_size. */
-void rlserve_paged_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *blocks,
-                             const int64_t *ctx_lens, float *out, int64_t B, int64_t W, int64_t H, int64_t KVH,
-                             int64_t D, int64_t block_size, float scale, int num_threads) {
+/* q: [B, H, D] with q_stride floats between sequences (a view into the QKV rows); out: [B, H, D];
+ * k_cache, v_cache: [slots, KVH, D] (one layer); blocks: [B, W] block ids; ctx_lens: [B].
+ * Slot of position t of sequence b: blocks[b, t / block_size] * block_size + t % block_size. */
+void rlserve_paged_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                             const int64_t *blocks, const int64_t *ctx_lens, float *out, int64_t B, int64_t W,
+                             int64_t H, int64_t KVH, int64_t D, int64_t block_size, float scale, int num_threads) {
     const int64_t G = H / KVH;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t item = 0; item < B * KVH; ++item) {
-        const int64_t b = item / KVH, kvh = item % KVH, off = (b * H + kvh * G) * D;
+        const int64_t b = item / KVH, kvh = item % KVH;
+        const float *qb = q + b * q_stride + kvh * G * D;
+        float *ob = out + (b * H + kvh * G) * D;
         const int64_t *table = blocks + b * W;
         if (D == 64)
-            attend_one(q + off, k_cache, v_cache, table, ctx_lens[b], out + off, G, KVH, kvh, 64, block_size, scale);
+            attend_one(qb, k_cache, v_cache, table, ctx_lens[b], ob, G, KVH, kvh, 64, block_size, scale);
         else if (D == 128)
-            attend_one(q + off, k_cache, v_cache, table, ctx_lens[b], out + off, G, KVH, kvh, 128, block_size, scale);
+            attend_one(qb, k_cache, v_cache, table, ctx_lens[b], ob, G, KVH, kvh, 128, block_size, scale);
         else
-            attend_one(q + off, k_cache, v_cache, table, ctx_lens[b], out + off, G, KVH, kvh, D, block_size, scale);
+            attend_one(qb, k_cache, v_cache, table, ctx_lens[b], ob, G, KVH, kvh, D, block_size, scale);
     }
 }
