@@ -96,7 +96,7 @@ class Engine:
             self.device,
             cascade_attention=ec.cascade_attention,
             pack_weights=ec.pack_weights,
-            cpu_kernels_on=ec.cpu_kernels,
+            use_cpu_kernels=ec.cpu_kernels,
         )
         if self.device.type == "cuda" and not config.model.enforce_eager:
             self.runner.use_decode_graphs(ec.max_num_seqs, self.max_model_len)

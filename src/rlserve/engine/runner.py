@@ -41,10 +41,10 @@ class ModelRunner:
         device: torch.device,
         cascade_attention: bool = True,
         pack_weights: bool = True,
-        cpu_kernels_on: bool = True,
+        use_cpu_kernels: bool = True,
     ):
         self.model, self.block_size, self.device = model, block_size, device
-        self.kernels = self._cpu_kernels(dtype) if cpu_kernels_on and device.type == "cpu" else None
+        self.kernels = self._cpu_kernels(dtype) if use_cpu_kernels and device.type == "cpu" else None
         # The split attention needs the CPU SDPA kernel that returns log-sum-exp. The C attention
         # kernel reads shared blocks from cache for every sequence and is faster still (~10% a
         # step at 64 sequences, n = 8), so the split is only the fallback's.

@@ -453,13 +453,13 @@ class CausalLM(nn.Module):
     def _forward_fused(self, h, rope, batch: AttentionBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """The layers with the C kernels: each residual add is fused with the norm after it, the
         residual stream h updated in place, x the normed input of the next block."""
-        ops, eps = batch.kernels, self.shape.rms_norm_eps
-        norms = [w for layer in self.layers for w in (layer.input_layernorm, layer.post_attention_layernorm)] + [self.norm]
+        ops, eps, layers = batch.kernels, self.shape.rms_norm_eps, self.layers
         x = torch.empty_like(h)
-        ops.add_rms_norm(h, None, norms[0], x, eps)
-        for i, layer in enumerate(self.layers):
-            ops.add_rms_norm(h, layer.self_attn(x, rope, batch, kv_cache[i]), norms[2 * i + 1], x, eps)
-            ops.add_rms_norm(h, layer.mlp(x, batch.lora, ops), norms[2 * i + 2], x, eps)
+        ops.add_rms_norm(h, None, layers[0].input_layernorm, x, eps)
+        for i, layer in enumerate(layers):
+            ops.add_rms_norm(h, layer.self_attn(x, rope, batch, kv_cache[i]), layer.post_attention_layernorm, x, eps)
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
+            ops.add_rms_norm(h, layer.mlp(x, batch.lora, ops), next_norm, x, eps)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
