@@ -9,11 +9,18 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 
+@dataclass(frozen=True)
+class Server:
+    url: str
+    pid: int
+
+
 @contextlib.contextmanager
-def rlserve_server(*args: str, timeout: float = 300.0) -> Iterator[str]:
+def rlserve_server(*args: str, timeout: float = 300.0) -> Iterator[Server]:
     """Its output goes to a file, not a pipe nobody reads (a full pipe would stall the server)."""
     with tempfile.NamedTemporaryFile("w+b", prefix="rlserve-bench-", suffix=".log") as log:
         cmd = [sys.executable, "-m", "rlserve.cli", "serve", "--server.port", "0", *args]
@@ -28,7 +35,7 @@ def rlserve_server(*args: str, timeout: float = 300.0) -> Iterator[str]:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"server did not start:\n{text}")
                 time.sleep(0.2)
-            yield match.group(1)
+            yield Server(match.group(1), proc.pid)
         finally:
             proc.terminate()
             proc.wait(timeout=30)

@@ -26,6 +26,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig  # noqa: E402
 
+from _cpu import OtherLoad  # noqa: E402
 from rlserve.config import Config  # noqa: E402
 from rlserve.engine.engine import Engine  # noqa: E402
 from rlserve.engine.params import SamplingParams  # noqa: E402
@@ -201,28 +202,18 @@ def generate_batch_runner(model_dir: Path, args) -> Runner:
 # ---- timing and report ----------------------------------------------------------------------
 
 
-def cpu_seconds() -> tuple[float, float] | None:
-    """(busy CPU seconds of the whole machine, of this process); None where /proc/stat is missing."""
-    try:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-    except OSError:
-        return None
-    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK"), time.process_time()
-
-
 def measure(system: str, run: Runner, warmup: Workload, timed: list[Workload], repeats: int) -> list[Result]:
     run(warmup)
     results = []
     for w in timed:
         best = None
         for i in range(repeats):
-            c0, t0 = cpu_seconds(), time.perf_counter()
-            tokens = run(w.repeat(i))
-            dt, c1 = time.perf_counter() - t0, cpu_seconds()
-            others = None if c0 is None else max(0.0, (c1[0] - c0[0]) - (c1[1] - c0[1])) / dt
+            with OtherLoad() as load:
+                t0 = time.perf_counter()
+                tokens = run(w.repeat(i))
+                dt = time.perf_counter() - t0
             if best is None or dt < best.seconds:
-                best = Result(system, w.name, w.num_seqs, tokens, dt, others)
+                best = Result(system, w.name, w.num_seqs, tokens, dt, load.cores)
         results.append(best)
     return results
 

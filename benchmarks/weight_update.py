@@ -108,8 +108,8 @@ def bench_push(base: Path, tensors: dict[str, torch.Tensor], bucket_bytes: int, 
 
     times = []
     with rlserve_server("--model.name", str(base), "--model.max_model_len", "256",
-                        "--engine.kv_cache_bytes", str(64 << 20)) as url:
-        with WeightBroadcaster([url], "127.0.0.1", free_port(), bucket_bytes=bucket_bytes) as b:
+                        "--engine.kv_cache_bytes", str(64 << 20)) as server:
+        with WeightBroadcaster([server.url], "127.0.0.1", free_port(), bucket_bytes=bucket_bytes) as b:
             for _ in range(repeats):
                 start = time.perf_counter()
                 b.push(tensors.items())

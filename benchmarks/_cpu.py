@@ -1,0 +1,45 @@
+"""How many CPU cores processes outside a benchmark used while it ran (Linux; None elsewhere).
+
+Well above 0 means the run shared the machine and its figures are low: with every core busy, a
+descheduled thread stalls each parallel region it belongs to."""
+
+from __future__ import annotations
+
+import os
+import time
+
+
+def _machine_busy_seconds() -> float | None:
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return None
+    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+
+
+def _process_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+class OtherLoad:
+    """`with OtherLoad(server_pid) as load: ...` then `load.cores`: the cores that processes other
+    than this one and `pids` used on average during the block."""
+
+    def __init__(self, *pids: int):
+        self.pids, self.cores = pids, None
+
+    def _ours(self) -> float:
+        return time.process_time() + sum(_process_seconds(p) for p in self.pids)
+
+    def __enter__(self) -> "OtherLoad":
+        self._start = (_machine_busy_seconds(), self._ours(), time.perf_counter())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        busy, ours, wall = _machine_busy_seconds(), self._ours(), time.perf_counter()
+        if busy is not None and self._start[0] is not None:
+            others = (busy - self._start[0]) - (ours - self._start[1])
+            self.cores = max(0.0, others) / (wall - self._start[2])
