@@ -25,7 +25,7 @@ from _server import rlserve_server
 from rlserve.config import Config
 from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams
-from rlserve.model.make import make_model
+from rlserve.model.make import cache_root, make_model
 
 
 def workload(args, vocab: int) -> list[list[int]]:
@@ -89,7 +89,7 @@ def main() -> None:
     p.add_argument("--stream", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
-    model_dir = make_model(args.preset, Path("~/.cache/rlserve/bench").expanduser() / args.preset)
+    model_dir = make_model(args.preset, cache_root() / "bench" / args.preset)
     from transformers import AutoConfig
 
     prompts = workload(args, AutoConfig.from_pretrained(model_dir).vocab_size)

@@ -29,11 +29,11 @@ from rlserve.config import Config
 from rlserve.engine.engine import Engine
 from rlserve.engine.weights import StagingBuffers, stage_from_dir
 from rlserve.model.loader import read_safetensors, safetensors_files
-from rlserve.model.make import make_model
+from rlserve.model.make import cache_root, make_model
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("RLSERVE_CACHE_DIR", "~/.cache/rlserve")).expanduser() / "bench"
+    return cache_root() / "bench"
 
 
 def free_port() -> int:

@@ -1,0 +1,46 @@
+"""The benchmark scripts still run (smoke runs on the tiny model; no timing is asserted)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def run(tmp_path: Path, script: str, *args: str) -> str:
+    env = {**os.environ, "RLSERVE_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def rate(output: str, row: str) -> float:
+    match = re.search(rf"^{re.escape(row)}\s+(?:\d+\s+\d+\s+[\d.]+\s+)?([\d.]+)", output, re.M)
+    assert match, f"no {row!r} row in:\n{output}"
+    return float(match.group(1))
+
+
+def test_throughput_quick(tmp_path):
+    out = run(tmp_path, "throughput.py", "--quick", "--skip-generate-batch")
+    assert rate(out, "rlserve") > 0 and rate(out, "transformers generate") > 0
+    assert "prefix_cache_hits=0" in out  # fresh prompts: no run is served from an earlier one's cache
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_serving_small(tmp_path, stream):
+    out = run(tmp_path, "serving.py", "--preset", "tiny", "--clients", "3", "--new-tokens", "4", *(["--stream"] if stream else []))
+    assert rate(out, "rlserve engine, offline") > 0 and rate(out, "rlserve server, concurrent clients") > 0
+    assert re.search(r"rlserve server, concurrent clients\s+[\d.]+\s+[\d.-]+", out)  # the others column
+
+
+def test_weight_update_small(tmp_path):
+    out = run(tmp_path, "weight_update.py", "--preset", "tiny", "--repeats", "1")
+    assert '"update_s"' in out and '"push_s"' in out
