@@ -35,11 +35,12 @@ class OtherLoad:
         return time.process_time() + sum(_process_seconds(p) for p in self.pids)
 
     def __enter__(self) -> "OtherLoad":
-        self._start = (_machine_busy_seconds(), self._ours(), time.perf_counter())
+        busy = _machine_busy_seconds()  # None off Linux: no /proc to read the pids' time from either
+        self._start = None if busy is None else (busy, self._ours(), time.perf_counter())
         return self
 
     def __exit__(self, *exc) -> None:
-        busy, ours, wall = _machine_busy_seconds(), self._ours(), time.perf_counter()
-        if busy is not None and self._start[0] is not None:
+        if self._start is not None:
+            busy, ours, wall = _machine_busy_seconds(), self._ours(), time.perf_counter()
             others = (busy - self._start[0]) - (ours - self._start[1])
             self.cores = max(0.0, others) / (wall - self._start[2])

@@ -164,3 +164,12 @@ def test_the_library_is_built_once_and_reused(tmp_path, monkeypatch):
     stamp = first.stat().st_mtime_ns
     assert kernels_module._build(cc) == first and first.stat().st_mtime_ns == stamp
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary file left behind
+
+
+def test_shapes_outside_the_kernels_buffers_keep_the_pytorch_path(kernels):
+    assert kernels.supports(9, 3, 64, 16, torch.float32)
+    assert not kernels.supports(9, 3, 63, 16, torch.float32)  # RoPE rotates halves
+    assert not kernels.supports(2, 1, 512, 16, torch.float32)  # past the accumulators' size
+    assert not kernels.supports(64, 1, 64, 16, torch.float32)  # more query heads per KV head than sized for
+    assert not kernels.supports(9, 3, 64, 128, torch.float32)  # larger blocks than sized for
+    assert not kernels.supports(9, 3, 64, 16, torch.bfloat16)

@@ -35,7 +35,6 @@ log = logging.getLogger(__name__)
 
 SOURCES = sorted((Path(__file__).with_name("kernels")).glob("*.c"))
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC", "-shared"]
-MAX_HEAD_DIM = 256  # as the C sources define it
 
 
 def _compiler() -> str | None:
@@ -95,12 +94,7 @@ class CpuKernels:
         return fn
 
     def supports(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> bool:
-        return (
-            dtype == torch.float32
-            and head_dim % 2 == 0
-            and head_dim <= MAX_HEAD_DIM
-            and bool(self._limits(num_heads // num_kv_heads, head_dim, block_size))
-        )
+        return dtype == torch.float32 and bool(self._limits(num_heads // num_kv_heads, head_dim, block_size))
 
     def attention(self, q, k_cache, v_cache, blocks, ctx_lens, block_size: int, scale: float) -> torch.Tensor:
         """q [B, H, D] (rows may be strided: a view into the QKV rows); caches [slots, KVH, D];

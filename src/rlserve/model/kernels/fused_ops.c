@@ -46,7 +46,7 @@ void rlserve_qk_rope_store(float *qkv, const float *cos, const float *sin_signed
         for (int64_t h = 0; h < nh + nkv; ++h) {
             float *x = row + h * D;
             if (q_norm != 0) rms_norm_row(x, h < nh ? q_norm : k_norm, x, D, eps);
-            float rotated[512];
+            float rotated[256]; /* MAX_HEAD_DIM: rlserve_paged_attention_limits admits no larger head */
             for (int64_t i = 0; i < half; ++i) {
                 rotated[i] = x[i] * c[i] + x[i + half] * s[i];
                 rotated[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];

@@ -18,8 +18,10 @@
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK 64     /* tokens per block */
 
+/* The shapes every kernel in this library handles (fused_ops.c's RoPE needs an even head size
+ * and sizes its buffer for MAX_HEAD_DIM too); the model keeps its PyTorch path for others. */
 int rlserve_paged_attention_limits(int64_t group, int64_t head_dim, int64_t block_size) {
-    return group <= MAX_GROUP && head_dim <= MAX_HEAD_DIM && block_size <= MAX_BLOCK;
+    return group <= MAX_GROUP && head_dim <= MAX_HEAD_DIM && head_dim % 2 == 0 && block_size <= MAX_BLOCK;
 }
 
 /* One (sequence, KV head). Inlined with D a constant for the common head sizes, so the loops
