@@ -25,6 +25,7 @@ from rlserve.server.serving import (
     json_body,
     logit_bias,
     prompt_logprobs_json,
+    sampled_first,
     run_to_end,
     sse,
     sse_error,
@@ -63,13 +64,15 @@ def _token_ids(state: ServerState, ids: Any, field: str) -> list[int]:
     return ids
 
 
-def _logprob_content(state: ServerState, comp: CompletionOutput, as_ids: bool) -> dict | None:
+def _logprob_content(comp: CompletionOutput) -> dict | None:
+    # vLLM names every token here `token_id:<id>` whatever return_tokens_as_token_ids says, and
+    # clients (verifiers' renderers) reject decoded text
     if comp.logprobs is None:
         return None
     tops = comp.top_logprobs or [{} for _ in comp.token_ids]
     return {"content": [
-        {"token": state.token_label(t, as_ids), "logprob": clamp(lp),
-         "top_logprobs": [{"token": state.token_label(i, as_ids), "logprob": clamp(v)} for i, v in top.items()]}
+        {"token": f"token_id:{t}", "logprob": clamp(lp),
+         "top_logprobs": [{"token": f"token_id:{i}", "logprob": clamp(v)} for i, v in sampled_first(t, lp, top)]}
         for t, lp, top in zip(comp.token_ids, comp.logprobs, tops)
     ]}
 
@@ -95,13 +98,13 @@ async def inference_generate(request: Request):
               stream=bool(body.get("stream")))
     if body.get("stream"):
         await start_stream(request, run)
-        return SSEResponse(_generate_stream(state, run, rid, as_ids))
+        return SSEResponse(_generate_stream(state, run, rid))
     (out,) = await run_to_end(request, run)
     return {
         "request_id": rid,
         "choices": [
             {"index": c.index, "token_ids": c.token_ids, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-             "logprobs": _logprob_content(state, c, as_ids), "routed_experts": None, **version_fields(state, c)}
+             "logprobs": _logprob_content(c), "routed_experts": None, **version_fields(state, c)}
             for c in out.outputs
         ],
         "prompt_logprobs": prompt_logprobs_json(state, out, params.prompt_logprobs, as_ids),
@@ -117,7 +120,7 @@ def _usage(out: RequestOutput) -> dict:
     return u
 
 
-async def _generate_stream(state: ServerState, run: Run, rid: str, as_ids: bool):
+async def _generate_stream(state: ServerState, run: Run, rid: str):
     sent: dict[int, int] = {}
     try:
         async for _, out in run.events():
@@ -128,7 +131,7 @@ async def _generate_stream(state: ServerState, run: Run, rid: str, as_ids: bool)
                 sent[c.index] = len(c.token_ids)
                 delta = CompletionOutput(c.index, c.token_ids[start:], "", c.logprobs[start:] if c.logprobs is not None else None,
                                          c.top_logprobs[start:] if c.top_logprobs is not None else None)
-                choice = {"index": c.index, "token_ids": delta.token_ids, "logprobs": _logprob_content(state, delta, as_ids),
+                choice = {"index": c.index, "token_ids": delta.token_ids, "logprobs": _logprob_content(delta),
                           "finish_reason": c.finish_reason}
                 chunk: dict[str, Any] = {"request_id": rid, "choices": [choice]}
                 if c.finished:

@@ -355,6 +355,11 @@ def clamp(lp: float) -> float:
     return NEG_INF_JSON if lp == -math.inf or math.isnan(lp) else lp
 
 
+def sampled_first(token_id: int, logprob: float, top: dict[int, float]) -> list[tuple[int, float]]:
+    """vLLM's top_logprobs list: the sampled token first, then the best others, as many as were asked."""
+    return ([(token_id, logprob)] + [(t, v) for t, v in top.items() if t != token_id])[: len(top)]
+
+
 def version_fields(state: ServerState, out: CompletionOutput) -> dict[str, Any]:
     """rlserve extensions (§2.15) carried by every choice."""
     label = weight_version(state.engine)
