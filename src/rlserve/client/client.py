@@ -89,29 +89,62 @@ class InferenceClient:
         add_special_tokens: bool = True,
         return_text: bool = True,
         sampling_params: dict[str, Any] | None = None,
+        min_policy_version: int | None = None,
         allow_mixed_versions: bool | None = None,
         on_overflow: str | None = None,
     ) -> Sample:
         """Token in, token out through /inference/v1/generate. A string prompt is tokenized by the
         server (/tokenize), so ids and template always agree. max_tokens=None lets the completion run
-        to the end of the context. `sampling_params` adds or overrides any §2.1 field."""
+        to the end of the context. `sampling_params` adds or overrides any §2.1 field.
+        min_policy_version: a server still on an older policy answers 409 (ConflictError)."""
+        args = {k: v for k, v in locals().items() if k != "self"}
+        return (await self.generate_group(n=1, **args))[0]
+
+    async def generate_group(
+        self,
+        prompt: str | None = None,
+        token_ids: list[int] | None = None,
+        *,
+        n: int,
+        max_tokens: int | None = None,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        min_p: float = 0.0,
+        stop: str | list[str] | None = None,
+        stop_token_ids: list[int] | None = None,
+        seed: int | None = None,
+        session_id: str | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        add_special_tokens: bool = True,
+        return_text: bool = True,
+        sampling_params: dict[str, Any] | None = None,
+        min_policy_version: int | None = None,
+        allow_mixed_versions: bool | None = None,
+        on_overflow: str | None = None,
+    ) -> list[Sample]:
+        """`generate` with n samples of one prompt (a GRPO group) in one request: they share the
+        prompt's KV cache and come back in order, each a Sample (overflow: n empty ones)."""
         if (prompt is None) == (token_ids is None):
             raise ValueError("pass exactly one of prompt (a string) or token_ids")
         if token_ids is None:
             token_ids = await self.tokenize(prompt, add_special_tokens=add_special_tokens, session_id=session_id)
         params = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p, "logprobs": 0,
-                  "max_tokens": max_tokens, "stop": stop, "stop_token_ids": stop_token_ids, "seed": seed}
+                  "max_tokens": max_tokens, "stop": stop, "stop_token_ids": stop_token_ids, "seed": seed, "n": n}
         params = {k: v for k, v in params.items() if v is not None} | (sampling_params or {})
         body = _compact({"token_ids": list(token_ids), "sampling_params": params, "model": self.model,
-                         "request_id": request_id, "cache_salt": cache_salt})
+                         "request_id": request_id, "cache_salt": cache_salt, "min_policy_version": min_policy_version})
         try:
             data, ep = await self._generation("/inference/v1/generate", body, session_id, allow_mixed_versions)
         except ContextLengthExceeded as exc:
-            return self._overflow(exc, on_overflow)
-        choice = data["choices"][0]
-        ids = choice.get("token_ids") or []
-        text = await self.detokenize(ids, session_id=session_id) if return_text and ids else ""
-        return Sample.from_choice(choice, token_ids, text, ep.url)
+            return [self._overflow(exc, on_overflow) for _ in range(n)]
+        samples = []
+        for choice in sorted(data["choices"], key=lambda c: c["index"]):
+            ids = choice.get("token_ids") or []
+            text = await self.detokenize(ids, session_id=session_id) if return_text and ids else ""
+            samples.append(Sample.from_choice(choice, token_ids, text, ep.url))
+        return samples
 
     async def _chat(
         self,
@@ -130,6 +163,7 @@ class InferenceClient:
         request_id: str | None = None,
         cache_salt: str | None = None,
         extra_body: dict[str, Any] | None = None,
+        min_policy_version: int | None = None,
         allow_mixed_versions: bool | None = None,
         on_overflow: str | None = None,
     ) -> Sample:
@@ -138,7 +172,8 @@ class InferenceClient:
         body = _compact({"messages": messages, "tools": tools, "max_tokens": max_tokens, "temperature": temperature,
                          "top_p": top_p, "top_k": top_k, "min_p": min_p, "stop": stop, "seed": seed,
                          "chat_template_kwargs": chat_template_kwargs, "model": self.model, "request_id": request_id,
-                         "cache_salt": cache_salt, "logprobs": True, "return_token_ids": True}) | (extra_body or {})
+                         "cache_salt": cache_salt, "logprobs": True, "return_token_ids": True,
+                         "min_policy_version": min_policy_version}) | (extra_body or {})
         try:
             data, ep = await self._generation("/v1/chat/completions", body, session_id, allow_mixed_versions)
         except ContextLengthExceeded as exc:

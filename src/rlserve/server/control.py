@@ -16,6 +16,7 @@ from fastapi.responses import PlainTextResponse, Response
 
 from rlserve.engine.weights import WeightUpdateError, check_under_roots
 from rlserve.model.lora import AdapterError, load_peft_adapter
+from rlserve.server import vllm_weights
 from rlserve.server.errors import APIError, bad_request
 from rlserve.server.serving import ServerState, json_body
 
@@ -27,7 +28,7 @@ ADMIN_PATHS = frozenset({
     "/load_lora_adapter", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/load_adapter", "/upload_adapter",
     "/update_weights_from_disk", "/pause_generation", "/continue_generation", "/flush_cache", "/abort_request",
     "/update_weight_version",
-})
+}) | vllm_weights.ADMIN_PATHS
 
 
 def _state(request: Request) -> ServerState:
@@ -65,10 +66,13 @@ def _label(body: dict) -> str | None:
 
 @router.post("/update_weights")
 async def update_weights(request: Request) -> dict:
-    """prime-rl {"weight_dir"} (null = receive a trainer push), NexRL {"weight_path"}; §2.0 dispatch."""
+    """prime-rl {"weight_dir"} (null = receive a trainer push), NexRL {"weight_path"}, vLLM
+    {"update_info"} (vllm_weights); §2.0 dispatch."""
     state, body = _state(request), await json_body(request)
     if "update_info" in body:
-        raise bad_request("vLLM's update_info weight transfer is not supported; use /init_broadcaster", "update_info")
+        if not isinstance(body["update_info"], dict):
+            raise bad_request("update_info must be an object {names, dtype_names, shapes}", "update_info")
+        return await vllm_weights.receive_update(request, body["update_info"], _label(body))
     if "weight_path" in body:
         path = Path(str(body["weight_path"]))
         if (path / "adapter_config.json").exists():
