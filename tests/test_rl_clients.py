@@ -158,7 +158,8 @@ def test_trl_vllm_client_generation(url):
     assert len(out["completion_ids"]) == 4 and all(len(c) == 4 or len(c) < 4 for c in out["completion_ids"])
     for ids, lps, lp_ids in zip(out["completion_ids"], out["logprobs"], out["logprob_token_ids"]):
         assert len(lps) == len(ids) == len(lp_ids)
-        assert all(row_ids[0] == t for row_ids, t in zip(lp_ids, ids))  # the sampled token first
+        # TRL sorts the sampled token and its alternatives by probability
+        assert all(t in row_ids and row == sorted(row, reverse=True) for row_ids, row, t in zip(lp_ids, lps, ids))
     chat = client.chat([[{"role": "user", "content": "hi"}]], max_tokens=3, logprobs=0)
     assert len(chat["completion_ids"]) == 1 and chat["prompt_ids"][0]
     assert client.get_world_size() == 1
@@ -236,7 +237,7 @@ TRL_TRAINER = textwrap.dedent(
     assert version() == v0 + 1
     # update_model_params: start, one update_weights for every tensor (small chunks), finish
     post("/start_weight_update", {})
-    update_named_params(tensors, {"packed_buffer_size_bytes": 1 << 18})
+    update_named_params(tensors, {"packed_buffer_size_bytes": 1 << 18}, buffer_bytes=1 << 18)
     post("/finish_weight_update", {})
     assert version() == v0 + 2
     r = session.post(base + "/reset_prefix_cache")
@@ -258,7 +259,7 @@ def test_trl_weight_sync_requests(url, root):
     assert lines[-1] == "ok"
     # the server now serves exactly the pushed weights
     hf = AutoModelForCausalLM.from_pretrained(pushed, dtype=torch.float32).eval()
-    body = {"token_ids": [5, 6, 7, 8], "sampling_params": {"max_tokens": 6, "seed": 0, "ignore_eos": True}}
+    body = {"token_ids": [5, 6, 7, 8], "sampling_params": {"max_tokens": 6, "seed": 0, "ignore_eos": True, "logprobs": 0}}
     choice = httpx.post(f"{url}/inference/v1/generate", json=body, timeout=60).json()["choices"][0]
     ref = forward_logprobs(hf, [5, 6, 7, 8], choice["token_ids"])
     assert max(abs(e["logprob"] - r) for e, r in zip(choice["logprobs"]["content"], ref)) < 1e-4
