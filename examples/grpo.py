@@ -227,7 +227,7 @@ def train(args) -> list[StepMetrics]:
         out.mkdir(parents=True, exist_ok=True)
         (out / "metrics.jsonl").write_text("")
 
-    weight_root = Path(tempfile.mkdtemp(prefix="grpo-weights-"))
+    weight_root = Path(tempfile.mkdtemp(prefix="grpo-weights-", dir=args.weights_dir))
     url, proc, log = (args.base_url, None, None) if args.base_url else start_server(model_dir, weight_root)
     client = SyncInferenceClient([url])
     pool = ThreadPoolExecutor(max_workers=args.prompts_per_step)
@@ -327,6 +327,7 @@ def plot(history: list[StepMetrics], path: Path) -> None:
     bottom.semilogy(steps, [max(m.mismatch_kl, 1e-12) for m in history], marker="o", ms=3, label="mismatch KL")
     bottom.semilogy(steps, [max(m.max_abs_logprob_diff, 1e-12) for m in history], marker="s", ms=3,
                     label="max |Δ logprob|")
+    bottom.set_ylabel("trainer vs rlserve\n(≤ 0 drawn at 1e-12)")
     bottom.set_xlabel("step")
     bottom.grid(alpha=0.3)
     bottom.legend()
@@ -345,6 +346,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--async-steps", type=int, choices=(0, 1), default=0,
                    help="1: sample the next batch while this one trains (one step off-policy)")
     p.add_argument("--update-from-disk", action="store_true", help="push weights as safetensors files")
+    p.add_argument("--weights-dir", help="where --update-from-disk writes them (default: a temporary folder; "
+                                         "with --base-url, one under that server's weight_roots)")
     p.add_argument("--model", help="a Hugging Face model directory (default: rlserve's embedded model)")
     p.add_argument("--base-url", help="use this running rlserve (serving --model) instead of starting one")
     p.add_argument("--seed", type=int, default=0)
