@@ -53,33 +53,43 @@ def forward_logprobs(model, prompt_ids: list[int], completion_ids: list[int]) ->
 
 
 def test_verifiers_renderers_two_turns(url, hf):
-    """renderers.client.generate: the client renders Qwen3 chat itself and insists on
-    `token_id:<id>` logprob tokens and finite sampled logprobs."""
+    """verifiers' TrainClient path: renderers builds the Qwen3 renderer from the model's tokenizer,
+    renders the chat itself, calls /inference/v1/generate through renderers.client.generate (which
+    insists on `token_id:<id>` tokens and finite logprobs), and bridges turn 2 onto turn 1's exact
+    prompt + completion tokens."""
     renderers = pytest.importorskip("renderers")
     from openai import AsyncOpenAI
+    from renderers.base import load_tokenizer
     from renderers.client import generate
 
-    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
-    renderer = renderers.create_renderer(tokenizer, renderers.Qwen3RendererConfig(enable_thinking=False))
+    renderer = renderers.create_renderer(load_tokenizer(str(default_model_dir())),
+                                         renderers.Qwen3RendererConfig(enable_thinking=False))
     client = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused")
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a prime."}]
+    sampling = {"max_tokens": 6, "temperature": 1.0, "seed": 3}
 
     async def two_turns():
         first = await generate(client=client, renderer=renderer, messages=messages, model="rlserve-default",
-                               sampling_params={"max_tokens": 6, "temperature": 1.0, "seed": 3})
-        history = messages + [{"role": "assistant", "content": first["content"] or ""},
-                              {"role": "user", "content": "Another one?"}]
+                               sampling_params=sampling)
+        tail = [{"role": "user", "content": "Another one?"}]
+        bridged = renderer.bridge_to_next_turn(first["prompt_ids"], first["completion_ids"], tail)
+        history = messages + [{"role": "assistant", "content": first["content"] or ""}] + tail
         second = await generate(client=client, renderer=renderer, messages=history, model="rlserve-default",
-                                sampling_params={"max_tokens": 6, "temperature": 1.0, "seed": 4})
+                                prompt_ids=bridged.token_ids if bridged is not None else None,
+                                sampling_params={**sampling, "seed": 4})
         await client.close()
-        return first, second
+        return first, second, bridged
 
-    first, second = asyncio.run(two_turns())
+    first, second, bridged = asyncio.run(two_turns())
     for turn in (first, second):
         assert turn["completion_ids"] and len(turn["completion_logprobs"]) == len(turn["completion_ids"])
         assert turn["finish_reason"] in ("stop", "length")
         ref = forward_logprobs(hf, turn["prompt_ids"], turn["completion_ids"])
         assert max(abs(a - b) for a, b in zip(turn["completion_logprobs"], ref)) < 1e-4
+    # turn 2 extends turn 1's tokens as sampled (no re-tokenization drift)
+    assert bridged is not None
+    stem = first["prompt_ids"] + first["completion_ids"]
+    assert second["prompt_ids"][: len(stem)] == stem
     # the renderer's own rendering is the server's
     served = httpx.post(f"{url}/tokenize", json={"messages": messages, "add_generation_prompt": True,
                                                  "chat_template_kwargs": {"enable_thinking": False}}).json()["tokens"]
