@@ -97,8 +97,13 @@ class InferenceClient:
         server (/tokenize), so ids and template always agree. max_tokens=None lets the completion run
         to the end of the context. `sampling_params` adds or overrides any §2.1 field.
         min_policy_version: a server still on an older policy answers 409 (ConflictError)."""
-        args = {k: v for k, v in locals().items() if k != "self"}
-        return (await self.generate_group(n=1, **args))[0]
+        (sample,) = await self.generate_group(
+            prompt, token_ids, n=1, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+            min_p=min_p, stop=stop, stop_token_ids=stop_token_ids, seed=seed, session_id=session_id,
+            request_id=request_id, cache_salt=cache_salt, add_special_tokens=add_special_tokens,
+            return_text=return_text, sampling_params=sampling_params, min_policy_version=min_policy_version,
+            allow_mixed_versions=allow_mixed_versions, on_overflow=on_overflow)
+        return sample
 
     async def generate_group(
         self,
