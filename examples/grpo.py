@@ -295,11 +295,12 @@ def train(args) -> list[StepMetrics]:
                 with open(out / "metrics.jsonl", "a") as f:
                     f.write(json.dumps(asdict(m)) + "\n")
     finally:
+        # rollouts still in flight finish first: they need the client's loop and the server
+        ahead.shutdown(cancel_futures=True)
+        pool.shutdown(cancel_futures=True)
         if pusher is not None:
             pusher.close()
         client.close()
-        pool.shutdown(cancel_futures=True)
-        ahead.shutdown(cancel_futures=True)
         if proc is not None:
             stop_server(proc)
             log.unlink(missing_ok=True)
@@ -357,6 +358,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so the server this script started is stopped too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))  # leave the server a core
     started = time.perf_counter()
     history = train(args)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -67,3 +69,23 @@ def test_grpo_async_one_step_off_policy_from_disk(grpo, tmp_path):
     # step t trains on samples of the policy one push older (step 0: the initial one)
     assert [m.policy_version for m in history] == [m.expected_policy_version for m in history] == [0, 0, 1, 2]
     assert [m.staleness_max for m in history] == [0, 1, 1, 1]
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="lists child processes through /proc")
+def test_sigterm_stops_the_server_the_example_started(tmp_path):
+    proc = subprocess.Popen([sys.executable, str(EXAMPLE), "--steps", "50", "--prompts-per-step", "2",
+                             "--group-size", "2"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        header = proc.stdout.readline()  # printed once its server is up
+        assert header.split()[:2] == ["step", "reward"]
+        server_pids = {int(p) for task in Path(f"/proc/{proc.pid}/task").iterdir()
+                       for p in (task / "children").read_text().split()}
+        assert server_pids
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 128 + signal.SIGTERM
+        for pid in server_pids:
+            assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
