@@ -36,6 +36,16 @@ class ServerConfig(Section):
     api_key: str | None = Field(None, description="Bearer key required on every route but /health and /metrics")
     admin_api_key: str | None = Field(None, description="Bearer key required on admin routes (updates, pause, adapters)")
     log_level: str = Field("info", description="uvicorn log level")
+    # request caps (over one: a 4xx naming the cap; docs/errors.md)
+    max_body_bytes: int = Field(8 << 20, ge=1024, description="largest request body; bigger ones get 413 before they are read")
+    max_waiting_requests: int = Field(
+        8192, ge=0, description="requests queued in the engine beyond which new ones get 429 with Retry-After (0 = no cap)"
+    )
+    max_stop_strings: int = Field(64, ge=0, description="most stop strings one request may send")
+    max_stop_string_chars: int = Field(1024, ge=1, description="longest stop string")
+    trust_request_chat_template: bool = Field(
+        False, description="accept a per-request chat_template (rendered sandboxed, bounded in time and size)"
+    )
 
 
 class EngineConfig(Section):

@@ -19,6 +19,8 @@ from rlserve.engine.async_engine import AsyncEngine
 from rlserve.server import chat, completions, control, generate, responses, tokenization
 from rlserve.server.chat_template import load_template
 from rlserve.server.errors import APIError, install_error_handlers
+from rlserve.server.limits import BodyGuard
+from rlserve.server.openapi import install_openapi
 from rlserve.server.metrics import Metrics
 from rlserve.server.serving import ServerState
 
@@ -41,9 +43,11 @@ def build_app(engine: AsyncEngine, config: Config) -> FastAPI:
     app.state.rlserve = ServerState(engine, config, Metrics(engine, name), name,
                                     chat_template=load_template(config.model.chat_template))
     install_error_handlers(app)
+    install_openapi(app)
     for r in (router, completions.router, chat.router, tokenization.router, generate.router, control.router,
               responses.router):
         app.include_router(r)
+    app.add_middleware(BodyGuard, max_body_bytes=config.server.max_body_bytes)
     app.add_middleware(Gate, api_key=config.server.api_key, admin_api_key=config.server.admin_api_key)
     return app
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from typing import Any
@@ -13,6 +14,15 @@ from fastapi.responses import JSONResponse
 from rlserve.engine.outputs import CompletionOutput, RequestOutput
 from rlserve.engine.params import SamplingParams
 from rlserve.server.errors import bad_request, from_value_error
+from rlserve.server.limits import check_text_fits
+from rlserve.server.openapi import documented
+from rlserve.server.protocol_native import (
+    GENERATE_BODIES,
+    InferenceGenerateRequest,
+    SGLangGenerateRequest,
+    TRLGenerateRequest,
+    generate_body_model,
+)
 from rlserve.server.metrics import weight_version
 from rlserve.server.serving import (
     SAMPLING_FIELDS,
@@ -30,6 +40,7 @@ from rlserve.server.serving import (
     sse_error,
     start_stream,
     usage,
+    validated,
     version_fields,
 )
 
@@ -77,9 +88,9 @@ def _logprob_content(state: ServerState, comp: CompletionOutput, as_ids: bool) -
 # ---- vLLM /inference/v1/generate (§2.6) ----------------------------------------------------------
 
 
-@router.post("/inference/v1/generate")
+@router.post("/inference/v1/generate", openapi_extra=documented(InferenceGenerateRequest))
 async def inference_generate(request: Request):
-    state, body = _state(request), await json_body(request)
+    state, body = _state(request), await json_body(request, InferenceGenerateRequest)
     state.check_model(body.get("model"))
     state.check_policy_version(body)
     prompt = _token_ids(state, body.get("token_ids"), "token_ids")
@@ -147,17 +158,19 @@ async def _generate_stream(state: ServerState, run: Run, rid: str, as_ids: bool)
 # ---- /generate: TRL legacy, SGLang, MLX ----------------------------------------------------------
 
 
-@router.post("/generate")
+@router.post("/generate", openapi_extra=documented(*GENERATE_BODIES))
 async def generate(request: Request):
-    state, body = _state(request), await json_body(request)
+    state, raw = _state(request), await json_body(request)
+    model = generate_body_model(raw)
+    if model is None:
+        raise bad_request("/generate needs `prompts` (TRL), `input_ids`/`text` (SGLang) or `prompt` (MLX-style)")
+    body = validated(raw, model)
     state.check_policy_version(body)
-    if "prompts" in body:
+    if model is TRLGenerateRequest:
         return await _trl_generate(request, state, body)
-    if {"input_ids", "text", "sampling_params"} & body.keys():
+    if model is SGLangGenerateRequest:
         return await _sglang_generate(request, state, body)
-    if "prompt" in body:
-        return await _mlx_generate(request, state, body)
-    raise bad_request("/generate needs `prompts` (TRL), `input_ids`/`text` (SGLang) or `prompt` (MLX-style)")
+    return await _mlx_generate(request, state, body)
 
 
 def _prompt_list(state: ServerState, prompts: Any, field: str) -> list[list[int]]:
@@ -170,6 +183,7 @@ def _prompt_list(state: ServerState, prompts: Any, field: str) -> list[list[int]
         if isinstance(p, str):
             if not p:
                 raise bad_request(f"{field} holds an empty prompt", field)
+            check_text_fits(state, len(p), field)
             out.append(state.tokenizer.encode(p, add_special_tokens=True))
         else:
             out.append(_token_ids(state, p, field))
@@ -182,7 +196,7 @@ async def _run_all(request: Request, state: ServerState, prompts, params, rid, s
 
 
 async def _mlx_generate(request: Request, state: ServerState, body: dict):
-    prompts = _prompt_list(state, body["prompt"], "prompt")
+    prompts = await state.off_loop(_prompt_list, state, body["prompt"], "prompt")
     fields = {"temperature": 0.0, "max_tokens": 128, **body}
     params = make_params(fields, logprobs=0)
     rid = body.get("request_id") or uuid.uuid4().hex
@@ -209,7 +223,7 @@ async def _mlx_generate(request: Request, state: ServerState, body: dict):
 
 async def _trl_generate(request: Request, state: ServerState, body: dict):
     fields = {"max_tokens": 16, **body, **(body.get("generation_kwargs") or {})}
-    prompts = _prompt_list(state, body["prompts"], "prompts")
+    prompts = await state.off_loop(_prompt_list, state, body["prompts"], "prompts")
     if fields.get("truncate_prompt_tokens"):
         prompts = [p[-int(fields["truncate_prompt_tokens"]) :] for p in prompts]
     k = fields.get("logprobs")
@@ -228,7 +242,7 @@ async def _trl_generate(request: Request, state: ServerState, body: dict):
             entry = [(t, lp)] + [(i, v) for i, v in alts if i != t][:k]
             entry.sort(key=lambda kv: -kv[1])
             seq_ids.append([i for i, _ in entry])
-            seq_lp.append([None if v != v else v for _, v in entry])
+            seq_lp.append([v if math.isfinite(v) else None for _, v in entry])  # §2.0: TRL legacy -inf is null
         lps.append(seq_lp)
         ids.append(seq_ids)
     return result | {"logprobs": lps, "logprob_token_ids": ids}
@@ -239,14 +253,15 @@ async def _sglang_generate(request: Request, state: ServerState, body: dict):
         raise bad_request("streaming on SGLang's /generate is not supported; use /inference/v1/generate", "stream")
     single = not (isinstance(body.get("input_ids"), list) and body["input_ids"] and isinstance(body["input_ids"][0], list))
     source = body.get("input_ids") if body.get("input_ids") is not None else body.get("text")
-    prompts = _prompt_list(state, source, "input_ids" if body.get("input_ids") is not None else "text")
+    prompts = await state.off_loop(_prompt_list, state, source, "input_ids" if body.get("input_ids") is not None else "text")
     sp = dict(body.get("sampling_params") or {})
     sp["max_tokens"] = sp.pop("max_new_tokens", 128)
     want_lp = bool(body.get("return_logprob"))
     params = make_params(sp, logprobs=int(body.get("top_logprobs_num") or 0) if want_lp else None)
     rid = body.get("rid") or uuid.uuid4().hex
     lora = body.get("lora_path")
-    outs = await _run_all(request, state, prompts, params, rid, adapter=state.adapter_for(lora) if lora else None)
+    adapter = state.check_adapter(lora, "lora_path") if lora else None
+    outs = await _run_all(request, state, prompts, params, rid, adapter=adapter)
     label = weight_version(state.engine)
     results = []
     for out in outs:

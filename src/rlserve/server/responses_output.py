@@ -29,7 +29,7 @@ class Turn:
             "status": status, "error": None, "incomplete_details": None, "instructions": body.instructions,
             "metadata": body.metadata or {}, "parallel_tool_calls": body.parallel_tool_calls,
             "temperature": body.temperature, "tool_choice": body.tool_choice, "tools": body.tools or [],
-            "top_p": body.top_p, "reasoning": body.reasoning, "text": body.text or {"format": {"type": "text"}},
+            "top_p": body.top_p, "reasoning": body.reasoning, "text": body.text.model_dump() if body.text else {"format": {"type": "text"}},
             "truncation": body.truncation or "disabled", "max_output_tokens": body.max_output_tokens,
             "output": [], "usage": None,
         }
