@@ -29,7 +29,7 @@ def _closed_port() -> int:
 def test_fuzzing_finds_no_server_errors(tmp_path: Path) -> None:
     st = shutil.which("st") or pytest.skip("schemathesis is not installed (pip install -e '.[test]')")
     # a small context and batch keep fuzzed generations short; weights only under an empty root
-    url, proc = start_server("--model.max_model_len", "128", "--engine.max_num_seqs", "4",
+    url, proc = start_server("--model.max_model_len", "48", "--engine.max_num_seqs", "4",
                              "--weight-roots", f'["{tmp_path}"]')
     try:
         env = {**os.environ, "SCHEMATHESIS_HOOKS": "fuzz_hooks", "RLSERVE_FUZZ_URL": url,

@@ -118,7 +118,14 @@ async def init_broadcaster(request: Request) -> dict:
     return {"status": "ok"}
 
 
-@router.post("/pause")
+_PAUSE_QUERY = {"parameters": [
+    {"name": "mode", "in": "query", "required": False, "schema": {"enum": ["keep", "abort", "wait"]}},
+    {"name": "wait_for_inflight_requests", "in": "query", "required": False, "schema": {"type": "boolean"}},
+    {"name": "clear_cache", "in": "query", "required": False, "schema": {"type": "boolean"}},
+]}
+
+
+@router.post("/pause", openapi_extra=_PAUSE_QUERY)
 async def pause(request: Request) -> dict:
     mode = request.query_params.get("mode")
     wait_flag = request.query_params.get("wait_for_inflight_requests")
