@@ -194,3 +194,20 @@ def test_unknown_fields_stay_ignored_on_typed_native_routes(server: str) -> None
         r = http.post("/generate", content=json.dumps({"prompt": "x", "max_tokens": 1}),
                       headers={"content-type": "application/x-www-form-urlencoded"})  # curl -d
         assert r.status_code == 200, r.text
+
+
+def test_openapi_describes_every_body_with_this_servers_caps(server: str) -> None:
+    spec = httpx.get(f"{server}/openapi.json", timeout=HANG_GUARD_S).json()
+    for path in ("/generate", "/inference/v1/generate", "/update_weights", "/init_broadcaster", "/abort_requests",
+                 "/v1/load_lora_adapter", "/load_adapter", "/update_weights_from_disk", "/v1/completions"):
+        assert "requestBody" in spec["paths"][path]["post"], path
+    generate = spec["paths"]["/generate"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert {r["$ref"].rsplit("/", 1)[1] for r in generate["anyOf"]} == {
+        "TRLGenerateRequest", "SGLangGenerateRequest", "MLXGenerateRequest"}
+    schemas = spec["components"]["schemas"]
+    assert schemas["CompletionRequest"]["properties"]["n"]["maximum"] == 256  # engine.max_num_seqs
+    assert schemas["CompletionRequest"]["properties"]["temperature"]["minimum"] == 0
+    token_ids = schemas["InferenceGenerateRequest"]["properties"]["token_ids"]
+    vocab = httpx.post(f"{server}/tokenize", json={"prompt": "x"}, timeout=HANG_GUARD_S)
+    assert vocab.status_code == 200 and token_ids["items"]["maximum"] > 0 and token_ids["minItems"] == 1
+    assert schemas["InitBroadcasterRequest"]["properties"]["port"]["anyOf"][0]["maximum"] == 65535

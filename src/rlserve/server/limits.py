@@ -16,19 +16,21 @@ _CHECK_INLINE_BYTES = 64 << 10
 _LONE_SURROGATE = re.compile(rb"(?<!\\)(?:\\\\)*\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 _SURROGATE_PAIR = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}")
 RETRY_AFTER_S = 1
+# multipart adapter uploads are bigger than any JSON request; that route caps and parses them itself
+OWN_CAPS = frozenset({"/upload_adapter"})
 
 
 class BodyGuard:
     """Refuses a body over `max_body_bytes` as soon as its size is known (Content-Length, or while it
     streams in), then checks that a JSON body is UTF-8, standard JSON (no NaN/Infinity), not absurdly
     nested and free of lone UTF-16 surrogates; tokenizers, headers and logs cannot carry those.
-    Every route but /upload_adapter takes JSON whatever the Content-Type says (curl -d sends a form type)."""
+    Routes take JSON whatever the Content-Type says (curl -d sends a form type); OWN_CAPS are left alone."""
 
     def __init__(self, app: ASGIApp, max_body_bytes: int):
         self.app, self.max_body_bytes = app, max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS") or scope["path"] in OWN_CAPS:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers", ()))
@@ -52,7 +54,7 @@ class BodyGuard:
                 return
         body = b"".join(chunks)
         content_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
-        if body.strip() and content_type != b"multipart/form-data":
+        if body.strip():
             problem = await _check_json(body) if len(body) > _CHECK_INLINE_BYTES else _json_problem(body)
             if problem is not None:
                 await APIError(400, problem).response()(scope, receive, send)

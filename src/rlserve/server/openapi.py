@@ -23,7 +23,9 @@ def documented(*models: type[BaseModel]) -> dict[str, Any]:
     return {"requestBody": {"required": False, "content": {"application/json": {"schema": schema}}}}
 
 
-def install_openapi(app: FastAPI) -> None:
+def install_openapi(app: FastAPI, limits: dict[str, int]) -> None:
+    """`limits`: the served configuration's caps (field name -> maximum), written into every schema."""
+
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
@@ -32,7 +34,19 @@ def install_openapi(app: FastAPI) -> None:
             components = schema.setdefault("components", {}).setdefault("schemas", {})
             for name, definition in defs.get("$defs", {}).items():
                 components.setdefault(name, definition)
+            for definition in components.values():
+                _apply_limits(definition, limits)
             app.openapi_schema = schema
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _apply_limits(definition: dict[str, Any], limits: dict[str, int]) -> None:
+    for name, prop in definition.get("properties", {}).items():
+        if name in limits:
+            for variant in prop.get("anyOf", [prop]):
+                if variant.get("type") == "integer":
+                    variant["maximum"] = limits[name]
+                elif variant.get("type") == "array" and variant.get("items", {}).get("type") == "integer":
+                    variant["items"]["maximum"] = limits[name]
