@@ -71,7 +71,3 @@ class AbortRequest(Body):
 
 class PauseGenerationRequest(Body):
     mode: str | None = None
-
-
-class EmptyRequest(Body):
-    """Routes that take no fields; any JSON object is accepted and ignored."""
