@@ -83,6 +83,9 @@ class Config(Section):
         default_factory=lambda: ["."],
         description="directories under which weight and adapter directories may be read (symlinks resolved)",
     )
+    enable_return_routed_experts: bool = Field(
+        False, description="MoE models: return each token's routed experts (routed_experts) on the generate routes"
+    )
     model: ModelConfig = Field(default_factory=ModelConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)

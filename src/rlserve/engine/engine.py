@@ -18,6 +18,7 @@ from rlserve.engine.detokenizer import IncrementalDetokenizer
 from rlserve.engine.kv_cache import BlockPool, extra_key
 from rlserve.engine.outputs import RequestOutput
 from rlserve.engine.params import SamplingParams
+from rlserve.engine.routing import RoutedExpertsPool
 from rlserve.engine.runner import ModelRunner, kv_bytes_per_token
 from rlserve.engine.sampler import Sampler, SamplingRow
 from rlserve.engine.scheduler import Scheduler
@@ -98,6 +99,10 @@ class Engine:
             pack_weights=ec.pack_weights,
             use_cpu_kernels=ec.cpu_kernels,
         )
+        if config.enable_return_routed_experts:
+            if self.shape.moe is None:
+                raise ValueError("enable_return_routed_experts needs a mixture-of-experts model (Qwen3-MoE); this one is dense")
+            self.runner.routing = RoutedExpertsPool(self.shape.moe, num_blocks, ec.block_size)
         if self.device.type == "cuda" and not config.model.enforce_eager:
             self.runner.use_decode_graphs(ec.max_num_seqs, self.max_model_len)
         self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
@@ -187,6 +192,7 @@ class Engine:
                 seq.finish_reason = "abort"
                 if seq.detok is not None:
                     seq.detok.flush()
+                self._capture_routing(seq)
                 self.scheduler.finish(seq)
         self._forget(req)
         self._pending.append(req)
@@ -389,7 +395,13 @@ class Engine:
             seq.finish_reason, seq.stop_reason = reason, stop_reason
             if seq.detok is not None:
                 seq.detok.flush()
+            self._capture_routing(seq)
             self.scheduler.finish(seq)
+
+    def _capture_routing(self, seq: Sequence) -> None:
+        """Read the sequence's expert rows out of the pool before its blocks are freed."""
+        if self.runner.routing is not None:
+            seq.routed_experts = self.runner.routing.read(seq.block_table, seq.num_computed_tokens)
 
     def _record_prompt_logprobs(self, req: Request, first: int, logits: torch.Tensor) -> None:
         k = req.params.prompt_logprobs
