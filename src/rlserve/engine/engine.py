@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from rlserve.config import Config
 from rlserve.engine.allocator import keep_freed_memory
+from rlserve.engine.detectors import Detectors
 from rlserve.engine.detokenizer import IncrementalDetokenizer
 from rlserve.engine.kv_cache import BlockPool, extra_key
 from rlserve.engine.outputs import RequestOutput
@@ -106,6 +107,9 @@ class Engine:
         if self.device.type == "cuda" and not config.model.enforce_eager:
             self.runner.use_decode_graphs(ec.max_num_seqs, self.max_model_len)
         self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
+        self.detectors = Detectors(config.logits_processors, self.vocab_size)
+        eos = getattr(self.hf_config, "eos_token_id", None)
+        self.detector_eos = (eos[0] if isinstance(eos, list) else eos) if eos is not None else self.tokenizer.eos_token_id
         self.policy_version = 0
         self.weight_version = config.weight_version  # the trainer's label for the current weights
         self.weight_generation = 0  # bumps at every committed update: prefix-cache entries never cross it
@@ -329,7 +333,9 @@ class Engine:
                 row_index.append(i)
         if len(row_index) != len(seqs):
             logits = logits.index_select(0, torch.tensor(row_index, device=logits.device))
-        result = self.sampler(logits, [self._sampling_row(s) for s in rows_seqs])
+        sampling_rows = [self._sampling_row(s) for s in rows_seqs]
+        probe = self.detectors.probe(logits, sampling_rows) if self.detectors.active else None
+        result = self.sampler(logits, sampling_rows)
         now = time.monotonic()
         for r, seq in enumerate(rows_seqs):
             req = seq.request
@@ -345,7 +351,8 @@ class Engine:
                 seq.top_logprobs.append(dict(result.top_logprobs[r]))
             req.first_token_time = req.first_token_time or now
             seq.last_token_time = now
-            self._check_finish(seq, token)
+            detected = self.detectors.check(probe, r, seq, token) if probe is not None else None
+            self._check_finish(seq, token, detected)
         for req in forking:
             req.forked = True
 
@@ -375,7 +382,7 @@ class Engine:
             ),
         )
 
-    def _check_finish(self, seq: Sequence, token: int) -> None:
+    def _check_finish(self, seq: Sequence, token: int, detected: str | None = None) -> None:
         p = seq.params
         n_out = seq.num_output_tokens
         reason = stop_reason = None
@@ -391,12 +398,27 @@ class Engine:
             seq.detok.feed(token)
         if reason is None and (n_out >= seq.request.max_tokens or len(seq.token_ids) >= self.max_model_len):
             reason = "length"
+        if reason is None and detected is not None:
+            self._append_detector_eos(seq)
+            reason, stop_reason = "stop", detected
         if reason is not None:
             seq.finish_reason, seq.stop_reason = reason, stop_reason
             if seq.detok is not None:
                 seq.detok.flush()
             self._capture_routing(seq)
             self.scheduler.finish(seq)
+
+    def _append_detector_eos(self, seq: Sequence) -> None:
+        """A detector fired: EOS follows, as if sampled from a one-hot distribution (logprob 0)."""
+        eos = self.detector_eos
+        seq.append_token(eos, self.policy_version)
+        self.generation_tokens += 1
+        if seq.logprobs is not None:
+            seq.logprobs.append(0.0)
+        if seq.top_logprobs is not None:
+            seq.top_logprobs.append({eos: 0.0})
+        if seq.detok is not None:
+            seq.detok.feed(eos)
 
     def _capture_routing(self, seq: Sequence) -> None:
         """Read the sequence's expert rows out of the pool before its blocks are freed."""

@@ -77,6 +77,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.last_token_time: float | None = None
+        self.confident_run = 0  # consecutive confident tokens (repetition detection)
         self.routed_experts = None  # [positions, sparse layers, top_k] ids, read when it finishes
 
     @property

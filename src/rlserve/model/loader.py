@@ -146,6 +146,14 @@ def checkpoint_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def pushable_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
+    """checkpoint_shapes plus the stacked expert tensors a transformers 5 trainer may push instead."""
+    out = checkpoint_shapes(shape)
+    for layer in shape.moe.sparse_layers if shape.moe is not None else ():
+        out |= moe.stacked_shapes(shape.moe, shape.hidden_size, layer)
+    return out
+
+
 def target_of(model: CausalLM, params: dict[str, torch.Tensor], hf_name: str) -> torch.Tensor:
     """The slice of our parameter that holds the HF tensor `hf_name` (a view: copy_ into it to load).
 

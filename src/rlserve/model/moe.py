@@ -51,6 +51,12 @@ def checkpoint_shapes(moe: MoeShape, hidden: int, layer: int) -> dict[str, tuple
     return out
 
 
+def stacked_shapes(moe: MoeShape, hidden: int, layer: int) -> dict[str, tuple[int, ...]]:
+    """The same experts as transformers 5 holds them in memory (what a trainer's named_parameters() pushes)."""
+    p, e, i = f"model.layers.{layer}.mlp.experts.", moe.num_experts, moe.intermediate_size
+    return {p + "gate_up_proj": (e, 2 * i, hidden), p + "down_proj": (e, hidden, i)}
+
+
 def target_of(params: dict[str, torch.Tensor], moe: MoeShape, layer: str, suffix: str) -> torch.Tensor | None:
     """The slice of our stacked parameters holding the HF tensor `model.layers.<layer>.<suffix>`
     (per-expert names, or transformers 5's already-stacked `mlp.experts.gate_up_proj`/`down_proj`)."""
