@@ -5,8 +5,9 @@ penalties) at each sampled token:
 - gibberish: the token's id > token_id_threshold and its logprob < -log(vocab) - logprob_offset
   (a rare token drawn at high entropy);
 - repetition: `window` consecutive tokens each drawn where the top probability > prob_threshold.
-When one fires, EOS is appended (logprob 0: the forced one-hot distribution prime-rl's processors
-sample it from) and the sequence finishes with "stop" and stop_reason = the detector's name.
+When one fires, the next token is EOS, drawn from a one-hot distribution as prime-rl's processors
+force it (processed logprob 0), and the sequence finishes with "stop" and stop_reason = the
+detector's name. A sequence that reaches max_tokens on the detected token ends with "length".
 """
 
 from __future__ import annotations

@@ -351,8 +351,9 @@ class Engine:
                 seq.top_logprobs.append(dict(result.top_logprobs[r]))
             req.first_token_time = req.first_token_time or now
             seq.last_token_time = now
-            detected = self.detectors.check(probe, r, seq, token) if probe is not None else None
-            self._check_finish(seq, token, detected)
+            self._check_finish(seq, token)  # before detecting: a detection ends the sequence one token later
+            if probe is not None and seq.detected is None and seq.status is not Status.FINISHED:
+                seq.detected = self.detectors.check(probe, r, seq, token)
         for req in forking:
             req.forked = True
 
@@ -363,6 +364,9 @@ class Engine:
             banned = list(self.eos_token_ids) + list(p.stop_token_ids)
         mode = p.logprobs_mode or self.config.engine.logprobs_mode
         forced = p.forced_token_ids
+        forced_id = forced[seq.num_output_tokens] if forced and seq.num_output_tokens < len(forced) else None
+        if seq.detected is not None:  # a detector fired on the last token: EOS, one-hot, as prime-rl forces it
+            forced_id = self.detector_eos
         return SamplingRow(
             temperature=p.temperature,
             top_k=p.top_k,
@@ -372,7 +376,7 @@ class Engine:
             num_logprobs=p.logprobs,
             raw_logprobs=mode == "raw",
             banned_ids=banned,
-            forced_id=forced[seq.num_output_tokens] if forced and seq.num_output_tokens < len(forced) else None,
+            forced_id=forced_id,
             logit_bias=p.logit_bias,
             penalties=(
                 (p.repetition_penalty, p.presence_penalty, p.frequency_penalty, seq.request.prompt_token_ids,
@@ -382,11 +386,13 @@ class Engine:
             ),
         )
 
-    def _check_finish(self, seq: Sequence, token: int, detected: str | None = None) -> None:
+    def _check_finish(self, seq: Sequence, token: int) -> None:
         p = seq.params
         n_out = seq.num_output_tokens
         reason = stop_reason = None
-        if token in p.stop_token_ids and n_out > p.min_tokens - 1:
+        if seq.detected is not None:  # this token is the EOS forced after the detection
+            reason, stop_reason = "stop", seq.detected
+        elif token in p.stop_token_ids and n_out > p.min_tokens - 1:
             reason, stop_reason = "stop", token
         elif token in self.eos_token_ids and not p.ignore_eos and n_out >= p.min_tokens:
             reason = "stop"
@@ -398,27 +404,12 @@ class Engine:
             seq.detok.feed(token)
         if reason is None and (n_out >= seq.request.max_tokens or len(seq.token_ids) >= self.max_model_len):
             reason = "length"
-        if reason is None and detected is not None:
-            self._append_detector_eos(seq)
-            reason, stop_reason = "stop", detected
         if reason is not None:
             seq.finish_reason, seq.stop_reason = reason, stop_reason
             if seq.detok is not None:
                 seq.detok.flush()
             self._capture_routing(seq)
             self.scheduler.finish(seq)
-
-    def _append_detector_eos(self, seq: Sequence) -> None:
-        """A detector fired: EOS follows, as if sampled from a one-hot distribution (logprob 0)."""
-        eos = self.detector_eos
-        seq.append_token(eos, self.policy_version)
-        self.generation_tokens += 1
-        if seq.logprobs is not None:
-            seq.logprobs.append(0.0)
-        if seq.top_logprobs is not None:
-            seq.top_logprobs.append({eos: 0.0})
-        if seq.detok is not None:
-            seq.detok.feed(eos)
 
     def _capture_routing(self, seq: Sequence) -> None:
         """Read the sequence's expert rows out of the pool before its blocks are freed."""

@@ -78,6 +78,7 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.last_token_time: float | None = None
         self.confident_run = 0  # consecutive confident tokens (repetition detection)
+        self.detected: str | None = None  # the detector that fired; EOS comes next
         self.routed_experts = None  # [positions, sparse layers, top_k] ids, read when it finishes
 
     @property
