@@ -104,7 +104,8 @@ class Engine:
             if self.shape.moe is None:
                 raise ValueError("enable_return_routed_experts needs a mixture-of-experts model (Qwen3-MoE); this one is dense")
             self.runner.routing = RoutedExpertsPool(self.shape.moe, num_blocks, ec.block_size)
-        if self.device.type == "cuda" and not config.model.enforce_eager:
+        # the expert blocks size their matmuls from the routing on the host: no graph capture
+        if self.device.type == "cuda" and not config.model.enforce_eager and self.shape.moe is None:
             self.runner.use_decode_graphs(ec.max_num_seqs, self.max_model_len)
         self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
         self.detectors = Detectors(config.logits_processors, self.vocab_size)

@@ -139,7 +139,6 @@ class ModelRunner:
             if key is not None:
                 tables = [s.block_table for s in batch.decodes]
                 hidden = self.graphs.forward(key, input_ids, positions, slots, tables)
-                self._record_routing(torch.tensor(slots))
                 return StepLogits(self.model.compute_logits(hidden), sample_seqs, [])
             decode_blocks = torch.tensor(
                 [padded_blocks(s.block_table, width) for s in batch.decodes],
