@@ -82,6 +82,30 @@ class EngineConfig(Section):
     )
 
 
+class GibberishDetectionConfig(Section):
+    token_id_threshold: int = Field(100_000, ge=0, description="a sampled token is rare when its id is above this")
+    logprob_offset: float = Field(
+        2.0, description="... and gibberish when, also, its logprob is below -log(vocab_size) - logprob_offset"
+    )
+
+
+class RepetitionDetectionConfig(Section):
+    window: int = Field(3000, ge=1, description="fire after this many consecutive confident tokens")
+    prob_threshold: float = Field(0.99, gt=0, lt=1, description="a token is confident when the top probability exceeds this")
+
+
+class LogitsProcessorsConfig(Section):
+    """prime-rl's rollout detectors (engine/detectors.py): a present section turns one on; when it
+    fires the sequence ends with EOS, finish_reason "stop" and stop_reason naming it."""
+
+    gibberish_detection: GibberishDetectionConfig | None = Field(
+        None, description="end sequences that draw a rare token at high entropy"
+    )
+    repetition_detection: RepetitionDetectionConfig | None = Field(
+        None, description="end sequences stuck in a confident repetition loop"
+    )
+
+
 class Config(Section):
     seed: int = Field(0, description="seed of the engine's generator for unseeded requests")
     memory_budget_bytes: int | None = Field(
@@ -93,6 +117,10 @@ class Config(Section):
         default_factory=lambda: ["."],
         description="directories under which weight and adapter directories may be read (symlinks resolved)",
     )
+    enable_return_routed_experts: bool = Field(
+        False, description="MoE models: return each token's routed experts (routed_experts) on the generate routes"
+    )
+    logits_processors: LogitsProcessorsConfig = Field(default_factory=LogitsProcessorsConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)

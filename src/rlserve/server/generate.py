@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 
 from rlserve.engine.outputs import CompletionOutput, RequestOutput
 from rlserve.engine.params import SamplingParams
+from rlserve.engine.routing import encode_routed_experts
 from rlserve.server.errors import bad_request, from_value_error
 from rlserve.server.limits import check_text_fits
 from rlserve.server.openapi import documented
@@ -100,6 +101,7 @@ async def inference_generate(request: Request):
     if sp.get("prompt_logprobs") is not None and body.get("stream"):
         raise bad_request("prompt_logprobs is not available with stream=true", "prompt_logprobs")
     params = make_params(sp, forced_token_ids=forced_token_ids(state, body))
+    experts_start = _routed_experts_start(sp.get("routed_experts_prompt_start"))
     rid = request.headers.get("x-request-id") or body.get("request_id") or uuid.uuid4().hex
     as_ids = bool(sp.get("return_tokens_as_token_ids") or body.get("return_tokens_as_token_ids"))
     run = Run(state, [prompt], params, rid, body.get("cache_salt"), adapter=state.adapter_for(body.get("model")),
@@ -112,13 +114,27 @@ async def inference_generate(request: Request):
         "request_id": rid,
         "choices": [
             {"index": c.index, "token_ids": c.token_ids, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-             "logprobs": _logprob_content(state, c, as_ids), "routed_experts": None, **version_fields(state, c)}
+             "logprobs": _logprob_content(state, c, as_ids), "routed_experts": _routed_experts(c, experts_start),
+             **version_fields(state, c)}
             for c in out.outputs
         ],
         "prompt_logprobs": prompt_logprobs_json(state, out, params.prompt_logprobs, as_ids),
         "kv_transfer_params": None,
         "usage": _usage(out),
     }
+
+
+def _routed_experts_start(value: Any) -> int:
+    if value is None:
+        return 0
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise bad_request(f"routed_experts_prompt_start must be an integer >= 0, got {value!r}", "routed_experts_prompt_start")
+    return value
+
+
+def _routed_experts(c: CompletionOutput, start: int) -> dict | None:
+    """wire-protocols §2.14; None unless the server runs with enable_return_routed_experts."""
+    return None if c.routed_experts is None else encode_routed_experts(c.routed_experts, start)
 
 
 def _usage(out: RequestOutput) -> dict:
@@ -257,6 +273,11 @@ async def _sglang_generate(request: Request, state: ServerState, body: dict):
     sp = dict(body.get("sampling_params") or {})
     sp["max_tokens"] = sp.pop("max_new_tokens", 128)
     want_lp = bool(body.get("return_logprob"))
+    want_experts = bool(body.get("return_routed_experts"))
+    if want_experts and not state.config.enable_return_routed_experts:
+        raise bad_request("return_routed_experts needs a server started with --enable_return_routed_experts",
+                          "return_routed_experts")
+    experts_start = _routed_experts_start(body.get("routed_experts_prompt_start", sp.pop("routed_experts_prompt_start", None)))
     params = make_params(sp, logprobs=int(body.get("top_logprobs_num") or 0) if want_lp else None)
     rid = body.get("rid") or uuid.uuid4().hex
     lora = body.get("lora_path")
@@ -276,5 +297,7 @@ async def _sglang_generate(request: Request, state: ServerState, body: dict):
                 "output_token_logprobs": [[clamp(lp), t, None] for t, lp in zip(c.token_ids, c.logprobs)] if want_lp else None,
                 "input_token_logprobs": None, "output_top_logprobs": None,
             }
+            if want_experts:
+                meta["routed_experts"] = _routed_experts(c, experts_start)
             results.append({"text": c.text, "output_ids": c.token_ids, "meta_info": meta})
     return JSONResponse(results[0] if single and len(results) == 1 else results)
