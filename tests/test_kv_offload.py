@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 
+import httpx
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -220,3 +221,45 @@ def test_no_tier_hit_crosses_a_weight_update(dirs, tmp_path):
     assert all(o.num_cached_tokens == 0 and o.outputs[0].policy_version == 1 for o in outs)
     assert_matches_hf(AutoModelForCausalLM.from_pretrained(nxt, dtype=torch.float32).eval(), prompts, outs)
     engine.close()
+
+
+def test_serve_with_offload_config_file_metrics_and_sigterm_cleanup(tmp_path):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from conftest import start_server, stop_server
+
+    disk = tmp_path / "kv"
+    disk.mkdir()
+    config = tmp_path / "offload.toml"
+    config.write_text(f'[kv_cache_offload]\ntype = "native"\n[kv_cache_offload.cpu]\nnum_bytes = {4 * BLOCK * 2048}\n'
+                      f'[kv_cache_offload.disk]\npath = "{disk}"\n')
+    url, proc = start_server("@", str(config), "--engine.kv_cache_bytes", str(32 * BLOCK * 2048),
+                             "--model.max_model_len", "512")
+    try:
+        model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+        rng = random.Random(5)
+        sessions = [[rng.randrange(250) for _ in range(200)] for _ in range(4)]  # 4 x 13 blocks, the pool holds 32
+        for _ in range(2):
+            for prompt in sessions:
+                r = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 2},
+                               timeout=120)
+                assert r.status_code == 200, r.text
+        assert any(disk.glob("rlserve-kv-*/*.kvb"))
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for family in text_string_to_metric_families(text) for s in family.samples}
+
+        def value(name: str, **labels: str) -> float:
+            return sum(v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls))
+
+        assert value("rlserve:kv_offload_hits_total", tier="cpu") + value("rlserve:kv_offload_hits_total", tier="disk") > 0
+        assert value("rlserve:kv_offload_queries_total", tier="cpu") > 0
+        assert value("rlserve:kv_offload_bytes_total", direction="pool_to_cpu") > 0
+        assert value("rlserve:kv_offload_bytes_total", direction="cpu_to_disk") > 0
+        assert value("rlserve:kv_offload_capacity_bytes", tier="cpu") == 4 * BLOCK * 2048
+        assert value("rlserve:kv_offload_usage_bytes", tier="disk") > 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        stop_server(proc)
+    assert not any(disk.iterdir())  # SIGTERM removed the disk tier's files and folder
