@@ -223,6 +223,36 @@ def test_no_tier_hit_crosses_a_weight_update(dirs, tmp_path):
     engine.close()
 
 
+def test_router_replay_hook_carries_block_metadata_or_recomputes(dirs, baseline, tmp_path):
+    """Per-block arrays (routed experts, MoE) go through both tiers with the KV; a block without an array
+    the engine requires is recomputed."""
+    convs, base_outs, _ = baseline
+    offload = {"cpu": {"num_bytes": 4 * BLOCK * 2048}, "disk": {"path": str(tmp_path)}}
+    engine = make_engine(dirs[0], offload)
+    engine.offload.required_metadata = frozenset({"routed_experts"})  # nothing provides it: no tier hit
+    outs, _ = run_turns(engine, convs, [0, 0])
+    assert engine.stats.kv_offload_cpu_hits == engine.stats.kv_offload_disk_hits == 0
+    assert_same_outputs(outs, base_outs[:1] * 2)
+    engine.close()
+
+    engine = make_engine(dirs[0], offload)
+    saved, restored = set(), []
+
+    def metadata_of(block: int) -> dict[str, torch.Tensor]:
+        saved.add(engine.pool.hashes[block])
+        return {"routed_experts": torch.tensor(list(engine.pool.hashes[block]), dtype=torch.uint8)}
+
+    engine.offload.required_metadata = frozenset({"routed_experts"})
+    engine.offload.metadata_of = metadata_of
+    engine.offload.restore_metadata = lambda block, md: restored.append(bytes(md["routed_experts"].tolist()))
+    outs, _ = run_turns(engine, convs, [0, 0])
+    assert_same_outputs(outs, base_outs[:1] * 2)
+    s = engine.stats
+    assert s.kv_offload_disk_hits > 0 and len(restored) == (s.kv_offload_cpu_hits + s.kv_offload_disk_hits) // BLOCK
+    assert set(restored) <= saved
+    engine.close()
+
+
 def test_serve_with_offload_config_file_metrics_and_sigterm_cleanup(tmp_path):
     from prometheus_client.parser import text_string_to_metric_families
 

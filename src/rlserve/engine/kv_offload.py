@@ -14,7 +14,8 @@ import shutil
 import tempfile
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -46,6 +47,7 @@ class _CpuEntry:
     slot: int
     copied: torch.cuda.Event | None = None  # CUDA: the pool -> slot copy is done when this fires
     on_disk: bool = False
+    metadata: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class DiskTier:
@@ -84,11 +86,10 @@ class DiskTier:
             return 0
         try:
             size = kv_format.write_file(self.path(block.block_hash), block)
-        except OSError as e:
-            if e.errno not in _DISK_FULL:
-                raise
+        except OSError as e:  # serving goes on without new disk blocks
             self.writable = False
-            log.warning("KV disk tier %s is full (%s): no more blocks are written to disk", self.dir, e)
+            why = "is full" if e.errno in _DISK_FULL else "cannot be written"
+            log.warning("KV disk tier %s %s (%s): no more blocks are written to disk", self.dir, why, e)
             return 0
         self.files[block.block_hash] = size
         self.used_bytes += size
@@ -138,6 +139,11 @@ class KVOffload:
         self.disk = DiskTier(config.disk.path, config.disk.num_bytes) if config.disk is not None else None
         self.stats = OffloadStats()
         self.weight_generation = 0  # recorded in disk blocks' headers
+        # Router replay (MoE): per-block arrays the engine keeps beside the KV (routed experts)
+        # travel with the block; a block lacking one the engine requires is recomputed instead.
+        self.metadata_of: Callable[[int], dict[str, torch.Tensor]] | None = None
+        self.restore_metadata: Callable[[int, dict[str, torch.Tensor]], None] | None = None
+        self.required_metadata: frozenset[str] = frozenset()
 
     @property
     def cpu_capacity_bytes(self) -> int:
@@ -169,6 +175,8 @@ class KVOffload:
         else:
             dst.copy_(src)
         entry.on_disk = self.disk is not None and h in self.disk
+        if self.metadata_of is not None:
+            entry.metadata = {k: v.cpu().clone() for k, v in self.metadata_of(block).items()}
         self.cpu[h] = entry
         self.stats.bytes_to_cpu += self.block_bytes
 
@@ -176,20 +184,22 @@ class KVOffload:
         if self.disk is not None and not entry.on_disk:
             if entry.copied is not None:
                 entry.copied.synchronize()
-            block = KVBlock(h, self.cpu_buffer[entry.slot], self.weight_generation)
+            block = KVBlock(h, self.cpu_buffer[entry.slot], self.weight_generation, entry.metadata)
             self.stats.bytes_to_disk += self.disk.write(block)
         self.free_slots.append(entry.slot)
 
     def where(self, h: bytes) -> str | None:
-        """"cpu", "disk" or None, counted as one block's query; a CPU hit becomes the most recently used."""
-        self.stats.cpu_queries += self.block_size
+        """"cpu", "disk" or None; a CPU hit becomes the most recently used."""
         if h in self.cpu:
             self.cpu.move_to_end(h)
             return "cpu"
-        if self.disk is None:
-            return None
-        self.stats.disk_queries += self.block_size
-        return "disk" if h in self.disk else None
+        return "disk" if self.disk is not None and h in self.disk else None
+
+    def count_queries(self, found: list[str | None]) -> None:
+        """One admitted prompt's tier lookups, in order (`where` of each block looked up)."""
+        self.stats.cpu_queries += len(found) * self.block_size
+        if self.disk is not None:
+            self.stats.disk_queries += sum(tier != "cpu" for tier in found) * self.block_size
 
     def load(self, h: bytes, block: int) -> bool:
         """Copy the block cached under `h` into pool block `block`; False when it has to be recomputed."""
@@ -198,6 +208,8 @@ class KVOffload:
             torch.cuda.current_stream().wait_stream(self.copy_stream)
         entry = self.cpu.get(h)
         if entry is not None:
+            if not self._restore(block, entry.metadata):
+                return False
             dst.copy_(self.cpu_buffer[entry.slot], non_blocking=True)
             self.stats.bytes_from_cpu += self.block_bytes
             self.stats.cpu_hits += self.block_size
@@ -208,9 +220,18 @@ class KVOffload:
         if found is None:
             self.stats.disk_rejected += 1
             return False
+        if not self._restore(block, found.metadata):
+            return False
         dst.copy_(found.kv)
         self.stats.bytes_from_disk += self.block_bytes
         self.stats.disk_hits += self.block_size
+        return True
+
+    def _restore(self, block: int, metadata: dict[str, torch.Tensor]) -> bool:
+        if not self.required_metadata <= metadata.keys():
+            return False
+        if self.restore_metadata is not None:
+            self.restore_metadata(block, metadata)
         return True
 
     def before_run(self) -> None:

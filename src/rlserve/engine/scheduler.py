@@ -128,6 +128,7 @@ class Scheduler:
         seq.extra_key = self.cache_key(seq.request)
         hits: list[tuple[int, bytes]] = []
         in_tiers: list[bytes] = []  # hashes of the blocks after the pool hits that an offload tier holds
+        tiers: list[str | None] = []  # where each block looked up in the tiers was found
         if self.pool.enable_caching and seq.params.prompt_logprobs is None:
             parent = None
             # leave at least one token to compute: its logits give the next token
@@ -136,10 +137,13 @@ class Scheduler:
                 block = None if in_tiers else self.pool.lookup(h)
                 if block is not None:
                     hits.append((block, h))
-                elif self.offload is not None and self.offload.where(h) is not None:
-                    in_tiers.append(h)
-                else:
+                elif self.offload is None:
                     break
+                else:
+                    tiers.append(self.offload.where(h))
+                    if tiers[-1] is None:
+                        break
+                    in_tiers.append(h)
                 parent = h
         needed = -(-len(tokens) // bs) - len(hits)
         revived = sum(1 for b, _ in hits if self.pool.is_free(b))
@@ -149,6 +153,8 @@ class Scheduler:
             self.pool.take(b)
         seq.block_table = [b for b, _ in hits] + [self.pool.allocate() for _ in range(needed)]
         seq.block_hashes = [h for _, h in hits]
+        if tiers:
+            self.offload.count_queries(tiers)
         for h, block in zip(in_tiers, seq.block_table[len(hits) :]):
             if not self.offload.load(h, block):
                 break  # gone or corrupt: recompute from here
