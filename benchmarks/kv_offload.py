@@ -63,6 +63,8 @@ def run(model_dir, args, offload: dict | None) -> dict:
             computed.append(engine.stats.prompt_tokens_computed - before)
             generated += sum(len(r.seqs[0].output_token_ids) for r in reqs)
             tokens.append([r.seqs[0].output_token_ids for r in reqs])
+            print(f"  {'offload' if offload else 'no offload'} turn {t + 1}: {computed[-1]} prompt tokens computed, "
+                  f"median TTFT {ttft[-1]:.2f} s", flush=True)
         elapsed = time.perf_counter() - start
     s = engine.stats
     engine.close()
