@@ -106,6 +106,28 @@ class LogitsProcessorsConfig(Section):
     )
 
 
+class KVOffloadCPUConfig(Section):
+    num_bytes: int = Field(..., ge=1, description="host memory for KV blocks evicted from the engine's pool")
+
+
+class KVOffloadDiskConfig(Section):
+    path: str = Field(..., description="an existing, writable directory; blocks the CPU tier spills go to files under it")
+    num_bytes: int | None = Field(None, ge=1, description="cap on the disk tier's files; none = until the disk is full")
+
+
+class KVOffloadConfig(Section):
+    type: Literal["native"] = Field("native", description="the offload implementation (rlserve's own)")
+    cpu: KVOffloadCPUConfig | None = Field(None, description="the CPU tier (required)")
+    disk: KVOffloadDiskConfig | None = Field(None, description="an optional disk tier behind the CPU tier")
+
+    @model_validator(mode="after")
+    def _needs_cpu(self) -> "KVOffloadConfig":
+        if self.cpu is None:
+            what = "a disk tier alone is not supported: " if self.disk is not None else ""
+            raise ValueError(f"{what}kv_cache_offload needs a CPU tier: set kv_cache_offload.cpu.num_bytes")
+        return self
+
+
 class Config(Section):
     seed: int = Field(0, description="seed of the engine's generator for unseeded requests")
     memory_budget_bytes: int | None = Field(
@@ -124,9 +146,14 @@ class Config(Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    kv_cache_offload: KVOffloadConfig | None = Field(
+        None, description="keep KV blocks evicted from the pool in CPU memory (and on disk); enables prefix caching"
+    )
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "Config":
         if self.model.max_model_len is not None and self.engine.max_num_batched_tokens < self.engine.block_size:
             raise ValueError("engine.max_num_batched_tokens must be at least engine.block_size")
+        if self.kv_cache_offload is not None and not self.engine.enable_prefix_caching:
+            self.engine.enable_prefix_caching = True  # the tiers sit behind the prefix cache
         return self

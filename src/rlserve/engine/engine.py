@@ -6,7 +6,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -17,6 +17,7 @@ from rlserve.engine.allocator import keep_freed_memory
 from rlserve.engine.detectors import Detectors
 from rlserve.engine.detokenizer import IncrementalDetokenizer
 from rlserve.engine.kv_cache import BlockPool, extra_key
+from rlserve.engine.kv_offload import KVOffload
 from rlserve.engine.outputs import RequestOutput
 from rlserve.engine.params import SamplingParams
 from rlserve.engine.routing import RoutedExpertsPool
@@ -47,6 +48,19 @@ class EngineStats:
     prompt_tokens_computed: int
     generation_tokens: int
     policy_version: int
+    # KV offload tiers (0 without them); *_queries/*_hits count prompt tokens
+    kv_offload_cpu_queries: int = 0
+    kv_offload_cpu_hits: int = 0
+    kv_offload_disk_queries: int = 0
+    kv_offload_disk_hits: int = 0
+    kv_offload_disk_rejected: int = 0  # disk blocks that failed their checksum (recomputed)
+    kv_offload_bytes_to_cpu: int = 0
+    kv_offload_bytes_from_cpu: int = 0
+    kv_offload_bytes_to_disk: int = 0
+    kv_offload_bytes_from_disk: int = 0
+    kv_offload_cpu_used_bytes: int = 0
+    kv_offload_cpu_capacity_bytes: int = 0
+    kv_offload_disk_used_bytes: int = 0
 
 
 def resolve_device(name: str) -> torch.device:
@@ -107,6 +121,11 @@ class Engine:
         # the expert blocks size their matmuls from the routing on the host: no graph capture
         if self.device.type == "cuda" and not config.model.enforce_eager and self.shape.moe is None:
             self.runner.use_decode_graphs(ec.max_num_seqs, self.max_model_len)
+        self.offload: KVOffload | None = None
+        if config.kv_cache_offload is not None:
+            self.offload = KVOffload(config.kv_cache_offload, self.runner.kv_cache, ec.block_size)
+            self.scheduler.offload = self.offload
+            self.pool.on_evict = self.offload.save
         self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
         self.detectors = Detectors(config.logits_processors, self.vocab_size)
         eos = getattr(self.hf_config, "eos_token_id", None)
@@ -236,9 +255,17 @@ class Engine:
     def _bump_version(self, weight_version: str | None) -> int:
         self.policy_version += 1
         self.weight_generation += 1
+        if self.offload is not None:  # nothing cached can match any more: free the tiers now
+            self.pool.reset_prefix_cache()
+            self.offload.clear(self.weight_generation)
         if weight_version is not None:
             self.weight_version = weight_version
         return self.policy_version
+
+    def close(self) -> None:
+        """Release what outlives the process otherwise (the disk tier's files)."""
+        if self.offload is not None:
+            self.offload.close()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending)
@@ -258,6 +285,8 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch.empty:
             return touched_list
+        if self.offload is not None:
+            self.offload.before_run()
         logits = self.runner.run(batch, self.adapters)
         touched: dict[int, Request] = {}
         for seq, n in batch.prefills:
@@ -314,7 +343,14 @@ class Engine:
             prompt_tokens_computed=s.prompt_tokens_computed,
             generation_tokens=self.generation_tokens,
             policy_version=self.policy_version,
+            **(self._offload_stats() if self.offload is not None else {}),
         )
+
+    def _offload_stats(self) -> dict[str, int]:
+        o = self.offload
+        usage = {"cpu_used_bytes": o.cpu_used_bytes, "cpu_capacity_bytes": o.cpu_capacity_bytes,
+                 "disk_used_bytes": o.disk.used_bytes if o.disk is not None else 0}
+        return {f"kv_offload_{k}": v for k, v in (asdict(o.stats) | usage).items()}
 
     # ---- internals --------------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hmac
 import importlib.metadata
 import logging
+import signal
 import socket
 import sys
 
@@ -176,9 +177,15 @@ def serve(config: Config) -> None:
         print(f"rlserve: serving {served_model_name(config)} on {url}", flush=True)
         log.info("serving %s on %s", served_model_name(config), url)
         server = uvicorn.Server(uvicorn.Config(app, log_level=config.server.log_level, timeout_graceful_shutdown=5))
+        # uvicorn re-raises SIGTERM once it has shut down: leave through `finally` so the engine cleans up
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
         server.run(sockets=[sock])
     finally:
         engine.shutdown()
+
+
+def _exit_on_sigterm(signum: int, frame) -> None:
+    raise SystemExit(0)
 
 
 def _bind(host: str, port: int) -> socket.socket:
