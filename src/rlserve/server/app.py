@@ -16,7 +16,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rlserve.config import Config
 from rlserve.engine.async_engine import AsyncEngine
-from rlserve.server import chat, completions, control, generate, responses, tokenization
+from rlserve.server import (chat, completions, control, deployment_guard, generate, responses, tokenization,
+                            worker_routes)
 from rlserve.server.chat_template import load_template
 from rlserve.server.errors import APIError, install_error_handlers
 from rlserve.server.metrics import Metrics
@@ -42,9 +43,10 @@ def build_app(engine: AsyncEngine, config: Config) -> FastAPI:
                                     chat_template=load_template(config.model.chat_template))
     install_error_handlers(app)
     for r in (router, completions.router, chat.router, tokenization.router, generate.router, control.router,
-              responses.router):
+              responses.router, worker_routes.router):
         app.include_router(r)
     app.add_middleware(Gate, api_key=config.server.api_key, admin_api_key=config.server.admin_api_key)
+    deployment_guard.install(app)
     return app
 
 
