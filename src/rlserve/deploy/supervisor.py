@@ -172,6 +172,8 @@ class Deployment:
 
     async def evict(self, slot: Slot, why: str) -> None:
         """Out of the rotation now; its process is restarted and rejoins at the current weights."""
+        if slot.status == "restarting":  # the watch loop saw it die first
+            return
         slot.status, slot.detail = "failed", why
         if self.router is not None and slot.url is not None:
             await self.router.remove(self.http, slot.url)
@@ -203,7 +205,7 @@ class Deployment:
         """GET /deployment: every replica with its URL, health, versions and load."""
         async def one(slot: Slot) -> dict[str, Any]:
             row = {"index": slot.replica.index, "url": slot.url, "status": slot.status, "detail": slot.detail,
-                   "restarts": slot.incarnation, "healthy": False}
+                   "restarts": slot.incarnation, "pid": getattr(slot.replica, "pid", None), "healthy": False}
             try:
                 r = await self.http.get(f"{slot.url}/metrics", params={"format": "json"}, headers=self.admin_auth(),
                                         timeout=5)
