@@ -69,6 +69,10 @@ async def _main(config: Config) -> None:
         await asyncio.gather(serving, watching, return_exceptions=True)
     finally:
         await dep.stop()
+        if config.deployment.type == "multi_node":
+            from rlserve.deploy.ray_nodes import release
+
+            release([s.replica for s in dep.slots])
         sock.close()
         shutil.rmtree(workdir, ignore_errors=True)
         log.info("deployment stopped")
