@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from deploy_helpers import alive, descendants, replicas, start_deployment, stop_deployment, wait_for
 from rlserve.client import SyncInferenceClient
 from rlserve.model.make import make_model
-from test_server_rl import TRAINER, _free_port, choice_lps, generate, hf_check
+from test_server_rl import TRAINER, _free_port, adapter_dir, choice_lps, generate, hf_check  # noqa: F401
 
 PROMPTS = [[11, 22, 33, 44, 55], [100, 7, 300, 9]]
 
@@ -155,6 +155,36 @@ def test_kill_9_with_64_requests_in_flight(deployment, root):
     hf_check(root / "step-1", PROMPTS[0], generate(rows[0]["url"], PROMPTS[0])["choices"][0])
 
 
+def test_a_replica_that_fails_an_admin_call_leaves_and_rejoins(deployment, adapter_dir):
+    public, admin, _ = deployment
+    path, _ = adapter_dir
+    odd = replicas(admin)[1]
+    # drift made by hand (with the key the supervisor gave it): only this replica has the adapter already
+    key = _environ(odd["pid"])["RLSERVE_DEPLOYMENT_KEY"]
+    body = {"lora_name": "drift", "lora_path": str(path)}
+    r = httpx.post(f"{odd['url']}/v1/load_lora_adapter", json=body, headers={"x-rlserve-deployment-key": key})
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{admin}/v1/load_lora_adapter", json=body, timeout=120)
+    message = r.json()["error"]["message"]
+    assert r.status_code == 502 and f"replica {odd['index']} ({odd['url']})" in message
+    (other,) = [row for row in replicas(admin) if row["index"] != odd["index"]]
+    assert other["status"] == "serving" and other["policy_version"] == 2
+    # restarted, with the base weights and the adapter replayed, at the others' versions
+    back = wait_for(lambda: [r for r in replicas(admin) if r["index"] == odd["index"] and r["status"] == "serving"
+                             and r["restarts"] == odd["restarts"] + 1], 600, "the rejoin")[0]
+    assert (back["policy_version"], back["weight_version"]) == (2, "step-1")
+    models = httpx.get(f"{back['url']}/v1/models", timeout=30).json()["data"]
+    assert "drift" in [m["id"] for m in models]
+    prompt = PROMPTS[0]
+    served = [generate(u, prompt, max_tokens=4) for u in serving_urls(admin)]
+    assert len(served) == 2 and served[0]["choices"][0]["token_ids"] == served[1]["choices"][0]["token_ids"]
+
+
+def _environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return dict(item.decode().split("=", 1) for item in f.read().split(b"\0") if b"=" in item)
+
+
 def test_a_trainer_push_reaches_both_replicas(deployment, root):
     public, admin, _ = deployment
     pushed = make_model("tiny", root / "pushed", seed=4)
@@ -164,10 +194,10 @@ def test_a_trainer_push_reaches_both_replicas(deployment, root):
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [2]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [3]
     for url in serving_urls(admin):
         choice = generate(url, PROMPTS[0])["choices"][0]
-        assert choice["policy_version"] == 2 and choice["weight_version"] == "step-7"
+        assert choice["policy_version"] == 3 and choice["weight_version"] == "step-7"
         hf_check(pushed, PROMPTS[0], choice)
 
 

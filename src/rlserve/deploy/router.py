@@ -20,7 +20,9 @@ def router_argv(config: Config, host: str, port: int, worker_urls: list[str], pr
             "--worker-urls", *worker_urls,
             "--request-id-headers", "x-session-id",
             "--worker-startup-timeout-secs", "4200",
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus_port)]
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus_port),
+            # its INFO level logs every routing decision: too much to pass through the supervisor
+            "--log-level", "debug" if config.server.log_level.lower() == "debug" else "warning"]
     dp = getattr(getattr(config, "parallel", None), "dp", None)  # engines behind one port, when configured
     if isinstance(dp, int) and dp > 1:
         argv += ["--intra-node-data-parallel-size", str(dp)]

@@ -9,7 +9,6 @@ import logging
 import os
 import shutil
 import signal
-import sys
 
 import uvicorn
 
@@ -103,6 +102,3 @@ def _has_cuda() -> bool:
 
     return torch.cuda.is_available()
 
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit("use: rlserve serve @ config.toml (with deployment.replicas > 1)")

@@ -7,7 +7,6 @@ import asyncio
 import logging
 import os
 import secrets
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -234,5 +233,3 @@ def private_dir(prefix: str) -> Path:
     os.chmod(path, 0o700)
     return path
 
-
-ReplicaFactory = Callable[[int, str, str], Replica]  # (index, internal key, admin URL) -> replica
