@@ -61,8 +61,7 @@ async def _main(config: Config) -> None:
         assert dep.router is not None
         print(f"rlserve: serving {config.model.served_model_name or config.model.name or 'rlserve-default'} on "
               f"{dep.router.url} ({len(dep.slots)} replicas behind vllm-router; admin: {admin_url})", flush=True)
-        await asyncio.wait([serving, asyncio.ensure_future(stop.wait()), asyncio.ensure_future(_router_gone(dep))],
-                           return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait([serving, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
         watching.cancel()
         server.should_exit = True
         await asyncio.gather(serving, watching, return_exceptions=True)
@@ -75,12 +74,6 @@ async def _main(config: Config) -> None:
         sock.close()
         shutil.rmtree(workdir, ignore_errors=True)
         log.info("deployment stopped")
-
-
-async def _router_gone(dep: Deployment) -> None:
-    while dep.router is not None and dep.router.exited() is None:
-        await asyncio.sleep(0.5)
-    log.error("vllm-router exited; stopping the deployment")
 
 
 def _replicas(config: Config, key: str, admin_url: str, workdir) -> list[Replica]:

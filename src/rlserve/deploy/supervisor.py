@@ -66,6 +66,7 @@ class Deployment:
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0))
         self.group: set[tuple[int, int]] = set()  # (replica index, incarnation) in the trainer's broadcast group
         self._tasks: set[asyncio.Task] = set()
+        self._router_restarting = False
 
     @property
     def headers(self) -> dict[str, str]:
@@ -114,6 +115,10 @@ class Deployment:
     async def watch(self, interval_s: float = 0.2) -> None:
         """Restart every replica whose process ended; it rejoins once it serves the current weights."""
         while True:
+            if self.router is not None and self.router.exited() is not None and not self._router_restarting:
+                log.warning("vllm-router exited with code %s; restarting it", self.router.exited())
+                self._router_restarting = True
+                self._spawn(self._restart_router())
             for slot in self.slots:
                 if slot.status != "restarting" and slot.replica.exited() is not None:
                     code = slot.replica.exited()
@@ -121,6 +126,14 @@ class Deployment:
                     slot.status, slot.detail = "restarting", f"exited with code {code}"
                     self._spawn(self._restart(slot))
             await asyncio.sleep(interval_s)
+
+    async def _restart_router(self) -> None:
+        assert self.router is not None
+        try:
+            await asyncio.to_thread(self.router.stop)
+            await self.router.start([s.url for s in self.serving() if s.url])  # same port as before
+        finally:
+            self._router_restarting = False
 
     def _spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)
