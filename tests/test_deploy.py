@@ -201,6 +201,22 @@ def test_a_trainer_push_reaches_both_replicas(deployment, root):
         hf_check(pushed, PROMPTS[0], choice)
 
 
+def test_a_dead_router_is_restarted_on_the_same_url(deployment):
+    public, admin, _ = deployment
+    old = httpx.get(f"{admin}/deployment", timeout=30).json()["router_pid"]
+    os.kill(old, signal.SIGKILL)
+
+    def answers() -> bool:
+        try:
+            return httpx.post(f"{public}/v1/completions", json={"prompt": [1, 2], "max_tokens": 1},
+                              timeout=30).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(answers, 120, "the router to come back")
+    assert httpx.get(f"{admin}/deployment", timeout=30).json()["router_pid"] != old
+
+
 def test_sigterm_leaves_no_process(deployment):
     _, _, proc = deployment
     tree = descendants(proc.pid)

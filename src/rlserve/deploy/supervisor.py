@@ -231,7 +231,9 @@ class Deployment:
 
         rows = await asyncio.gather(*(one(s) for s in self.slots))
         s = self.state
-        return {"router": self.router.url if self.router else None, "policy_version": s.policy_version,
+        router = self.router.child if self.router else None
+        return {"router": self.router.url if self.router else None, "router_pid": router.pid if router else None,
+                "policy_version": s.policy_version,
                 "weight_version": s.weight_version, "paused": s.paused, "replicas": rows}
 
 
