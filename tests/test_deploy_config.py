@@ -62,3 +62,11 @@ def test_each_replica_gets_its_port_and_share_of_threads():
     assert replica_config(pinned, 0, "127.0.0.1", cpu_count=8)["num_threads"] == 3
     # a replica's config is a plain server's config
     assert not load_config(["--server.port", str(first["server"]["port"])]).deployment.enabled
+
+
+def test_admin_address_opens_to_the_network_only_behind_a_key():
+    from rlserve.deploy.run import _admin_host
+
+    assert _admin_host(load_config(["--deployment.replicas", "2", "--server.host", "0.0.0.0"])) == "127.0.0.1"
+    keyed = load_config(["--deployment.replicas", "2", "--server.host", "0.0.0.0", "--server.admin_api_key", "k"])
+    assert _admin_host(keyed) == "0.0.0.0"

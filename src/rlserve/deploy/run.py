@@ -43,8 +43,9 @@ async def _main(config: Config) -> None:
         loop.add_signal_handler(sig, stop.set)
     host, port = config.server.host, config.server.port
     admin_port = config.deployment.admin_port if config.deployment.admin_port is not None else (port + 1 if port else 0)
-    sock = _bind(host, admin_port)
-    admin_url = f"http://{host}:{sock.getsockname()[1]}"
+    admin_host = _admin_host(config)
+    sock = _bind(admin_host, admin_port)
+    admin_url = f"http://{admin_host}:{sock.getsockname()[1]}"
     key, workdir = new_key(), private_dir("rlserve-deploy-")
     dep = Deployment(config, _replicas(config, key, admin_url, workdir), key, host, port)
     server = None
@@ -74,6 +75,16 @@ async def _main(config: Config) -> None:
         sock.close()
         shutil.rmtree(workdir, ignore_errors=True)
         log.info("deployment stopped")
+
+
+def _admin_host(config: Config) -> str:
+    """The admin address opens to the network only behind a key: weights and pauses are not public."""
+    host = config.server.host
+    if host in ("127.0.0.1", "localhost", "::1") or config.server.admin_api_key or config.server.api_key:
+        return host
+    log.warning("server.host is %s but no server.admin_api_key is set: the admin address listens on 127.0.0.1 "
+                "only (set server.admin_api_key to open it)", host)
+    return "127.0.0.1"
 
 
 def _replicas(config: Config, key: str, admin_url: str, workdir) -> list[Replica]:
