@@ -39,8 +39,9 @@ class LocalReplica:
         with os.fdopen(fd, "w") as f:
             json.dump(replica_config(config, index, "127.0.0.1"), f)
         self.env = {**os.environ, KEY_ENV: key, ADMIN_URL_ENV: admin_url}
-        if gpu:
-            self.env["CUDA_VISIBLE_DEVICES"] = str(index)
+        if gpu:  # the i-th GPU this process may use
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            self.env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[index].strip() if visible else str(index)
         self.child: ServerChild | None = None
 
     def start(self) -> None:
