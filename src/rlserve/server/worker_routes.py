@@ -68,7 +68,7 @@ def _generate_request(body: Any, token_ids: list[int], rid: str) -> dict[str, An
 async def render_completion(body: CompletionRequest, request: Request) -> list[dict]:
     state = _state(request)
     state.check_model(body.model)
-    prompts, _ = completions._prompts(state, body)
+    prompts, _ = await state.off_loop(completions._prompts, state, body)  # tokenizing off the event loop
     rid = uuid.uuid4().hex
     return [_generate_request(body, ids, f"{rid}-{i}") for i, ids in enumerate(prompts)]
 
@@ -76,5 +76,5 @@ async def render_completion(body: CompletionRequest, request: Request) -> list[d
 @router.post("/v1/chat/completions/render")
 async def render_chat(body: ChatCompletionRequest, request: Request) -> list[dict]:
     state = _state(request)
-    ctx = chat.prepare(state, body, uuid.uuid4().hex)
+    ctx = await chat.prepare(state, body, uuid.uuid4().hex)
     return [_generate_request(body, ctx.prompt, ctx.rid)]
