@@ -31,7 +31,8 @@ class InferenceClient:
     Calls with a `session_id` stick to one endpoint (rendezvous hashing over the healthy ones, sent
     as X-Session-ID); other calls go to the endpoint with the fewest calls open from this client.
     Connection errors and 5xx are retried with jittered exponential backoff until retry_deadline,
-    on another endpoint when there is one; 4xx raise at once. Admin calls go to every endpoint.
+    on another endpoint when there is one; 4xx raise at once. Admin calls go to every endpoint, or
+    only to `admin_url` when given (a deployment's admin address, which reaches every replica).
     """
 
     def __init__(
@@ -51,6 +52,7 @@ class InferenceClient:
         allow_mixed_versions: bool = False,
         on_overflow: str = "raise",
         max_connections: int = 512,
+        admin_url: str | None = None,
     ):
         if on_overflow not in OVERFLOW_MODES:
             raise ValueError(f"on_overflow must be one of {OVERFLOW_MODES}, got {on_overflow!r}")
@@ -60,7 +62,7 @@ class InferenceClient:
             urls, api_key=api_key, admin_api_key=admin_api_key, connect_timeout=connect_timeout,
             read_timeout=read_timeout, retry_deadline=retry_deadline, backoff_base=backoff_base,
             backoff_max=backoff_max, probe_interval=probe_interval, weight_sync_timeout=weight_sync_timeout,
-            max_connections=max_connections)
+            max_connections=max_connections, admin_url=admin_url)
         self.completions = Completions(self, "/v1/completions")
         self.chat = Chat(self)
 
@@ -282,7 +284,8 @@ class InferenceClient:
 
     async def metrics(self) -> dict[str, dict[str, Any]]:
         """Each endpoint's JSON status: current_policy_version, queue_depth, num_running, is_paused, ..."""
-        return _checked("metrics", await self.transport.broadcast("GET", "/metrics", params={"format": "json"}))
+        return _checked("metrics", await self.transport.broadcast("GET", "/metrics", params={"format": "json"},
+                                                                  admin=False))
 
     async def models(self) -> dict[str, Any]:
         data, _ = await self.transport.call("GET", "/v1/models")
@@ -301,7 +304,8 @@ class InferenceClient:
                 steps["update"] = results = await t.broadcast("POST", path, json=body)
                 for url, r in results.items():
                     if isinstance(r, dict) and isinstance(r.get("policy_version"), int):
-                        t.endpoint(url).committed(r["policy_version"])
+                        for ep in t.governed(url):
+                            ep.committed(r["policy_version"])
             finally:
                 if pause:
                     steps["resume"] = await self._resume_all()
@@ -315,7 +319,8 @@ class InferenceClient:
         results = await self.transport.broadcast("POST", "/resume")
         for url, r in results.items():
             if not isinstance(r, Exception):  # don't wait for the next probe to learn it
-                self.transport.endpoint(url).paused = False
+                for ep in self.transport.governed(url):
+                    ep.paused = False
         return results
 
     # ---- lifetime ------------------------------------------------------------------------------

@@ -17,7 +17,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rlserve.config import Config
 from rlserve.engine.async_engine import AsyncEngine
-from rlserve.server import chat, completions, control, generate, responses, tokenization, vllm_weights
+from rlserve.server import (chat, completions, control, deployment_guard, generate, responses, tokenization,
+                            vllm_weights, worker_routes)
 from rlserve.server.chat_template import load_template
 from rlserve.server.errors import APIError, install_error_handlers
 from rlserve.server.limits import BodyGuard
@@ -46,10 +47,11 @@ def build_app(engine: AsyncEngine, config: Config) -> FastAPI:
     install_error_handlers(app)
     install_openapi(app, _schema_limits(engine, config))
     for r in (router, completions.router, chat.router, tokenization.router, generate.router, control.router,
-              responses.router, vllm_weights.router):
+              responses.router, worker_routes.router, vllm_weights.router):
         app.include_router(r)
     app.add_middleware(BodyGuard, max_body_bytes=config.server.max_body_bytes)
     app.add_middleware(Gate, api_key=config.server.api_key, admin_api_key=config.server.admin_api_key)
+    deployment_guard.install(app)
     return app
 
 
