@@ -331,7 +331,7 @@ class Engine:
                 self.scheduler.fork(req.seqs[0], seq)
             touched[id(req)] = req
             token = result.token_ids[r]
-            seq.append_token(token, self.policy_version)
+            seq.append_token(token, self.policy_version, self.weight_version)
             self.generation_tokens += 1
             if seq.logprobs is not None:
                 seq.logprobs.append(result.logprobs[r])
