@@ -91,7 +91,8 @@ class Gate:
             if key == b"authorization":
                 scheme, _, token = value.decode("latin-1").partition(" ")
                 token = token.strip().encode()
-                return scheme.lower() == "bearer" and any(hmac.compare_digest(token, k.encode()) for k in keys)
+                matches = [hmac.compare_digest(token, k.encode()) for k in keys]  # no early exit: constant time
+                return scheme.lower() == "bearer" and any(matches)
         return False
 
 
