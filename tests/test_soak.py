@@ -80,7 +80,8 @@ async def _drive(url: str, until: float | None, rss: list, pid: int) -> dict:
             if until is None and done == total // 2:
                 rss.append(psutil.Process(pid).memory_info().rss)
 
-    limits = httpx.Limits(max_connections=CLIENTS, max_keepalive_connections=CLIENTS)
+    # idle connections expire on our side first: reusing one the server (keep-alive 5 s) is closing is a client race
+    limits = httpx.Limits(max_connections=CLIENTS, max_keepalive_connections=CLIENTS, keepalive_expiry=2)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         if until is not None:  # the longer run samples RSS at its middle
             async def sample() -> None:

@@ -7,7 +7,6 @@ each committed one bumps policy_version and the prefix-cache generation.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import shutil
 import tempfile
@@ -21,6 +20,7 @@ from rlserve.engine.weights import WeightUpdateError, check_under_roots
 from rlserve.model.lora import AdapterError, load_peft_adapter
 from rlserve.server.errors import APIError, bad_request
 from rlserve.server.serving import ClientGone, ServerState, json_body, until_disconnected
+from rlserve.server.uploads import capped, write_uploaded_adapter
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -199,7 +199,6 @@ async def reset_prefix_cache(request: Request) -> dict:
 
 async def _load_adapter(state: ServerState, name: str, path: str, field: str) -> int:
     resolved = _under_roots(state, path, field)
-    engine = state.engine.engine
     return await _add_adapter(state, name, resolved, field, state.config.weight_roots)
 
 
@@ -282,7 +281,7 @@ async def upload_adapter(request: Request) -> dict:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > cap:
         raise APIError(413, f"upload of {declared} bytes exceeds server.max_upload_bytes ({cap})")
-    form = await _capped(request, cap).form(max_files=2, max_fields=2)
+    form = await capped(request, cap).form(max_files=2, max_fields=2)
     weights, config = form.get("adapter_weights"), form.get("adapter_config")
     if weights is None or config is None or isinstance(weights, str) or isinstance(config, str):
         raise bad_request("upload adapter_weights and adapter_config as multipart files")
@@ -290,44 +289,12 @@ async def upload_adapter(request: Request) -> dict:
     await form.close()
     target = Path(tempfile.mkdtemp(prefix="rlserve-upload-"))
     try:
-        await asyncio.to_thread(_write_uploaded_adapter, weights_bytes, config_bytes, target, state.engine.engine.shape)
+        await asyncio.to_thread(write_uploaded_adapter, weights_bytes, config_bytes, target, state.engine.engine.shape)
         version = await _add_adapter(state, MLX_ADAPTER, target, "adapter_weights", [str(target)])
         state.default_adapter = MLX_ADAPTER
     finally:
         shutil.rmtree(target, ignore_errors=True)
     return {"status": "success", "policy_version": version, "message": "adapter uploaded and loaded"}
-
-
-def _write_uploaded_adapter(weights: bytes, config: bytes, target: Path, shape) -> None:
-    from rlserve.model.mlx_adapter import convert_mlx_adapter
-
-    try:
-        cfg = json.loads(config)
-        if isinstance(cfg, dict) and "lora_parameters" not in cfg and "r" in cfg:  # PEFT layout: as is
-            (target / "adapter_config.json").write_bytes(config)
-            (target / "adapter_model.safetensors").write_bytes(weights)
-        else:
-            convert_mlx_adapter(weights, config, target, shape)
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise bad_request(f"invalid adapter upload: {exc}", "adapter_weights") from None
-    except Exception as exc:  # safetensors' own errors for a malformed file
-        raise bad_request(f"invalid adapter upload: adapter_weights is not a safetensors file ({exc})",
-                          "adapter_weights") from None
-
-
-def _capped(request: Request, cap: int) -> Request:
-    """The same request, refusing (413) once more than `cap` body bytes have arrived."""
-    received = 0
-
-    async def receive():
-        nonlocal received
-        message = await request.receive()
-        received += len(message.get("body", b""))
-        if received > cap:
-            raise APIError(413, f"upload exceeds server.max_upload_bytes ({cap} bytes)")
-        return message
-
-    return Request(request.scope, receive)
 
 
 # ---- SGLang and TRL aliases (§2.11.4, §2.11.6) -------------------------------------------------
