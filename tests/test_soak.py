@@ -14,7 +14,7 @@ import httpx
 import psutil
 import pytest
 
-from conftest import start_server, stop_server
+from conftest import server_log, start_server, stop_server
 
 CLIENTS = 256
 ROUNDS = 3  # requests per client at the CI size
@@ -22,6 +22,18 @@ ROUNDS = 3  # requests per client at the CI size
 
 def _metric(text: str, name: str) -> float:
     return float(re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M).group(1))
+
+
+async def _sse_events(response: httpx.Response):
+    """`data:` payloads split on blank lines only: generated text may hold U+2028 or U+0085, which
+    httpx's aiter_lines treats as line ends (SSE does not)."""
+    buffer = ""
+    async for text in response.aiter_text():
+        buffer += text
+        while "\n\n" in buffer:
+            event, buffer = buffer.split("\n\n", 1)
+            if event.startswith("data: "):
+                yield event[6:]
 
 
 async def _one(client: httpx.AsyncClient, rng: random.Random, stats: dict) -> None:
@@ -37,10 +49,10 @@ async def _one(client: httpx.AsyncClient, rng: random.Random, stats: dict) -> No
         async with client.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200, await r.aread()
             chunks = 0
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+            async for data in _sse_events(r):
+                if data == "[DONE]":
                     continue
-                chunk = json.loads(line[6:])
+                chunk = json.loads(data)
                 assert "error" not in chunk, chunk
                 chunks += 1
                 finished |= {c["index"] for c in chunk["choices"] if c["finish_reason"]}
@@ -74,14 +86,14 @@ async def _drive(url: str, until: float | None, rss: list, pid: int) -> dict:
             try:
                 await _one(client, rng, stats)
             except Exception as exc:  # counted, not raised: the soak reports every failure at the end
-                stats["errors"].append(repr(exc)[:300])
+                stats["errors"].append(f"client {i} round {rounds}: {exc!r}"[:300])
             rounds += 1
             done += 1
             if until is None and done == total // 2:
                 rss.append(psutil.Process(pid).memory_info().rss)
 
-    # idle connections expire on our side first: reusing one the server (keep-alive 5 s) is closing is a client race
-    limits = httpx.Limits(max_connections=CLIENTS, max_keepalive_connections=CLIENTS, keepalive_expiry=2)
+    # a fresh connection per request: reusing one the server is closing (keep-alive timeout) is a client race
+    limits = httpx.Limits(max_connections=CLIENTS, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         if until is not None:  # the longer run samples RSS at its middle
             async def sample() -> None:
@@ -122,13 +134,15 @@ def test_soak_loses_nothing(soak_server, request):
         idle = status["num_running"] == 0 and status["queue_depth"] == 0
         if idle and _metric(text, "vllm:kv_cache_usage_perc") == 0:
             break
-        assert time.monotonic() < deadline, (status, _metric(text, "vllm:kv_cache_usage_perc"))
+        assert time.monotonic() < deadline, (stats, status, _metric(text, "vllm:kv_cache_usage_perc"),
+                                             server_log(proc)[-3000:])
         time.sleep(0.1)
     rss.append(psutil.Process(proc.pid).memory_info().rss)
     mib = [round(r / 2**20) for r in rss]
     print(f"\nsoak: {CLIENTS} clients, {stats['ok'] + stats['cancelled']} requests ({stats['cancelled']} cancelled) "
           f"in {elapsed:.0f} s, errors {len(stats['errors'])}, RSS start/middle/end MiB {mib}")
-    assert stats["errors"] == []
+    problems = [line for line in server_log(proc).splitlines() if "ERROR" in line or "Traceback" in line]
+    assert stats["errors"] == [] and problems == [], (stats["errors"], problems)
     assert httpx.get(f"{url}/health").status_code == 200
     # no unbounded growth after warm-up; generous, so allocator noise on any machine passes
     assert rss[-1] <= rss[1] * 1.5 + (256 << 20), mib
