@@ -63,7 +63,7 @@ def check_under_roots(path: str | Path, roots: list[str]) -> Path:
         if resolved.is_relative_to(Path(os.path.realpath(root))):
             return resolved
     raise PermissionError(
-        f"{str(path)!r} is outside the configured weight roots {roots}: add its parent to weights.roots"
+        f"{str(path)!r} is outside the configured weight roots {roots}: add its parent to weight_roots"
     )
 
 

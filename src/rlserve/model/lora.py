@@ -72,7 +72,9 @@ def load_peft_adapter(
     except (ValueError, KeyError, TypeError) as exc:
         raise AdapterError(f"{config_file}: not a LoRA adapter config ({exc})") from None
     if r < 1 or not math.isfinite(alpha):
-        raise AdapterError(f"{config_file}: r must be a positive integer and lora_alpha a finite number, got r={r}, lora_alpha={alpha}")
+        raise AdapterError(
+            f"{config_file}: r must be a positive integer and lora_alpha a finite number, got r={r}, lora_alpha={alpha}"
+        )
     if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
         raise AdapterError(f"{config_file}: rank_pattern / alpha_pattern are not supported")
     scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
