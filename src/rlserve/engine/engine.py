@@ -325,10 +325,11 @@ class Engine:
             logits = logits.index_select(0, torch.tensor(row_index, device=logits.device))
         result = self.sampler(logits, [self._sampling_row(s) for s in rows_seqs])
         now = time.monotonic()
+        for req in forking:  # before sample 0 can finish (its first token may stop it) and release the prompt
+            for sibling in req.seqs[1:]:
+                self.scheduler.fork(req.seqs[0], sibling)
         for r, seq in enumerate(rows_seqs):
             req = seq.request
-            if seq.index > 0 and not req.forked:
-                self.scheduler.fork(req.seqs[0], seq)
             touched[id(req)] = req
             token = result.token_ids[r]
             seq.append_token(token, self.policy_version, self.weight_version)
