@@ -17,6 +17,7 @@ from rlserve.model.loader import (  # noqa: F401  (check_under_roots: re-exporte
     check_under_roots,
     checkpoint_shapes,
     ignorable,
+    pushable_shapes,
     read_safetensors_whole,
     safetensors_files,
     target_of,
@@ -69,7 +70,7 @@ def stage_from_dir(
 def stage(
     model: CausalLM, named_tensors: Iterable[tuple[str, torch.Tensor]], source: str, require_all: bool
 ) -> StagedWeights:
-    expected = checkpoint_shapes(model.shape)
+    expected = pushable_shapes(model.shape)
     staged: dict[str, torch.Tensor] = {}
     for name, tensor in named_tensors:
         if ignorable(name, model.shape):
@@ -86,7 +87,7 @@ def stage(
             raise WeightUpdateError(f"{source}: {name} contains NaN or infinite values")
         staged[name] = tensor
     if require_all:
-        missing = sorted(set(expected) - set(staged))
+        missing = sorted(set(checkpoint_shapes(model.shape)) - set(staged))
         if missing:
             raise WeightUpdateError(f"{source}: {len(missing)} tensors are missing, e.g. {missing[:3]}")
     if not staged:
