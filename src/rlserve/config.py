@@ -36,6 +36,13 @@ class ServerConfig(Section):
     api_key: str | None = Field(None, description="Bearer key required on every route but /health and /metrics")
     admin_api_key: str | None = Field(None, description="Bearer key required on admin routes (updates, pause, adapters)")
     log_level: str = Field("info", description="uvicorn log level")
+    allow_open_admin: bool = Field(
+        False, description="serve admin routes (weights, adapters, pause) without admin_api_key on a non-loopback host"
+    )
+    max_upload_bytes: int = Field(1 << 30, ge=1, description="largest /upload_adapter body")
+    shutdown_grace_s: float = Field(
+        30.0, ge=0, description="after SIGTERM: how long in-flight requests may run before they are aborted"
+    )
     # request caps (over one: a 4xx naming the cap; docs/errors.md)
     max_body_bytes: int = Field(8 << 20, ge=1024, description="largest request body; bigger ones get 413 before they are read")
     max_waiting_requests: int = Field(

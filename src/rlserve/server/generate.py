@@ -24,7 +24,6 @@ from rlserve.server.protocol_native import (
     TRLGenerateRequest,
     generate_body_model,
 )
-from rlserve.server.metrics import weight_version
 from rlserve.server.serving import (
     SAMPLING_FIELDS,
     SSE_DONE,
@@ -286,7 +285,6 @@ async def _sglang_generate(request: Request, state: ServerState, body: dict):
     lora = body.get("lora_path")
     adapter = state.check_adapter(lora, "lora_path") if lora else None
     outs = await _run_all(request, state, prompts, params, rid, adapter=adapter)
-    label = weight_version(state.engine)
     results = []
     for out in outs:
         for c in out.outputs:
@@ -294,9 +292,7 @@ async def _sglang_generate(request: Request, state: ServerState, body: dict):
             meta = {
                 "id": rid, "finish_reason": {"type": c.finish_reason, "matched": matched},
                 "prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(c.token_ids),
-                "cached_tokens": out.num_cached_tokens, "weight_version": label,
-                "weight_versions": version_fields(state, c)["weight_versions"],
-                "policy_version": version_fields(state, c)["policy_version"],
+                "cached_tokens": out.num_cached_tokens, **version_fields(state, c),
                 "output_token_logprobs": [[clamp(lp), t, None] for t, lp in zip(c.token_ids, c.logprobs)] if want_lp else None,
                 "input_token_logprobs": None, "output_top_logprobs": None,
             }
