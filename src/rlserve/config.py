@@ -67,6 +67,9 @@ class EngineConfig(Section):
         "processed", description="processed = the distribution sampled from; raw = log_softmax of the logits"
     )
     max_logprobs: int = Field(20, ge=-1, description="most top logprobs a request may ask for (-1 = no cap)")
+    core_process: bool = Field(
+        True, description="run the step loop in its own process (false: a thread of the HTTP server's process)"
+    )
     allow_forced_tokens: bool = Field(
         False, description="testing only: accept vllm_xargs.forced_token_ids (the first completion tokens)"
     )

@@ -7,6 +7,7 @@ import importlib.metadata
 import logging
 import socket
 import sys
+from contextlib import asynccontextmanager
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
@@ -16,6 +17,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rlserve.config import Config
 from rlserve.engine.async_engine import AsyncEngine
+from rlserve.engine.client import EngineClient
 from rlserve.server import chat, completions, control, generate, responses, tokenization
 from rlserve.server.chat_template import load_template
 from rlserve.server.errors import APIError, install_error_handlers
@@ -35,8 +37,13 @@ def served_model_name(config: Config) -> str:
     return config.model.served_model_name or config.model.name or "rlserve-default"
 
 
-def build_app(engine: AsyncEngine, config: Config) -> FastAPI:
-    app = FastAPI(title="rlserve", redirect_slashes=False)
+def build_app(engine: AsyncEngine | EngineClient, config: Config) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await engine.start()  # the engine client reads its process's messages in this event loop
+        yield
+
+    app = FastAPI(title="rlserve", redirect_slashes=False, lifespan=lifespan)
     name = served_model_name(config)
     app.state.rlserve = ServerState(engine, config, Metrics(engine, name), name,
                                     chat_template=load_template(config.model.chat_template))
@@ -90,7 +97,7 @@ def _state(request: Request) -> ServerState:
 def _model_card(state: ServerState) -> dict:
     config = state.config
     return {"id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "rlserve",
-            "root": config.model.name or str(state.engine.engine.model_dir), "parent": None,
+            "root": config.model.name or str(state.engine.model_dir), "parent": None,
             "max_model_len": state.max_model_len, "permission": []}
 
 
@@ -99,8 +106,8 @@ async def list_models(request: Request) -> dict:
     state = _state(request)
     base = _model_card(state)
     adapters = [
-        {**base, "id": name, "root": adapter.path, "parent": state.served_model_name}
-        for name, adapter in state.engine.engine.adapters.items()
+        {**base, "id": name, "root": path, "parent": state.served_model_name}
+        for name, path in state.engine.adapters.items()
     ]
     return {"object": "list", "data": [base, *adapters]}
 
@@ -133,22 +140,27 @@ async def metrics(request: Request) -> Response:
     state = _state(request)
     accept = request.headers.get("accept", "").split(",")[0].strip().lower()
     if request.query_params.get("format") == "json" or accept == "application/json":
-        stats = state.engine.engine.stats
+        await state.engine.refresh()
+        stats = state.engine.stats
         return JSONResponse({
             "current_policy_version": stats.policy_version, "queue_depth": stats.num_waiting,
             "num_running": stats.num_running, "max_batch_size": state.config.engine.max_num_seqs,
-            "flush_interval_ms": 0, "is_paused": state.engine.paused, "weight_version": state.engine.engine.weight_version,
+            "flush_interval_ms": 0, "is_paused": state.engine.paused, "weight_version": state.engine.weight_version,
         })
+    await state.engine.refresh()
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 def serve(config: Config) -> None:
     """Load the engine, bind host:port (0 = any free port), log the URL, and serve until stopped."""
     logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # the engine thread runs Python between its torch ops: hand the GIL over sooner than every 5 ms
-    sys.setswitchinterval(0.0005)
     try:
-        engine = AsyncEngine(config)
+        if config.engine.core_process:
+            engine: AsyncEngine | EngineClient = EngineClient(config)
+        else:
+            # the engine thread runs Python between its torch ops: hand the GIL over sooner than every 5 ms
+            sys.setswitchinterval(0.0005)
+            engine = AsyncEngine(config)
     except ValueError as e:  # the engine's config checks (KV cache too small, ...) say what to change
         raise SystemExit(f"rlserve: error: {e}") from None
     try:

@@ -18,7 +18,7 @@ from rlserve.engine.outputs import RequestOutput
 
 def weight_version(engine: AsyncEngine) -> str:
     """The trainer-owned label (§2.15); "default" until weight updates set one on the engine."""
-    return getattr(engine.engine, "weight_version", None) or "default"
+    return engine.weight_version or "default"
 
 LABELS = ("model_name", "engine")
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -116,7 +116,7 @@ class _EngineCollector(Collector):
         self.engine, self.labels = engine, labels
 
     def collect(self):
-        s = self.engine.engine.stats
+        s = self.engine.stats
         names, values = list(self.labels), list(self.labels.values())
 
         def gauge(name: str, doc: str, value: float, **extra: str) -> GaugeMetricFamily:
@@ -136,7 +136,7 @@ class _EngineCollector(Collector):
             "vllm:cache_config_info", "KV-cache configuration.", 1,
             block_size=str(s.block_size), num_gpu_blocks=str(s.num_blocks),
             kv_cache_size_tokens=str(s.num_blocks * s.block_size),
-            enable_prefix_caching=str(self.engine.engine.config.engine.enable_prefix_caching),
+            enable_prefix_caching=str(self.engine.config.engine.enable_prefix_caching),
         )
         yield counter("vllm:num_preemptions", "Preempted sequences.", s.num_preemptions)
         yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
