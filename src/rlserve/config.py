@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import logging
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -75,8 +76,18 @@ class EngineConfig(Section):
     )
 
 
+class ParallelConfig(Section):
+    tp: int = Field(1, ge=1, description="tensor-parallel ranks per engine")
+    dp: int = Field(1, ge=1, description="data-parallel engines behind the one API server")
+
+
 class Config(Section):
     seed: int = Field(0, description="seed of the engine's generator for unseeded requests")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1,
+        description="fraction of the device's memory (CPU: of the memory available at start) that weights plus "
+        "the KV cache may use; sizes the KV pool when engine.kv_cache_bytes and memory_budget_bytes are not set",
+    )
     memory_budget_bytes: int | None = Field(
         None, ge=1, description="cap on the KV-cache pool when engine.kv_cache_bytes is not set"
     )
@@ -89,9 +100,23 @@ class Config(Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    logits_processors: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="prime-rl [logits_processors.NAME] sections; accepted, not applied yet (one warning at start)",
+    )
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "Config":
         if self.model.max_model_len is not None and self.engine.max_num_batched_tokens < self.engine.block_size:
             raise ValueError("engine.max_num_batched_tokens must be at least engine.block_size")
         return self
+
+
+def warn_unapplied(config: Config, log: logging.Logger) -> None:
+    """Settings read from prime-rl configs that this build accepts but does not act on yet."""
+    if config.parallel.tp > 1:
+        log.warning("parallel.tp=%d: tensor parallelism is not implemented yet; each engine runs the whole model "
+                    "in one rank", config.parallel.tp)
+    if config.logits_processors:
+        log.warning("logits_processors %s are accepted but not applied yet", ", ".join(sorted(config.logits_processors)))

@@ -143,7 +143,7 @@ class EngineCore:
             try:
                 staged = work()
             except Exception as exc:
-                self.done.put(lambda: self.reply(call_id, None, exc))
+                self.done.put(lambda error=exc: self.reply(call_id, None, error))
                 return
             self.done.put(lambda: self._commit(call_id, commit, staged))
 

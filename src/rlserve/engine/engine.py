@@ -16,6 +16,7 @@ from rlserve.config import Config
 from rlserve.engine.allocator import keep_freed_memory
 from rlserve.engine.detokenizer import IncrementalDetokenizer
 from rlserve.engine.kv_cache import BlockPool, extra_key
+from rlserve.engine.memory import kv_budget, memory_at_start
 from rlserve.engine.outputs import RequestOutput
 from rlserve.engine.params import SamplingParams
 from rlserve.engine.runner import ModelRunner, kv_bytes_per_token
@@ -77,10 +78,11 @@ class Engine:
         self.max_model_len = config.model.max_model_len or self.shape.max_position_embeddings
         self.vocab_size = self.shape.vocab_size
         self.eos_token_ids = self._eos_ids()
+        memory = memory_at_start(self.device) if config.gpu_memory_utilization else 0
         self.model = load_model(self.model_dir, self.shape, self.dtype, self.device)
 
         ec = config.engine
-        num_blocks = self._num_blocks(ec.kv_cache_bytes or config.memory_budget_bytes)
+        num_blocks = self._num_blocks(ec.kv_cache_bytes or config.memory_budget_bytes or self._utilization_budget(memory))
         if num_blocks * ec.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV cache holds {num_blocks * ec.block_size} tokens, fewer than max_model_len "
@@ -443,6 +445,14 @@ class Engine:
         if self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return frozenset(ids)
+
+    def _utilization_budget(self, memory: int) -> int | None:
+        fraction = self.config.gpu_memory_utilization
+        if not fraction:
+            return None
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        useful = self.config.engine.max_num_seqs * self.max_model_len * kv_bytes_per_token(self.model, self.dtype)
+        return kv_budget(fraction, memory, weights, useful)
 
     def _num_blocks(self, budget: int | None) -> int:
         ec = self.config.engine

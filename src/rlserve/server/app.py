@@ -15,8 +15,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from rlserve.config import Config
-from rlserve.engine.async_engine import AsyncEngine
+from rlserve.config import Config, warn_unapplied
+from rlserve.engine.async_engine import AsyncEngine, EngineDeadError
 from rlserve.engine.client import EngineClient
 from rlserve.server import chat, completions, control, generate, responses, tokenization
 from rlserve.server.chat_template import load_template
@@ -48,6 +48,11 @@ def build_app(engine: AsyncEngine | EngineClient, config: Config) -> FastAPI:
     app.state.rlserve = ServerState(engine, config, Metrics(engine, name), name,
                                     chat_template=load_template(config.model.chat_template))
     install_error_handlers(app)
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return APIError(503, str(exc), type="ServiceUnavailableError").response()
+
     for r in (router, completions.router, chat.router, tokenization.router, generate.router, control.router,
               responses.router):
         app.include_router(r)
@@ -154,6 +159,7 @@ async def metrics(request: Request) -> Response:
 def serve(config: Config) -> None:
     """Load the engine, bind host:port (0 = any free port), log the URL, and serve until stopped."""
     logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    warn_unapplied(config, log)
     try:
         if config.engine.core_process:
             engine: AsyncEngine | EngineClient = EngineClient(config)
