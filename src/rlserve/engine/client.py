@@ -37,7 +37,8 @@ WATCH_INTERVAL_S = 0.2  # how often the process is checked for an exit no messag
 
 
 class EngineClient:
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, wait: bool = True):
+        """Start the engine process; with wait=False call `wait_ready()` before use (engines start side by side)."""
         self.config = config
         self.dead: BaseException | None = None
         self._dir = tempfile.mkdtemp(prefix="rlserve-engine-")  # 0700: only this user reaches the sockets
@@ -54,10 +55,20 @@ class EngineClient:
         try:
             self.proc.stdin.write(config.model_dump_json().encode())
             self.proc.stdin.close()
+        except BaseException:
+            self.shutdown()
+            raise
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Block until the engine has loaded its model; ValueError with its message if it could not."""
+        try:
             ready = self._wait_ready()
         except BaseException:
             self.shutdown()
             raise
+        config = self.config
         self.model_dir = Path(ready.model_dir)
         self.max_model_len, self.vocab_size = ready.max_model_len, ready.vocab_size
         self.shape = ModelShape(**ready.shape)
@@ -161,6 +172,8 @@ class EngineClient:
 
     def shutdown(self) -> None:
         """Ask the core to stop, then make sure it has: nothing is left behind."""
+        if self._ctx.closed:
+            return
         if self.proc.poll() is None:
             try:
                 self._out.send(ipc.encode(ipc.Shutdown()), zmq.NOBLOCK)

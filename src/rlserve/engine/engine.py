@@ -76,6 +76,10 @@ class Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, trust_remote_code=config.model.trust_remote_code)
         self.shape = ModelShape.from_hf(self.hf_config)
         self.max_model_len = config.model.max_model_len or self.shape.max_position_embeddings
+        tp = config.parallel.tp
+        if self.shape.num_heads % tp or self.shape.num_kv_heads % tp:
+            raise ValueError(f"parallel.tp={tp} must divide the model's {self.shape.num_heads} attention heads and "
+                             f"{self.shape.num_kv_heads} KV heads: pick a tp that divides both")
         self.vocab_size = self.shape.vocab_size
         self.eos_token_ids = self._eos_ids()
         memory = memory_at_start(self.device) if config.gpu_memory_utilization else 0

@@ -18,6 +18,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from rlserve.config import Config, warn_unapplied
 from rlserve.engine.async_engine import AsyncEngine, EngineDeadError
 from rlserve.engine.client import EngineClient
+from rlserve.engine.data_parallel import DataParallelClient, check_parallel, routing_hint
 from rlserve.server import chat, completions, control, generate, responses, tokenization
 from rlserve.server.chat_template import load_template
 from rlserve.server.errors import APIError, install_error_handlers
@@ -57,7 +58,23 @@ def build_app(engine: AsyncEngine | EngineClient, config: Config) -> FastAPI:
               responses.router):
         app.include_router(r)
     app.add_middleware(Gate, api_key=config.server.api_key, admin_api_key=config.server.admin_api_key)
+    if config.parallel.dp > 1:
+        app.add_middleware(RoutingHints)
     return app
+
+
+class RoutingHints:
+    """Hands X-data-parallel-rank and X-Session-ID to the data-parallel client (it picks the engine)."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = dict(scope.get("headers", ()))
+            rank, session = headers.get(b"x-data-parallel-rank"), headers.get(b"x-session-id")
+            routing_hint.set((rank and rank.decode("latin-1"), session and session.decode("latin-1")))
+        await self.app(scope, receive, send)
 
 
 class Gate:
@@ -161,8 +178,11 @@ def serve(config: Config) -> None:
     logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     warn_unapplied(config, log)
     try:
-        if config.engine.core_process:
-            engine: AsyncEngine | EngineClient = EngineClient(config)
+        check_parallel(config)
+        if config.parallel.dp > 1:
+            engine: AsyncEngine | EngineClient | DataParallelClient = DataParallelClient(config)
+        elif config.engine.core_process:
+            engine = EngineClient(config)
         else:
             # the engine thread runs Python between its torch ops: hand the GIL over sooner than every 5 ms
             sys.setswitchinterval(0.0005)

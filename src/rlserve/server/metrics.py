@@ -116,8 +116,14 @@ class _EngineCollector(Collector):
         self.engine, self.labels = engine, labels
 
     def collect(self):
-        s = self.engine.stats
-        names, values = list(self.labels), list(self.labels.values())
+        # one sample per engine core (parallel.dp), labelled engine="i"
+        engines = getattr(self.engine, "engines", [self.engine])
+        for i, engine in enumerate(engines):
+            yield from self._collect(engine, {**self.labels, "engine": str(i)})
+
+    def _collect(self, engine, labels: dict[str, str]):
+        s = engine.stats
+        names, values = list(labels), list(labels.values())
 
         def gauge(name: str, doc: str, value: float, **extra: str) -> GaugeMetricFamily:
             g = GaugeMetricFamily(name, doc, labels=names + list(extra))
@@ -147,5 +153,5 @@ class _EngineCollector(Collector):
                       s.prompt_tokens_computed)
         yield gauge("rlserve:policy_version", "Policy version of the served weights.", s.policy_version)
         yield gauge("rlserve:weight_version_info", "Trainer-owned weight version label.", 1,
-                    weight_version=weight_version(self.engine))
-        yield gauge("rlserve:is_paused", "1 while generation is paused.", float(self.engine.paused))
+                    weight_version=weight_version(engine))
+        yield gauge("rlserve:is_paused", "1 while generation is paused.", float(engine.paused))
