@@ -44,3 +44,14 @@ def test_serving_small(tmp_path, stream):
 def test_weight_update_small(tmp_path):
     out = run(tmp_path, "weight_update.py", "--preset", "tiny", "--repeats", "1")
     assert '"update_s"' in out and '"push_s"' in out
+
+
+def test_moe_quick(tmp_path):
+    out = run(tmp_path, "moe.py", "--quick")
+    assert rate(out, "rlserve (router replay on)") > 0 and rate(out, "transformers generate_batch") > 0
+    assert "vLLM base64 .npy, int32" in out
+
+
+def test_kv_offload_quick(tmp_path):
+    out = run(tmp_path, "kv_offload.py", "--quick", "--disk")
+    assert "same tokens: True" in out and re.search(r"^offload\s+[\d.]+", out, re.M)

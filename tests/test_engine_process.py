@@ -63,7 +63,8 @@ def test_messages_carry_every_dataclass_field_and_never_unpickle():
     out = RequestOutput("r", [1, 2], [CompletionOutput(0, [5, 6], "ab", [-0.5, -1.0], [{5: -0.5}, {6: -1.0, 4: -2.0}],
                                                        "stop", "b", [VersionSpan(0, 0, 1), VersionSpan(1, 1, 2)])],
                         [None, {2: -3.0}], 1, True, [None, {2: 4}])
-    assert ipc.to_server.decode(ipc.encode(ipc.Outputs([(3, out)]))) == ipc.Outputs([(3, out)])
+    state = ipc.State(1, "v1", {"a": "/p"}, False, {"num_running": 1})
+    assert ipc.to_server.decode(ipc.encode(ipc.Outputs([(3, out)], state))) == ipc.Outputs([(3, out)], state)
     # bad values are refused by the same checks as an HTTP request's; pickles are just bytes
     with pytest.raises(msgspec.ValidationError, match="temperature"):
         ipc.to_engine.decode(ipc.encode(ipc.Add(1, "r", [1], {**msgspec.to_builtins(params), "temperature": -1},

@@ -134,6 +134,7 @@ class EngineClient:
 
     def _handle(self, msg: ipc.ToServer) -> None:
         if isinstance(msg, ipc.Outputs):
+            self._state = msg.state
             for key, out in msg.items:
                 queue = self._streams.get(key)
                 if queue is not None:

@@ -86,7 +86,7 @@ class EngineCore:
             if req.finished:
                 self.forget(key)
         if items:
-            self.outbox.send(ipc.encode(ipc.Outputs(items)))
+            self.outbox.send(ipc.encode(ipc.Outputs(items, self.state())))
 
     def forget(self, key: int) -> None:
         target = self.streams.pop(key, None)

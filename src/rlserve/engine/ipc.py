@@ -60,6 +60,7 @@ class State(msgspec.Struct):
 
 class Outputs(msgspec.Struct, tag=True, array_like=True):
     items: list[tuple[int, RequestOutput]]  # (key, cumulative output) of one step
+    state: State  # as after the step: back-pressure reads the waiting queue without asking
 
 
 class Rejected(msgspec.Struct, tag=True, array_like=True):
