@@ -24,6 +24,20 @@ def _process_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
+def _with_descendants(pids) -> list[int]:
+    out, todo = [], list(pids)
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        try:
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    return out
+
+
 class OtherLoad:
     """`with OtherLoad(server_pid) as load: ...` then `load.cores`: the cores that processes other
     than this one and `pids` used on average during the block."""
@@ -32,7 +46,8 @@ class OtherLoad:
         self.pids, self.cores = pids, None
 
     def _ours(self) -> float:
-        return time.process_time() + sum(_process_seconds(p) for p in self.pids)
+        # a server's engine core processes (its children) are part of the run too
+        return time.process_time() + sum(_process_seconds(p) for p in _with_descendants(self.pids))
 
     def __enter__(self) -> "OtherLoad":
         busy = _machine_busy_seconds()  # None off Linux: no /proc to read the pids' time from either

@@ -54,7 +54,20 @@ def rlserve_server(*args: str, timeout: float = 300.0) -> Iterator[Server]:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"server did not start:\n{text}")
                 time.sleep(0.2)
+            while not _healthy(match.group(1)):  # the URL is printed just before uvicorn listens
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"server did not become healthy:\n{Path(log.name).read_text(errors='replace')}")
+                time.sleep(0.1)
             yield Server(match.group(1), proc.pid, match.group(2))
         finally:
             proc.terminate()
             proc.wait(timeout=60)
+
+
+def _healthy(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -32,7 +32,8 @@ def root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def url(root):
-    url, proc = start_server("--weight_roots", json.dumps([str(root)]))
+    # vLLM's update_info transfer receives into the server process: the in-thread engine
+    url, proc = start_server("--weight_roots", json.dumps([str(root)]), "--engine.core_process", "false")
     try:
         yield url
     finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -84,6 +85,9 @@ class EngineConfig(Section):
         "processed", description="processed = the distribution sampled from; raw = log_softmax of the logits"
     )
     max_logprobs: int = Field(20, ge=-1, description="most top logprobs a request may ask for (-1 = no cap)")
+    core_process: bool = Field(
+        True, description="run the step loop in its own process (false: a thread of the HTTP server's process)"
+    )
     allow_forced_tokens: bool = Field(
         False, description="testing only: accept vllm_xargs.forced_token_ids (the first completion tokens)"
     )
@@ -119,6 +123,11 @@ class DeploymentConfig(Section):
     @property
     def enabled(self) -> bool:
         return self.type != "single_node" or self.replicas > 1
+
+
+class ParallelConfig(Section):
+    tp: int = Field(1, ge=1, description="tensor-parallel ranks per engine")
+    dp: int = Field(1, ge=1, description="data-parallel engines behind the one API server")
 
 
 class GibberishDetectionConfig(Section):
@@ -169,6 +178,11 @@ class KVOffloadConfig(Section):
 
 class Config(Section):
     seed: int = Field(0, description="seed of the engine's generator for unseeded requests")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1,
+        description="fraction of the device's memory (CPU: of the memory available at start) that weights plus "
+        "the KV cache may use; sizes the KV pool when engine.kv_cache_bytes and memory_budget_bytes are not set",
+    )
     memory_budget_bytes: int | None = Field(
         None, ge=1, description="cap on the KV-cache pool when engine.kv_cache_bytes is not set"
     )
@@ -186,6 +200,7 @@ class Config(Section):
     server: ServerConfig = Field(default_factory=ServerConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     deployment: DeploymentConfig = Field(default_factory=DeploymentConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     kv_cache_offload: KVOffloadConfig | None = Field(
         None, description="keep KV blocks evicted from the pool in CPU memory (and on disk); enables prefix caching"
     )
@@ -200,3 +215,10 @@ class Config(Section):
         if self.kv_cache_offload is not None and not self.engine.enable_prefix_caching:
             self.engine.enable_prefix_caching = True  # the tiers sit behind the prefix cache
         return self
+
+
+def warn_unapplied(config: Config, log: logging.Logger) -> None:
+    """Settings read from prime-rl configs that this build accepts but does not act on yet."""
+    if config.parallel.tp > 1:
+        log.warning("parallel.tp=%d: tensor parallelism is not implemented yet; each engine runs the whole model "
+                    "in one rank", config.parallel.tp)

@@ -57,6 +57,79 @@ class AsyncEngine:
     def vocab_size(self) -> int:
         return self.engine.vocab_size
 
+    # the same face as EngineClient (engine in its own process): what the server reads and asks for
+    @property
+    def config(self) -> Config:
+        return self.engine.config
+
+    @property
+    def model_dir(self):
+        return self.engine.model_dir
+
+    @property
+    def shape(self):
+        return self.engine.shape
+
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    @property
+    def weight_version(self) -> str:
+        return self.engine.weight_version
+
+    @property
+    def adapters(self) -> dict[str, str]:
+        return {name: a.path for name, a in self.engine.adapters.items()}
+
+    @property
+    def stats(self):
+        return self.engine.stats
+
+    async def start(self) -> None:
+        pass
+
+    async def refresh(self) -> None:
+        pass
+
+    async def abort_requests(self, request_ids: list[str] | None = None) -> int:
+        if request_ids is None:
+            return await self.call(lambda e: e.abort_all())
+        return await self.call(lambda e: sum(e.abort(str(i)) for i in request_ids))
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.call(lambda e: e.pool.reset_prefix_cache())
+
+    async def load_adapter(self, name: str, path: str, roots: list[str]) -> int:
+        from rlserve.model.lora import load_peft_adapter
+
+        e = self.engine
+        adapter = await asyncio.to_thread(lambda: load_peft_adapter(name, check_under_roots(path, roots), e.shape,
+                                                                    e.dtype, e.device, roots))
+        return await self.call(lambda e: e.add_adapter(adapter))
+
+    async def set_versions(self, policy_version: int, label: str) -> None:
+        def run(e: Engine) -> None:
+            e.policy_version, e.weight_version = policy_version, label
+
+        await self.call(run)
+
+    async def has_unfinished(self) -> bool:
+        return await self.call(Engine.has_unfinished)
+
+    async def remove_adapter(self, name: str) -> int:
+        if name not in self.engine.adapters:
+            raise KeyError(f"adapter {name!r} is not loaded")
+        return await self.call(lambda e: e.remove_adapter(name))
+
+    async def set_weight_version(self, label: str, abort_all: bool = False) -> int:
+        def relabel(e: Engine) -> int:
+            aborted = e.abort_all() if abort_all else 0
+            e.weight_version = label
+            return aborted
+
+        return await self.call(relabel)
+
     async def generate(
         self,
         prompt: str | list[int],

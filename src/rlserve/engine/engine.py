@@ -18,6 +18,7 @@ from rlserve.engine.detectors import Detectors
 from rlserve.engine.detokenizer import IncrementalDetokenizer
 from rlserve.engine.kv_cache import BlockPool, extra_key
 from rlserve.engine.kv_offload import KVOffload
+from rlserve.engine.memory import kv_budget, memory_at_start
 from rlserve.engine.outputs import RequestOutput
 from rlserve.engine.params import SamplingParams
 from rlserve.engine.routing import RoutedExpertsPool
@@ -91,12 +92,17 @@ class Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, trust_remote_code=config.model.trust_remote_code)
         self.shape = ModelShape.from_hf(self.hf_config)
         self.max_model_len = config.model.max_model_len or self.shape.max_position_embeddings
+        tp = config.parallel.tp
+        if self.shape.num_heads % tp or self.shape.num_kv_heads % tp:
+            raise ValueError(f"parallel.tp={tp} must divide the model's {self.shape.num_heads} attention heads and "
+                             f"{self.shape.num_kv_heads} KV heads: pick a tp that divides both")
         self.vocab_size = self.shape.vocab_size
         self.eos_token_ids = self._eos_ids()
+        memory = memory_at_start(self.device) if config.gpu_memory_utilization else 0
         self.model = load_model(self.model_dir, self.shape, self.dtype, self.device)
 
         ec = config.engine
-        num_blocks = self._num_blocks(ec.kv_cache_bytes or config.memory_budget_bytes)
+        num_blocks = self._num_blocks(ec.kv_cache_bytes or config.memory_budget_bytes or self._utilization_budget(memory))
         if num_blocks * ec.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV cache holds {num_blocks * ec.block_size} tokens, fewer than max_model_len "
@@ -506,6 +512,14 @@ class Engine:
         if self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return frozenset(ids)
+
+    def _utilization_budget(self, memory: int) -> int | None:
+        fraction = self.config.gpu_memory_utilization
+        if not fraction:
+            return None
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        useful = self.config.engine.max_num_seqs * self.max_model_len * kv_bytes_per_token(self.model, self.dtype)
+        return kv_budget(fraction, memory, weights, useful)
 
     def _num_blocks(self, budget: int | None) -> int:
         ec = self.config.engine

@@ -11,6 +11,7 @@ import signal
 import socket
 import sys
 import time
+from contextlib import asynccontextmanager
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
@@ -18,9 +19,10 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from rlserve.config import Config
+from rlserve.config import Config, warn_unapplied
 from rlserve.engine.async_engine import AsyncEngine, EngineDeadError
-from rlserve.engine.engine import Engine
+from rlserve.engine.client import EngineClient
+from rlserve.engine.data_parallel import DataParallelClient, check_parallel, routing_hint
 from rlserve.server import (chat, completions, control, deployment_guard, generate, responses, tokenization,
                             vllm_weights, worker_routes)
 from rlserve.server.chat_template import load_template
@@ -43,12 +45,22 @@ def served_model_name(config: Config) -> str:
     return config.model.served_model_name or config.model.name or "rlserve-default"
 
 
-def build_app(engine: AsyncEngine, config: Config) -> FastAPI:
-    app = FastAPI(title="rlserve", redirect_slashes=False)
+def build_app(engine: AsyncEngine | EngineClient, config: Config) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await engine.start()  # the engine client reads its process's messages in this event loop
+        yield
+
+    app = FastAPI(title="rlserve", redirect_slashes=False, lifespan=lifespan)
     name = served_model_name(config)
     app.state.rlserve = ServerState(engine, config, Metrics(engine, name), name,
                                     chat_template=load_template(config.model.chat_template))
     install_error_handlers(app)
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return APIError(503, str(exc), type="ServiceUnavailableError").response()
+
     install_openapi(app, _schema_limits(engine, config))
     for r in (router, completions.router, chat.router, tokenization.router, generate.router, control.router,
               responses.router, worker_routes.router, vllm_weights.router):
@@ -57,7 +69,23 @@ def build_app(engine: AsyncEngine, config: Config) -> FastAPI:
     app.add_middleware(Gate, api_key=config.server.api_key, admin_api_key=config.server.admin_api_key,
                        state=app.state.rlserve)
     deployment_guard.install(app)
+    if config.parallel.dp > 1:
+        app.add_middleware(RoutingHints)
     return app
+
+
+class RoutingHints:
+    """Hands X-data-parallel-rank and X-Session-ID to the data-parallel client (it picks the engine)."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = dict(scope.get("headers", ()))
+            rank, session = headers.get(b"x-data-parallel-rank"), headers.get(b"x-session-id")
+            routing_hint.set((rank and rank.decode("latin-1"), session and session.decode("latin-1")))
+        await self.app(scope, receive, send)
 
 
 def _schema_limits(engine: AsyncEngine, config: Config) -> dict[str, int]:
@@ -119,7 +147,7 @@ def _state(request: Request) -> ServerState:
 def _model_card(state: ServerState) -> dict:
     config = state.config
     return {"id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "rlserve",
-            "root": config.model.name or str(state.engine.engine.model_dir), "parent": None,
+            "root": config.model.name or str(state.engine.model_dir), "parent": None,
             "max_model_len": state.max_model_len, "permission": []}
 
 
@@ -128,8 +156,8 @@ async def list_models(request: Request) -> dict:
     state = _state(request)
     base = _model_card(state)
     adapters = [
-        {**base, "id": name, "root": adapter.path, "parent": state.served_model_name}
-        for name, adapter in state.engine.engine.adapters.items()
+        {**base, "id": name, "root": path, "parent": state.served_model_name}
+        for name, path in state.engine.adapters.items()
     ]
     return {"object": "list", "data": [base, *adapters]}
 
@@ -162,12 +190,14 @@ async def metrics(request: Request) -> Response:
     state = _state(request)
     accept = request.headers.get("accept", "").split(",")[0].strip().lower()
     if request.query_params.get("format") == "json" or accept == "application/json":
-        stats = state.engine.engine.stats
+        await state.engine.refresh()
+        stats = state.engine.stats
         return JSONResponse({
             "current_policy_version": stats.policy_version, "queue_depth": stats.num_waiting,
             "num_running": stats.num_running, "max_batch_size": state.config.engine.max_num_seqs,
-            "flush_interval_ms": 0, "is_paused": state.engine.paused, "weight_version": state.engine.engine.weight_version,
+            "flush_interval_ms": 0, "is_paused": state.engine.paused, "weight_version": state.engine.weight_version,
         })
+    await state.engine.refresh()
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -176,10 +206,17 @@ def serve(config: Config) -> None:
     then drain (see DrainingServer)."""
     check_admin_exposure(config)
     logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # the engine thread runs Python between its torch ops: hand the GIL over sooner than every 5 ms
-    sys.setswitchinterval(0.0005)
+    warn_unapplied(config, log)
     try:
-        engine = AsyncEngine(config)
+        check_parallel(config)
+        if config.parallel.dp > 1:
+            engine: AsyncEngine | EngineClient | DataParallelClient = DataParallelClient(config)
+        elif config.engine.core_process:
+            engine = EngineClient(config)
+        else:
+            # the engine thread runs Python between its torch ops: hand the GIL over sooner than every 5 ms
+            sys.setswitchinterval(0.0005)
+            engine = AsyncEngine(config)
     except ValueError as e:  # the engine's config checks (KV cache too small, ...) say what to change
         raise SystemExit(f"rlserve: error: {e}") from None
     try:
@@ -260,9 +297,9 @@ class DrainingServer(uvicorn.Server):
         engine = self.state.engine
         deadline = time.monotonic() + self.grace_s
         try:
-            while time.monotonic() < deadline and await engine.call(Engine.has_unfinished):
+            while time.monotonic() < deadline and await engine.has_unfinished():
                 await asyncio.sleep(0.05)
-            aborted = await engine.call(Engine.abort_all)
+            aborted = await engine.abort_requests()
             if aborted:
                 log.warning("shutdown grace period over: aborted %d request(s)", aborted)
         except EngineDeadError:

@@ -1,7 +1,8 @@
 """Control plane (wire-protocols §2.11): weight updates, pause/resume, aborts, prefix cache, LoRA adapters.
 
-Every mutation runs between two engine steps (AsyncEngine.call), so no forward pass mixes weights;
-each committed one bumps policy_version and the prefix-cache generation.
+Every mutation is a named engine operation that runs between two engine steps (in the engine
+process, or the engine thread), so no forward pass mixes weights; each committed one bumps
+policy_version and the prefix-cache generation.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
 
 from rlserve.engine.weights import WeightUpdateError, check_under_roots
-from rlserve.model.lora import AdapterError, load_peft_adapter
+from rlserve.model.lora import AdapterError
 from rlserve.server import vllm_weights
 from rlserve.server.errors import APIError, bad_request
 from rlserve.server.openapi import documented
@@ -64,7 +65,7 @@ async def _update_from_dir(request: Request, state: ServerState, weight_dir: str
     if not path.is_dir():
         raise APIError(404, f"{field} {weight_dir!r} does not exist", param=field)
     # trainers retry updates on timeouts: the same unchanged directory under the same label is a no-op
-    engine = state.engine.engine
+    engine = state.engine
     fingerprint = _fingerprint(path)
     if state.last_update == (fingerprint, engine.policy_version) and label in (None, engine.weight_version):
         return engine.policy_version
@@ -184,7 +185,7 @@ async def pause(request: Request) -> dict:
         raise bad_request(f"mode must be keep, abort or wait, got {mode!r}", "mode")
     aborted = await _state(request).engine.pause(mode)
     if request.query_params.get("clear_cache", "false").lower() == "true":
-        await _state(request).engine.call(lambda e: e.pool.reset_prefix_cache())
+        await _state(request).engine.reset_prefix_cache()
     return {"status": "paused", "aborted": aborted} if mode == "abort" else {"status": "paused"}
 
 
@@ -203,17 +204,13 @@ async def is_paused(request: Request) -> dict:
 async def abort_requests(request: Request) -> dict:
     body = await json_body(request, AbortRequestsRequest)
     ids = body.get("request_ids") or []
-    engine = _state(request).engine
-    if not ids:
-        count = await engine.call(lambda e: e.abort_all())
-    else:
-        count = await engine.call(lambda e: sum(e.abort(str(i)) for i in ids))
+    count = await _state(request).engine.abort_requests([str(i) for i in ids] if ids else None)
     return {"status": "aborted", "aborted": count}
 
 
 @router.post("/reset_prefix_cache")
 async def reset_prefix_cache(request: Request) -> dict:
-    ok = await _state(request).engine.call(lambda e: e.pool.reset_prefix_cache())
+    ok = await _state(request).engine.reset_prefix_cache()
     message = "prefix cache reset" if ok else "blocks still referenced by running requests were kept"
     return {"success": ok, "message": message}
 
@@ -227,16 +224,14 @@ async def _load_adapter(state: ServerState, name: str, path: str, field: str) ->
 
 
 async def _add_adapter(state: ServerState, name: str, path: Path, field: str | None, roots: list[str]) -> int:
-    engine = state.engine.engine
     try:
-        adapter = await asyncio.to_thread(load_peft_adapter, name, path, engine.shape, engine.dtype, engine.device, roots)
+        return await state.engine.load_adapter(name, str(path), roots)
     except PermissionError as exc:
         raise APIError(403, str(exc), param=field) from None
     except FileNotFoundError as exc:
         raise APIError(404, str(exc), param=field) from None
     except AdapterError as exc:
         raise bad_request(str(exc), field) from None
-    return await state.engine.call(lambda e: e.add_adapter(adapter))
 
 
 def _name_and_path(body: dict) -> tuple[str, str]:
@@ -250,7 +245,7 @@ def _name_and_path(body: dict) -> tuple[str, str]:
 async def load_lora_adapter_v1(request: Request) -> PlainTextResponse:
     state, body = _state(request), await json_body(request, LoraAdapterRequest)
     name, path = _name_and_path(body)
-    if name in state.engine.engine.adapters and not body.get("load_inplace", False):
+    if name in state.engine.adapters and not body.get("load_inplace", False):
         raise bad_request(f"adapter {name!r} is already loaded; send load_inplace=true to replace it", "lora_name")
     await _load_adapter(state, name, path, "lora_path")
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
@@ -269,9 +264,12 @@ async def load_lora_adapter(request: Request) -> dict:
 async def unload_lora_adapter(request: Request) -> PlainTextResponse:
     state, body = _state(request), await json_body(request, UnloadLoraAdapterRequest)
     name = body.get("lora_name")
-    if name not in state.engine.engine.adapters:
+    if name not in state.engine.adapters:
         raise APIError(404, f"adapter {name!r} is not loaded", param="lora_name")
-    await state.engine.call(lambda e: e.remove_adapter(name))
+    try:
+        await state.engine.remove_adapter(name)
+    except KeyError:  # unloaded meanwhile
+        raise APIError(404, f"adapter {name!r} is not loaded", param="lora_name") from None
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
 
@@ -313,7 +311,7 @@ async def upload_adapter(request: Request) -> dict:
     await form.close()
     target = Path(tempfile.mkdtemp(prefix="rlserve-upload-"))
     try:
-        await asyncio.to_thread(write_uploaded_adapter, weights_bytes, config_bytes, target, state.engine.engine.shape)
+        await asyncio.to_thread(write_uploaded_adapter, weights_bytes, config_bytes, target, state.engine.shape)
         version = await _add_adapter(state, MLX_ADAPTER, target, "adapter_weights", [str(target)])
         state.default_adapter = MLX_ADAPTER
     finally:
@@ -331,7 +329,7 @@ async def get_world_size() -> dict:
 
 @router.get("/get_model_info")
 async def get_model_info(request: Request) -> dict:
-    engine = _state(request).engine.engine
+    engine = _state(request).engine
     return {"model_path": str(engine.model_dir), "tokenizer_path": str(engine.model_dir), "is_generation": True,
             "weight_version": engine.weight_version, "policy_version": engine.policy_version}
 
@@ -340,7 +338,7 @@ async def get_model_info(request: Request) -> dict:
 async def get_weight_version(request: Request) -> dict:
     engine = _state(request).engine
     # updating: a weight update holds the update lock (its outcome shows here once it is false again)
-    return {"weight_version": engine.engine.weight_version, "policy_version": engine.engine.policy_version,
+    return {"weight_version": engine.weight_version, "policy_version": engine.policy_version,
             "updating": engine.updating}
 
 
@@ -351,14 +349,7 @@ async def update_weight_version(request: Request) -> dict:
     label = body.get("new_version", body.get("weight_version"))
     if label is None:
         raise bad_request("new_version is required", "new_version")
-    engine = _state(request).engine
-
-    def relabel(e) -> None:
-        if body.get("abort_all_requests", False):
-            e.abort_all()
-        e.weight_version = str(label)
-
-    await engine.call(relabel)
+    await _state(request).engine.set_weight_version(str(label), bool(body.get("abort_all_requests", False)))
     return {"success": True, "message": f"weight_version is now {label}"}
 
 
@@ -367,7 +358,7 @@ async def update_weights_from_disk(request: Request) -> dict:
     state, body = _state(request), await json_body(request, UpdateWeightsFromDiskRequest)
     if not body.get("model_path"):
         raise bad_request("model_path is required", "model_path")
-    aborted = await state.engine.call(lambda e: e.abort_all()) if body.get("abort_all_requests") else 0
+    aborted = await state.engine.abort_requests() if body.get("abort_all_requests") else 0
     version = await _update_from_dir(request, state, str(body["model_path"]), "model_path", _label(body))
     return {"success": True, "message": f"weights updated (policy_version {version})", "num_paused_requests": aborted}
 
@@ -377,16 +368,16 @@ async def abort_request(request: Request) -> Response:
     body = await json_body(request, AbortRequest)
     engine = _state(request).engine
     if body.get("abort_all"):
-        await engine.call(lambda e: e.abort_all())
+        await engine.abort_requests()
     elif body.get("rid") is not None:
-        await engine.call(lambda e: e.abort(str(body["rid"])))
+        await engine.abort_requests([str(body["rid"])])
     return Response(status_code=200)
 
 
 @router.get("/flush_cache")
 @router.post("/flush_cache")
 async def flush_cache(request: Request) -> PlainTextResponse:
-    await _state(request).engine.call(lambda e: e.pool.reset_prefix_cache())
+    await _state(request).engine.reset_prefix_cache()
     return PlainTextResponse("Cache flushed.")
 
 

@@ -60,9 +60,5 @@ async def sync_version(request: Request) -> dict:
     except (KeyError, TypeError, ValueError):
         raise bad_request("policy_version (int) and weight_version (str) are required") from None
     state: ServerState = request.app.state.rlserve
-
-    def apply(engine) -> None:
-        engine.policy_version, engine.weight_version = policy_version, label
-
-    await state.engine.call(apply)
+    await state.engine.set_versions(policy_version, label)
     return {"policy_version": policy_version, "weight_version": label}

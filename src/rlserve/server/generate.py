@@ -221,7 +221,7 @@ async def _mlx_generate(request: Request, state: ServerState, body: dict):
     started = time.monotonic()
     outs = await _run_all(request, state, prompts, params, rid, adapter=state.adapter_for(None))
     latency = (time.monotonic() - started) * 1000
-    current = state.engine.engine.policy_version
+    current = state.engine.policy_version
     results = []
     for out in outs:
         for c in out.outputs:

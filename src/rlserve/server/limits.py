@@ -114,7 +114,7 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 
 def _admit(engine, cap: int) -> None:
     """429 with Retry-After when the engine's waiting queue is full (server.max_waiting_requests)."""
-    if cap and engine.engine.stats.num_waiting >= cap:
+    if cap and engine.stats.num_waiting >= cap:
         raise APIError(429, f"the server's waiting queue is full ({cap} requests, server.max_waiting_requests); "
                             f"retry after {RETRY_AFTER_S} s", param="server.max_waiting_requests",
                        type="RateLimitError", headers={"Retry-After": str(RETRY_AFTER_S)})

@@ -18,7 +18,7 @@ from rlserve.engine.outputs import RequestOutput
 
 def weight_version(engine: AsyncEngine) -> str:
     """The trainer-owned label (§2.15); "default" until weight updates set one on the engine."""
-    return getattr(engine.engine, "weight_version", None) or "default"
+    return engine.weight_version or "default"
 
 LABELS = ("model_name", "engine")
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -116,8 +116,14 @@ class _EngineCollector(Collector):
         self.engine, self.labels = engine, labels
 
     def collect(self):
-        s = self.engine.engine.stats
-        names, values = list(self.labels), list(self.labels.values())
+        # one sample per engine core (parallel.dp), labelled engine="i"
+        engines = getattr(self.engine, "engines", [self.engine])
+        for i, engine in enumerate(engines):
+            yield from self._collect(engine, {**self.labels, "engine": str(i)})
+
+    def _collect(self, engine, labels: dict[str, str]):
+        s = engine.stats
+        names, values = list(labels), list(labels.values())
 
         def gauge(name: str, doc: str, value: float, **extra: str) -> GaugeMetricFamily:
             g = GaugeMetricFamily(name, doc, labels=names + list(extra))
@@ -136,7 +142,7 @@ class _EngineCollector(Collector):
             "vllm:cache_config_info", "KV-cache configuration.", 1,
             block_size=str(s.block_size), num_gpu_blocks=str(s.num_blocks),
             kv_cache_size_tokens=str(s.num_blocks * s.block_size),
-            enable_prefix_caching=str(self.engine.engine.config.engine.enable_prefix_caching),
+            enable_prefix_caching=str(self.engine.config.engine.enable_prefix_caching),
         )
         yield counter("vllm:num_preemptions", "Preempted sequences.", s.num_preemptions)
         yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
@@ -147,8 +153,8 @@ class _EngineCollector(Collector):
                       s.prompt_tokens_computed)
         yield gauge("rlserve:policy_version", "Policy version of the served weights.", s.policy_version)
         yield gauge("rlserve:weight_version_info", "Trainer-owned weight version label.", 1,
-                    weight_version=weight_version(self.engine))
-        yield gauge("rlserve:is_paused", "1 while generation is paused.", float(self.engine.paused))
+                    weight_version=weight_version(engine))
+        yield gauge("rlserve:is_paused", "1 while generation is paused.", float(engine.paused))
         yield from _offload_metrics(s, names, values)
 
 

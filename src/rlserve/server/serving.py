@@ -71,18 +71,18 @@ class ServerState:
         """The name to echo in the response; 404 for a model this server does not serve."""
         if model is None or model in (self.served_model_name, self.config.model.name):
             return model or self.served_model_name
-        if model in self.engine.engine.adapters:
+        if model in self.engine.adapters:
             return model
         raise APIError(404, f"the model `{model}` does not exist; this server serves `{self.served_model_name}`",
                        param="model", type="NotFoundError")
 
     def check_adapter(self, name: str, param: str) -> str:
         """A loaded adapter by name (or the path it was loaded from); 404 otherwise, never the base model."""
-        adapters = self.engine.engine.adapters
+        adapters = self.engine.adapters  # name -> path
         if name in adapters:
             return name
-        for known, adapter in adapters.items():
-            if getattr(adapter, "path", None) == name:
+        for known, path in adapters.items():
+            if path == name:
                 return known
         raise APIError(404, f"LoRA adapter `{name}` is not loaded; load it first or drop {param}", param=param,
                        type="NotFoundError")
@@ -90,14 +90,14 @@ class ServerState:
     def adapter_for(self, model: str | None) -> str | None:
         """A request picks a LoRA adapter by naming it as its model; the base model name means none
         (or the MLX-style default adapter, once one is loaded)."""
-        if model is not None and model in self.engine.engine.adapters:
+        if model is not None and model in self.engine.adapters:
             return model
         return self.default_adapter
 
     def check_policy_version(self, fields: dict[str, Any]) -> None:
         """rlserve extension: 409 when the served policy is outside the caller's window
         (min_policy_version / max_policy_version, or policy_version + max_staleness)."""
-        current = self.engine.engine.policy_version
+        current = self.engine.policy_version
         low, high = fields.get("min_policy_version"), fields.get("max_policy_version")
         if fields.get("max_staleness") is not None and fields.get("policy_version") is not None:
             base = int(fields["policy_version"])
@@ -407,7 +407,7 @@ def sampled_first(token_id: int, logprob: float, top: dict[int, float]) -> list[
 
 def version_fields(state: ServerState, out: CompletionOutput) -> dict[str, Any]:
     """rlserve extensions (§2.15) carried by every choice: each span keeps the label it was produced under."""
-    policy = out.policy_version if out.policy_version is not None else state.engine.engine.policy_version
+    policy = out.policy_version if out.policy_version is not None else state.engine.policy_version
     return {
         "policy_version": policy,
         "weight_version": out.weight_version or weight_version(state.engine),

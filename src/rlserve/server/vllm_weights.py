@@ -46,8 +46,18 @@ def _transfer(request: Request) -> Transfer:
     return request.app.state.vllm_transfer
 
 
+def _local_engine(state: ServerState):
+    """The in-thread engine: vLLM's transfer receives into this process, so it needs the engine here."""
+    engine = getattr(state.engine, "engine", None)
+    if engine is None:
+        raise APIError(400, "vLLM's update_info weight transfer needs the in-thread engine: start the server with "
+                            "--engine.core_process false, or push weights with /init_broadcaster and WeightBroadcaster",
+                       param="update_info")
+    return engine
+
+
 def _backend(state: ServerState) -> str:
-    return "nccl" if state.engine.engine.device.type == "cuda" else "gloo"
+    return "nccl" if _local_engine(state).device.type == "cuda" else "gloo"
 
 
 @router.get("/server_info")
@@ -56,7 +66,7 @@ async def server_info(request: Request) -> dict:
     state = _state(request)
     return {"vllm_config": {
         "model_config": {"model": state.served_model_name, "max_model_len": state.max_model_len,
-                         "dtype": str(state.engine.engine.dtype).removeprefix("torch.")},
+                         "dtype": str(getattr(getattr(state.engine, "engine", None), "dtype", state.config.model.dtype)).removeprefix("torch.")},
         "parallel_config": {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1},
         "weight_transfer_config": {"backend": _backend(state), "rendezvous": "torch.distributed"},
     }}
@@ -117,13 +127,13 @@ async def receive_update(request: Request, info: dict, label: str | None) -> dic
         dtypes.append(dtype)
     packed = bool(info.get("packed", True))
     buffer_bytes = int(info.get("packed_buffer_size_bytes") or weight_transfer.VLLM_PACKED_BUFFER_BYTES)
-    device = "cuda" if state.engine.engine.device.type == "cuda" else "cpu"
+    device = "cuda" if _local_engine(state).device.type == "cuda" else "cpu"
     async with transfer.lock:
         # receive everything first so the group stays in step with the trainer, then validate
         received = await asyncio.to_thread(weight_transfer.receive_vllm, [str(n) for n in names], dtypes,
                                            [list(s) for s in shapes], packed, buffer_bytes, device)
         try:
-            staged = stage(state.engine.engine.model, received, "update_info", require_all=False)
+            staged = stage(_local_engine(state).model, received, "update_info", require_all=False)
         except WeightUpdateError as exc:
             raise bad_request(f"{exc}; the previous weights keep serving", "update_info") from None
         transfer.staged.update(staged.tensors)
@@ -141,7 +151,7 @@ async def finish_weight_update(request: Request) -> dict:
     async with transfer.lock:
         transfer.open = False
         if not transfer.staged:
-            return {"message": "Weight update finished", "policy_version": state.engine.engine.policy_version}
+            return {"message": "Weight update finished", "policy_version": state.engine.policy_version}
         version = await _commit(state, transfer, None if label is None else str(label))
     return {"message": "Weight update finished", "policy_version": version}
 

@@ -25,7 +25,7 @@ def _state(request: Request) -> ServerState:
 @router.get("/get_load")
 @router.get("/load")
 async def get_load(request: Request) -> dict:
-    stats = _state(request).engine.engine.stats
+    stats = _state(request).engine.stats
     return {"load": stats.num_running + stats.num_waiting, "num_running": stats.num_running,
             "num_waiting": stats.num_waiting}
 
@@ -33,7 +33,7 @@ async def get_load(request: Request) -> dict:
 @router.get("/get_server_info")
 async def get_server_info(request: Request) -> dict:
     state = _state(request)
-    engine = state.engine.engine
+    engine = state.engine
     return {"model_path": str(engine.model_dir), "served_model_name": state.served_model_name,
             "max_model_len": state.max_model_len, "max_num_seqs": state.config.engine.max_num_seqs,
             "policy_version": engine.policy_version, "weight_version": engine.weight_version,

@@ -1,0 +1,303 @@
+"""The API server's handle on an engine core process (engine/core.py), with AsyncEngine's face.
+
+Requests and named control operations go out over one ZeroMQ socket; outputs, replies and the
+engine's state come back over another. Both are `ipc://` sockets in a private directory, never
+a network port. If the process dies, every waiting request and call fails with EngineDeadError
+within a fraction of a second and `dead` says why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+from transformers import AutoTokenizer
+
+from rlserve.config import Config
+from rlserve.engine import ipc
+from rlserve.engine.async_engine import EngineDeadError
+from rlserve.engine.engine import EngineStats
+from rlserve.engine.outputs import RequestOutput
+from rlserve.engine.params import SamplingParams
+from rlserve.model.llama import ModelShape
+
+log = logging.getLogger(__name__)
+WATCH_INTERVAL_S = 0.2  # how often the process is checked for an exit no message announced
+
+
+class EngineClient:
+    def __init__(self, config: Config, wait: bool = True):
+        """Start the engine process; with wait=False call `wait_ready()` before use (engines start side by side)."""
+        self.config = config
+        self.dead: BaseException | None = None
+        self._update_lock = asyncio.Lock()
+        self._dir = tempfile.mkdtemp(prefix="rlserve-engine-")  # 0700: only this user reaches the sockets
+        in_addr, out_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
+        self._ctx = zmq.Context()
+        self._out = self._socket(zmq.PUSH, in_addr)
+        self._in = self._socket(zmq.PULL, out_addr)
+        self.proc = subprocess.Popen([sys.executable, "-m", "rlserve.engine.core", in_addr, out_addr],
+                                     stdin=subprocess.PIPE)
+        self._streams: dict[int, asyncio.Queue] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._keys = itertools.count()
+        self._tasks: list[asyncio.Task] = []
+        try:
+            self.proc.stdin.write(config.model_dump_json().encode())
+            self.proc.stdin.close()
+        except BaseException:
+            self.shutdown()
+            raise
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Block until the engine has loaded its model; ValueError with its message if it could not."""
+        try:
+            ready = self._wait_ready()
+        except BaseException:
+            self.shutdown()
+            raise
+        config = self.config
+        self.model_dir = Path(ready.model_dir)
+        self.max_model_len, self.vocab_size = ready.max_model_len, ready.vocab_size
+        self.shape = ModelShape(**ready.shape)
+        self._state = ready.state
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, trust_remote_code=config.model.trust_remote_code)
+
+    def _socket(self, kind: int, addr: str) -> zmq.Socket:
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.bind(addr)
+        return sock
+
+    def _wait_ready(self) -> ipc.Ready:
+        while True:
+            if self._in.poll(200):
+                msg = ipc.to_server.decode(self._in.recv())
+                if isinstance(msg, ipc.Failed):
+                    raise ValueError(msg.message)
+                if isinstance(msg, ipc.Ready):
+                    return msg
+            elif self.proc.poll() is not None:
+                raise RuntimeError(f"the engine process exited with code {self.proc.returncode} while starting")
+
+    # ---- what the server reads without asking (refreshed by every reply) --------------------
+
+    @property
+    def policy_version(self) -> int:
+        return self._state.policy_version
+
+    @property
+    def weight_version(self) -> str:
+        return self._state.weight_version
+
+    @property
+    def adapters(self) -> dict[str, str]:
+        return self._state.adapters
+
+    @property
+    def paused(self) -> bool:
+        return self._state.paused
+
+    @property
+    def stats(self) -> EngineStats:
+        return msgspec.convert(self._state.stats, EngineStats)
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start reading the engine's messages in the running event loop (the app's startup)."""
+        if self._tasks:
+            return
+        self._ain = zmq.asyncio.Socket.from_socket(self._in)
+        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                self._handle(ipc.to_server.decode(await self._ain.recv()))
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:  # a bug on one side: fail loudly
+            self._fail(RuntimeError(f"undecodable message from the engine: {exc}"))
+
+    def _handle(self, msg: ipc.ToServer) -> None:
+        if isinstance(msg, ipc.Outputs):
+            self._state = msg.state
+            for key, out in msg.items:
+                queue = self._streams.get(key)
+                if queue is not None:
+                    queue.put_nowait(out)
+        elif isinstance(msg, ipc.Reply):
+            self._state = msg.state
+            fut = self._calls.pop(msg.call_id, None)
+            if fut is not None and not fut.done():
+                if msg.error_kind is None:
+                    fut.set_result(msg.value)
+                else:
+                    fut.set_exception(ipc.rebuild_error(msg.error_kind, msg.error))
+        elif isinstance(msg, ipc.Rejected):
+            queue = self._streams.get(msg.key)
+            if queue is not None:
+                queue.put_nowait(ValueError(msg.message))
+        elif isinstance(msg, ipc.Failed):
+            self._fail(RuntimeError(msg.message))
+
+    async def _watch(self) -> None:
+        while self.proc.poll() is None:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+        self._fail(RuntimeError(f"engine process exited with code {self.proc.returncode}"))
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.dead is None:
+            log.error("engine core is gone: %s", exc)
+            self.dead = exc
+        err = EngineDeadError(f"engine loop died: {self.dead!r}")
+        for queue in self._streams.values():
+            queue.put_nowait(err)
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(err)
+        self._calls.clear()
+
+    def shutdown(self) -> None:
+        """Ask the core to stop, then make sure it has: nothing is left behind."""
+        if self._ctx.closed:
+            return
+        if self.proc.poll() is None:
+            try:
+                self._out.send(ipc.encode(ipc.Shutdown()), zmq.NOBLOCK)
+                self.proc.wait(timeout=10)
+            except (zmq.ZMQError, subprocess.TimeoutExpired):
+                self.proc.terminate()
+                try:
+                    self.proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+        for task in self._tasks:
+            task.cancel()
+        self._in.close(linger=0)
+        self._out.close(linger=0)
+        self._ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def _check_alive(self) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(f"engine loop died: {self.dead!r}")
+
+    def _send(self, msg: Any) -> None:
+        self._out.send(ipc.encode(msg), zmq.NOBLOCK)
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        cache_salt: str | None = None,
+        adapter: str | None = None,
+        stream: bool = True,
+    ) -> AsyncIterator[RequestOutput]:
+        """As AsyncEngine.generate: cumulative outputs, the last finished; ValueError for bad input."""
+        self._check_alive()
+        key = next(self._keys)
+        outputs: asyncio.Queue = asyncio.Queue()
+        self._streams[key] = outputs
+        self._send(ipc.Add(key, request_id, prompt, params, cache_salt, adapter, stream))
+        finished = False
+        try:
+            while not finished:
+                out = await outputs.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            self._streams.pop(key, None)
+            if not finished and self.dead is None:
+                self._send(ipc.Abort(key))
+
+    async def _call(self, op: str, *args: Any) -> Any:
+        self._check_alive()
+        call_id = next(self._keys)
+        fut = self._calls[call_id] = asyncio.get_running_loop().create_future()
+        self._send(ipc.Call(call_id, op, list(args)))
+        return await fut
+
+    # ---- named control operations (core.OPS) ------------------------------------------------
+
+    async def refresh(self) -> None:
+        """Bring `stats` and the other mirrored facts up to date (a dead engine keeps its last ones)."""
+        if self.dead is None:
+            await self._call("snapshot")
+
+    async def abort(self, request_id: str) -> int:
+        return await self._call("abort", [request_id])
+
+    async def abort_requests(self, request_ids: list[str] | None = None) -> int:
+        """Abort these ids, or every request when None; returns how many."""
+        return await self._call("abort", None if request_ids is None else [str(i) for i in request_ids])
+
+    async def pause(self, mode: str = "keep") -> int:
+        if mode not in ("keep", "abort", "wait"):
+            raise ValueError(f"mode must be keep, abort or wait, got {mode!r}")
+        return await self._call("pause", mode)
+
+    async def resume(self) -> None:
+        await self._call("resume")
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self._call("reset_prefix_cache")
+
+    @property
+    def updating(self) -> bool:
+        """A weight update is being staged or committed."""
+        return self._update_lock.locked()
+
+    async def update_weights_from_dir(self, weight_dir: str, roots: list[str], weight_version: str | None = None,
+                                      started: asyncio.Event | None = None) -> int:
+        """`started` is set once this update holds the update lock: cancelling before then changes nothing."""
+        async with self._update_lock:
+            if started is not None:
+                started.set()
+            return await self._call("update_from_dir", weight_dir, roots, weight_version)
+
+    async def init_broadcaster(self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 300.0) -> None:
+        await self._call("init_broadcaster", host, port, rank, world_size, timeout_s)
+
+    async def update_weights_from_broadcast(self, weight_version: str | None = None,
+                                            started: asyncio.Event | None = None) -> int:
+        async with self._update_lock:
+            if started is not None:
+                started.set()
+            return await self._call("update_from_broadcast", weight_version)
+
+    async def set_versions(self, policy_version: int, label: str) -> None:
+        await self._call("set_versions", policy_version, label)
+
+    async def has_unfinished(self) -> bool:
+        return await self._call("has_unfinished")
+
+    async def load_adapter(self, name: str, path: str, roots: list[str]) -> int:
+        return await self._call("load_adapter", name, path, roots)
+
+    async def remove_adapter(self, name: str) -> int:
+        return await self._call("remove_adapter", name)
+
+    async def set_weight_version(self, label: str, abort_all: bool = False) -> int:
+        return await self._call("set_weight_version", label, abort_all)

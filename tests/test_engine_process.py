@@ -1,0 +1,142 @@
+"""The engine core in its own process: what crosses the wire, and what happens when either side dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+
+from conftest import start_server, stop_server
+from rlserve.engine import ipc
+from rlserve.engine.outputs import CompletionOutput, RequestOutput, VersionSpan
+from rlserve.engine.params import SamplingParams
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for child processes")
+HANG_GUARD_S = 60  # generous: only stops a hung test, never measures speed
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def engine_pids(server: subprocess.Popen) -> list[int]:
+    return [c for c in children(server.pid) if b"rlserve.engine.core" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+def engine_pid(server: subprocess.Popen) -> int:
+    (pid,) = engine_pids(server)
+    return pid
+
+
+def gone(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return status in ("Z", "X")  # exited, waiting for a reaper that is not us
+
+
+def wait_until(cond, what: str) -> None:
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not cond():
+        assert time.monotonic() < deadline, f"hang guard: {what}"
+        time.sleep(0.05)
+
+
+def test_messages_carry_every_dataclass_field_and_never_unpickle():
+    params = SamplingParams(n=2, temperature=0.5, top_k=3, logit_bias={7: -1.5}, seed=9, stop=["x"],
+                            stop_token_ids=[2], logprobs=2, prompt_logprobs=-1, logprobs_mode="raw",
+                            forced_token_ids=[1, 2], max_tokens=4, min_tokens=1)
+    add = ipc.Add(3, "r", [1, 2, 3], params, "salt", None, False)
+    assert ipc.to_engine.decode(ipc.encode(add)) == add
+    out = RequestOutput("r", [1, 2], [CompletionOutput(0, [5, 6], "ab", [-0.5, -1.0], [{5: -0.5}, {6: -1.0, 4: -2.0}],
+                                                       "stop", "b", [VersionSpan(0, 0, 1), VersionSpan(1, 1, 2)])],
+                        [None, {2: -3.0}], 1, True, [None, {2: 4}])
+    state = ipc.State(1, "v1", {"a": "/p"}, False, {"num_running": 1})
+    assert ipc.to_server.decode(ipc.encode(ipc.Outputs([(3, out)], state))) == ipc.Outputs([(3, out)], state)
+    # bad values are refused by the same checks as an HTTP request's; pickles are just bytes
+    with pytest.raises(msgspec.ValidationError, match="temperature"):
+        ipc.to_engine.decode(ipc.encode(ipc.Add(1, "r", [1], {**msgspec.to_builtins(params), "temperature": -1},
+                                                None, None, True)))
+    import pickle
+
+    with pytest.raises(msgspec.DecodeError):
+        ipc.to_engine.decode(pickle.dumps(add.params))
+
+
+@linux_only
+def test_killed_engine_process_gives_503_and_fails_in_flight_requests():
+    url, proc = start_server()
+    try:
+        core = engine_pid(proc)
+        with httpx.Client(base_url=url, timeout=HANG_GUARD_S) as http:
+            assert http.post("/pause", params={"mode": "keep"}).status_code == 200
+            results: dict[str, httpx.Response] = {}
+
+            def send(name: str, stream: bool) -> None:
+                results[name] = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 8, "stream": stream})
+
+            threads = [threading.Thread(target=send, args=(n, n == "stream")) for n in ("plain", "stream")]
+            for t in threads:
+                t.start()
+            # both are queued in the engine (held by the pause) before it dies
+            wait_until(lambda: _waiting(http) == 2, "requests queued")
+            os.kill(core, signal.SIGKILL)
+            for t in threads:
+                t.join(HANG_GUARD_S)
+                assert not t.is_alive(), "hang guard: in-flight request never ended"
+            for name, resp in results.items():
+                assert resp.status_code == 503, (name, resp.text)
+                assert "engine" in resp.json()["error"]["message"]
+            wait_until(lambda: http.get("/health").status_code == 503, "/health turns 503")
+            # new requests are refused at once, not queued forever
+            resp = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert resp.status_code == 503
+            assert http.get("/metrics").status_code == 200
+    finally:
+        stop_server(proc)
+
+
+def _waiting(http: httpx.Client) -> int:
+    return int(http.get("/metrics", params={"format": "json"}).json()["queue_depth"])
+
+
+@linux_only
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_server_going_away_stops_the_engine_process(sig):
+    url, proc = start_server()
+    try:
+        core = engine_pid(proc)
+        proc.send_signal(sig)
+        proc.wait(HANG_GUARD_S)
+        wait_until(lambda: gone(core), f"engine process {core} outlived the server ({sig.name})")
+    finally:
+        stop_server(proc)
+
+
+def test_engine_start_failure_is_reported():
+    with pytest.raises(RuntimeError) as info:
+        start_server("--engine.kv_cache_bytes", "1024")
+    assert "rlserve: error: the KV cache holds" in str(info.value)
+
+
+def test_in_thread_engine_still_serves():
+    url, proc = start_server("--engine.core_process", "false")
+    try:
+        if sys.platform.startswith("linux"):
+            assert engine_pids(proc) == []
+        resp = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=HANG_GUARD_S)
+        assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3
+    finally:
+        stop_server(proc)
