@@ -307,6 +307,8 @@ def _serve(config: Config, inbox: zmq.Socket, outbox: zmq.Socket) -> int:
     outbox.send(ipc.encode(ipc.Ready(str(engine.model_dir), engine.max_model_len, engine.vocab_size,
                                      {f.name: getattr(engine.shape, f.name) for f in dataclasses.fields(engine.shape)},
                                      core.state())))
+    # SIGTERM ends the loop between two steps, so the engine still closes (the KV disk tier's files)
+    signal.signal(signal.SIGTERM, lambda *_: setattr(core, "stop", True))
     try:
         _run_in_thread(core.run)
     except BaseException as exc:
@@ -315,6 +317,7 @@ def _serve(config: Config, inbox: zmq.Socket, outbox: zmq.Socket) -> int:
         return 1
     finally:
         core.helper.shutdown(wait=False, cancel_futures=True)
+        engine.close()
     return 0
 
 
