@@ -293,3 +293,25 @@ def test_serve_with_offload_config_file_metrics_and_sigterm_cleanup(tmp_path):
         assert proc.wait(timeout=60) == 0
         stop_server(proc)
     assert not any(disk.iterdir())  # SIGTERM removed the disk tier's files and folder
+
+
+def test_router_replay_reports_the_experts_of_blocks_loaded_from_the_tiers(tmp_path):
+    from test_moe import assert_routing_matches
+
+    model_dir = make_model("tiny-moe", tmp_path / "moe")
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    cfg = Config()
+    cfg.model.name, cfg.model.max_model_len = str(model_dir), 128
+    cfg.engine.kv_cache_bytes = 8 * BLOCK * 2048  # 8 blocks: each prompt (4 full blocks) evicts the one before
+    cfg.enable_return_routed_experts = True
+    cfg.kv_cache_offload = KVOffloadConfig.model_validate({"cpu": {"num_bytes": 2 * BLOCK * 2048},
+                                                           "disk": {"path": str(tmp_path)}})
+    engine = Engine(cfg)
+    prompts = [c[:70] for c in conversations(engine.vocab_size)[:4]]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    for _ in range(2):
+        outs = [engine.generate([p], params)[0] for p in prompts]
+    assert engine.stats.kv_offload_disk_hits > 0  # the experts came back through block files
+    for prompt, out in zip(prompts, outs):
+        assert_routing_matches(hf, prompt, out.outputs[0])
+    engine.close()

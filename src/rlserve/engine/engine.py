@@ -132,6 +132,8 @@ class Engine:
             self.offload = KVOffload(config.kv_cache_offload, self.runner.kv_cache, ec.block_size)
             self.scheduler.offload = self.offload
             self.pool.on_evict = self.offload.save
+            if self.runner.routing is not None:
+                self._offload_routing(self.runner.routing, ec.block_size)
         self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
         self.detectors = Detectors(config.logits_processors, self.vocab_size)
         eos = getattr(self.hf_config, "eos_token_id", None)
@@ -351,6 +353,13 @@ class Engine:
             policy_version=self.policy_version,
             **(self._offload_stats() if self.offload is not None else {}),
         )
+
+    def _offload_routing(self, routing: RoutedExpertsPool, bs: int) -> None:
+        """Router replay: a block's routed experts travel with its KV; one without them is recomputed."""
+        rows = lambda block: routing.ids[block * bs : (block + 1) * bs]  # noqa: E731
+        self.offload.required_metadata = frozenset({"routed_experts"})
+        self.offload.metadata_of = lambda block: {"routed_experts": rows(block)}
+        self.offload.restore_metadata = lambda block, md: rows(block).copy_(md["routed_experts"])
 
     def _offload_stats(self) -> dict[str, int]:
         o = self.offload
