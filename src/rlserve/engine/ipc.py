@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from rlserve.engine.outputs import RequestOutput
 from rlserve.engine.params import SamplingParams
@@ -109,6 +110,22 @@ def rebuild_error(kind: str | None, message: str | None) -> Exception:
     return ERRORS.get(kind or "", RuntimeError)(message or "")
 
 
-encode = msgspec.msgpack.Encoder().encode
-to_engine = msgspec.msgpack.Decoder(ToEngine)
-to_server = msgspec.msgpack.Decoder(ToServer)
+def _encode_array(obj: Any) -> Any:
+    # numpy fields (router replay's expert ids) cross as dtype, shape and raw bytes
+    if isinstance(obj, np.ndarray):
+        return {"dtype": obj.dtype.str, "shape": list(obj.shape), "data": np.ascontiguousarray(obj).tobytes()}
+    raise NotImplementedError(f"cannot send {type(obj).__name__} to or from the engine")
+
+
+def _decode_array(kind: type, obj: Any) -> Any:
+    if kind is np.ndarray:
+        dtype = np.dtype(obj["dtype"])
+        if dtype.kind not in "iuf":  # numbers only: never object arrays
+            raise ValueError(f"array dtype {dtype} cannot cross the engine boundary")
+        return np.frombuffer(obj["data"], dtype=dtype).reshape(obj["shape"]).copy()
+    raise NotImplementedError(f"cannot decode {kind.__name__}")
+
+
+encode = msgspec.msgpack.Encoder(enc_hook=_encode_array).encode
+to_engine = msgspec.msgpack.Decoder(ToEngine, dec_hook=_decode_array)
+to_server = msgspec.msgpack.Decoder(ToServer, dec_hook=_decode_array)
