@@ -126,6 +126,11 @@ class Engine:
             self.offload = KVOffload(config.kv_cache_offload, self.runner.kv_cache, ec.block_size)
             self.scheduler.offload = self.offload
             self.pool.on_evict = self.offload.save
+            if self.runner.routing is not None:  # router replay: expert rows travel with their blocks
+                routing = self.runner.routing
+                self.offload.metadata_of = lambda block: {"routed_experts": routing.block_rows(block)}
+                self.offload.restore_metadata = lambda block, md: routing.restore_block(block, md["routed_experts"])
+                self.offload.required_metadata = frozenset({"routed_experts"})
         self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
         self.detectors = Detectors(config.logits_processors, self.vocab_size)
         eos = getattr(self.hf_config, "eos_token_id", None)
