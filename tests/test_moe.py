@@ -113,6 +113,23 @@ def test_preempted_then_resumed_sequences_report_every_position(model_dir, hf):
         assert_routing_matches(hf, prompt, comp)
 
 
+def test_blocks_back_from_the_offload_tier_bring_their_experts(model_dir, hf):
+    from rlserve.config import KVOffloadConfig
+
+    cfg = Config()
+    cfg.model.name, cfg.model.max_model_len, cfg.engine.kv_cache_bytes = str(model_dir), 128, 8 * 16 * 2048
+    cfg.enable_return_routed_experts = True
+    cfg.kv_cache_offload = KVOffloadConfig.model_validate({"cpu": {"num_bytes": 32 * 16 * 2048}})
+    engine = Engine(cfg)
+    prompts = random_prompts(4, engine.vocab_size, lo=70, hi=70, seed=18)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine.generate(prompts, params)  # each evicts the blocks of the one before into the CPU tier
+    (out,) = engine.generate([prompts[0] + [7, 8]], params)
+    assert engine.stats.kv_offload_cpu_hits > 0
+    assert_routing_matches(hf, prompts[0] + [7, 8], out.outputs[0])
+    engine.close()
+
+
 def _replay_router(router, experts: torch.Tensor):
     """A transformers router that takes the given experts instead of its own top-k (what a
     trainer does with routed_experts); weights still come from its softmax."""

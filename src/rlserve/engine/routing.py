@@ -27,6 +27,13 @@ class RoutedExpertsPool:
     def copy(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         self.ids.index_copy_(0, dst_slots.cpu(), self.ids.index_select(0, src_slots.cpu()))
 
+    def block_rows(self, block: int) -> torch.Tensor:
+        """A block's rows, to travel with its KV through the offload tiers."""
+        return self.ids[block * self.block_size : (block + 1) * self.block_size]
+
+    def restore_block(self, block: int, rows: torch.Tensor) -> None:
+        self.block_rows(block).copy_(rows.to(self.ids.dtype))
+
     def read(self, block_table: list[int], num_tokens: int) -> np.ndarray:
         """Rows for positions [0, num_tokens): [num_tokens, sparse layers, top_k]."""
         bs = self.block_size
