@@ -44,3 +44,10 @@ def test_serving_small(tmp_path, stream):
 def test_weight_update_small(tmp_path):
     out = run(tmp_path, "weight_update.py", "--preset", "tiny", "--repeats", "1")
     assert '"update_s"' in out and '"push_s"' in out
+
+
+def test_llamacpp_comparison_skips_the_peer_when_it_is_not_built(tmp_path):
+    out = run(tmp_path, "llamacpp.py", "--preset", "tiny", "--clients", "2", "--prompt-len", "8", "--new-tokens", "4",
+              "--single-new-tokens", "4", "--dtype", "bfloat16")  # fmt: skip
+    assert "llama.cpp: skipped" in out
+    assert rate(out, "rlserve bfloat16      64 concurrent") > 0 and rate(out, "rlserve bfloat16      batch 1") > 0
