@@ -14,13 +14,13 @@ from rlserve.model.make import make_model
 from test_engine import hf_logprobs, random_prompts
 
 GREEDY_TOKENS = 8
-# Measured on random-weight models: rlserve bf16's logprobs of its greedy tokens differ from
-# transformers' bf16 forward by at most 0.11 (tiny; mean 0.03) and 0.17 (smollm2-135m shape, 30
-# layers; mean 0.05); transformers' own bf16 and fp32 logits differ by up to 0.65 there.
-BF16_LOGPROB_ATOL = 0.25
-# Two candidates whose bf16 logits are closer than two such errors can swap places: greedy paths
-# are compared up to the first step where transformers' top-2 margin is below this.
-NEAR_TIE = 2 * BF16_LOGPROB_ATOL
+# Measured on random-weight models (8 prompts x 8 greedy tokens): rlserve bf16's logprobs differ
+# from transformers' bf16 forward by at most 0.11 on tiny and 0.23 on the smollm2-135m shape (30
+# layers); transformers' own bf16 and fp32 logits differ by up to 0.65 there.
+BF16_LOGPROB_ATOL = 0.35
+# Two candidates whose bf16 logits are this close can swap places: greedy paths are compared up to
+# the first step where transformers' top-2 margin is below it (31 of 64 tokens on smollm2, 23 on tiny).
+NEAR_TIE = 0.5
 # Mean |logprob - fp32 forward| of greedy tokens on tiny, measured: 0.0182 with the bf16 head,
 # 0.0165 with the fp32 head (the rest is the bf16 body's error).
 HEAD_ERRORS = {"bfloat16": 0.03, "float32": 0.025}
