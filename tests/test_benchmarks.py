@@ -46,6 +46,17 @@ def test_weight_update_small(tmp_path):
     assert '"update_s"' in out and '"push_s"' in out
 
 
+def test_moe_quick(tmp_path):
+    out = run(tmp_path, "moe.py", "--quick")
+    assert rate(out, "rlserve (router replay on)") > 0 and rate(out, "transformers generate_batch") > 0
+    assert "vLLM base64 .npy, int32" in out
+
+
+def test_kv_offload_quick(tmp_path):
+    out = run(tmp_path, "kv_offload.py", "--quick", "--disk")
+    assert "same tokens: True" in out and re.search(r"^offload\s+[\d.]+", out, re.M)
+
+
 def test_llamacpp_comparison_skips_the_peer_when_it_is_not_built(tmp_path):
     out = run(tmp_path, "llamacpp.py", "--preset", "tiny", "--clients", "2", "--prompt-len", "8", "--new-tokens", "4",
               "--single-new-tokens", "4", "--dtype", "bfloat16")  # fmt: skip

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
@@ -228,8 +229,10 @@ def test_malformed_file(tmp_path):
 
 def _leaf_fields(model: type[BaseModel], prefix: str = ""):
     for name, field in model.model_fields.items():
-        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
-            yield from _leaf_fields(field.annotation, f"{prefix}{name}.")
+        # optional sections ([logits_processors.*]: present = on) list their fields like any other
+        inner = [a for a in typing.get_args(field.annotation) if a is not type(None)] or [field.annotation]
+        if len(inner) == 1 and isinstance(inner[0], type) and issubclass(inner[0], BaseModel):
+            yield from _leaf_fields(inner[0], f"{prefix}{name}.")
         else:
             yield prefix + name, field
 

@@ -58,13 +58,64 @@ BAD_INPUTS = [
     ("tokenize-nothing", "/tokenize", {}, 400, "send either prompt"),
     ("detokenize-range", "/detokenize", {"tokens": [99999]}, 400, "outside the vocabulary"),
     ("unknown-route", "/v1/nothing", {}, 404, "no route"),
+    # bodies no route can use: refused before routing (server/limits.py)
+    ("not-utf8", "/v1/completions", b'{"prompt": "\xff\xfe"}', 400, "not valid UTF-8"),
+    ("lone-surrogate", "/v1/completions", '{"prompt": "\\ud800"}', 400, "lone UTF-16 surrogate"),
+    ("lone-surrogate-model", "/v1/chat/completions",
+     '{"model": "\\udc00", "messages": [{"role": "user", "content": "x"}]}', 400, "lone UTF-16 surrogate"),
+    ("lone-surrogate-request-id", "/v1/completions", '{"prompt": "x", "request_id": "a\\ud83d"}', 400,
+     "lone UTF-16 surrogate"),
+    ("lone-surrogate-tokenize", "/tokenize", '{"prompt": "\\udfff"}', 400, "lone UTF-16 surrogate"),
+    ("deep-json", "/generate", "[" * 100_000 + "]" * 100_000, 400, "nested too deeply"),
+    ("deep-json-update", "/update_weights", '{"a":' * 100_000 + "1" + "}" * 100_000, 400, "nested too deeply"),
+    ("non-finite-number", "/v1/completions", '{"prompt": "x", "temperature": Infinity}', 400, "not valid JSON"),
+    ("logit-bias-infinite", "/v1/completions", '{"prompt": "x", "logit_bias": {"5": -Infinity}}', 400,
+     "not valid JSON"),
+    ("body-too-large", "/v1/completions", '{"prompt": "' + "a" * (9 << 20) + '"}', 413, "server.max_body_bytes"),
+    # wrong types on RL and peer-protocol fields name the field
+    ("policy-version-type", "/v1/completions", {"prompt": "x", "min_policy_version": "x"}, 400,
+     "min_policy_version"),
+    ("staleness-type", "/v1/chat/completions", {"messages": USER, "max_staleness": "x", "policy_version": 0}, 400,
+     "max_staleness"),
+    ("max-policy-version-type", "/inference/v1/generate", {"token_ids": [1], "max_policy_version": [1]}, 400,
+     "max_policy_version"),
+    ("trl-generation-kwargs", "/generate", {"prompts": [[1, 2]], "generation_kwargs": "x"}, 400,
+     "generation_kwargs"),
+    ("trl-truncate", "/generate", {"prompts": [[1, 2]], "truncate_prompt_tokens": "abc"}, 400,
+     "truncate_prompt_tokens"),
+    ("sglang-sampling-params", "/generate", {"input_ids": [1, 2], "sampling_params": []}, 400, "sampling_params"),
+    ("sglang-top-logprobs-num", "/generate", {"input_ids": [1, 2], "return_logprob": True, "top_logprobs_num": "x"},
+     400, "top_logprobs_num"),
+    ("responses-text-format", "/v1/responses", {"input": "hi", "text": {"format": "x"}}, 400, "text.format"),
+    ("abort-ids", "/abort_requests", {"request_ids": 5}, 400, "request_ids"),
+    ("generate-logit-bias-list", "/generate", {"prompt": "x", "logit_bias": [1, 2]}, 400, "logit_bias"),
+    # accepted before, refused now
+    ("chat-role", "/v1/chat/completions", {"messages": [{"role": "foo", "content": "x"}]}, 400, "messages.0.role"),
+    ("tool-without-function", "/v1/chat/completions", {"messages": USER, "tools": [{"type": "function"}]}, 400,
+     "tools.0.function"),
+    ("max-tokens-bool", "/v1/chat/completions", {"messages": USER, "max_tokens": True}, 400, "max_tokens"),
+    ("top-logprobs-without-logprobs", "/v1/chat/completions", {"messages": USER, "top_logprobs": 3}, 400,
+     "top_logprobs needs logprobs"),
+    ("request-chat-template", "/v1/chat/completions", {"messages": USER, "chat_template": "{{ 'x' }}"}, 400,
+     "server.trust_request_chat_template"),
+    ("tokenize-chat-template", "/tokenize", {"messages": USER, "chat_template": "{{ 'x' }}"}, 400,
+     "server.trust_request_chat_template"),
+    ("sglang-unknown-lora", "/generate", {"input_ids": [1, 2], "lora_path": "nope"}, 404, "is not loaded"),
+    ("generate-unknown-model", "/inference/v1/generate", {"token_ids": [1], "model": "nope"}, 404, "does not exist"),
+    # request caps
+    ("stop-count", "/v1/completions", {"prompt": "x", "stop": ["a"] * 65}, 400, "server.max_stop_strings"),
+    ("stop-length", "/v1/chat/completions", {"messages": USER, "stop": ["a" * 1025]}, 400,
+     "server.max_stop_string_chars"),
+    ("text-cannot-fit", "/tokenize", {"prompt": "a" * 100_000}, 400, "maximum context length is 512 tokens"),
+    ("chat-text-cannot-fit", "/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * 100_000}]}, 400,
+     "maximum context length is 512 tokens"),
 ]
 
 
 @pytest.mark.parametrize(("case", "route", "body", "status", "fragment"), BAD_INPUTS, ids=[r[0] for r in BAD_INPUTS])
 def test_bad_input(server: str, case: str, route: str, body, status: int, fragment: str) -> None:
     with httpx.Client(base_url=server, timeout=30) as http:
-        if isinstance(body, str):
+        if isinstance(body, (str, bytes)):
             r = http.post(route, content=body, headers={"content-type": "application/json"})
         else:
             r = http.post(route, json=body)

@@ -44,6 +44,16 @@ class ServerConfig(Section):
     api_key: str | None = Field(None, description="Bearer key required on every route but /health and /metrics")
     admin_api_key: str | None = Field(None, description="Bearer key required on admin routes (updates, pause, adapters)")
     log_level: str = Field("info", description="uvicorn log level")
+    # request caps (over one: a 4xx naming the cap; docs/errors.md)
+    max_body_bytes: int = Field(8 << 20, ge=1024, description="largest request body; bigger ones get 413 before they are read")
+    max_waiting_requests: int = Field(
+        8192, ge=0, description="requests queued in the engine beyond which new ones get 429 with Retry-After (0 = no cap)"
+    )
+    max_stop_strings: int = Field(64, ge=0, description="most stop strings one request may send")
+    max_stop_string_chars: int = Field(1024, ge=1, description="longest stop string")
+    trust_request_chat_template: bool = Field(
+        False, description="accept a per-request chat_template (rendered sandboxed, bounded in time and size)"
+    )
 
 
 class EngineConfig(Section):
@@ -80,6 +90,52 @@ class EngineConfig(Section):
     )
 
 
+class GibberishDetectionConfig(Section):
+    token_id_threshold: int = Field(100_000, ge=0, description="a sampled token is rare when its id is above this")
+    logprob_offset: float = Field(
+        2.0, description="... and gibberish when, also, its logprob is below -log(vocab_size) - logprob_offset"
+    )
+
+
+class RepetitionDetectionConfig(Section):
+    window: int = Field(3000, ge=1, description="fire after this many consecutive confident tokens")
+    prob_threshold: float = Field(0.99, gt=0, lt=1, description="a token is confident when the top probability exceeds this")
+
+
+class LogitsProcessorsConfig(Section):
+    """prime-rl's rollout detectors (engine/detectors.py): a present section turns one on; when it
+    fires the sequence ends with EOS, finish_reason "stop" and stop_reason naming it."""
+
+    gibberish_detection: GibberishDetectionConfig | None = Field(
+        None, description="end sequences that draw a rare token at high entropy"
+    )
+    repetition_detection: RepetitionDetectionConfig | None = Field(
+        None, description="end sequences stuck in a confident repetition loop"
+    )
+
+
+class KVOffloadCPUConfig(Section):
+    num_bytes: int = Field(..., ge=1, description="host memory for KV blocks evicted from the engine's pool")
+
+
+class KVOffloadDiskConfig(Section):
+    path: str = Field(..., description="an existing, writable directory; blocks the CPU tier spills go to files under it")
+    num_bytes: int | None = Field(None, ge=1, description="cap on the disk tier's files; none = until the disk is full")
+
+
+class KVOffloadConfig(Section):
+    type: Literal["native"] = Field("native", description="the offload implementation (rlserve's own)")
+    cpu: KVOffloadCPUConfig | None = Field(None, description="the CPU tier (required)")
+    disk: KVOffloadDiskConfig | None = Field(None, description="an optional disk tier behind the CPU tier")
+
+    @model_validator(mode="after")
+    def _needs_cpu(self) -> "KVOffloadConfig":
+        if self.cpu is None:
+            what = "a disk tier alone is not supported: " if self.disk is not None else ""
+            raise ValueError(f"{what}kv_cache_offload needs a CPU tier: set kv_cache_offload.cpu.num_bytes")
+        return self
+
+
 class Config(Section):
     seed: int = Field(0, description="seed of the engine's generator for unseeded requests")
     memory_budget_bytes: int | None = Field(
@@ -91,12 +147,21 @@ class Config(Section):
         default_factory=lambda: ["."],
         description="directories under which weight and adapter directories may be read (symlinks resolved)",
     )
+    enable_return_routed_experts: bool = Field(
+        False, description="MoE models: return each token's routed experts (routed_experts) on the generate routes"
+    )
+    logits_processors: LogitsProcessorsConfig = Field(default_factory=LogitsProcessorsConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    kv_cache_offload: KVOffloadConfig | None = Field(
+        None, description="keep KV blocks evicted from the pool in CPU memory (and on disk); enables prefix caching"
+    )
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "Config":
         if self.model.max_model_len is not None and self.engine.max_num_batched_tokens < self.engine.block_size:
             raise ValueError("engine.max_num_batched_tokens must be at least engine.block_size")
+        if self.kv_cache_offload is not None and not self.engine.enable_prefix_caching:
+            self.engine.enable_prefix_caching = True  # the tiers sit behind the prefix cache
         return self

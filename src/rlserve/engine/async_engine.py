@@ -170,6 +170,7 @@ class AsyncEngine:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=10)
+        self.engine.close()
 
     # ---- engine thread ----------------------------------------------------------------------
 

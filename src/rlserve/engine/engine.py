@@ -6,7 +6,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -14,10 +14,13 @@ from transformers import AutoConfig, AutoTokenizer
 
 from rlserve.config import Config
 from rlserve.engine.allocator import keep_freed_memory
+from rlserve.engine.detectors import Detectors
 from rlserve.engine.detokenizer import IncrementalDetokenizer
 from rlserve.engine.kv_cache import BlockPool, extra_key
+from rlserve.engine.kv_offload import KVOffload
 from rlserve.engine.outputs import RequestOutput
 from rlserve.engine.params import SamplingParams
+from rlserve.engine.routing import RoutedExpertsPool
 from rlserve.engine.runner import ModelRunner, kv_bytes_per_token
 from rlserve.engine.sampler import Sampler, SamplingRow
 from rlserve.engine.scheduler import Scheduler
@@ -46,6 +49,19 @@ class EngineStats:
     prompt_tokens_computed: int
     generation_tokens: int
     policy_version: int
+    # KV offload tiers (0 without them); *_queries/*_hits count prompt tokens
+    kv_offload_cpu_queries: int = 0
+    kv_offload_cpu_hits: int = 0
+    kv_offload_disk_queries: int = 0
+    kv_offload_disk_hits: int = 0
+    kv_offload_disk_rejected: int = 0  # disk blocks that failed their checksum (recomputed)
+    kv_offload_bytes_to_cpu: int = 0
+    kv_offload_bytes_from_cpu: int = 0
+    kv_offload_bytes_to_disk: int = 0
+    kv_offload_bytes_from_disk: int = 0
+    kv_offload_cpu_used_bytes: int = 0
+    kv_offload_cpu_capacity_bytes: int = 0
+    kv_offload_disk_used_bytes: int = 0
 
 
 def resolve_device(name: str) -> torch.device:
@@ -111,9 +127,22 @@ class Engine:
             pack_weights=ec.pack_weights,
             use_cpu_kernels=ec.cpu_kernels,
         )
-        if self.device.type == "cuda" and not config.model.enforce_eager:
+        if config.enable_return_routed_experts:
+            if self.shape.moe is None:
+                raise ValueError("enable_return_routed_experts needs a mixture-of-experts model (Qwen3-MoE); this one is dense")
+            self.runner.routing = RoutedExpertsPool(self.shape.moe, num_blocks, ec.block_size)
+        # the expert blocks size their matmuls from the routing on the host: no graph capture
+        if self.device.type == "cuda" and not config.model.enforce_eager and self.shape.moe is None:
             self.runner.use_decode_graphs(ec.max_num_seqs, self.max_model_len)
+        self.offload: KVOffload | None = None
+        if config.kv_cache_offload is not None:
+            self.offload = KVOffload(config.kv_cache_offload, self.runner.kv_cache, ec.block_size)
+            self.scheduler.offload = self.offload
+            self.pool.on_evict = self.offload.save
         self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
+        self.detectors = Detectors(config.logits_processors, self.vocab_size)
+        eos = getattr(self.hf_config, "eos_token_id", None)
+        self.detector_eos = (eos[0] if isinstance(eos, list) else eos) if eos is not None else self.tokenizer.eos_token_id
         self.policy_version = 0
         self.weight_version = config.weight_version  # the trainer's label for the current weights
         self.weight_generation = 0  # bumps at every committed update: prefix-cache entries never cross it
@@ -200,6 +229,7 @@ class Engine:
                 seq.finish_reason = "abort"
                 if seq.detok is not None:
                     seq.detok.flush()
+                self._capture_routing(seq)
                 self.scheduler.finish(seq)
         self._forget(req)
         self._pending.append(req)
@@ -238,9 +268,17 @@ class Engine:
     def _bump_version(self, weight_version: str | None) -> int:
         self.policy_version += 1
         self.weight_generation += 1
+        if self.offload is not None:  # nothing cached can match any more: free the tiers now
+            self.pool.reset_prefix_cache()
+            self.offload.clear(self.weight_generation)
         if weight_version is not None:
             self.weight_version = weight_version
         return self.policy_version
+
+    def close(self) -> None:
+        """Release what outlives the process otherwise (the disk tier's files)."""
+        if self.offload is not None:
+            self.offload.close()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending)
@@ -260,6 +298,8 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch.empty:
             return touched_list
+        if self.offload is not None:
+            self.offload.before_run()
         logits = self.runner.run(batch, self.adapters)
         touched: dict[int, Request] = {}
         for seq, n in batch.prefills:
@@ -316,7 +356,14 @@ class Engine:
             prompt_tokens_computed=s.prompt_tokens_computed,
             generation_tokens=self.generation_tokens,
             policy_version=self.policy_version,
+            **(self._offload_stats() if self.offload is not None else {}),
         )
+
+    def _offload_stats(self) -> dict[str, int]:
+        o = self.offload
+        usage = {"cpu_used_bytes": o.cpu_used_bytes, "cpu_capacity_bytes": o.cpu_capacity_bytes,
+                 "disk_used_bytes": o.disk.used_bytes if o.disk is not None else 0}
+        return {f"kv_offload_{k}": v for k, v in (asdict(o.stats) | usage).items()}
 
     # ---- internals --------------------------------------------------------------------------
 
@@ -336,7 +383,9 @@ class Engine:
                 row_index.append(i)
         if len(row_index) != len(seqs):
             logits = logits.index_select(0, torch.tensor(row_index, device=logits.device))
-        result = self.sampler(logits, [self._sampling_row(s) for s in rows_seqs])
+        sampling_rows = [self._sampling_row(s) for s in rows_seqs]
+        probe = self.detectors.probe(logits, sampling_rows) if self.detectors.active else None
+        result = self.sampler(logits, sampling_rows)
         now = time.monotonic()
         for r, seq in enumerate(rows_seqs):
             req = seq.request
@@ -352,7 +401,9 @@ class Engine:
                 seq.top_logprobs.append(dict(result.top_logprobs[r]))
             req.first_token_time = req.first_token_time or now
             seq.last_token_time = now
-            self._check_finish(seq, token)
+            self._check_finish(seq, token)  # before detecting: a detection ends the sequence one token later
+            if probe is not None and seq.detected is None and seq.status is not Status.FINISHED:
+                seq.detected = self.detectors.check(probe, r, seq, token)
         for req in forking:
             req.forked = True
 
@@ -363,6 +414,9 @@ class Engine:
             banned = list(self.eos_token_ids) + list(p.stop_token_ids)
         mode = p.logprobs_mode or self.config.engine.logprobs_mode
         forced = p.forced_token_ids
+        forced_id = forced[seq.num_output_tokens] if forced and seq.num_output_tokens < len(forced) else None
+        if seq.detected is not None:  # a detector fired on the last token: EOS, one-hot, as prime-rl forces it
+            forced_id = self.detector_eos
         return SamplingRow(
             temperature=p.temperature,
             top_k=p.top_k,
@@ -372,7 +426,7 @@ class Engine:
             num_logprobs=p.logprobs,
             raw_logprobs=mode == "raw",
             banned_ids=banned,
-            forced_id=forced[seq.num_output_tokens] if forced and seq.num_output_tokens < len(forced) else None,
+            forced_id=forced_id,
             logit_bias=p.logit_bias,
             penalties=(
                 (p.repetition_penalty, p.presence_penalty, p.frequency_penalty, seq.request.prompt_token_ids,
@@ -386,7 +440,9 @@ class Engine:
         p = seq.params
         n_out = seq.num_output_tokens
         reason = stop_reason = None
-        if token in p.stop_token_ids and n_out > p.min_tokens - 1:
+        if seq.detected is not None:  # this token is the EOS forced after the detection
+            reason, stop_reason = "stop", seq.detected
+        elif token in p.stop_token_ids and n_out > p.min_tokens - 1:
             reason, stop_reason = "stop", token
         elif token in self.eos_token_ids and not p.ignore_eos and n_out >= p.min_tokens:
             reason = "stop"
@@ -402,7 +458,13 @@ class Engine:
             seq.finish_reason, seq.stop_reason = reason, stop_reason
             if seq.detok is not None:
                 seq.detok.flush()
+            self._capture_routing(seq)
             self.scheduler.finish(seq)
+
+    def _capture_routing(self, seq: Sequence) -> None:
+        """Read the sequence's expert rows out of the pool before its blocks are freed."""
+        if self.runner.routing is not None:
+            seq.routed_experts = self.runner.routing.read(seq.block_table, seq.num_computed_tokens)
 
     def _record_prompt_logprobs(self, req: Request, first: int, logits: torch.Tensor) -> None:
         k = req.params.prompt_logprobs

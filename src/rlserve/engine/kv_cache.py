@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 def block_hash(parent: bytes | None, token_ids: Sequence[int], extra: bytes) -> bytes:
@@ -37,6 +37,7 @@ class BlockPool:
         self.hashes: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.on_evict: Callable[[int, bytes], None] | None = None  # a cached block is about to be reused
 
     @property
     def num_free(self) -> int:
@@ -51,6 +52,8 @@ class BlockPool:
         old = self.hashes[block]
         if old is not None:
             if self.cached.get(old) == block:
+                if self.on_evict is not None:
+                    self.on_evict(block, old)
                 del self.cached[old]
             self.hashes[block] = None
         self.ref_counts[block] = 1

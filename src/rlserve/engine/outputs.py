@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
+
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -31,6 +33,9 @@ class CompletionOutput:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # matched stop string or stop token id; None for EOS/length
     version_spans: list[VersionSpan] = field(default_factory=list)
+    # router replay (enable_return_routed_experts), once finished: the top-k expert ids of every
+    # forwarded position (prompt + completion - 1), [positions, MoE layers, top_k] uint8/uint16
+    routed_experts: np.ndarray | None = None
 
     @property
     def finished(self) -> bool:

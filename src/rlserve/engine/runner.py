@@ -10,10 +10,12 @@ import torch
 from rlserve.engine.allocator import available_memory_bytes
 from rlserve.engine.graphs import DecodeGraphs
 from rlserve.engine.kv_cache import padded_blocks
+from rlserve.engine.routing import RoutedExpertsPool
 from rlserve.engine.scheduler import ScheduledBatch
 from rlserve.model.cpu_kernels import CpuKernels, cpu_kernels
 from rlserve.model.llama import AttentionBatch, CascadePlan, CausalLM, PrefillSeq
 from rlserve.model.lora import LoraAdapter, LoraBatch
+from rlserve.model.moe import routed_experts
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,7 @@ class ModelRunner:
         )
         self._block_offsets = torch.arange(block_size, device=device)
         self.graphs: DecodeGraphs | None = None
+        self.routing: RoutedExpertsPool | None = None  # set by the engine when router replay is on
 
     def _cpu_kernels(self, dtype: torch.dtype) -> CpuKernels | None:
         kernels = cpu_kernels()
@@ -160,12 +163,17 @@ class ModelRunner:
         hidden = self.model(
             torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device), attn, self.kv_cache
         )
+        self._record_routing(attn.slot_mapping)
         rows = torch.tensor(sample_rows, device=self.device)
         sample_logits = self.model.compute_logits(hidden.index_select(0, rows)) if sample_rows else None
         prompt_logits = [
             (seq, first, self.model.compute_logits(hidden[q0 : q0 + count])) for seq, first, q0, count in prompt_rows
         ]
         return StepLogits(sample_logits, sample_seqs, prompt_logits)
+
+    def _record_routing(self, slots: torch.Tensor) -> None:
+        if self.routing is not None:
+            self.routing.record(slots, routed_experts(self.model.layers, slots.shape[0]))
 
     def _cascade_plan(self, decodes: list) -> tuple[CascadePlan | None, list]:
         """Groups of decoding sequences whose tables start with the same full blocks, and the
@@ -262,3 +270,5 @@ class ModelRunner:
         src = torch.tensor([s * bs + i for s, _ in copies for i in range(bs)], device=self.device)
         dst = torch.tensor([d * bs + i for _, d in copies for i in range(bs)], device=self.device)
         self.kv_cache.index_copy_(2, dst, self.kv_cache.index_select(2, src))
+        if self.routing is not None:
+            self.routing.copy(src, dst)

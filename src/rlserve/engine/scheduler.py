@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rlserve.engine.kv_cache import BlockPool, block_hash
+from rlserve.engine.kv_offload import KVOffload
 from rlserve.engine.sequence import Request, Sequence, Status
 
 
@@ -56,6 +57,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
         self.hold_new = False  # set while draining for a `wait` pause
+        self.offload: KVOffload | None = None  # tiers a prefix falls through to after missing the pool
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -125,15 +127,23 @@ class Scheduler:
         bs, tokens = self.block_size, seq.token_ids
         seq.extra_key = self.cache_key(seq.request)
         hits: list[tuple[int, bytes]] = []
+        in_tiers: list[bytes] = []  # hashes of the blocks after the pool hits that an offload tier holds
+        tiers: list[str | None] = []  # where each block looked up in the tiers was found
         if self.pool.enable_caching and seq.params.prompt_logprobs is None:
             parent = None
             # leave at least one token to compute: its logits give the next token
             for i in range((len(tokens) - 1) // bs):
                 h = block_hash(parent, tokens[i * bs : (i + 1) * bs], seq.extra_key)
-                block = self.pool.lookup(h)
-                if block is None:
+                block = None if in_tiers else self.pool.lookup(h)
+                if block is not None:
+                    hits.append((block, h))
+                elif self.offload is None:
                     break
-                hits.append((block, h))
+                else:
+                    tiers.append(self.offload.where(h))
+                    if tiers[-1] is None:
+                        break
+                    in_tiers.append(h)
                 parent = h
         needed = -(-len(tokens) // bs) - len(hits)
         revived = sum(1 for b, _ in hits if self.pool.is_free(b))
@@ -143,10 +153,17 @@ class Scheduler:
             self.pool.take(b)
         seq.block_table = [b for b, _ in hits] + [self.pool.allocate() for _ in range(needed)]
         seq.block_hashes = [h for _, h in hits]
-        seq.num_computed_tokens = len(hits) * bs
+        if tiers:
+            self.offload.count_queries(tiers)
+        for h, block in zip(in_tiers, seq.block_table[len(hits) :]):
+            if not self.offload.load(h, block):
+                break  # gone or corrupt: recompute from here
+            self.pool.register(block, h)
+            seq.block_hashes.append(h)
+        seq.num_computed_tokens = len(seq.block_hashes) * bs
         if seq.num_output_tokens == 0 and seq.index == 0:
             self.stats.prefix_cache_queries += len(tokens)
-            self.stats.prefix_cache_hits += seq.num_computed_tokens
+            self.stats.prefix_cache_hits += len(hits) * bs
             seq.request.num_cached_tokens = seq.num_computed_tokens
         return True
 

@@ -77,6 +77,9 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.last_token_time: float | None = None
+        self.confident_run = 0  # consecutive confident tokens (repetition detection)
+        self.detected: str | None = None  # the detector that fired; EOS comes next
+        self.routed_experts = None  # [positions, sparse layers, top_k] ids, read when it finishes
 
     @property
     def num_output_tokens(self) -> int:
@@ -114,4 +117,5 @@ class Sequence:
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
             version_spans=[VersionSpan(s.policy_version, s.start, s.end) for s in self.version_spans],
+            routed_experts=self.routed_experts,
         )

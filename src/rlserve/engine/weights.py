@@ -14,7 +14,14 @@ from pathlib import Path
 import torch
 
 from rlserve.model.llama import CausalLM
-from rlserve.model.loader import checkpoint_shapes, ignorable, read_safetensors_whole, safetensors_files, target_of
+from rlserve.model.loader import (
+    checkpoint_shapes,
+    ignorable,
+    pushable_shapes,
+    read_safetensors_whole,
+    safetensors_files,
+    target_of,
+)
 
 
 class WeightUpdateError(ValueError):
@@ -71,7 +78,7 @@ def stage_from_dir(model: CausalLM, weight_dir: Path, buffers: StagingBuffers | 
 def stage(
     model: CausalLM, named_tensors: Iterable[tuple[str, torch.Tensor]], source: str, require_all: bool
 ) -> StagedWeights:
-    expected = checkpoint_shapes(model.shape)
+    expected = pushable_shapes(model.shape)
     staged: dict[str, torch.Tensor] = {}
     for name, tensor in named_tensors:
         if ignorable(name, model.shape):
@@ -88,7 +95,7 @@ def stage(
             raise WeightUpdateError(f"{source}: {name} contains NaN or infinite values")
         staged[name] = tensor
     if require_all:
-        missing = sorted(set(expected) - set(staged))
+        missing = sorted(set(checkpoint_shapes(model.shape)) - set(staged))
         if missing:
             raise WeightUpdateError(f"{source}: {len(missing)} tensors are missing, e.g. {missing[:3]}")
     if not staged:

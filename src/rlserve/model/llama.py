@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rlserve.model.moe import MoeShape, SparseMoe
+
 if TYPE_CHECKING:
     from rlserve.model.cpu_kernels import CpuKernels
     from rlserve.model.lora import LoraBatch
@@ -38,12 +40,13 @@ class ModelShape:
     qkv_bias: bool
     qk_norm: bool
     rope_scaling: dict | None = None
+    moe: MoeShape | None = None  # Qwen3-MoE: the expert blocks
 
     @classmethod
     def from_hf(cls, cfg) -> "ModelShape":
         model_type = getattr(cfg, "model_type", "llama")
-        if model_type not in ("llama", "qwen2", "qwen3", "mistral"):
-            raise ValueError(f"model_type {model_type!r} is not supported; rlserve serves llama, mistral, qwen2 and qwen3")
+        if model_type not in ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral"):
+            raise ValueError(f"model_type {model_type!r} is not supported; rlserve serves llama, mistral, qwen2, qwen3 and qwen3_moe")
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         rope_scaling = getattr(cfg, "rope_scaling", None)
         if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (None, "default", "llama3"):
@@ -64,8 +67,9 @@ class ModelShape:
             max_position_embeddings=cfg.max_position_embeddings,
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             rope_scaling=rope_scaling if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) == "llama3" else None,
+            moe=MoeShape.from_hf(cfg, cfg.num_hidden_layers) if model_type == "qwen3_moe" else None,
         )
 
 
@@ -449,7 +453,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.Parameter(torch.ones(shape.hidden_size))
         self.post_attention_layernorm = nn.Parameter(torch.ones(shape.hidden_size))
         self.self_attn = Attention(shape, layer)
-        self.mlp = MLP(shape, layer)
+        sparse = shape.moe is not None and layer in shape.moe.sparse_layers
+        self.mlp = SparseMoe(shape.moe, shape.hidden_size, layer) if sparse else MLP(shape, layer)
         self.eps = shape.rms_norm_eps
 
     def forward(self, h, rope, batch, kv):

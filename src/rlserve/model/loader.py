@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from rlserve.model import moe
 from rlserve.model.llama import CausalLM, ModelShape
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -127,16 +128,29 @@ def checkpoint_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (kv, h),
             p + "self_attn.v_proj.weight": (kv, h),
             p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (shape.intermediate_size, h),
-            p + "mlp.up_proj.weight": (shape.intermediate_size, h),
-            p + "mlp.down_proj.weight": (h, shape.intermediate_size),
             p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
         }
+        if shape.moe is not None and i in shape.moe.sparse_layers:
+            out |= moe.checkpoint_shapes(shape.moe, h, i)
+        else:
+            out |= {
+                p + "mlp.gate_proj.weight": (shape.intermediate_size, h),
+                p + "mlp.up_proj.weight": (shape.intermediate_size, h),
+                p + "mlp.down_proj.weight": (h, shape.intermediate_size),
+            }
         if shape.qkv_bias:
             out |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,), p + "self_attn.v_proj.bias": (kv,)}
         if shape.qk_norm:
             out |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
+    return out
+
+
+def pushable_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
+    """checkpoint_shapes plus the stacked expert tensors a transformers 5 trainer may push instead."""
+    out = checkpoint_shapes(shape)
+    for layer in shape.moe.sparse_layers if shape.moe is not None else ():
+        out |= moe.stacked_shapes(shape.moe, shape.hidden_size, layer)
     return out
 
 
@@ -155,6 +169,11 @@ def target_of(model: CausalLM, params: dict[str, torch.Tensor], hf_name: str) ->
     if m is None:
         raise KeyError(hf_name)
     layer, suffix = m.group(1), m.group(2)
+    if model.shape.moe is not None and int(layer) in model.shape.moe.sparse_layers and suffix.startswith("mlp."):
+        target = moe.target_of(params, model.shape.moe, layer, suffix)
+        if target is None:
+            raise KeyError(hf_name)
+        return target
     module, kind = suffix.rsplit(".", 1)
     if module in _FUSED:
         fused, part = _FUSED[module]

@@ -23,6 +23,7 @@ MODULES = {
     "up_proj": ("gate_up", 1),
     "down_proj": ("down", 0),
 }
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _NAME = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
 
 
@@ -79,6 +80,9 @@ def load_peft_adapter(name: str, path: Path, shape: ModelShape, dtype: torch.dty
         m = _NAME.match(key)
         if m is None or m.group(2) not in MODULES or int(m.group(1)) >= shape.num_layers:
             raise AdapterError(f"{weights_file}: tensor {key!r} does not fit this model (only attention/MLP projections)")
+        if shape.moe is not None and int(m.group(1)) in shape.moe.sparse_layers and m.group(2) not in _ATTENTION:
+            raise AdapterError(f"{weights_file}: {key!r}: layer {m.group(1)} is a mixture-of-experts layer; "
+                               "LoRA applies to its attention projections only")
         pairs.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = t
     weights = {}
     for (layer, module), ab in pairs.items():

@@ -66,6 +66,34 @@ PRESETS: dict[str, dict] = {
         "torch_dtype": "bfloat16",
     },
 }
+_QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "use_sliding_window": False,
+              "sliding_window": None, "decoder_sparse_step": 1, "norm_topk_prob": True,
+              "output_router_logits": False, "router_aux_loss_coef": 0.001}
+PRESETS |= {
+    # test size: 8 experts, top-2, one dense layer (mlp_only_layers) among the sparse ones
+    "tiny-moe": {
+        **_COMMON, **_QWEN3_MOE, "hidden_size": 128, "intermediate_size": 384, "moe_intermediate_size": 64,
+        "num_experts": 8, "num_experts_per_tok": 2, "mlp_only_layers": [2],
+        "num_hidden_layers": 4, "max_window_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 32, "vocab_size": TOKENIZER_SIZE,
+        "max_position_embeddings": 4096, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+        "torch_dtype": "float32",
+    },
+    # Qwen3-30B-A3B's routing (128 experts, top-8, renormalised) and vocabulary at a quarter of its
+    # width and layers (0.54B parameters, 2.2 GB in fp32): what fits a 2-core benchmark next to a
+    # transformers copy of itself, with the real experts-per-token and expert-grouping pattern
+    "qwen3-30b-a3b-mini": {
+        **_COMMON, **_QWEN3_MOE, "hidden_size": 512, "intermediate_size": 1536, "moe_intermediate_size": 192,
+        "num_experts": 128, "num_experts_per_tok": 8, "mlp_only_layers": [],
+        "num_hidden_layers": 12, "max_window_layers": 12, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 151936,
+        "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+        "torch_dtype": "bfloat16",
+    },
+}
+# Router logits with a std of 4: well-separated expert scores, so top-k picks never hang on
+# float rounding (engine and transformers must pick the same experts)
+ROUTER_GAIN = 4.0
 
 # Qwen3's own ChatML template (hermes-style tools, <think> for the latest assistant turn).
 CHAT_TEMPLATE = """\
@@ -199,10 +227,20 @@ def param_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
             (p + "self_attn.v_proj.weight", (kv, h)),
             (p + "self_attn.o_proj.weight", (h, q)),
         ]
-        if cfg["model_type"] == "qwen3":
+        if cfg["model_type"] in ("qwen3", "qwen3_moe"):
             shapes += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,))]
         shapes += [
             (p + "post_attention_layernorm.weight", (h,)),
+        ]
+        if _is_sparse(cfg, i):
+            e_inter = cfg["moe_intermediate_size"]
+            shapes.append((p + "mlp.gate.weight", (cfg["num_experts"], h)))
+            for e in range(cfg["num_experts"]):
+                x = f"{p}mlp.experts.{e}."
+                shapes += [(x + "gate_proj.weight", (e_inter, h)), (x + "up_proj.weight", (e_inter, h)),
+                           (x + "down_proj.weight", (h, e_inter))]
+            continue
+        shapes += [
             (p + "mlp.gate_proj.weight", (inter, h)),
             (p + "mlp.up_proj.weight", (inter, h)),
             (p + "mlp.down_proj.weight", (h, inter)),
@@ -213,10 +251,18 @@ def param_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
     return shapes
 
 
+def _is_sparse(cfg: dict, layer: int) -> bool:
+    """transformers' rule for which Qwen3-MoE layers hold experts."""
+    return (cfg.get("num_experts", 0) > 0 and layer not in cfg.get("mlp_only_layers", [])
+            and (layer + 1) % cfg.get("decoder_sparse_step", 1) == 0)
+
+
 def _init_tensor(name: str, shape: tuple[int, ...], hidden: int, gen: torch.Generator) -> torch.Tensor:
     if name.endswith("norm.weight"):
         return torch.ones(shape)
-    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+    if name.endswith("mlp.gate.weight"):
+        std = ROUTER_GAIN / math.sqrt(hidden)
+    elif name in ("model.embed_tokens.weight", "lm_head.weight"):
         std = LOGIT_STD / math.sqrt(hidden)
     elif name.endswith(("o_proj.weight", "down_proj.weight")):
         std = RESIDUAL_GAIN / math.sqrt(shape[1])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hmac
 import importlib.metadata
 import logging
+import signal
 import socket
 import sys
 
@@ -19,6 +20,8 @@ from rlserve.engine.async_engine import AsyncEngine
 from rlserve.server import chat, completions, control, generate, responses, tokenization
 from rlserve.server.chat_template import load_template
 from rlserve.server.errors import APIError, install_error_handlers
+from rlserve.server.limits import BodyGuard
+from rlserve.server.openapi import install_openapi
 from rlserve.server.metrics import Metrics
 from rlserve.server.serving import ServerState
 
@@ -41,11 +44,23 @@ def build_app(engine: AsyncEngine, config: Config) -> FastAPI:
     app.state.rlserve = ServerState(engine, config, Metrics(engine, name), name,
                                     chat_template=load_template(config.model.chat_template))
     install_error_handlers(app)
+    install_openapi(app, _schema_limits(engine, config))
     for r in (router, completions.router, chat.router, tokenization.router, generate.router, control.router,
               responses.router):
         app.include_router(r)
+    app.add_middleware(BodyGuard, max_body_bytes=config.server.max_body_bytes)
     app.add_middleware(Gate, api_key=config.server.api_key, admin_api_key=config.server.admin_api_key)
     return app
+
+
+def _schema_limits(engine: AsyncEngine, config: Config) -> dict[str, int]:
+    """Caps of this configuration that /openapi.json states as maxima."""
+    limits = {"n": config.engine.max_num_seqs}
+    if config.engine.max_logprobs != -1:
+        limits |= dict.fromkeys(("logprobs", "top_logprobs", "top_logprobs_num", "prompt_logprobs"),
+                                config.engine.max_logprobs)
+    vocab_max = engine.vocab_size - 1
+    return limits | dict.fromkeys(("token_ids", "input_ids", "tokens", "stop_token_ids"), vocab_max)
 
 
 class Gate:
@@ -162,9 +177,15 @@ def serve(config: Config) -> None:
         print(f"rlserve: serving {served_model_name(config)} on {url}", flush=True)
         log.info("serving %s on %s", served_model_name(config), url)
         server = uvicorn.Server(uvicorn.Config(app, log_level=config.server.log_level, timeout_graceful_shutdown=5))
+        # uvicorn re-raises SIGTERM once it has shut down: leave through `finally` so the engine cleans up
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
         server.run(sockets=[sock])
     finally:
         engine.shutdown()
+
+
+def _exit_on_sigterm(signum: int, frame) -> None:
+    raise SystemExit(0)
 
 
 def _bind(host: str, port: int) -> socket.socket:

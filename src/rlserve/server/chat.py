@@ -19,9 +19,10 @@ from rlserve.server.chat_parsing import (
     ParsedMessage,
     output_parser,
 )
-from rlserve.server.chat_template import render_chat
+from rlserve.server.chat_template import message_chars, render_chat
+from rlserve.server.limits import check_text_fits
 from rlserve.server.errors import bad_request
-from rlserve.server.protocol import ChatCompletionRequest, ChatTokensRequest
+from rlserve.server.protocol import POLICY_FIELDS, ChatCompletionRequest, ChatTokensRequest
 from rlserve.server.serving import (
     ChoiceCursor,
     ClientGone,
@@ -31,6 +32,7 @@ from rlserve.server.serving import (
     clamp,
     prompt_logprobs_json,
     request_id,
+    rid_header,
     run_to_end,
     sampling_params,
     sse,
@@ -63,7 +65,7 @@ class Ctx:
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     state: ServerState = request.app.state.rlserve
-    return await _respond(request, prepare(state, body, request_id(request, body)))
+    return await _respond(request, await prepare(state, body, request_id(request, body)))
 
 
 @router.post("/v1/chat/completions/tokens")
@@ -78,13 +80,13 @@ async def create_chat_completion_from_tokens(body: ChatTokensRequest, request: R
     if len(tokens) >= state.max_model_len:
         raise bad_request(f"tokens has {len(tokens)} tokens; this model's maximum context length is "
                           f"{state.max_model_len} tokens", "tokens")
-    return await _respond(request, prepare(state, body, request_id(request, body), prompt=tokens))
+    return await _respond(request, await prepare(state, body, request_id(request, body), prompt=tokens))
 
 
 async def _respond(request: Request, ctx: Ctx) -> Response:
     body = ctx.body
     run = launch(ctx)
-    headers = {"X-Request-Id": ctx.rid}
+    headers = rid_header(ctx.rid)
     try:
         if body.stream:
             await start_stream(request, run)
@@ -95,10 +97,13 @@ async def _respond(request: Request, ctx: Ctx) -> Response:
     return JSONResponse(_response(ctx, final), headers=headers)
 
 
-def prepare(state: ServerState, body: ChatCompletionRequest, rid: str, prompt: list[int] | None = None) -> Ctx:
+async def prepare(state: ServerState, body: ChatCompletionRequest, rid: str, prompt: list[int] | None = None) -> Ctx:
     model = state.check_model(body.model)
-    state.check_policy_version(body.model_extra or {})
-    rendered = render_chat(state.tokenizer, body, state.chat_template)
+    state.check_policy_version(body.model_dump(include=POLICY_FIELDS))
+    if body.truncate_prompt_tokens is None and prompt is None:
+        check_text_fits(state, message_chars(body), "messages")
+    rendered = await state.off_loop(render_chat, state.tokenizer, body, state.chat_template,
+                                    state.config.server.trust_request_chat_template)
     if prompt is None:
         prompt = truncate(rendered, body.truncate_prompt_tokens, state.max_model_len)
     elif prompt[: len(rendered)] != rendered:
@@ -118,6 +123,8 @@ def launch(ctx: Ctx, stream: bool | None = None) -> Run:
 
 def _top_logprobs(state: ServerState, body: ChatCompletionRequest) -> int | None:
     if not body.logprobs:
+        if body.top_logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         return None
     k = body.top_logprobs or 0
     cap = state.config.engine.max_logprobs

@@ -185,7 +185,7 @@ def _check_tool_choice(body: ChatCompletionRequest, tool_parser_name: str | None
         raise bad_request(f"{what} needs tools; send tools or use tool_choice \"none\" or \"auto\"", "tool_choice")
     if named:
         name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
-        names = [(t.get("function") or {}).get("name") for t in body.tools]
+        names = [t.function.name for t in body.tools]
         if name not in names:
             raise bad_request(f"tool_choice names function {name!r}, which is not among the tools "
                               f"{names}", "tool_choice")

@@ -8,6 +8,7 @@ tokens (`prompt_token_ids` + `generation_token_ids`) replaces the rendering up t
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import jinja2
 
 from rlserve.server.errors import bad_request
 from rlserve.server.protocol import ChatMessage, ChatTemplateFields
+from rlserve.server.template_limits import MAX_RENDERED_TOKENS, RenderLimitError, bounded_render
 
 # apply_chat_template's own arguments: a template kwarg of the same name would clash with them
 _RESERVED = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
@@ -34,7 +36,24 @@ def load_template(value: str | None) -> str | None:
     return value
 
 
-def render_chat(tokenizer, fields: ChatTemplateFields, default_template: str | None) -> list[int]:
+def message_chars(fields: ChatTemplateFields) -> int:
+    """How much text the messages hold (a lower bound on what the template renders)."""
+    total = 0
+    for m in fields.messages or []:
+        if isinstance(m.content, str):
+            total += len(m.content)
+        elif m.content is not None:
+            total += sum(len(p.text or "") for p in m.content)
+    return total
+
+
+def render_chat(tokenizer, fields: ChatTemplateFields, default_template: str | None,
+                trust_request_template: bool = False) -> list[int]:
+    """Runs in the server's tokenizer thread. A request's own chat_template only when the operator trusts
+    them (vLLM's --trust-request-chat-template), and then bounded in time and size."""
+    if fields.chat_template is not None and not trust_request_template:
+        raise bad_request("this server does not accept a chat_template in requests; drop it, or start the server "
+                          "with --server.trust_request_chat_template true", "chat_template")
     if fields.add_generation_prompt and fields.continue_final_message:
         raise bad_request("add_generation_prompt and continue_final_message cannot both be true; "
                           "set add_generation_prompt to false to continue the final message", "continue_final_message")
@@ -64,21 +83,31 @@ def render_chat(tokenizer, fields: ChatTemplateFields, default_template: str | N
 def _apply(tokenizer, fields: ChatTemplateFields, default_template: str | None, messages: list[dict[str, Any]],
            add_generation_prompt: bool, continue_final_message: bool) -> list[int]:
     kwargs = {k: v for k, v in (fields.chat_template_kwargs or {}).items() if k not in _RESERVED}
+    bounded = bounded_render if fields.chat_template is not None else contextlib.nullcontext
     try:
-        ids = tokenizer.apply_chat_template(
-            messages,
-            tools=fields.tools,
-            chat_template=fields.chat_template or default_template,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            tokenize=True,
-            return_dict=False,
-            **kwargs,
-        )
+        with bounded():
+            ids = tokenizer.apply_chat_template(
+                messages,
+                tools=[t.model_dump(exclude_unset=True) for t in fields.tools] if fields.tools else None,
+                chat_template=fields.chat_template or default_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=True,
+                return_dict=False,
+                **kwargs,
+            )
+    except RenderLimitError as e:
+        raise bad_request(f"the request's chat_template {e}", "chat_template") from None
     except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as e:
         raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None
     if isinstance(ids, dict):  # BatchEncoding from tokenizers that ignore return_dict
         ids = ids["input_ids"]
+    if not ids:
+        raise bad_request("the chat template rendered nothing for these messages; check the messages and the "
+                          "template", "messages")
+    if fields.chat_template is not None and len(ids) > MAX_RENDERED_TOKENS:
+        raise bad_request(f"the request's chat_template rendered {len(ids)} tokens, more than {MAX_RENDERED_TOKENS}",
+                          "chat_template")
     return list(ids)
 
 

@@ -12,7 +12,8 @@ from fastapi.responses import JSONResponse, Response
 
 from rlserve.engine.outputs import CompletionOutput, RequestOutput
 from rlserve.server.errors import bad_request
-from rlserve.server.protocol import CompletionRequest
+from rlserve.server.limits import check_text_fits
+from rlserve.server.protocol import POLICY_FIELDS, CompletionRequest
 from rlserve.server.serving import (
     ChoiceCursor,
     ClientGone,
@@ -22,6 +23,7 @@ from rlserve.server.serving import (
     clamp,
     prompt_logprobs_json,
     request_id,
+    rid_header,
     run_to_end,
     sampling_params,
     sse,
@@ -53,8 +55,8 @@ class Ctx:
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     state: ServerState = request.app.state.rlserve
     model = state.check_model(body.model)
-    state.check_policy_version(body.model_extra or {})
-    prompts, texts = _prompts(state, body)
+    state.check_policy_version(body.model_dump(include=POLICY_FIELDS))
+    prompts, texts = await state.off_loop(_prompts, state, body)
     k = _logprobs_k(body.logprobs)
     score_only = body.echo and body.max_tokens == 0
     prompt_k = body.prompt_logprobs
@@ -65,7 +67,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     rid = request_id(request, body)
     ctx = Ctx(state, body, f"cmpl-{rid}", model, int(time.time()), k, texts, score_only)
     run = Run(state, prompts, params, rid, body.cache_salt, adapter=state.adapter_for(body.model), stream=body.stream)
-    headers = {"X-Request-Id": rid}
+    headers = rid_header(rid)
     try:
         if body.stream:
             await start_stream(request, run)
@@ -102,6 +104,8 @@ def _prompts(state: ServerState, body: CompletionRequest) -> tuple[list[list[int
         if isinstance(item, str):
             if not item:
                 raise bad_request("prompt is empty: send at least one character or token id", "prompt")
+            if body.truncate_prompt_tokens is None:
+                check_text_fits(state, len(item), "prompt")
             tokens = state.tokenizer.encode(item, add_special_tokens=body.add_special_tokens)
         else:
             if not item:

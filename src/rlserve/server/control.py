@@ -17,6 +17,19 @@ from fastapi.responses import PlainTextResponse, Response
 from rlserve.engine.weights import WeightUpdateError, check_under_roots
 from rlserve.model.lora import AdapterError, load_peft_adapter
 from rlserve.server.errors import APIError, bad_request
+from rlserve.server.openapi import documented
+from rlserve.server.protocol_control import (
+    AbortRequest,
+    AbortRequestsRequest,
+    InitBroadcasterRequest,
+    LoadAdapterRequest,
+    LoraAdapterRequest,
+    PauseGenerationRequest,
+    UnloadLoraAdapterRequest,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsRequest,
+    UpdateWeightVersionRequest,
+)
 from rlserve.server.serving import ServerState, json_body
 
 router = APIRouter()
@@ -63,10 +76,10 @@ def _label(body: dict) -> str | None:
     return None if label is None else str(label)
 
 
-@router.post("/update_weights")
+@router.post("/update_weights", openapi_extra=documented(UpdateWeightsRequest))
 async def update_weights(request: Request) -> dict:
     """prime-rl {"weight_dir"} (null = receive a trainer push), NexRL {"weight_path"}; §2.0 dispatch."""
-    state, body = _state(request), await json_body(request)
+    state, body = _state(request), await json_body(request, UpdateWeightsRequest)
     if "update_info" in body:
         raise bad_request("vLLM's update_info weight transfer is not supported; use /init_broadcaster", "update_info")
     if "weight_path" in body:
@@ -88,9 +101,9 @@ async def update_weights(request: Request) -> dict:
     return {"status": "ok", "policy_version": version}
 
 
-@router.post("/init_broadcaster")
+@router.post("/init_broadcaster", openapi_extra=documented(InitBroadcasterRequest))
 async def init_broadcaster(request: Request) -> dict:
-    state, body = _state(request), await json_body(request)
+    state, body = _state(request), await json_body(request, InitBroadcasterRequest)
     try:
         host, port = str(body["host"]), int(body["port"])
         rank = int(body.get("rank_offset", 0)) + 1
@@ -105,7 +118,14 @@ async def init_broadcaster(request: Request) -> dict:
     return {"status": "ok"}
 
 
-@router.post("/pause")
+_PAUSE_QUERY = {"parameters": [
+    {"name": "mode", "in": "query", "required": False, "schema": {"enum": ["keep", "abort", "wait"]}},
+    {"name": "wait_for_inflight_requests", "in": "query", "required": False, "schema": {"type": "boolean"}},
+    {"name": "clear_cache", "in": "query", "required": False, "schema": {"type": "boolean"}},
+]}
+
+
+@router.post("/pause", openapi_extra=_PAUSE_QUERY)
 async def pause(request: Request) -> dict:
     mode = request.query_params.get("mode")
     wait_flag = request.query_params.get("wait_for_inflight_requests")
@@ -131,9 +151,9 @@ async def is_paused(request: Request) -> dict:
     return {"is_paused": _state(request).engine.paused}
 
 
-@router.post("/abort_requests")
+@router.post("/abort_requests", openapi_extra=documented(AbortRequestsRequest))
 async def abort_requests(request: Request) -> dict:
-    body = await json_body(request)
+    body = await json_body(request, AbortRequestsRequest)
     ids = body.get("request_ids") or []
     engine = _state(request).engine
     if not ids:
@@ -172,9 +192,9 @@ def _name_and_path(body: dict) -> tuple[str, str]:
     return str(name), str(path)
 
 
-@router.post("/v1/load_lora_adapter")
+@router.post("/v1/load_lora_adapter", openapi_extra=documented(LoraAdapterRequest))
 async def load_lora_adapter_v1(request: Request) -> PlainTextResponse:
-    state, body = _state(request), await json_body(request)
+    state, body = _state(request), await json_body(request, LoraAdapterRequest)
     name, path = _name_and_path(body)
     if name in state.engine.engine.adapters and not body.get("load_inplace", False):
         raise bad_request(f"adapter {name!r} is already loaded; send load_inplace=true to replace it", "lora_name")
@@ -182,18 +202,18 @@ async def load_lora_adapter_v1(request: Request) -> PlainTextResponse:
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 
-@router.post("/load_lora_adapter")
+@router.post("/load_lora_adapter", openapi_extra=documented(LoraAdapterRequest))
 async def load_lora_adapter(request: Request) -> dict:
     """prime-rl / SGLang: always in place under the same name."""
-    state, body = _state(request), await json_body(request)
+    state, body = _state(request), await json_body(request, LoraAdapterRequest)
     name, path = _name_and_path(body)
     version = await _load_adapter(state, name, path, "lora_path")
     return {"status": "ok", "success": True, "message": f"adapter {name!r} loaded", "policy_version": version}
 
 
-@router.post("/v1/unload_lora_adapter")
+@router.post("/v1/unload_lora_adapter", openapi_extra=documented(UnloadLoraAdapterRequest))
 async def unload_lora_adapter(request: Request) -> PlainTextResponse:
-    state, body = _state(request), await json_body(request)
+    state, body = _state(request), await json_body(request, UnloadLoraAdapterRequest)
     name = body.get("lora_name")
     if name not in state.engine.engine.adapters:
         raise APIError(404, f"adapter {name!r} is not loaded", param="lora_name")
@@ -201,10 +221,10 @@ async def unload_lora_adapter(request: Request) -> PlainTextResponse:
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
 
-@router.post("/load_adapter")
+@router.post("/load_adapter", openapi_extra=documented(LoadAdapterRequest))
 async def load_adapter(request: Request) -> dict:
     """MLX-style: one adapter that every request of the base model uses from now on."""
-    state, body = _state(request), await json_body(request)
+    state, body = _state(request), await json_body(request, LoadAdapterRequest)
     path = body.get("adapter_path")
     if not path:
         raise bad_request("adapter_path is required", "adapter_path")
@@ -266,10 +286,10 @@ async def get_weight_version(request: Request) -> dict:
     return {"weight_version": engine.weight_version, "policy_version": engine.policy_version}
 
 
-@router.post("/update_weight_version")
+@router.post("/update_weight_version", openapi_extra=documented(UpdateWeightVersionRequest))
 async def update_weight_version(request: Request) -> dict:
     """Relabel the current weights; aborts in-flight requests only when asked (§2.15)."""
-    body = await json_body(request)
+    body = await json_body(request, UpdateWeightVersionRequest)
     label = body.get("new_version", body.get("weight_version"))
     if label is None:
         raise bad_request("new_version is required", "new_version")
@@ -284,9 +304,9 @@ async def update_weight_version(request: Request) -> dict:
     return {"success": True, "message": f"weight_version is now {label}"}
 
 
-@router.post("/update_weights_from_disk")
+@router.post("/update_weights_from_disk", openapi_extra=documented(UpdateWeightsFromDiskRequest))
 async def update_weights_from_disk(request: Request) -> dict:
-    state, body = _state(request), await json_body(request)
+    state, body = _state(request), await json_body(request, UpdateWeightsFromDiskRequest)
     if not body.get("model_path"):
         raise bad_request("model_path is required", "model_path")
     aborted = await state.engine.call(lambda e: e.abort_all()) if body.get("abort_all_requests") else 0
@@ -294,9 +314,9 @@ async def update_weights_from_disk(request: Request) -> dict:
     return {"success": True, "message": f"weights updated (policy_version {version})", "num_paused_requests": aborted}
 
 
-@router.post("/abort_request")
+@router.post("/abort_request", openapi_extra=documented(AbortRequest))
 async def abort_request(request: Request) -> Response:
-    body = await json_body(request)
+    body = await json_body(request, AbortRequest)
     engine = _state(request).engine
     if body.get("abort_all"):
         await engine.call(lambda e: e.abort_all())
@@ -312,9 +332,9 @@ async def flush_cache(request: Request) -> PlainTextResponse:
     return PlainTextResponse("Cache flushed.")
 
 
-@router.post("/pause_generation")
+@router.post("/pause_generation", openapi_extra=documented(PauseGenerationRequest))
 async def pause_generation(request: Request) -> dict:
-    body = await json_body(request)
+    body = await json_body(request, PauseGenerationRequest)
     mode = {"in_place": "keep", "abort": "abort", None: "abort"}.get(body.get("mode"))
     if mode is None:
         raise bad_request(f"mode {body.get('mode')!r} is not supported; use abort or in_place", "mode")

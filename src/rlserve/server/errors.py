@@ -12,6 +12,7 @@ from http import HTTPStatus
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
@@ -22,16 +23,19 @@ _TYPES = {
     403: "PermissionDeniedError",
     404: "NotFoundError",
     409: "ConflictError",
+    413: "RequestTooLargeError",
+    429: "RateLimitError",
     503: "ServiceUnavailableError",
 }
 
 
 class APIError(Exception):
     def __init__(
-        self, status: int, message: str, param: str | None = None, type: str | None = None
+        self, status: int, message: str, param: str | None = None, type: str | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+        self.status, self.message, self.param, self.headers = status, message, param, headers or {}
         self.type = type or _TYPES.get(status, HTTPStatus(status).phrase.replace(" ", "") + "Error")
 
     def body(self) -> dict:
@@ -44,8 +48,8 @@ class APIError(Exception):
             }
         }
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers={**self.headers, **(headers or {})})
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -72,7 +76,7 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         elif not where:
             text = f"request body: {err.get('msg')}"
         else:
-            text = f"{where}: {err.get('msg')}"
+            text = f"{where}: {str(err.get('msg')).removeprefix('Value error, ')}"
         if text not in parts:
             parts.append(text)
             params.append(where or None)
@@ -93,6 +97,12 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = validation_message(exc)
+        return bad_request(message, param).response()
+
+    @app.exception_handler(ValidationError)
+    async def _inner_validation(request: Request, exc: ValidationError) -> JSONResponse:
+        # a body converted inside a route (Responses -> chat) is still the client's body
+        message, param = validation_message(RequestValidationError(exc.errors()))
         return bad_request(message, param).response()
 
     @app.exception_handler(StarletteHTTPException)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from typing import Any
@@ -12,7 +13,17 @@ from fastapi.responses import JSONResponse
 
 from rlserve.engine.outputs import CompletionOutput, RequestOutput
 from rlserve.engine.params import SamplingParams
+from rlserve.engine.routing import encode_routed_experts
 from rlserve.server.errors import bad_request, from_value_error
+from rlserve.server.limits import check_text_fits
+from rlserve.server.openapi import documented
+from rlserve.server.protocol_native import (
+    GENERATE_BODIES,
+    InferenceGenerateRequest,
+    SGLangGenerateRequest,
+    TRLGenerateRequest,
+    generate_body_model,
+)
 from rlserve.server.metrics import weight_version
 from rlserve.server.serving import (
     SAMPLING_FIELDS,
@@ -30,6 +41,7 @@ from rlserve.server.serving import (
     sse_error,
     start_stream,
     usage,
+    validated,
     version_fields,
 )
 
@@ -77,9 +89,9 @@ def _logprob_content(state: ServerState, comp: CompletionOutput, as_ids: bool) -
 # ---- vLLM /inference/v1/generate (§2.6) ----------------------------------------------------------
 
 
-@router.post("/inference/v1/generate")
+@router.post("/inference/v1/generate", openapi_extra=documented(InferenceGenerateRequest))
 async def inference_generate(request: Request):
-    state, body = _state(request), await json_body(request)
+    state, body = _state(request), await json_body(request, InferenceGenerateRequest)
     state.check_model(body.get("model"))
     state.check_policy_version(body)
     prompt = _token_ids(state, body.get("token_ids"), "token_ids")
@@ -89,6 +101,7 @@ async def inference_generate(request: Request):
     if sp.get("prompt_logprobs") is not None and body.get("stream"):
         raise bad_request("prompt_logprobs is not available with stream=true", "prompt_logprobs")
     params = make_params(sp, forced_token_ids=forced_token_ids(state, body))
+    experts_start = _routed_experts_start(sp.get("routed_experts_prompt_start"))
     rid = request.headers.get("x-request-id") or body.get("request_id") or uuid.uuid4().hex
     as_ids = bool(sp.get("return_tokens_as_token_ids") or body.get("return_tokens_as_token_ids"))
     run = Run(state, [prompt], params, rid, body.get("cache_salt"), adapter=state.adapter_for(body.get("model")),
@@ -101,13 +114,27 @@ async def inference_generate(request: Request):
         "request_id": rid,
         "choices": [
             {"index": c.index, "token_ids": c.token_ids, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-             "logprobs": _logprob_content(state, c, as_ids), "routed_experts": None, **version_fields(state, c)}
+             "logprobs": _logprob_content(state, c, as_ids), "routed_experts": _routed_experts(c, experts_start),
+             **version_fields(state, c)}
             for c in out.outputs
         ],
         "prompt_logprobs": prompt_logprobs_json(state, out, params.prompt_logprobs, as_ids),
         "kv_transfer_params": None,
         "usage": _usage(out),
     }
+
+
+def _routed_experts_start(value: Any) -> int:
+    if value is None:
+        return 0
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise bad_request(f"routed_experts_prompt_start must be an integer >= 0, got {value!r}", "routed_experts_prompt_start")
+    return value
+
+
+def _routed_experts(c: CompletionOutput, start: int) -> dict | None:
+    """wire-protocols §2.14; None unless the server runs with enable_return_routed_experts."""
+    return None if c.routed_experts is None else encode_routed_experts(c.routed_experts, start)
 
 
 def _usage(out: RequestOutput) -> dict:
@@ -147,17 +174,19 @@ async def _generate_stream(state: ServerState, run: Run, rid: str, as_ids: bool)
 # ---- /generate: TRL legacy, SGLang, MLX ----------------------------------------------------------
 
 
-@router.post("/generate")
+@router.post("/generate", openapi_extra=documented(*GENERATE_BODIES))
 async def generate(request: Request):
-    state, body = _state(request), await json_body(request)
+    state, raw = _state(request), await json_body(request)
+    model = generate_body_model(raw)
+    if model is None:
+        raise bad_request("/generate needs `prompts` (TRL), `input_ids`/`text` (SGLang) or `prompt` (MLX-style)")
+    body = validated(raw, model)
     state.check_policy_version(body)
-    if "prompts" in body:
+    if model is TRLGenerateRequest:
         return await _trl_generate(request, state, body)
-    if {"input_ids", "text", "sampling_params"} & body.keys():
+    if model is SGLangGenerateRequest:
         return await _sglang_generate(request, state, body)
-    if "prompt" in body:
-        return await _mlx_generate(request, state, body)
-    raise bad_request("/generate needs `prompts` (TRL), `input_ids`/`text` (SGLang) or `prompt` (MLX-style)")
+    return await _mlx_generate(request, state, body)
 
 
 def _prompt_list(state: ServerState, prompts: Any, field: str) -> list[list[int]]:
@@ -170,6 +199,7 @@ def _prompt_list(state: ServerState, prompts: Any, field: str) -> list[list[int]
         if isinstance(p, str):
             if not p:
                 raise bad_request(f"{field} holds an empty prompt", field)
+            check_text_fits(state, len(p), field)
             out.append(state.tokenizer.encode(p, add_special_tokens=True))
         else:
             out.append(_token_ids(state, p, field))
@@ -182,7 +212,7 @@ async def _run_all(request: Request, state: ServerState, prompts, params, rid, s
 
 
 async def _mlx_generate(request: Request, state: ServerState, body: dict):
-    prompts = _prompt_list(state, body["prompt"], "prompt")
+    prompts = await state.off_loop(_prompt_list, state, body["prompt"], "prompt")
     fields = {"temperature": 0.0, "max_tokens": 128, **body}
     params = make_params(fields, logprobs=0)
     rid = body.get("request_id") or uuid.uuid4().hex
@@ -209,7 +239,7 @@ async def _mlx_generate(request: Request, state: ServerState, body: dict):
 
 async def _trl_generate(request: Request, state: ServerState, body: dict):
     fields = {"max_tokens": 16, **body, **(body.get("generation_kwargs") or {})}
-    prompts = _prompt_list(state, body["prompts"], "prompts")
+    prompts = await state.off_loop(_prompt_list, state, body["prompts"], "prompts")
     if fields.get("truncate_prompt_tokens"):
         prompts = [p[-int(fields["truncate_prompt_tokens"]) :] for p in prompts]
     k = fields.get("logprobs")
@@ -228,7 +258,7 @@ async def _trl_generate(request: Request, state: ServerState, body: dict):
             entry = [(t, lp)] + [(i, v) for i, v in alts if i != t][:k]
             entry.sort(key=lambda kv: -kv[1])
             seq_ids.append([i for i, _ in entry])
-            seq_lp.append([None if v != v else v for _, v in entry])
+            seq_lp.append([v if math.isfinite(v) else None for _, v in entry])  # §2.0: TRL legacy -inf is null
         lps.append(seq_lp)
         ids.append(seq_ids)
     return result | {"logprobs": lps, "logprob_token_ids": ids}
@@ -239,14 +269,20 @@ async def _sglang_generate(request: Request, state: ServerState, body: dict):
         raise bad_request("streaming on SGLang's /generate is not supported; use /inference/v1/generate", "stream")
     single = not (isinstance(body.get("input_ids"), list) and body["input_ids"] and isinstance(body["input_ids"][0], list))
     source = body.get("input_ids") if body.get("input_ids") is not None else body.get("text")
-    prompts = _prompt_list(state, source, "input_ids" if body.get("input_ids") is not None else "text")
+    prompts = await state.off_loop(_prompt_list, state, source, "input_ids" if body.get("input_ids") is not None else "text")
     sp = dict(body.get("sampling_params") or {})
     sp["max_tokens"] = sp.pop("max_new_tokens", 128)
     want_lp = bool(body.get("return_logprob"))
+    want_experts = bool(body.get("return_routed_experts"))
+    if want_experts and not state.config.enable_return_routed_experts:
+        raise bad_request("return_routed_experts needs a server started with --enable_return_routed_experts",
+                          "return_routed_experts")
+    experts_start = _routed_experts_start(body.get("routed_experts_prompt_start", sp.pop("routed_experts_prompt_start", None)))
     params = make_params(sp, logprobs=int(body.get("top_logprobs_num") or 0) if want_lp else None)
     rid = body.get("rid") or uuid.uuid4().hex
     lora = body.get("lora_path")
-    outs = await _run_all(request, state, prompts, params, rid, adapter=state.adapter_for(lora) if lora else None)
+    adapter = state.check_adapter(lora, "lora_path") if lora else None
+    outs = await _run_all(request, state, prompts, params, rid, adapter=adapter)
     label = weight_version(state.engine)
     results = []
     for out in outs:
@@ -261,5 +297,7 @@ async def _sglang_generate(request: Request, state: ServerState, body: dict):
                 "output_token_logprobs": [[clamp(lp), t, None] for t, lp in zip(c.token_ids, c.logprobs)] if want_lp else None,
                 "input_token_logprobs": None, "output_top_logprobs": None,
             }
+            if want_experts:
+                meta["routed_experts"] = _routed_experts(c, experts_start)
             results.append({"text": c.text, "output_ids": c.token_ids, "meta_info": meta})
     return JSONResponse(results[0] if single and len(results) == 1 else results)

@@ -149,3 +149,30 @@ class _EngineCollector(Collector):
         yield gauge("rlserve:weight_version_info", "Trainer-owned weight version label.", 1,
                     weight_version=weight_version(self.engine))
         yield gauge("rlserve:is_paused", "1 while generation is paused.", float(self.engine.paused))
+        yield from _offload_metrics(s, names, values)
+
+
+def _offload_metrics(s, names: list[str], values: list[str]):
+    """KV offload tiers, one label per tier or direction; zeros without offload."""
+
+    def family(kind, name: str, doc: str, label: str, points: dict[str, float]):
+        m = kind(name, doc, labels=names + [label])
+        for key, value in points.items():
+            m.add_metric(values + [key], value)
+        return m
+
+    yield family(CounterMetricFamily, "rlserve:kv_offload_queries", "Prompt tokens looked up in an offload tier.",
+                 "tier", {"cpu": s.kv_offload_cpu_queries, "disk": s.kv_offload_disk_queries})
+    yield family(CounterMetricFamily, "rlserve:kv_offload_hits", "Prompt tokens loaded from an offload tier.",
+                 "tier", {"cpu": s.kv_offload_cpu_hits, "disk": s.kv_offload_disk_hits})
+    yield family(CounterMetricFamily, "rlserve:kv_offload_bytes", "KV bytes moved between the pool and the tiers.",
+                 "direction", {"pool_to_cpu": s.kv_offload_bytes_to_cpu, "cpu_to_pool": s.kv_offload_bytes_from_cpu,
+                               "cpu_to_disk": s.kv_offload_bytes_to_disk, "disk_to_pool": s.kv_offload_bytes_from_disk})
+    yield family(GaugeMetricFamily, "rlserve:kv_offload_usage_bytes", "Bytes of KV held by an offload tier.",
+                 "tier", {"cpu": s.kv_offload_cpu_used_bytes, "disk": s.kv_offload_disk_used_bytes})
+    yield family(GaugeMetricFamily, "rlserve:kv_offload_capacity_bytes", "Size of the CPU offload tier.",
+                 "tier", {"cpu": s.kv_offload_cpu_capacity_bytes})
+    c = CounterMetricFamily("rlserve:kv_offload_rejected_blocks", "Disk blocks failing their checksum (recomputed).",
+                            labels=names)
+    c.add_metric(values, s.kv_offload_disk_rejected)
+    yield c

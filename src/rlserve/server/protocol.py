@@ -1,15 +1,25 @@
-"""Request bodies. Unknown fields are kept and ignored (never 4xx); ranges are checked by the engine."""
+"""Request bodies. Unknown fields are kept and ignored (never 4xx); sampling ranges are checked by
+SamplingParams and documented here (`bound`), so /openapi.json tells what a route accepts."""
 
 from __future__ import annotations
 
 import json
-from typing import Any
+import types
+import typing
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
+def bound(default: Any = None, **schema: Any) -> Any:
+    """A field whose range SamplingParams checks (with a message naming it); the schema documents it."""
+    return Field(default, json_schema_extra=schema)
 
 
 class Body(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -18,7 +28,29 @@ class Body(BaseModel):
         field = cls.model_fields[info.field_name]
         if value is None and not field.is_required():
             return field.get_default(call_default_factory=True)
+        if isinstance(value, bool) and not _takes_bool(field.annotation):
+            raise ValueError(f"must be a number, not {str(value).lower()}")  # pydantic would read true as 1
         return value
+
+
+def _takes_bool(annotation: Any) -> bool:
+    if annotation in (int, float):
+        return False
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return any(_takes_bool(a) for a in typing.get_args(annotation) if a is not type(None))
+    return True
+
+
+class PolicyWindow(Body):
+    """rlserve extension: 409 when the served policy is outside the caller's window (§2.15)."""
+
+    min_policy_version: int | None = None
+    max_policy_version: int | None = None
+    max_staleness: int | None = Field(None, ge=0)
+    policy_version: int | None = None
+
+
+POLICY_FIELDS = frozenset(PolicyWindow.model_fields)
 
 
 class StreamOptions(Body):
@@ -26,18 +58,18 @@ class StreamOptions(Body):
     continuous_usage_stats: bool = False
 
 
-class GenerationFields(Body):
+class GenerationFields(PolicyWindow):
     """Fields shared by /v1/completions and /v1/chat/completions (wire-protocols §2.1)."""
 
     model: str | None = None
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
+    n: int = bound(1, minimum=1)
+    temperature: float = bound(1.0, minimum=0)
+    top_p: float = bound(1.0, exclusiveMinimum=0, maximum=1)
+    top_k: int = bound(-1, minimum=-1)
+    min_p: float = bound(0.0, minimum=0, maximum=1)
     seed: int | None = None
-    max_tokens: int | None = None
-    min_tokens: int = 0
+    max_tokens: int | None = bound(None, minimum=1)
+    min_tokens: int = bound(0, minimum=0)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -45,7 +77,7 @@ class GenerationFields(Body):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     no_stop_trim: bool = False
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = bound(None, minimum=-1)
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
     cache_salt: str | None = None
@@ -54,15 +86,19 @@ class GenerationFields(Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     truncate_prompt_tokens: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = bound(0.0, minimum=-2, maximum=2)
+    frequency_penalty: float = bound(0.0, minimum=-2, maximum=2)
+    repetition_penalty: float = bound(1.0, exclusiveMinimum=0)
+    logit_bias: dict[str, float] | None = None  # clamped to [-100, 100] (vLLM)
     kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionRequest(GenerationFields):
-    prompt: Any = None  # str | [str] | [int] | [[int]], checked in completions.py for a clearer message
+    # checked in completions.py for a clearer message than a union's
+    prompt: Any = Field(None, json_schema_extra={"anyOf": [
+        {"type": "string"}, {"type": "array", "items": {"type": "string"}},
+        {"type": "array", "items": {"type": "integer"}},
+        {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}}]})
     echo: bool = False
     logprobs: bool | int | None = None
     add_special_tokens: bool = True
@@ -74,7 +110,7 @@ class ContentPart(Body):
 
 
 class ChatMessage(Body):
-    role: str
+    role: Literal[ROLES]  # type: ignore[valid-type]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
@@ -87,11 +123,22 @@ class ChatMessage(Body):
     generation_log_probs: list[float] | None = None
 
 
+class FunctionDef(Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ChatTool(Body):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
 class ChatTemplateFields(Body):
     """How a conversation becomes a prompt; shared by chat and /tokenize."""
 
     messages: list[ChatMessage] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ChatTool] | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
@@ -101,8 +148,8 @@ class ChatTemplateFields(Body):
 class ChatCompletionRequest(ChatTemplateFields, GenerationFields):
     messages: list[ChatMessage]
     logprobs: bool = False
-    top_logprobs: int | None = None
-    max_completion_tokens: int | None = None
+    top_logprobs: int | None = bound(None, minimum=0)
+    max_completion_tokens: int | None = bound(None, minimum=1)
     tool_choice: str | dict[str, Any] | None = None
     include_reasoning: bool = True
 
@@ -123,6 +170,14 @@ class DetokenizeRequest(Body):
     tokens: list[int]
 
 
+class TextFormat(Body):
+    type: str = "text"
+
+
+class ResponseText(Body):
+    format: TextFormat | None = None
+
+
 class ResponsesRequest(GenerationFields):
     """`POST /v1/responses` (§2.9); converted to a chat request in `responses_input`."""
 
@@ -134,7 +189,7 @@ class ResponsesRequest(GenerationFields):
     max_output_tokens: int | None = None
     metadata: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None
-    text: dict[str, Any] | None = None
+    text: ResponseText | None = None
     truncation: str | None = None
     previous_response_id: str | None = None
     include_reasoning: bool = True

@@ -22,6 +22,7 @@ from rlserve.server.serving import (
     ServerState,
     SSEResponse,
     request_id,
+    rid_header,
     run_to_end,
     sse_stream,
     start_stream,
@@ -33,9 +34,9 @@ router = APIRouter()
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     state: ServerState = request.app.state.rlserve
-    ctx = chat.prepare(state, to_chat_request(body), request_id(request, body))
+    ctx = await chat.prepare(state, to_chat_request(body), request_id(request, body))
     turn = Turn(ctx, body, new_id("resp"), int(time.time()))
-    headers = {"X-Request-Id": ctx.rid}
+    headers = rid_header(ctx.rid)
     if len(ctx.prompt) >= state.max_model_len:
         # §2.9 context-length rule: not an error, an empty incomplete turn the agent loop can stop on
         if body.stream:

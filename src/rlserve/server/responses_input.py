@@ -22,7 +22,7 @@ def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     if body.previous_response_id is not None:
         raise bad_request("previous_response_id is not supported: this server stores no responses; "
                           "send the whole conversation in input", "previous_response_id")
-    text_format = ((body.text or {}).get("format") or {}).get("type")
+    text_format = body.text.format.type if body.text and body.text.format else None
     if text_format not in (None, "text"):
         raise bad_request(f"text.format {text_format!r} is not supported yet; omit it or send {{\"type\": \"text\"}}",
                           "text")

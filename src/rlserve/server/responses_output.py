@@ -29,7 +29,7 @@ class Turn:
             "status": status, "error": None, "incomplete_details": None, "instructions": body.instructions,
             "metadata": body.metadata or {}, "parallel_tool_calls": body.parallel_tool_calls,
             "temperature": body.temperature, "tool_choice": body.tool_choice, "tools": body.tools or [],
-            "top_p": body.top_p, "reasoning": body.reasoning, "text": body.text or {"format": {"type": "text"}},
+            "top_p": body.top_p, "reasoning": body.reasoning, "text": _text(body),
             "truncation": body.truncation or "disabled", "max_output_tokens": body.max_output_tokens,
             "output": [], "usage": None,
         }
@@ -94,3 +94,9 @@ def message_item(item_id: str, text: str | None, status: str = "completed") -> d
 def function_call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
     return {"type": "function_call", "id": call_id, "call_id": call_id, "name": name, "arguments": arguments,
             "status": status}
+
+
+def _text(body) -> dict[str, Any]:
+    if body.text is None or body.text.format is None:
+        return {"format": {"type": "text"}}
+    return body.text.model_dump()

@@ -5,16 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import math
 import time
+import urllib.parse
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 from starlette.responses import StreamingResponse
 
 from rlserve.config import Config
@@ -22,12 +27,14 @@ from rlserve.engine.async_engine import AsyncEngine, EngineDeadError
 from rlserve.engine.outputs import CompletionOutput, RequestOutput
 from rlserve.engine.params import SamplingParams
 from rlserve.server.errors import APIError, bad_request, from_value_error
+from rlserve.server.limits import check_request_caps
 from rlserve.server.metrics import Metrics, weight_version
-from rlserve.server.protocol import GenerationFields
+from rlserve.server.protocol import Body, GenerationFields
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 NEG_INF_JSON = -9999.0  # vLLM's clamp: JSON has no -inf
+LOGIT_BIAS_LIMIT = 100.0
 SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__) | {"prompt", "top_logprobs", "max_completion_tokens"}
 
 
@@ -42,6 +49,14 @@ class ServerState:
     last_update: tuple | None = None  # (directory fingerprint, policy version) of the last disk update
     created: int = field(default_factory=lambda: int(time.time()))
     _token_text: dict[int, str] = field(default_factory=dict)
+    # tokenizing and template rendering run here, never on the event loop; one thread, as the
+    # Rust tokenizer is not safe for concurrent use ("Already borrowed")
+    _tokenizer_thread: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="rlserve-tokenize"))
+    _longest_token: int | None = None
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, functools.partial(fn, *args))
 
     @property
     def tokenizer(self):
@@ -59,6 +74,17 @@ class ServerState:
             return model
         raise APIError(404, f"the model `{model}` does not exist; this server serves `{self.served_model_name}`",
                        param="model", type="NotFoundError")
+
+    def check_adapter(self, name: str, param: str) -> str:
+        """A loaded adapter by name (or the path it was loaded from); 404 otherwise, never the base model."""
+        adapters = self.engine.engine.adapters
+        if name in adapters:
+            return name
+        for known, adapter in adapters.items():
+            if getattr(adapter, "path", None) == name:
+                return known
+        raise APIError(404, f"LoRA adapter `{name}` is not loaded; load it first or drop {param}", param=param,
+                       type="NotFoundError")
 
     def adapter_for(self, model: str | None) -> str | None:
         """A request picks a LoRA adapter by naming it as its model; the base model name means none
@@ -99,23 +125,37 @@ class ServerState:
                 raise bad_request(f"token id {t} in {what} is outside the vocabulary [0, {vocab})", what)
 
 
-async def json_body(request: Request) -> dict[str, Any]:
-    """The body of a route that takes free-form JSON (control and native routes): empty = {}."""
+async def json_body(request: Request, model: type[Body] | None = None) -> dict[str, Any]:
+    """The body of a route that parses its own JSON (control and native routes): empty = {}.
+    With `model`: validated by it (400 naming the field) and returned as the fields the client sent."""
     raw = await request.body()
-    if not raw.strip():
-        return {}
+    body = {}
+    if raw.strip():
+        try:
+            body = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise bad_request(f"request body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise bad_request("request body must be a JSON object")
+    return body if model is None else validated(body, model)
+
+
+def validated(body: dict[str, Any], model: type[Body]) -> dict[str, Any]:
     try:
-        body = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise bad_request("request body must be a JSON object")
-    return body
+        return model.model_validate(body).model_dump(exclude_unset=True)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
 
 
 def request_id(request: Request, body: Any) -> str:
     return request.headers.get("x-request-id") or getattr(body, "request_id", None) or getattr(
         body, "rid", None) or uuid.uuid4().hex
+
+
+def rid_header(rid: str) -> dict[str, str]:
+    """The id echoed in X-Request-Id; headers carry printable ASCII only, so anything else is %-encoded."""
+    safe = rid.isascii() and rid.isprintable()
+    return {"X-Request-Id": rid if safe else urllib.parse.quote(rid, safe="")}
 
 
 def sampling_params(
@@ -144,13 +184,16 @@ def sampling_params(
 
 
 def logit_bias(bias: dict | None) -> dict[int, float] | None:
-    """OpenAI sends token ids as JSON object keys (strings)."""
+    """OpenAI sends token ids as JSON object keys (strings); biases are clamped to [-100, 100] (vLLM)."""
     if not bias:
         return None
     try:
-        return {int(k): float(v) for k, v in bias.items()}
-    except (TypeError, ValueError):
+        parsed = {int(k): float(v) for k, v in bias.items()}
+    except (AttributeError, TypeError, ValueError):
         raise bad_request("logit_bias must map token ids to numbers", "logit_bias") from None
+    if not all(math.isfinite(v) for v in parsed.values()):
+        raise bad_request("logit_bias values must be finite numbers", "logit_bias")
+    return {k: min(max(v, -LOGIT_BIAS_LIMIT), LOGIT_BIAS_LIMIT) for k, v in parsed.items()}
 
 
 def forced_token_ids(state: ServerState, extra: dict[str, Any]) -> list[int] | None:
@@ -228,6 +271,7 @@ class Run:
 
     def __init__(self, state: ServerState, prompts: list[list[int]], params: SamplingParams, rid: str,
                  cache_salt: str | None, adapter: str | None = None, stream: bool = True):
+        check_request_caps(state, params)
         self.state, self.n = state, params.n
         self._queue: asyncio.Queue = asyncio.Queue()
         self._started = [asyncio.Event() for _ in prompts]

@@ -1,0 +1,173 @@
+"""One KV block as bytes, for the disk tier and (later) P/D transfer: never pickled.
+
+    MAGIC (8) | header length (u32 LE) | header (JSON) | payload | sha256 of everything before (32)
+
+The header names the block (its chained prefix-cache hash and weight generation) and describes
+every tensor in the payload: the KV itself, `[layers, 2 (k, v), block_size, kv_heads, head_dim]`,
+then optional per-block metadata arrays (e.g. the routed experts of each token, for router replay).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+MAGIC = b"RLKVBLK1"
+FORMAT_VERSION = 1
+KV_LAYOUT = ["layers", "kv", "block_size", "kv_heads", "head_dim"]
+_CHECKSUM_BYTES = 32
+_MAX_HEADER_BYTES = 1 << 20
+DTYPES = {
+    name: getattr(torch, name)
+    for name in ("float32", "bfloat16", "float16", "int64", "int32", "int16", "int8", "uint8")
+}
+
+
+class BlockFormatError(ValueError):
+    """The bytes are not a valid block, or not the block that was asked for."""
+
+
+@dataclass(slots=True)
+class KVBlock:
+    block_hash: bytes
+    kv: torch.Tensor  # [layers, 2, block_size, kv_heads, head_dim]
+    weight_generation: int = 0
+    # per-block arrays with a leading block_size dimension (routed experts, ...); a reader that
+    # needs one the block lacks must recompute the block
+    metadata: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def block_size(self) -> int:
+        return self.kv.shape[2]
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    return memoryview(t.detach().contiguous().cpu().view(torch.uint8).reshape(-1).numpy())
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise BlockFormatError(f"dtype {name} cannot be stored in a KV block")
+    return name
+
+
+def _parts(block: KVBlock) -> list[memoryview]:
+    if block.kv.dim() != 5 or block.kv.shape[1] != 2:
+        raise BlockFormatError(f"kv must be [layers, 2, block_size, kv_heads, head_dim], got {list(block.kv.shape)}")
+    tensors, offset, payload = [], 0, []
+    for name, t in [("kv", block.kv), *sorted(block.metadata.items())]:
+        raw = _raw(t)
+        tensors.append({"name": name, "dtype": _dtype_name(t.dtype), "shape": list(t.shape), "offset": offset,
+                        "nbytes": raw.nbytes})
+        payload.append(raw)
+        offset += raw.nbytes
+    header = json.dumps({
+        "format": FORMAT_VERSION, "hash": block.block_hash.hex(), "weight_generation": block.weight_generation,
+        "block_size": block.block_size, "layout": KV_LAYOUT, "tensors": tensors,
+    }, separators=(",", ":")).encode()
+    header += b" " * (-(len(MAGIC) + 4 + len(header)) % 64)  # the KV starts 64-byte aligned
+    return [memoryview(MAGIC + struct.pack("<I", len(header)) + header), *payload]
+
+
+def encode(block: KVBlock) -> bytes:
+    parts = _parts(block)
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p)
+    return b"".join([*parts, h.digest()])
+
+
+def write_file(path: str | Path, block: KVBlock) -> int:
+    """Write atomically (temporary file, then rename); returns the file's size."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    parts, h, size = _parts(block), hashlib.sha256(), 0
+    try:
+        with open(tmp, "wb") as f:
+            for p in parts:
+                f.write(p)
+                h.update(p)
+                size += p.nbytes
+            f.write(h.digest())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return size + _CHECKSUM_BYTES
+
+
+def read_file(path: str | Path, **expect) -> KVBlock:
+    """`decode` of a file's bytes; OSError if it cannot be read."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        data = bytearray(size)
+        if f.readinto(data) != size:
+            raise BlockFormatError(f"{path}: short read")
+    return decode(data, **expect)
+
+
+def decode(
+    data: bytes | bytearray,
+    *,
+    expect_hash: bytes | None = None,
+    expect_shape: tuple[int, ...] | None = None,
+    expect_dtype: torch.dtype | None = None,
+) -> KVBlock:
+    """Check the checksum, the header and that the block is the one expected; tensors share `data`."""
+    data = data if isinstance(data, bytearray) else bytearray(data)
+    fixed = len(MAGIC) + 4
+    if len(data) < fixed + _CHECKSUM_BYTES or data[: len(MAGIC)] != MAGIC:
+        raise BlockFormatError("not a KV block (bad magic or too short)")
+    body = memoryview(data)[: len(data) - _CHECKSUM_BYTES]
+    if hashlib.sha256(body).digest() != bytes(data[len(data) - _CHECKSUM_BYTES :]):
+        raise BlockFormatError("checksum mismatch: the block is truncated or corrupted")
+    (header_len,) = struct.unpack_from("<I", data, len(MAGIC))
+    if header_len > min(_MAX_HEADER_BYTES, len(body) - fixed):
+        raise BlockFormatError(f"header length {header_len} exceeds the block")
+    try:
+        header = json.loads(bytes(body[fixed : fixed + header_len]))
+        tensors = {t["name"]: t for t in header["tensors"]}
+        block_hash = bytes.fromhex(header["hash"])
+        generation = int(header["weight_generation"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise BlockFormatError(f"bad header: {e}") from None
+    if header.get("format") != FORMAT_VERSION or header.get("layout") != KV_LAYOUT or "kv" not in tensors:
+        raise BlockFormatError(f"unsupported block format {header.get('format')!r} / layout {header.get('layout')!r}")
+    payload = body[fixed + header_len :]
+    out = {name: _tensor(payload, t) for name, t in tensors.items()}
+    if sum(t["nbytes"] for t in tensors.values()) != len(payload):
+        raise BlockFormatError("payload size does not match the header")
+    kv = out.pop("kv")
+    if kv.dim() != 5 or kv.shape[1] != 2 or kv.shape[2] != header.get("block_size"):
+        raise BlockFormatError(f"kv shape {list(kv.shape)} does not match layout {KV_LAYOUT}")
+    if expect_hash is not None and block_hash != expect_hash:
+        raise BlockFormatError("the block holds a different hash than the one asked for")
+    if expect_shape is not None and tuple(kv.shape) != tuple(expect_shape):
+        raise BlockFormatError(f"kv shape {list(kv.shape)}, expected {list(expect_shape)}")
+    if expect_dtype is not None and kv.dtype != expect_dtype:
+        raise BlockFormatError(f"kv dtype {kv.dtype}, expected {expect_dtype}")
+    return KVBlock(block_hash, kv, generation, out)
+
+
+def _tensor(payload: memoryview, spec: dict) -> torch.Tensor:
+    try:
+        dtype = DTYPES[spec["dtype"]]
+        shape = [int(d) for d in spec["shape"]]
+        offset, nbytes = int(spec["offset"]), int(spec["nbytes"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise BlockFormatError(f"bad tensor entry {spec!r}: {e}") from None
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    if min(shape, default=0) < 0 or math.prod(shape) * itemsize != nbytes or offset < 0 or offset + nbytes > len(payload):
+        raise BlockFormatError(f"tensor {spec.get('name')!r} does not fit its shape or the payload")
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.frombuffer(payload, dtype=torch.uint8, count=nbytes, offset=offset)
+    return raw.view(dtype).view(shape)

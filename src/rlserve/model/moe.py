@@ -1,0 +1,132 @@
+"""Qwen3-MoE's sparse MLP: a softmax router picks top-k experts per token; the experts' weights are
+stacked ([experts, ...]) so each expert runs one matmul over all the tokens routed to it.
+
+Arithmetic follows transformers' Qwen3MoeSparseMoeBlock (fp32 softmax, top-k, optional
+renormalisation, per-expert contributions summed in expert order) so logprobs match its forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:
+    from rlserve.model.cpu_kernels import CpuKernels
+    from rlserve.model.lora import LoraBatch
+
+
+@dataclass(frozen=True, slots=True)
+class MoeShape:
+    num_experts: int
+    top_k: int
+    norm_topk_prob: bool
+    intermediate_size: int  # of one expert
+    sparse_layers: tuple[int, ...]  # the layers whose MLP is the expert block
+
+    @classmethod
+    def from_hf(cls, cfg, num_layers: int) -> "MoeShape":
+        step = getattr(cfg, "decoder_sparse_step", 1) or 1
+        dense = set(getattr(cfg, "mlp_only_layers", None) or [])
+        sparse = tuple(i for i in range(num_layers) if i not in dense and cfg.num_experts > 0 and (i + 1) % step == 0)
+        if cfg.num_experts_per_tok > cfg.num_experts:
+            raise ValueError(f"num_experts_per_tok ({cfg.num_experts_per_tok}) exceeds num_experts ({cfg.num_experts})")
+        return cls(cfg.num_experts, cfg.num_experts_per_tok, bool(cfg.norm_topk_prob), cfg.moe_intermediate_size, sparse)
+
+    @property
+    def expert_id_dtype(self) -> torch.dtype:
+        return torch.uint8 if self.num_experts <= 256 else torch.int16
+
+
+def checkpoint_shapes(moe: MoeShape, hidden: int, layer: int) -> dict[str, tuple[int, ...]]:
+    """The HF tensors of one sparse layer, in the per-expert layout hub checkpoints use."""
+    p, i = f"model.layers.{layer}.mlp.", moe.intermediate_size
+    out: dict[str, tuple[int, ...]] = {p + "gate.weight": (moe.num_experts, hidden)}
+    for e in range(moe.num_experts):
+        q = f"{p}experts.{e}."
+        out |= {q + "gate_proj.weight": (i, hidden), q + "up_proj.weight": (i, hidden), q + "down_proj.weight": (hidden, i)}
+    return out
+
+
+def stacked_shapes(moe: MoeShape, hidden: int, layer: int) -> dict[str, tuple[int, ...]]:
+    """The same experts as transformers 5 holds them in memory (what a trainer's named_parameters() pushes)."""
+    p, e, i = f"model.layers.{layer}.mlp.experts.", moe.num_experts, moe.intermediate_size
+    return {p + "gate_up_proj": (e, 2 * i, hidden), p + "down_proj": (e, hidden, i)}
+
+
+def target_of(params: dict[str, torch.Tensor], moe: MoeShape, layer: str, suffix: str) -> torch.Tensor | None:
+    """The slice of our stacked parameters holding the HF tensor `model.layers.<layer>.<suffix>`
+    (per-expert names, or transformers 5's already-stacked `mlp.experts.gate_up_proj`/`down_proj`)."""
+    p = f"layers.{layer}.mlp."
+    if suffix == "mlp.gate.weight":
+        return params[p + "gate"]
+    if suffix in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
+        return params[p + suffix.rsplit(".", 1)[1]]
+    parts = suffix.split(".")  # mlp.experts.<e>.<proj>.weight
+    if len(parts) != 5 or parts[1] != "experts" or not parts[2].isdigit() or parts[4] != "weight":
+        return None
+    e, proj, i = int(parts[2]), parts[3], moe.intermediate_size
+    if e >= moe.num_experts:
+        return None
+    if proj == "gate_proj":
+        return params[p + "gate_up_proj"][e].narrow(0, 0, i)
+    if proj == "up_proj":
+        return params[p + "gate_up_proj"][e].narrow(0, i, i)
+    if proj == "down_proj":
+        return params[p + "down_proj"][e]
+    return None
+
+
+class SparseMoe(nn.Module):
+    """Drop-in for the dense MLP of a sparse layer. Keeps the experts it chose in the last forward
+    (`last_experts`, [tokens, top_k], best first) for router replay."""
+
+    def __init__(self, moe: MoeShape, hidden: int, layer: int):
+        super().__init__()
+        self.layer, self.top_k, self.norm_topk_prob = layer, moe.top_k, moe.norm_topk_prob
+        self.num_experts = moe.num_experts
+        self.gate = nn.Parameter(torch.empty(moe.num_experts, hidden))
+        self.gate_up_proj = nn.Parameter(torch.empty(moe.num_experts, 2 * moe.intermediate_size, hidden))
+        self.down_proj = nn.Parameter(torch.empty(moe.num_experts, hidden, moe.intermediate_size))
+        self.last_experts: torch.Tensor | None = None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] in x's dtype, expert ids [T, k]) as transformers' router computes them."""
+        probs = F.softmax(F.linear(x, self.gate), dim=-1, dtype=torch.float)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), experts
+
+    def forward(self, x: torch.Tensor, lora: "LoraBatch | None" = None, kernels: "CpuKernels | None" = None) -> torch.Tensor:
+        weights, experts = self.route(x)
+        self.last_experts = experts
+        flat = experts.view(-1)
+        order = flat.argsort(stable=True)  # assignments grouped by expert, token order within
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        tokens = order // self.top_k
+        xs = x.index_select(0, tokens)
+        out = torch.empty_like(xs)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            gate_up = F.linear(xs[start : start + n], self.gate_up_proj[e])
+            if kernels is not None:
+                act = kernels.silu_mul(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = F.silu(gate) * up
+            out[start : start + n] = F.linear(act, self.down_proj[e])
+            start += n
+        out.mul_(weights.view(-1).index_select(0, order).unsqueeze(1))
+        return torch.zeros_like(x).index_add_(0, tokens, out)
+
+
+def routed_experts(layers: nn.ModuleList, num_tokens: int) -> torch.Tensor:
+    """The experts every sparse layer chose in the last forward: [tokens, sparse layers, top_k]."""
+    chosen = [layer.mlp.last_experts[:num_tokens] for layer in layers if isinstance(layer.mlp, SparseMoe)]
+    return torch.stack(chosen, dim=1)
