@@ -102,3 +102,15 @@ def test_fp32_lm_head_brings_logprobs_closer_to_the_fp32_forward(model_dir):
     print(f"mean |logprob - fp32 forward|: bf16 head {err['bfloat16']:.4f}, fp32 head {err['float32']:.4f}")
     assert err["float32"] < err["bfloat16"]
     assert err["float32"] < HEAD_ERRORS["float32"] and err["bfloat16"] < HEAD_ERRORS["bfloat16"]
+
+
+def test_fp32_head_follows_in_place_weight_updates(tmp_path):
+    engine = bf16_engine(make_model("tiny", tmp_path / "tiny"))
+    model, hidden = engine.model, torch.randn(3, engine.shape.hidden_size).bfloat16()
+    before = model.compute_logits(hidden)
+    with torch.no_grad():
+        model.head_weight.mul_(-1)  # what a weight update does: in place, the version bumps
+    model.refresh_packed()
+    after = model.compute_logits(hidden)
+    want = torch.nn.functional.linear(hidden.float(), model.head_weight.float())
+    assert torch.allclose(after, want, atol=1e-4) and torch.allclose(after, -before, atol=1e-4)
