@@ -6,6 +6,10 @@ served = `rlserve serve` in its own process, C concurrent /v1/completions client
 streaming on or off.
 
     python benchmarks/serving.py [--preset smollm2-135m] [--clients 64] [--stream]
+
+--deployment instead compares, on the same workload, 2 replicas x 1 thread behind vllm-router
+(`--deployment.replicas 2`) with 1 server x 2 threads, and measures the router's cost: p50/p99
+latency of a 1-token request sent to a replica directly and through the router, alternating.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ def offline(model_dir: Path, prompts, args) -> tuple[float, float | None]:
     return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed, load.cores
 
 
-async def _clients(url: str, server_pid: int, prompts, args) -> tuple[float, float | None]:
+async def _clients(url: str, server_pids: list[int], prompts, args) -> tuple[float, float | None]:
     body = {"max_tokens": args.new_tokens, "temperature": 1.0, "ignore_eos": True, "stream": args.stream}
     limits = httpx.Limits(max_connections=args.clients + 8)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
@@ -67,7 +71,7 @@ async def _clients(url: str, server_pid: int, prompts, args) -> tuple[float, flo
                             count += len(choice.get("token_ids") or [])
             return count
 
-        with OtherLoad(server_pid) as load:  # the clients (this process) and the server are the run
+        with OtherLoad(*server_pids) as load:  # the clients (this process) and the server(s) are the run
             start = time.perf_counter()
             counts = await asyncio.gather(*(one(p) for p in prompts))
             elapsed = time.perf_counter() - start
@@ -77,7 +81,51 @@ async def _clients(url: str, server_pid: int, prompts, args) -> tuple[float, flo
 def served(model_dir: Path, prompts, args) -> tuple[float, float | None]:
     with rlserve_server("--model.name", str(model_dir), "--model.max_model_len",
                         str(args.prompt_len + args.new_tokens + 16), "--server.log_level", "warning") as server:
-        return asyncio.run(_clients(server.url, server.pid, prompts, args))
+        return asyncio.run(_clients(server.url, server.pids(), prompts, args))
+
+
+async def _latencies(urls: list[str], n: int) -> list[list[float]]:
+    """Seconds per 1-token request to each URL, sent one at a time, alternating between the URLs."""
+    body = {"prompt": [1, 2, 3], "max_tokens": 1, "temperature": 0}
+    out: list[list[float]] = [[] for _ in urls]
+    async with httpx.AsyncClient(timeout=60) as client:
+        for url in urls:  # warm connections and caches
+            await client.post(f"{url}/v1/completions", json=body)
+        for _ in range(n):
+            for i, url in enumerate(urls):
+                start = time.perf_counter()
+                r = await client.post(f"{url}/v1/completions", json=body)
+                out[i].append(time.perf_counter() - start)
+                r.raise_for_status()
+    return out
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def deployment(model_dir: Path, prompts, args) -> None:
+    common = ("--model.name", str(model_dir), "--model.max_model_len", str(args.prompt_len + args.new_tokens + 16),
+              "--server.log_level", "warning")
+    with rlserve_server(*common, "--num_threads", "2") as single:
+        single_tps, single_others = asyncio.run(_clients(single.url, single.pids(), prompts, args))
+    with rlserve_server(*common, "--deployment.replicas", "2", "--num_threads", "1") as dep:
+        dep_tps, dep_others = asyncio.run(_clients(dep.url, dep.pids(), prompts, args))
+        replica = httpx.get(f"{dep.admin_url}/deployment", timeout=30).json()["replicas"][0]["url"]
+        direct, routed = asyncio.run(_latencies([replica, dep.url], args.latency_requests))
+    print(f"\ndeployment, {args.preset}, {args.clients} clients x ({args.prompt_len} prompt + {args.new_tokens} new "
+          f"tokens), stream={args.stream}")
+    print(f"{'system':38s} {'tok/s':>8s} {'others':>7s}")
+    for name, tps, others in (("1 server x 2 threads", single_tps, single_others),
+                              ("2 replicas x 1 thread, vllm-router", dep_tps, dep_others)):
+        print(f"{name:38s} {tps:8.1f} {'-' if others is None else f'{others:.2f}':>7s}")
+    print(f"2 replicas / 1 server: {dep_tps / single_tps:.2f}x (target >= 0.9x)")
+    print(f"1-token request latency over {args.latency_requests} requests (ms): direct p50 "
+          f"{_quantile(direct, .5) * 1e3:.2f} p99 {_quantile(direct, .99) * 1e3:.2f}; via router p50 "
+          f"{_quantile(routed, .5) * 1e3:.2f} p99 {_quantile(routed, .99) * 1e3:.2f}; router adds p50 "
+          f"{(_quantile(routed, .5) - _quantile(direct, .5)) * 1e3:.2f} ms (target < 1 ms)")
+    print("others = CPU cores used by other processes during the run: well above 0 means the figures are low")
 
 
 def main() -> None:
@@ -87,12 +135,17 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--stream", action="store_true")
+    p.add_argument("--deployment", action="store_true", help="2 replicas behind vllm-router vs 1 server")
+    p.add_argument("--latency-requests", type=int, default=200)
     args = p.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     model_dir = make_model(args.preset, cache_root() / "bench" / args.preset)
     from transformers import AutoConfig
 
     prompts = workload(args, AutoConfig.from_pretrained(model_dir).vocab_size)
+    if args.deployment:
+        deployment(model_dir, prompts, args)
+        return
     offline_tps, offline_others = offline(model_dir, prompts, args)
     served_tps, served_others = served(model_dir, prompts, args)
     print(f"\nserving, {args.preset}, {args.clients} clients x ({args.prompt_len} prompt + {args.new_tokens} new tokens), "

@@ -79,3 +79,8 @@ def server() -> Iterator[str]:
         yield url
     finally:
         stop_server(proc)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--soak-minutes", type=float, default=0.0,
+                     help="run tests/test_soak.py for this many minutes instead of its CI-sized fixed workload")

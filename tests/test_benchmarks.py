@@ -41,6 +41,13 @@ def test_serving_small(tmp_path, stream):
     assert re.search(r"rlserve server, concurrent clients\s+[\d.]+\s+[\d.-]+", out)  # the others column
 
 
+def test_serving_deployment_small(tmp_path):
+    out = run(tmp_path, "serving.py", "--preset", "tiny", "--deployment", "--clients", "3", "--new-tokens", "4",
+              "--latency-requests", "5")
+    assert rate(out, "1 server x 2 threads") > 0 and rate(out, "2 replicas x 1 thread, vllm-router") > 0
+    assert "via router p50" in out
+
+
 def test_weight_update_small(tmp_path):
     out = run(tmp_path, "weight_update.py", "--preset", "tiny", "--repeats", "1")
     assert '"update_s"' in out and '"push_s"' in out

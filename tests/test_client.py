@@ -359,6 +359,18 @@ def test_sync_api_openai_surface_and_tokenizer_agree(cluster):
         assert all(len(s.completion_ids) == 2 for s in many)
 
 
+def test_generate_group_and_min_policy_version(cluster):
+    url = cluster.urls()[0]
+    with SyncInferenceClient([url]) as client:
+        group = client.generate_group(token_ids=[1, 2, 3], n=4, max_tokens=3, seed=7, session_id="grp")
+        assert len(group) == 4 and all(s.prompt_ids == [1, 2, 3] and len(s.logprobs) == 3 for s in group)
+        assert len({tuple(s.completion_ids) for s in group}) > 1  # n samples, not one repeated
+        current = group[0].policy_version
+        assert client.generate(token_ids=[1, 2], max_tokens=2, min_policy_version=current).policy_version == current
+        with pytest.raises(BadRequest, match="min_policy_version"):  # a 409: the server is behind the caller
+            client.generate(token_ids=[1, 2], max_tokens=2, min_policy_version=current + 1)
+
+
 def test_training_batch_shapes_masks_and_nexrl(cluster):
     urls = cluster.urls()
 

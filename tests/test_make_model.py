@@ -10,6 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from rlserve.model.make import (
     FORMAT_VERSION,
+    generator_hash,
     PRESETS,
     default_model_dir,
     make_model,
@@ -153,7 +154,7 @@ def test_chat_template_renders_tools_and_tool_calls(tok):
 def test_default_model_dir_is_built_once(tmp_path, monkeypatch):
     monkeypatch.setenv("RLSERVE_CACHE_DIR", str(tmp_path))
     first = default_model_dir()
-    assert first == tmp_path / "models" / f"tiny-v{FORMAT_VERSION}"
+    assert first == tmp_path / "models" / f"tiny-v{FORMAT_VERSION}-{generator_hash()}"
     mtime = (first / "model.safetensors").stat().st_mtime_ns
     assert default_model_dir() == first
     assert (first / "model.safetensors").stat().st_mtime_ns == mtime
@@ -193,3 +194,21 @@ def test_smollm2_shape(tmp_path):
     assert "lm_head.weight" not in shapes
     assert shapes["model.embed_tokens.weight"] == [49152, 576]
     assert sum(torch.Size(s).numel() for s in shapes.values()) == 134_515_008
+
+
+def test_tokenizer_has_qwen3_added_tokens(tmp_path, monkeypatch):
+    """Renderers written for Qwen3 look these up; the older markup ids stay where they were."""
+    monkeypatch.setenv("RLSERVE_CACHE_DIR", str(tmp_path))
+    tok = AutoTokenizer.from_pretrained(default_model_dir())
+    qwen3 = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+             "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>",
+             "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>",
+             "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>",
+             "</tool_response>", "<think>", "</think>"]
+    ids = tok.convert_tokens_to_ids(qwen3)
+    assert len(set(ids)) == len(qwen3) and tok.unk_token_id not in ids
+    assert all(tok.encode(t, add_special_tokens=False) == [i] for t, i in zip(qwen3, ids))
+    assert tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>", "</think>", "</tool_call>"]) == [2041, 2043, 2045, 2047]
+    # Qwen3's split: control tokens vanish with skip_special_tokens, markup stays in the text
+    text = tok.decode(tok.convert_tokens_to_ids(["<|vision_pad|>", "<tool_response>", "<|im_end|>"]), skip_special_tokens=True)
+    assert text == "<tool_response>"

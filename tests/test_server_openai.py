@@ -172,7 +172,9 @@ def test_chat_logprobs_match_completions(client: openai.OpenAI, http: httpx.Clie
     assert [c.token for c in content] == [f"token_id:{t}" for t in choice.token_ids]
     for c in content:
         assert len(c.top_logprobs) == 3 and all(t.token.startswith("token_id:") for t in c.top_logprobs)
-        values = [t.logprob for t in c.top_logprobs]
+        # vLLM's order: the sampled token first, then the best others
+        assert (c.top_logprobs[0].token, c.top_logprobs[0].logprob) == (c.token, c.logprob)
+        values = [t.logprob for t in c.top_logprobs[1:]]
         assert values == sorted(values, reverse=True)
         assert isinstance(c.bytes, list)
     # the same ids and seed through /v1/completions give the same tokens and logprobs

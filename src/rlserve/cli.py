@@ -49,6 +49,11 @@ def _serve(argv: list[str], prog: str) -> int:
     except ConfigError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
+    if config.deployment.enabled:
+        from rlserve.deploy.run import serve_deployment
+
+        serve_deployment(config)
+        return 0
     from rlserve.server.app import serve  # imports torch and the server stack; keep --help fast
 
     serve(config)

@@ -44,6 +44,13 @@ class ServerConfig(Section):
     api_key: str | None = Field(None, description="Bearer key required on every route but /health and /metrics")
     admin_api_key: str | None = Field(None, description="Bearer key required on admin routes (updates, pause, adapters)")
     log_level: str = Field("info", description="uvicorn log level")
+    allow_open_admin: bool = Field(
+        False, description="serve admin routes (weights, adapters, pause) without admin_api_key on a non-loopback host"
+    )
+    max_upload_bytes: int = Field(1 << 30, ge=1, description="largest /upload_adapter body")
+    shutdown_grace_s: float = Field(
+        30.0, ge=0, description="after SIGTERM: how long in-flight requests may run before they are aborted"
+    )
     # request caps (over one: a 4xx naming the cap; docs/errors.md)
     max_body_bytes: int = Field(8 << 20, ge=1024, description="largest request body; bigger ones get 413 before they are read")
     max_waiting_requests: int = Field(
@@ -88,6 +95,38 @@ class EngineConfig(Section):
     allow_forced_tokens: bool = Field(
         False, description="testing only: accept vllm_xargs.forced_token_ids (the first completion tokens)"
     )
+
+
+class RouterConfig(Section):
+    type: Literal["vllm-router"] = Field("vllm-router", description="the router in front of several replicas")
+    policy: Literal["consistent_hash", "round_robin", "power_of_two", "cache_aware"] = Field(
+        "consistent_hash", description="consistent_hash keeps an X-Session-ID on one replica"
+    )
+    extra_args: list[str] = Field(default_factory=list, description="more vllm-router arguments, passed as given")
+
+
+class DeploymentConfig(Section):
+    type: Literal["single_node", "multi_node", "disaggregated"] = Field(
+        "single_node", description="single_node: replicas on this machine; multi_node: one replica per Ray node"
+    )
+    replicas: int = Field(1, ge=1, description="engine servers on this machine (single_node); 1 = no router")
+    num_nodes: int = Field(1, ge=1, description="multi_node: Ray nodes, one replica each")
+    backend_port: int | None = Field(
+        None, ge=0, le=65535, description="first replica port (replica i: +i); none = free ports"
+    )
+    admin_port: int | None = Field(
+        None, ge=0, le=65535, description="admin fan-out address of every replica; none = server.port + 1"
+    )
+    ray_address: str = Field("auto", description="multi_node: the Ray cluster to join")
+    router: RouterConfig = Field(default_factory=RouterConfig)
+
+    @property
+    def size(self) -> int:
+        return self.num_nodes if self.type == "multi_node" else self.replicas
+
+    @property
+    def enabled(self) -> bool:
+        return self.type != "single_node" or self.replicas > 1
 
 
 class GibberishDetectionConfig(Section):
@@ -154,6 +193,7 @@ class Config(Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    deployment: DeploymentConfig = Field(default_factory=DeploymentConfig)
     kv_cache_offload: KVOffloadConfig | None = Field(
         None, description="keep KV blocks evicted from the pool in CPU memory (and on disk); enables prefix caching"
     )
@@ -162,6 +202,9 @@ class Config(Section):
     def _check_combinations(self) -> "Config":
         if self.model.max_model_len is not None and self.engine.max_num_batched_tokens < self.engine.block_size:
             raise ValueError("engine.max_num_batched_tokens must be at least engine.block_size")
+        from rlserve.deploy.checks import check_deployment  # keeps config.py about shapes
+
+        check_deployment(self)
         if self.kv_cache_offload is not None and not self.engine.enable_prefix_caching:
             self.engine.enable_prefix_caching = True  # the tiers sit behind the prefix cache
         return self

@@ -107,3 +107,45 @@ def receive(device: str = "cpu", buffer=None) -> list[tuple[str, torch.Tensor]]:
                 raise ValueError(f"{name}: unsupported dtype {dtype!r}")
             out.append((name, flat[start : start + nbytes].view(_DTYPES[dtype]).view(shape)))
     return out
+
+
+# ---- vLLM's weight-transfer stream (TRL native; wire-protocols §2.11.5) ---------------------------
+
+VLLM_PACKED_BUFFER_BYTES = 1 << 30  # vLLM's DEFAULT_PACKED_BUFFER_SIZE_BYTES
+
+
+def vllm_chunks(sizes: list[int], buffer_bytes: int = VLLM_PACKED_BUFFER_BYTES) -> list[list[int]]:
+    """Tensor indices per packed broadcast: a chunk closes once its size exceeds buffer_bytes."""
+    chunks, current, total = [], [], 0
+    for i, nbytes in enumerate(sizes):
+        current.append(i)
+        total += nbytes
+        if total > buffer_bytes:
+            chunks.append(current)
+            current, total = [], 0
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def receive_vllm(names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]], packed: bool,
+                 buffer_bytes: int = VLLM_PACKED_BUFFER_BYTES, device: str = "cpu") -> list[tuple[str, torch.Tensor]]:
+    """Receive the tensors vLLM's trainer side broadcasts from rank 0, in metadata order: one
+    broadcast per tensor, or (packed) their bytes concatenated into chunks of ~buffer_bytes."""
+    sizes = [int(torch.Size(s).numel()) * d.itemsize for s, d in zip(shapes, dtypes)]
+    if not packed:
+        out = []
+        for name, dtype, shape in zip(names, dtypes, shapes):
+            t = torch.empty(shape, dtype=dtype, device=device)
+            dist.broadcast(t, src=0)
+            out.append((name, t))
+        return out
+    out = []
+    for chunk in vllm_chunks(sizes, buffer_bytes):
+        flat = torch.empty(sum(sizes[i] for i in chunk), dtype=torch.uint8, device=device)
+        dist.broadcast(flat, src=0)
+        offset = 0
+        for i in chunk:
+            out.append((names[i], flat[offset : offset + sizes[i]].view(dtypes[i]).view(shapes[i])))
+            offset += sizes[i]
+    return out

@@ -31,7 +31,8 @@ class InferenceClient:
     Calls with a `session_id` stick to one endpoint (rendezvous hashing over the healthy ones, sent
     as X-Session-ID); other calls go to the endpoint with the fewest calls open from this client.
     Connection errors and 5xx are retried with jittered exponential backoff until retry_deadline,
-    on another endpoint when there is one; 4xx raise at once. Admin calls go to every endpoint.
+    on another endpoint when there is one; 4xx raise at once. Admin calls go to every endpoint, or
+    only to `admin_url` when given (a deployment's admin address, which reaches every replica).
     """
 
     def __init__(
@@ -51,6 +52,7 @@ class InferenceClient:
         allow_mixed_versions: bool = False,
         on_overflow: str = "raise",
         max_connections: int = 512,
+        admin_url: str | None = None,
     ):
         if on_overflow not in OVERFLOW_MODES:
             raise ValueError(f"on_overflow must be one of {OVERFLOW_MODES}, got {on_overflow!r}")
@@ -60,7 +62,7 @@ class InferenceClient:
             urls, api_key=api_key, admin_api_key=admin_api_key, connect_timeout=connect_timeout,
             read_timeout=read_timeout, retry_deadline=retry_deadline, backoff_base=backoff_base,
             backoff_max=backoff_max, probe_interval=probe_interval, weight_sync_timeout=weight_sync_timeout,
-            max_connections=max_connections)
+            max_connections=max_connections, admin_url=admin_url)
         self.completions = Completions(self, "/v1/completions")
         self.chat = Chat(self)
 
@@ -89,29 +91,67 @@ class InferenceClient:
         add_special_tokens: bool = True,
         return_text: bool = True,
         sampling_params: dict[str, Any] | None = None,
+        min_policy_version: int | None = None,
         allow_mixed_versions: bool | None = None,
         on_overflow: str | None = None,
     ) -> Sample:
         """Token in, token out through /inference/v1/generate. A string prompt is tokenized by the
         server (/tokenize), so ids and template always agree. max_tokens=None lets the completion run
-        to the end of the context. `sampling_params` adds or overrides any §2.1 field."""
+        to the end of the context. `sampling_params` adds or overrides any §2.1 field.
+        min_policy_version: a server still on an older policy answers 409 (ConflictError)."""
+        (sample,) = await self.generate_group(
+            prompt, token_ids, n=1, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+            min_p=min_p, stop=stop, stop_token_ids=stop_token_ids, seed=seed, session_id=session_id,
+            request_id=request_id, cache_salt=cache_salt, add_special_tokens=add_special_tokens,
+            return_text=return_text, sampling_params=sampling_params, min_policy_version=min_policy_version,
+            allow_mixed_versions=allow_mixed_versions, on_overflow=on_overflow)
+        return sample
+
+    async def generate_group(
+        self,
+        prompt: str | None = None,
+        token_ids: list[int] | None = None,
+        *,
+        n: int,
+        max_tokens: int | None = None,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        min_p: float = 0.0,
+        stop: str | list[str] | None = None,
+        stop_token_ids: list[int] | None = None,
+        seed: int | None = None,
+        session_id: str | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        add_special_tokens: bool = True,
+        return_text: bool = True,
+        sampling_params: dict[str, Any] | None = None,
+        min_policy_version: int | None = None,
+        allow_mixed_versions: bool | None = None,
+        on_overflow: str | None = None,
+    ) -> list[Sample]:
+        """`generate` with n samples of one prompt (a GRPO group) in one request: they share the
+        prompt's KV cache and come back in order, each a Sample (overflow: n empty ones)."""
         if (prompt is None) == (token_ids is None):
             raise ValueError("pass exactly one of prompt (a string) or token_ids")
         if token_ids is None:
             token_ids = await self.tokenize(prompt, add_special_tokens=add_special_tokens, session_id=session_id)
         params = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p, "logprobs": 0,
-                  "max_tokens": max_tokens, "stop": stop, "stop_token_ids": stop_token_ids, "seed": seed}
+                  "max_tokens": max_tokens, "stop": stop, "stop_token_ids": stop_token_ids, "seed": seed, "n": n}
         params = {k: v for k, v in params.items() if v is not None} | (sampling_params or {})
         body = _compact({"token_ids": list(token_ids), "sampling_params": params, "model": self.model,
-                         "request_id": request_id, "cache_salt": cache_salt})
+                         "request_id": request_id, "cache_salt": cache_salt, "min_policy_version": min_policy_version})
         try:
             data, ep = await self._generation("/inference/v1/generate", body, session_id, allow_mixed_versions)
         except ContextLengthExceeded as exc:
-            return self._overflow(exc, on_overflow)
-        choice = data["choices"][0]
-        ids = choice.get("token_ids") or []
-        text = await self.detokenize(ids, session_id=session_id) if return_text and ids else ""
-        return Sample.from_choice(choice, token_ids, text, ep.url)
+            return [self._overflow(exc, on_overflow) for _ in range(n)]
+        samples = []
+        for choice in sorted(data["choices"], key=lambda c: c["index"]):
+            ids = choice.get("token_ids") or []
+            text = await self.detokenize(ids, session_id=session_id) if return_text and ids else ""
+            samples.append(Sample.from_choice(choice, token_ids, text, ep.url))
+        return samples
 
     async def _chat(
         self,
@@ -130,6 +170,7 @@ class InferenceClient:
         request_id: str | None = None,
         cache_salt: str | None = None,
         extra_body: dict[str, Any] | None = None,
+        min_policy_version: int | None = None,
         allow_mixed_versions: bool | None = None,
         on_overflow: str | None = None,
     ) -> Sample:
@@ -138,7 +179,8 @@ class InferenceClient:
         body = _compact({"messages": messages, "tools": tools, "max_tokens": max_tokens, "temperature": temperature,
                          "top_p": top_p, "top_k": top_k, "min_p": min_p, "stop": stop, "seed": seed,
                          "chat_template_kwargs": chat_template_kwargs, "model": self.model, "request_id": request_id,
-                         "cache_salt": cache_salt, "logprobs": True, "return_token_ids": True}) | (extra_body or {})
+                         "cache_salt": cache_salt, "logprobs": True, "return_token_ids": True,
+                         "min_policy_version": min_policy_version}) | (extra_body or {})
         try:
             data, ep = await self._generation("/v1/chat/completions", body, session_id, allow_mixed_versions)
         except ContextLengthExceeded as exc:
@@ -242,7 +284,8 @@ class InferenceClient:
 
     async def metrics(self) -> dict[str, dict[str, Any]]:
         """Each endpoint's JSON status: current_policy_version, queue_depth, num_running, is_paused, ..."""
-        return _checked("metrics", await self.transport.broadcast("GET", "/metrics", params={"format": "json"}))
+        return _checked("metrics", await self.transport.broadcast("GET", "/metrics", params={"format": "json"},
+                                                                  admin=False))
 
     async def models(self) -> dict[str, Any]:
         data, _ = await self.transport.call("GET", "/v1/models")
@@ -261,7 +304,8 @@ class InferenceClient:
                 steps["update"] = results = await t.broadcast("POST", path, json=body)
                 for url, r in results.items():
                     if isinstance(r, dict) and isinstance(r.get("policy_version"), int):
-                        t.endpoint(url).committed(r["policy_version"])
+                        for ep in t.governed(url):
+                            ep.committed(r["policy_version"])
             finally:
                 if pause:
                     steps["resume"] = await self._resume_all()
@@ -275,7 +319,8 @@ class InferenceClient:
         results = await self.transport.broadcast("POST", "/resume")
         for url, r in results.items():
             if not isinstance(r, Exception):  # don't wait for the next probe to learn it
-                self.transport.endpoint(url).paused = False
+                for ep in self.transport.governed(url):
+                    ep.paused = False
         return results
 
     # ---- lifetime ------------------------------------------------------------------------------

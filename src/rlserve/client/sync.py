@@ -41,6 +41,9 @@ class SyncInferenceClient:
     def generate(self, *args: Any, **kwargs: Any) -> Sample:
         return self._run(self.aio.generate(*args, **kwargs))
 
+    def generate_group(self, *args: Any, **kwargs: Any) -> list[Sample]:
+        return self._run(self.aio.generate_group(*args, **kwargs))
+
     def tokenize(self, *args: Any, **kwargs: Any) -> list[int]:
         return self._run(self.aio.tokenize(*args, **kwargs))
 

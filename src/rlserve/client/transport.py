@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from rlserve.client.endpoints import Endpoint, Pool
+from rlserve.client.endpoints import Endpoint, Pool, normalize_url
 from rlserve.client.errors import EndpointUnavailable, RLServeError, WeightSyncTimeout, error_for
 
 # the connection broke or never formed: the endpoint is taken out until a probe brings it back
@@ -39,8 +39,11 @@ class Transport:
         probe_interval: float,
         weight_sync_timeout: float,
         max_connections: int,
+        admin_url: str | None = None,
     ):
         self.pool = Pool(base_urls, probe_interval)
+        # a deployment's admin address applies admin calls on every replica behind the base URL(s)
+        self.admin = Endpoint(normalize_url(admin_url)) if admin_url else None
         self.retry_deadline, self.weight_sync_timeout = retry_deadline, weight_sync_timeout
         self.backoff_base, self.backoff_max = backoff_base, backoff_max
         self._probe_timeout = httpx.Timeout(max(connect_timeout, 5.0), connect=connect_timeout)
@@ -143,12 +146,19 @@ class Transport:
     # ---- admin: every endpoint -----------------------------------------------------------------
 
     async def broadcast(self, method: str, path: str, *, json: dict[str, Any] | None = None,
-                        params: dict[str, str] | None = None) -> dict[str, Any]:
-        """Send to every endpoint (down ones too), each with its own retries; maps URL to the decoded
-        answer or the exception it ended with."""
+                        params: dict[str, str] | None = None, admin: bool = True) -> dict[str, Any]:
+        """Send to every endpoint (down ones too), or to the admin address when there is one, each with
+        its own retries; maps URL to the decoded answer or the exception it ended with."""
+        targets = [self.admin] if admin and self.admin is not None else self.pool.endpoints
         results = await asyncio.gather(
-            *(self._admin_call(ep, method, path, json, params) for ep in self.pool.endpoints), return_exceptions=True)
-        return {ep.url: r for ep, r in zip(self.pool.endpoints, results, strict=True)}
+            *(self._admin_call(ep, method, path, json, params) for ep in targets), return_exceptions=True)
+        return {ep.url: r for ep, r in zip(targets, results, strict=True)}
+
+    def governed(self, url: str) -> list[Endpoint]:
+        """The endpoints an admin answer from `url` speaks for."""
+        if self.admin is not None and url == self.admin.url:
+            return self.pool.endpoints
+        return [self.endpoint(url)]
 
     async def _admin_call(self, ep: Endpoint, method: str, path: str, json: dict[str, Any] | None,
                           params: dict[str, str] | None) -> Any:
@@ -207,8 +217,12 @@ class Transport:
                 ep.went_down()
                 return
             m = await self.http.get(f"{ep.url}/metrics", params={"format": "json"}, timeout=self._probe_timeout)
+            if m.status_code == 200 and "json" not in m.headers.get("content-type", ""):
+                # vllm-router drops the query: ask a worker behind it for the same figures
+                m = await self.http.get(f"{ep.url}/get_server_info", timeout=self._probe_timeout)
             state = m.json() if m.status_code == 200 else {}
             state = state if isinstance(state, dict) else {}
+            state.setdefault("current_policy_version", state.get("policy_version", ep.policy_version))
             ep.probed(int(state.get("current_policy_version", ep.policy_version)), bool(state.get("is_paused", False)))
         except (httpx.TransportError, ValueError):
             ep.went_down()

@@ -15,7 +15,8 @@ from rlserve import weight_transfer
 class WeightBroadcaster:
     """Push named tensors into running servers without touching disk.
 
-    connect() asks every server to join a group (gloo on CPU, NCCL on CUDA) and joins it as rank 0;
+    connect() asks every server (or deployment admin address: all its replicas) to join a group (gloo
+    on CPU, NCCL on CUDA) and joins it as rank 0;
     push() broadcasts the tensors in large buckets while each server's /update_weights call is
     open, and returns the servers' new policy versions (bumped once per push).
     """
@@ -37,10 +38,14 @@ class WeightBroadcaster:
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(server_urls)))
 
     def connect(self) -> None:
-        n = len(self.server_urls)
-        for i, url in enumerate(self.server_urls):
-            body = {"host": self.host, "port": self.port, "rank_offset": i, "inference_world_size": n, "timeout": self.timeout_s}
+        # a deployment's admin address stands for all its replicas: it says how many ranks it takes
+        sizes = [self._http.get(f"{url}/get_world_size").json()["world_size"] for url in self.server_urls]
+        n, offset = sum(sizes), 0
+        for url, size in zip(self.server_urls, sizes):
+            body = {"host": self.host, "port": self.port, "rank_offset": offset, "inference_world_size": n,
+                    "timeout": self.timeout_s}
             self._http.post(f"{url}/init_broadcaster", json=body).raise_for_status()
+            offset += size
         weight_transfer.init_group(self.host, self.port, 0, n + 1, self.timeout_s)
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None) -> list[int]:

@@ -111,6 +111,11 @@ class AsyncEngine:
 
     # ---- control plane: every mutation lands between two engine steps ----------------------
 
+    @property
+    def updating(self) -> bool:
+        """A weight update is being staged or committed."""
+        return self._update_lock.locked()
+
     async def pause(self, mode: str = "keep") -> int:
         """keep: freeze in-flight requests; abort: finish them now; wait: let them finish first.
         New requests are queued in every mode. Returns how many requests were aborted."""
@@ -135,11 +140,16 @@ class AsyncEngine:
         self.paused = paused
         return result
 
-    async def update_weights_from_dir(self, weight_dir: str, roots: list[str], weight_version: str | None = None) -> int:
-        """Read and validate off the engine thread, then swap between two steps. Returns the new version."""
+    async def update_weights_from_dir(
+        self, weight_dir: str, roots: list[str], weight_version: str | None = None, started: asyncio.Event | None = None
+    ) -> int:
+        """Read and validate off the engine thread, then swap between two steps. Returns the new version.
+        `started` is set once this update holds the update lock: cancelling before then changes nothing."""
         path = check_under_roots(weight_dir, roots)
         async with self._update_lock:
-            staged = await asyncio.to_thread(stage_from_dir, self.engine.model, path, self._staging)
+            if started is not None:
+                started.set()
+            staged = await asyncio.to_thread(stage_from_dir, self.engine.model, path, self._staging, roots)
             return await self.call(lambda e: e.commit_weights(staged, weight_version))
 
     async def init_broadcaster(self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 300.0) -> None:
@@ -152,7 +162,9 @@ class AsyncEngine:
             asyncio.to_thread(weight_transfer.init_group, host, port, rank, world_size, timeout_s)
         )
 
-    async def update_weights_from_broadcast(self, weight_version: str | None = None) -> int:
+    async def update_weights_from_broadcast(
+        self, weight_version: str | None = None, started: asyncio.Event | None = None
+    ) -> int:
         """Receive one push from the trainer (all of it, even if invalid, so the group stays in
         step), validate, then swap between two steps. Returns the new version."""
         from rlserve import weight_transfer
@@ -162,6 +174,8 @@ class AsyncEngine:
         await self._group
         device = "cuda" if self.engine.device.type == "cuda" else "cpu"
         async with self._update_lock:
+            if started is not None:
+                started.set()
             received = await asyncio.to_thread(weight_transfer.receive, device, self._staging)
             staged = stage(self.engine.model, received, "broadcast", require_all=False)
             return await self.call(lambda e: e.commit_weights(staged, weight_version))

@@ -387,13 +387,14 @@ class Engine:
         probe = self.detectors.probe(logits, sampling_rows) if self.detectors.active else None
         result = self.sampler(logits, sampling_rows)
         now = time.monotonic()
+        for req in forking:  # before sample 0 can finish (its first token may stop it) and release the prompt
+            for sibling in req.seqs[1:]:
+                self.scheduler.fork(req.seqs[0], sibling)
         for r, seq in enumerate(rows_seqs):
             req = seq.request
-            if seq.index > 0 and not req.forked:
-                self.scheduler.fork(req.seqs[0], seq)
             touched[id(req)] = req
             token = result.token_ids[r]
-            seq.append_token(token, self.policy_version)
+            seq.append_token(token, self.policy_version, self.weight_version)
             self.generation_tokens += 1
             if seq.logprobs is not None:
                 seq.logprobs.append(result.logprobs[r])

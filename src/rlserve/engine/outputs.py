@@ -12,11 +12,12 @@ FinishReason = Literal["stop", "length", "abort"]
 
 @dataclass(slots=True)
 class VersionSpan:
-    """Completion tokens [start, end) were produced under `policy_version`."""
+    """Completion tokens [start, end) were produced under `policy_version`, then labelled `weight_version`."""
 
     policy_version: int
     start: int
     end: int
+    weight_version: str = "default"
 
 
 @dataclass(slots=True)
@@ -44,6 +45,10 @@ class CompletionOutput:
     @property
     def policy_version(self) -> int | None:
         return self.version_spans[-1].policy_version if self.version_spans else None
+
+    @property
+    def weight_version(self) -> str | None:
+        return self.version_spans[-1].weight_version if self.version_spans else None
 
 
 @dataclass(slots=True)

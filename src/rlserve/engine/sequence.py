@@ -97,14 +97,14 @@ class Sequence:
     def is_prefill(self) -> bool:
         return self.num_uncomputed > 1
 
-    def append_token(self, token: int, policy_version: int) -> None:
+    def append_token(self, token: int, policy_version: int, weight_version: str = "default") -> None:
         self.token_ids.append(token)
         n = self.num_output_tokens
         spans = self.version_spans
-        if spans and spans[-1].policy_version == policy_version:
+        if spans and spans[-1].policy_version == policy_version and spans[-1].weight_version == weight_version:
             spans[-1].end = n
         else:
-            spans.append(VersionSpan(policy_version, n - 1, n))
+            spans.append(VersionSpan(policy_version, n - 1, n, weight_version))
 
     def output(self) -> CompletionOutput:
         finished = self.status is Status.FINISHED
@@ -116,6 +116,6 @@ class Sequence:
             top_logprobs=list(self.top_logprobs) if self.top_logprobs is not None else None,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
-            version_spans=[VersionSpan(s.policy_version, s.start, s.end) for s in self.version_spans],
+            version_spans=[VersionSpan(s.policy_version, s.start, s.end, s.weight_version) for s in self.version_spans],
             routed_experts=self.routed_experts,
         )

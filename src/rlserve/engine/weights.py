@@ -6,7 +6,6 @@ parameters, a repack of their CPU packed copies, the version bump) runs between 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +13,8 @@ from pathlib import Path
 import torch
 
 from rlserve.model.llama import CausalLM
-from rlserve.model.loader import (
+from rlserve.model.loader import (  # noqa: F401  (check_under_roots: re-exported for callers)
+    check_under_roots,
     checkpoint_shapes,
     ignorable,
     pushable_shapes,
@@ -36,17 +36,6 @@ class StagedWeights:
     source: str
 
 
-def check_under_roots(path: str, roots: list[str]) -> Path:
-    """Refuse any path that does not resolve (symlinks included) inside one of the configured roots."""
-    resolved = Path(os.path.realpath(path))
-    for root in roots:
-        if resolved.is_relative_to(Path(os.path.realpath(root))):
-            return resolved
-    raise PermissionError(
-        f"{path!r} is outside the configured weight roots {roots}: add its parent to weights.roots"
-    )
-
-
 class StagingBuffers:
     """Byte buffers reused from one update to the next: fresh memory costs a page fault per 4 KiB,
     as much as the copy itself. Callers serialise updates (one staged update at a time)."""
@@ -61,12 +50,15 @@ class StagingBuffers:
         return buf[:nbytes]
 
 
-def stage_from_dir(model: CausalLM, weight_dir: Path, buffers: StagingBuffers | None = None) -> StagedWeights:
+def stage_from_dir(
+    model: CausalLM, weight_dir: Path, buffers: StagingBuffers | None = None, roots: list[str] | None = None
+) -> StagedWeights:
+    """Every file read resolves under `roots` (PermissionError otherwise) and is a regular file."""
     if not weight_dir.is_dir():
         raise FileNotFoundError(f"weight_dir {str(weight_dir)!r} does not exist")
     try:
-        files = safetensors_files(weight_dir)
-    except ValueError as exc:
+        files = safetensors_files(weight_dir, roots)
+    except (ValueError, KeyError, TypeError) as exc:
         raise WeightUpdateError(str(exc)) from None
     try:
         tensors = dict(read_safetensors_whole(files, buffers))

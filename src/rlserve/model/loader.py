@@ -6,6 +6,7 @@ import json
 import math
 import os
 import re
+import stat
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -56,15 +57,53 @@ def resolve_model_dir(name: str | None) -> Path:
         ) from None
 
 
-def safetensors_files(model_dir: Path) -> list[Path]:
+def check_under_roots(path: str | Path, roots: list[str]) -> Path:
+    """Refuse any path that does not resolve (symlinks included) inside one of the configured roots."""
+    resolved = Path(os.path.realpath(path))
+    for root in roots:
+        if resolved.is_relative_to(Path(os.path.realpath(root))):
+            return resolved
+    raise PermissionError(
+        f"{str(path)!r} is outside the configured weight roots {roots}: add its parent to weight_roots"
+    )
+
+
+def checked_file(path: Path, roots: list[str] | None = None) -> Path:
+    """`path` resolved; PermissionError outside the roots, ValueError unless it is a regular file
+    (a FIFO or device would block the reader forever; a broken symlink has nothing to read)."""
+    resolved = check_under_roots(path, roots) if roots is not None else path
+    try:
+        mode = os.stat(resolved).st_mode
+    except FileNotFoundError:
+        raise ValueError(f"{path} is missing (a broken symlink?)") from None
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"{path} is not a regular file")
+    return resolved
+
+
+def read_regular(path: Path) -> bytes:
+    """The whole file; opened without blocking so a FIFO swapped in after checked_file cannot hang us."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    with open(fd, "rb", buffering=0) as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path} is not a regular file")
+        return fh.read()
+
+
+def safetensors_files(model_dir: Path, roots: list[str] | None = None) -> list[Path]:
+    """The checkpoint's files, each a regular file under `roots` (when given) after resolving symlinks."""
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_dir / s for s in shards]
+        index = checked_file(index, roots)
+        shards = sorted(set(json.loads(read_regular(index))["weight_map"].values()))
+        for shard in shards:
+            if Path(shard).is_absolute() or ".." in Path(shard).parts:
+                raise ValueError(f"{index} names shard {shard!r}: shards must be files inside {model_dir}")
+        return [checked_file(model_dir / s, roots) for s in shards]
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{model_dir} holds no *.safetensors files")
-    return files
+    return [checked_file(f, roots) for f in files]
 
 
 def read_safetensors(files: Iterable[Path], device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
@@ -87,9 +126,13 @@ def read_safetensors_whole(files: Iterable[Path], buffer=None) -> Iterator[tuple
     faster than faulting in a memory map page by page. `buffer(i, nbytes)` may hand out reused
     memory for file i. Raises ValueError on a malformed file."""
     for i, f in enumerate(files):
-        size = f.stat().st_size
-        buf = buffer(i, size) if buffer is not None else torch.empty(size, dtype=torch.uint8)
-        with open(f, "rb", buffering=0) as fh:
+        fd = os.open(f, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with open(fd, "rb", buffering=0) as fh:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise ValueError(f"{f}: not a regular file")
+            size = info.st_size
+            buf = buffer(i, size) if buffer is not None else torch.empty(size, dtype=torch.uint8)
             if fh.readinto(memoryview(buf.numpy())) != size:
                 raise ValueError(f"{f}: short read")
         if size < 8:

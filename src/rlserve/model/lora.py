@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load
 
 from rlserve.model.llama import ModelShape
+from rlserve.model.loader import checked_file, read_regular
 
 # PEFT module name -> (our fused projection, index of the slice)
 MODULES = {
@@ -58,20 +60,29 @@ def slice_of(shape: ModelShape, module: str) -> tuple[int, int]:
     return start, dims[module][1]
 
 
-def load_peft_adapter(name: str, path: Path, shape: ModelShape, dtype: torch.dtype, device: torch.device) -> LoraAdapter:
+def load_peft_adapter(
+    name: str, path: Path, shape: ModelShape, dtype: torch.dtype, device: torch.device, roots: list[str] | None = None
+) -> LoraAdapter:
+    """Both files must be regular files resolving under `roots` (PermissionError otherwise)."""
     config_file, weights_file = path / "adapter_config.json", path / "adapter_model.safetensors"
-    if not config_file.exists() or not weights_file.exists():
+    if not os.path.lexists(config_file) or not os.path.lexists(weights_file):
         raise FileNotFoundError(f"{path} needs adapter_config.json and adapter_model.safetensors (PEFT layout)")
     try:
-        cfg = json.loads(config_file.read_text())
+        cfg = json.loads(read_regular(checked_file(config_file, roots)))
         r, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
     except (ValueError, KeyError, TypeError) as exc:
         raise AdapterError(f"{config_file}: not a LoRA adapter config ({exc})") from None
+    if r < 1 or not math.isfinite(alpha):
+        raise AdapterError(
+            f"{config_file}: r must be a positive integer and lora_alpha a finite number, got r={r}, lora_alpha={alpha}"
+        )
     if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
         raise AdapterError(f"{config_file}: rank_pattern / alpha_pattern are not supported")
     scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
     try:
-        tensors = load_file(str(weights_file))
+        tensors = load(read_regular(checked_file(weights_file, roots)))
+    except PermissionError:
+        raise
     except Exception as exc:
         raise AdapterError(f"cannot read {weights_file}: {exc}") from None
     dims = module_dims(shape)
@@ -95,6 +106,10 @@ def load_peft_adapter(name: str, path: Path, shape: ModelShape, dtype: torch.dty
                 f"{weights_file}: layer {layer} {module} has A {list(a.shape)} B {list(b.shape)}, "
                 f"expected A {[r, fan_in]} B {[fan_out, r]}"
             )
+        if not (a.is_floating_point() and b.is_floating_point()):
+            raise AdapterError(f"{weights_file}: layer {layer} {module}: LoRA weights must be floating point")
+        if not (torch.isfinite(a.sum()) and torch.isfinite(b.sum())):  # NaN and inf survive a sum
+            raise AdapterError(f"{weights_file}: layer {layer} {module} contains NaN or infinite values")
         weights[(layer, module)] = (a.to(device, dtype), (b.float() * scaling).to(device, dtype))
     if not weights:
         raise AdapterError(f"{weights_file}: no LoRA tensors")

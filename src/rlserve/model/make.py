@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -20,13 +21,21 @@ import torch
 from safetensors import safe_open
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-# Bump whenever the generator's output changes, so cached default models are rebuilt.
-FORMAT_VERSION = 1
+# Bump whenever the generator's output changes; the default model's cache folder also carries a
+# hash of this file (default_model_dir), so an edit here never reuses a stale build.
+FORMAT_VERSION = 2
 TOKENIZER_SIZE = 2048
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Like Qwen3: single ids that are never split, but kept in the text when special tokens are
 # skipped, so reasoning and tool-call parsers still see them in decoded output.
 MARKUP_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
+# The rest of Qwen3's added tokens, so renderers written for Qwen3 (verifiers') accept this
+# tokenizer. They take the ids just below the ones above, which stay where they were.
+QWEN3_SPECIAL_TOKENS = ["<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>", "<|box_end|>",
+                        "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>",
+                        "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
+QWEN3_MARKUP_TOKENS = ["<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>",
+                       "<|file_sep|>", "<tool_response>", "</tool_response>"]
 EOS_TOKEN, PAD_TOKEN = "<|im_end|>", "<|endoftext|>"
 # Tied embeddings: logits = embedding @ rms_normed_hidden, so their std is about
 # embed_std * sqrt(hidden): peaked enough for stable greedy ties, flat enough to sample from.
@@ -189,19 +198,24 @@ CHAT_TEMPLATE = """\
 """
 
 
+_ADDED_TOKENS = [(QWEN3_SPECIAL_TOKENS, True), (QWEN3_MARKUP_TOKENS, False), (SPECIAL_TOKENS, True),
+                 (MARKUP_TOKENS, False)]
+
+
 def build_tokenizer() -> Tokenizer:
     """Byte-level BPE trained on CORPUS: any string round-trips, English compresses."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=TOKENIZER_SIZE - len(SPECIAL_TOKENS) - len(MARKUP_TOKENS),
+        vocab_size=TOKENIZER_SIZE - sum(len(tokens) for tokens, _ in _ADDED_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator([CORPUS], trainer)
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKUP_TOKENS])
+    for tokens, special in _ADDED_TOKENS:
+        added = [AddedToken(t, special=special, normalized=False) for t in tokens]
+        tok.add_special_tokens(added) if special else tok.add_tokens(added)
     assert tok.get_vocab_size() == TOKENIZER_SIZE, "CORPUS too small for the target vocabulary"
     return tok
 
@@ -320,7 +334,8 @@ def _write_model(d: Path, preset: str, seed: int) -> None:
         "chat_template": CHAT_TEMPLATE,
     })
     _write_json(d / "special_tokens_map.json", {
-        "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN, "additional_special_tokens": SPECIAL_TOKENS})
+        "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN,
+        "additional_special_tokens": SPECIAL_TOKENS + QWEN3_SPECIAL_TOKENS})
     gen = torch.Generator().manual_seed(seed)
     shapes = param_shapes(cfg)
     tensors = (_init_tensor(n, s, cfg["hidden_size"], gen) for n, s in shapes)
@@ -373,8 +388,13 @@ def cache_root() -> Path:
 
 
 def default_model_dir() -> Path:
-    """The embedded tiny model, built once into $RLSERVE_CACHE_DIR (or ~/.cache/rlserve)."""
-    return make_model("tiny", cache_root() / "models" / f"tiny-v{FORMAT_VERSION}")
+    """The embedded tiny model, built once into $RLSERVE_CACHE_DIR (or ~/.cache/rlserve) under a
+    name that changes with this file, so a changed generator never serves an old build."""
+    return make_model("tiny", cache_root() / "models" / f"tiny-v{FORMAT_VERSION}-{generator_hash()}")
+
+
+def generator_hash() -> str:
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
 
 
 def make_model_main(argv: list[str] | None = None) -> int:

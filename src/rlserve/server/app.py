@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import importlib.metadata
+import ipaddress
 import logging
 import signal
 import socket
 import sys
+import time
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
@@ -16,8 +19,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rlserve.config import Config
-from rlserve.engine.async_engine import AsyncEngine
-from rlserve.server import chat, completions, control, generate, responses, tokenization
+from rlserve.engine.async_engine import AsyncEngine, EngineDeadError
+from rlserve.engine.engine import Engine
+from rlserve.server import (chat, completions, control, deployment_guard, generate, responses, tokenization,
+                            vllm_weights, worker_routes)
 from rlserve.server.chat_template import load_template
 from rlserve.server.errors import APIError, install_error_handlers
 from rlserve.server.limits import BodyGuard
@@ -46,10 +51,12 @@ def build_app(engine: AsyncEngine, config: Config) -> FastAPI:
     install_error_handlers(app)
     install_openapi(app, _schema_limits(engine, config))
     for r in (router, completions.router, chat.router, tokenization.router, generate.router, control.router,
-              responses.router):
+              responses.router, worker_routes.router, vllm_weights.router):
         app.include_router(r)
     app.add_middleware(BodyGuard, max_body_bytes=config.server.max_body_bytes)
-    app.add_middleware(Gate, api_key=config.server.api_key, admin_api_key=config.server.admin_api_key)
+    app.add_middleware(Gate, api_key=config.server.api_key, admin_api_key=config.server.admin_api_key,
+                       state=app.state.rlserve)
+    deployment_guard.install(app)
     return app
 
 
@@ -66,10 +73,11 @@ def _schema_limits(engine: AsyncEngine, config: Config) -> dict[str, int]:
 class Gate:
     """Drops a trailing slash before routing (TRL legacy uses them; no redirects) and checks keys:
     admin routes need admin_api_key when it is set; every other non-public route needs api_key
-    (the admin key is accepted there too)."""
+    (the admin key is accepted there too). While shutting down, new work gets 503."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, admin_api_key: str | None = None):
-        self.app, self.api_key, self.admin_api_key = app, api_key, admin_api_key
+    def __init__(self, app: ASGIApp, api_key: str | None, admin_api_key: str | None = None,
+                 state: ServerState | None = None):
+        self.app, self.api_key, self.admin_api_key, self.state = app, api_key, admin_api_key, state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -86,6 +94,11 @@ class Gate:
             if allowed and not self._authorized(scope, allowed):
                 await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
                 return
+            # admin routes stay open so a trainer can still resume or abort what is held
+            if self.state is not None and self.state.draining and path not in control.ADMIN_PATHS | {"/metrics"}:
+                error = APIError(503, "the server is shutting down: send new requests to another replica")
+                await JSONResponse(error.body(), status_code=503, headers={"Retry-After": "1"})(scope, receive, send)
+                return
         await self.app(scope, receive, send)
 
     @staticmethod
@@ -94,7 +107,8 @@ class Gate:
             if key == b"authorization":
                 scheme, _, token = value.decode("latin-1").partition(" ")
                 token = token.strip().encode()
-                return scheme.lower() == "bearer" and any(hmac.compare_digest(token, k.encode()) for k in keys)
+                matches = [hmac.compare_digest(token, k.encode()) for k in keys]  # no early exit: constant time
+                return scheme.lower() == "bearer" and any(matches)
         return False
 
 
@@ -158,7 +172,9 @@ async def metrics(request: Request) -> Response:
 
 
 def serve(config: Config) -> None:
-    """Load the engine, bind host:port (0 = any free port), log the URL, and serve until stopped."""
+    """Load the engine, bind host:port (0 = any free port), log the URL, and serve until SIGTERM/SIGINT,
+    then drain (see DrainingServer)."""
+    check_admin_exposure(config)
     logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # the engine thread runs Python between its torch ops: hand the GIL over sooner than every 5 ms
     sys.setswitchinterval(0.0005)
@@ -176,16 +192,12 @@ def serve(config: Config) -> None:
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
         print(f"rlserve: serving {served_model_name(config)} on {url}", flush=True)
         log.info("serving %s on %s", served_model_name(config), url)
-        server = uvicorn.Server(uvicorn.Config(app, log_level=config.server.log_level, timeout_graceful_shutdown=5))
-        # uvicorn re-raises SIGTERM once it has shut down: leave through `finally` so the engine cleans up
-        signal.signal(signal.SIGTERM, _exit_on_sigterm)
-        server.run(sockets=[sock])
+        grace = config.server.shutdown_grace_s
+        # uvicorn's own grace covers writing the responses of requests aborted at the end of ours
+        uv_config = uvicorn.Config(app, log_level=config.server.log_level, timeout_graceful_shutdown=int(grace) + 5)
+        DrainingServer(uv_config, app.state.rlserve, grace).run(sockets=[sock])
     finally:
         engine.shutdown()
-
-
-def _exit_on_sigterm(signum: int, frame) -> None:
-    raise SystemExit(0)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -196,3 +208,63 @@ def _bind(host: str, port: int) -> socket.socket:
     sock.bind(address)
     sock.set_inheritable(True)
     return sock
+
+
+def check_admin_exposure(config: Config) -> None:
+    """Admin routes replace what every user is served: off loopback they need a key or an explicit opt-out."""
+    server = config.server
+    if server.admin_api_key or server.allow_open_admin or _is_loopback(server.host):
+        return
+    raise SystemExit(
+        f"rlserve: error: server.host {server.host!r} is reachable from other machines and server.admin_api_key "
+        "is not set, so anyone could replace the served weights: set --server.admin_api_key KEY, bind "
+        "--server.host 127.0.0.1, or pass --server.allow_open_admin true to serve admin routes without a key"
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:  # a host name: loopback only if every address it names is
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
+
+
+class DrainingServer(uvicorn.Server):
+    """SIGTERM or SIGINT: new requests get 503 (health too, so routers move on), in-flight requests
+    run for up to `grace_s`, then the rest are aborted (finish_reason "abort") and the server exits 0.
+    A second signal stops at once."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, grace_s: float):
+        super().__init__(config)
+        self.state, self.grace_s = state, grace_s
+        self._drain: asyncio.Task | None = None
+
+    def handle_exit(self, sig: int, frame) -> None:  # no re-raise of the signal afterwards: exit 0
+        if self.state.draining:
+            self.should_exit = True
+            self.force_exit = sig == signal.SIGINT
+        self.state.draining = True
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.state.draining and self._drain is None:
+            log.info("shutting down: refusing new requests, %.0f s for in-flight ones", self.grace_s)
+            self._drain = asyncio.ensure_future(self._drain_engine())
+        return await super().on_tick(counter)
+
+    async def _drain_engine(self) -> None:
+        engine = self.state.engine
+        deadline = time.monotonic() + self.grace_s
+        try:
+            while time.monotonic() < deadline and await engine.call(Engine.has_unfinished):
+                await asyncio.sleep(0.05)
+            aborted = await engine.call(Engine.abort_all)
+            if aborted:
+                log.warning("shutdown grace period over: aborted %d request(s)", aborted)
+        except EngineDeadError:
+            pass
+        self.should_exit = True

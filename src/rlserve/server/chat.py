@@ -34,6 +34,7 @@ from rlserve.server.serving import (
     request_id,
     rid_header,
     run_to_end,
+    sampled_first,
     sampling_params,
     sse,
     sse_stream,
@@ -147,7 +148,8 @@ def _logprobs(ctx: Ctx, o: CompletionOutput, start: int) -> dict[str, list] | No
     for j in range(start, len(o.token_ids)):
         entry = _logprob_entry(state, o.token_ids[j], o.logprobs[j], as_ids)
         top = o.top_logprobs[j] if o.top_logprobs else {}
-        entry["top_logprobs"] = [_logprob_entry(state, t, lp, as_ids) for t, lp in top.items()]
+        pairs = sampled_first(o.token_ids[j], o.logprobs[j], top)
+        entry["top_logprobs"] = [_logprob_entry(state, t, lp, as_ids) for t, lp in pairs]
         content.append(entry)
     return {"content": content}
 

@@ -7,8 +7,10 @@ each committed one bumps policy_version and the prefix-cache generation.
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
 import tempfile
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from fastapi import APIRouter, Request
@@ -16,6 +18,7 @@ from fastapi.responses import PlainTextResponse, Response
 
 from rlserve.engine.weights import WeightUpdateError, check_under_roots
 from rlserve.model.lora import AdapterError, load_peft_adapter
+from rlserve.server import vllm_weights
 from rlserve.server.errors import APIError, bad_request
 from rlserve.server.openapi import documented
 from rlserve.server.protocol_control import (
@@ -30,8 +33,10 @@ from rlserve.server.protocol_control import (
     UpdateWeightsRequest,
     UpdateWeightVersionRequest,
 )
-from rlserve.server.serving import ServerState, json_body
+from rlserve.server.serving import ClientGone, ServerState, json_body, until_disconnected
+from rlserve.server.uploads import capped, write_uploaded_adapter
 
+log = logging.getLogger(__name__)
 router = APIRouter()
 
 # routes that need server.admin_api_key when it is set
@@ -40,7 +45,7 @@ ADMIN_PATHS = frozenset({
     "/load_lora_adapter", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/load_adapter", "/upload_adapter",
     "/update_weights_from_disk", "/pause_generation", "/continue_generation", "/flush_cache", "/abort_request",
     "/update_weight_version",
-})
+}) | vllm_weights.ADMIN_PATHS
 
 
 def _state(request: Request) -> ServerState:
@@ -54,21 +59,58 @@ def _under_roots(state: ServerState, path: str, field: str) -> Path:
         raise APIError(403, str(exc), param=field) from None
 
 
-async def _update_from_dir(state: ServerState, weight_dir: str, field: str, label: str | None) -> int:
+async def _update_from_dir(request: Request, state: ServerState, weight_dir: str, field: str, label: str | None) -> int:
     path = _under_roots(state, weight_dir, field)
     if not path.is_dir():
         raise APIError(404, f"{field} {weight_dir!r} does not exist", param=field)
-    # trainers retry updates on timeouts: the same unchanged directory again is a no-op
-    fingerprint = (str(path), tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(path.glob("*"))))
+    # trainers retry updates on timeouts: the same unchanged directory under the same label is a no-op
     engine = state.engine.engine
-    if state.last_update == (fingerprint, engine.policy_version):
+    fingerprint = _fingerprint(path)
+    if state.last_update == (fingerprint, engine.policy_version) and label in (None, engine.weight_version):
         return engine.policy_version
     try:
-        version = await state.engine.update_weights_from_dir(str(path), state.config.weight_roots, label)
+        version = await _unless_abandoned(
+            request, lambda started: state.engine.update_weights_from_dir(str(path), state.config.weight_roots, label, started)
+        )
+    except PermissionError as exc:
+        raise APIError(403, str(exc), param=field) from None
     except WeightUpdateError as exc:
         raise bad_request(f"{exc}; the previous weights keep serving", field) from None
     state.last_update = (fingerprint, version)
     return version
+
+
+def _fingerprint(path: Path) -> tuple:
+    entries = []
+    for f in sorted(path.iterdir()):
+        try:
+            info = f.stat()
+        except OSError:  # a broken symlink: the update itself says what is wrong
+            info = f.lstat()
+        entries.append((f.name, info.st_size, info.st_mtime_ns))
+    return str(path), tuple(entries)
+
+
+async def _unless_abandoned(request: Request, update: Callable[[asyncio.Event], Awaitable[int]]) -> int:
+    """Run a weight update; if its caller disconnects while it still waits for an earlier update, it
+    is dropped and never applied. Once it holds the update lock it runs to the end, and its caller
+    can read the outcome from GET /get_weight_version."""
+    started = asyncio.Event()
+    task = asyncio.ensure_future(update(started))
+    try:
+        return await until_disconnected(request, asyncio.shield(task))
+    except ClientGone:
+        if not started.is_set():
+            task.cancel()
+            log.warning("weight update dropped: its caller left before it started")
+        else:
+            log.warning("weight update goes on without its caller; GET /get_weight_version reports the outcome")
+            _background.add(task)
+            task.add_done_callback(_background.discard)
+        raise APIError(499, "the caller disconnected", type="ClientClosedRequest") from None
+
+
+_background: set[asyncio.Task] = set()  # updates whose callers left mid-way: keep a reference until done
 
 
 def _label(body: dict) -> str | None:
@@ -78,26 +120,32 @@ def _label(body: dict) -> str | None:
 
 @router.post("/update_weights", openapi_extra=documented(UpdateWeightsRequest))
 async def update_weights(request: Request) -> dict:
-    """prime-rl {"weight_dir"} (null = receive a trainer push), NexRL {"weight_path"}; §2.0 dispatch."""
+    """prime-rl {"weight_dir"} (null = receive a trainer push), NexRL {"weight_path"}, vLLM
+    {"update_info"} (vllm_weights); §2.0 dispatch."""
     state, body = _state(request), await json_body(request, UpdateWeightsRequest)
     if "update_info" in body:
-        raise bad_request("vLLM's update_info weight transfer is not supported; use /init_broadcaster", "update_info")
+        if not isinstance(body["update_info"], dict):
+            raise bad_request("update_info must be an object {names, dtype_names, shapes}", "update_info")
+        return await vllm_weights.receive_update(request, body["update_info"], _label(body))
     if "weight_path" in body:
         path = Path(str(body["weight_path"]))
         if (path / "adapter_config.json").exists():
             version = await _load_adapter(state, str(body.get("model_name") or path.name), str(path), "weight_path")
         else:
-            version = await _update_from_dir(state, str(path), "weight_path", _label(body))
+            version = await _update_from_dir(request, state, str(path), "weight_path", _label(body))
         return {"status": "ok", "policy_version": version}
     if body.get("weight_dir") is None:
         try:
-            version = await state.engine.update_weights_from_broadcast(_label(body))
+            label = _label(body)
+            version = await _unless_abandoned(
+                request, lambda started: state.engine.update_weights_from_broadcast(label, started)
+            )
         except RuntimeError as exc:
             raise APIError(409, str(exc)) from None
         except WeightUpdateError as exc:
             raise bad_request(f"{exc}; the previous weights keep serving") from None
         return {"status": "ok", "policy_version": version}
-    version = await _update_from_dir(state, str(body["weight_dir"]), "weight_dir", _label(body))
+    version = await _update_from_dir(request, state, str(body["weight_dir"]), "weight_dir", _label(body))
     return {"status": "ok", "policy_version": version}
 
 
@@ -175,9 +223,15 @@ async def reset_prefix_cache(request: Request) -> dict:
 
 async def _load_adapter(state: ServerState, name: str, path: str, field: str) -> int:
     resolved = _under_roots(state, path, field)
+    return await _add_adapter(state, name, resolved, field, state.config.weight_roots)
+
+
+async def _add_adapter(state: ServerState, name: str, path: Path, field: str | None, roots: list[str]) -> int:
     engine = state.engine.engine
     try:
-        adapter = await asyncio.to_thread(load_peft_adapter, name, resolved, engine.shape, engine.dtype, engine.device)
+        adapter = await asyncio.to_thread(load_peft_adapter, name, path, engine.shape, engine.dtype, engine.device, roots)
+    except PermissionError as exc:
+        raise APIError(403, str(exc), param=field) from None
     except FileNotFoundError as exc:
         raise APIError(404, str(exc), param=field) from None
     except AdapterError as exc:
@@ -243,23 +297,25 @@ MLX_ADAPTER = "mlx-adapter"
 
 @router.post("/upload_adapter")
 async def upload_adapter(request: Request) -> dict:
-    """Multipart `adapter_weights` (MLX layout: lora_a [in, r], lora_b [r, out]) + `adapter_config`."""
+    """Multipart `adapter_weights` (safetensors) + `adapter_config` (JSON): MLX layout (lora_a [in, r],
+    lora_b [r, out], `lora_parameters`) or PEFT layout (`r`, `lora_alpha`, lora_A/lora_B tensors).
+    Client file names are never used as paths; nothing is unpickled; the body is capped."""
     state = _state(request)
-    form = await request.form()
+    cap = state.config.server.max_upload_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > cap:
+        raise APIError(413, f"upload of {declared} bytes exceeds server.max_upload_bytes ({cap})")
+    form = await capped(request, cap).form(max_files=2, max_fields=2)
     weights, config = form.get("adapter_weights"), form.get("adapter_config")
     if weights is None or config is None or isinstance(weights, str) or isinstance(config, str):
         raise bad_request("upload adapter_weights and adapter_config as multipart files")
-    root = Path(state.config.weight_roots[0]).resolve() / ".rlserve-uploads"
-    root.mkdir(parents=True, exist_ok=True)
-    target = Path(tempfile.mkdtemp(dir=root))
+    weights_bytes, config_bytes = await weights.read(), await config.read()
+    await form.close()
+    target = Path(tempfile.mkdtemp(prefix="rlserve-upload-"))
     try:
-        from rlserve.model.mlx_adapter import convert_mlx_adapter
-
-        try:
-            convert_mlx_adapter(await weights.read(), await config.read(), target, state.engine.engine.shape)
-        except (ValueError, KeyError) as exc:
-            raise bad_request(f"invalid MLX adapter: {exc}") from None
-        version = await _activate(state, str(target))
+        await asyncio.to_thread(write_uploaded_adapter, weights_bytes, config_bytes, target, state.engine.engine.shape)
+        version = await _add_adapter(state, MLX_ADAPTER, target, "adapter_weights", [str(target)])
+        state.default_adapter = MLX_ADAPTER
     finally:
         shutil.rmtree(target, ignore_errors=True)
     return {"status": "success", "policy_version": version, "message": "adapter uploaded and loaded"}
@@ -282,8 +338,10 @@ async def get_model_info(request: Request) -> dict:
 
 @router.get("/get_weight_version")
 async def get_weight_version(request: Request) -> dict:
-    engine = _state(request).engine.engine
-    return {"weight_version": engine.weight_version, "policy_version": engine.policy_version}
+    engine = _state(request).engine
+    # updating: a weight update holds the update lock (its outcome shows here once it is false again)
+    return {"weight_version": engine.engine.weight_version, "policy_version": engine.engine.policy_version,
+            "updating": engine.updating}
 
 
 @router.post("/update_weight_version", openapi_extra=documented(UpdateWeightVersionRequest))
@@ -310,7 +368,7 @@ async def update_weights_from_disk(request: Request) -> dict:
     if not body.get("model_path"):
         raise bad_request("model_path is required", "model_path")
     aborted = await state.engine.call(lambda e: e.abort_all()) if body.get("abort_all_requests") else 0
-    version = await _update_from_dir(state, str(body["model_path"]), "model_path", _label(body))
+    version = await _update_from_dir(request, state, str(body["model_path"]), "model_path", _label(body))
     return {"success": True, "message": f"weights updated (policy_version {version})", "num_paused_requests": aborted}
 
 

@@ -24,7 +24,6 @@ from rlserve.server.protocol_native import (
     TRLGenerateRequest,
     generate_body_model,
 )
-from rlserve.server.metrics import weight_version
 from rlserve.server.serving import (
     SAMPLING_FIELDS,
     SSE_DONE,
@@ -36,6 +35,7 @@ from rlserve.server.serving import (
     json_body,
     logit_bias,
     prompt_logprobs_json,
+    sampled_first,
     run_to_end,
     sse,
     sse_error,
@@ -75,13 +75,15 @@ def _token_ids(state: ServerState, ids: Any, field: str) -> list[int]:
     return ids
 
 
-def _logprob_content(state: ServerState, comp: CompletionOutput, as_ids: bool) -> dict | None:
+def _logprob_content(comp: CompletionOutput) -> dict | None:
+    # vLLM names every token here `token_id:<id>` whatever return_tokens_as_token_ids says, and
+    # clients (verifiers' renderers) reject decoded text
     if comp.logprobs is None:
         return None
     tops = comp.top_logprobs or [{} for _ in comp.token_ids]
     return {"content": [
-        {"token": state.token_label(t, as_ids), "logprob": clamp(lp),
-         "top_logprobs": [{"token": state.token_label(i, as_ids), "logprob": clamp(v)} for i, v in top.items()]}
+        {"token": f"token_id:{t}", "logprob": clamp(lp),
+         "top_logprobs": [{"token": f"token_id:{i}", "logprob": clamp(v)} for i, v in sampled_first(t, lp, top)]}
         for t, lp, top in zip(comp.token_ids, comp.logprobs, tops)
     ]}
 
@@ -108,13 +110,13 @@ async def inference_generate(request: Request):
               stream=bool(body.get("stream")))
     if body.get("stream"):
         await start_stream(request, run)
-        return SSEResponse(_generate_stream(state, run, rid, as_ids))
+        return SSEResponse(_generate_stream(state, run, rid))
     (out,) = await run_to_end(request, run)
     return {
         "request_id": rid,
         "choices": [
             {"index": c.index, "token_ids": c.token_ids, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-             "logprobs": _logprob_content(state, c, as_ids), "routed_experts": _routed_experts(c, experts_start),
+             "logprobs": _logprob_content(c), "routed_experts": _routed_experts(c, experts_start),
              **version_fields(state, c)}
             for c in out.outputs
         ],
@@ -144,7 +146,7 @@ def _usage(out: RequestOutput) -> dict:
     return u
 
 
-async def _generate_stream(state: ServerState, run: Run, rid: str, as_ids: bool):
+async def _generate_stream(state: ServerState, run: Run, rid: str):
     sent: dict[int, int] = {}
     try:
         async for _, out in run.events():
@@ -155,7 +157,7 @@ async def _generate_stream(state: ServerState, run: Run, rid: str, as_ids: bool)
                 sent[c.index] = len(c.token_ids)
                 delta = CompletionOutput(c.index, c.token_ids[start:], "", c.logprobs[start:] if c.logprobs is not None else None,
                                          c.top_logprobs[start:] if c.top_logprobs is not None else None)
-                choice = {"index": c.index, "token_ids": delta.token_ids, "logprobs": _logprob_content(state, delta, as_ids),
+                choice = {"index": c.index, "token_ids": delta.token_ids, "logprobs": _logprob_content(delta),
                           "finish_reason": c.finish_reason}
                 chunk: dict[str, Any] = {"request_id": rid, "choices": [choice]}
                 if c.finished:
@@ -283,7 +285,6 @@ async def _sglang_generate(request: Request, state: ServerState, body: dict):
     lora = body.get("lora_path")
     adapter = state.check_adapter(lora, "lora_path") if lora else None
     outs = await _run_all(request, state, prompts, params, rid, adapter=adapter)
-    label = weight_version(state.engine)
     results = []
     for out in outs:
         for c in out.outputs:
@@ -291,9 +292,7 @@ async def _sglang_generate(request: Request, state: ServerState, body: dict):
             meta = {
                 "id": rid, "finish_reason": {"type": c.finish_reason, "matched": matched},
                 "prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(c.token_ids),
-                "cached_tokens": out.num_cached_tokens, "weight_version": label,
-                "weight_versions": version_fields(state, c)["weight_versions"],
-                "policy_version": version_fields(state, c)["policy_version"],
+                "cached_tokens": out.num_cached_tokens, **version_fields(state, c),
                 "output_token_logprobs": [[clamp(lp), t, None] for t, lp in zip(c.token_ids, c.logprobs)] if want_lp else None,
                 "input_token_logprobs": None, "output_top_logprobs": None,
             }

@@ -47,6 +47,7 @@ class ServerState:
     chat_template: str | None = None  # config.model.chat_template, loaded
     default_adapter: str | None = None  # MLX-style /load_adapter: the adapter behind the base model
     last_update: tuple | None = None  # (directory fingerprint, policy version) of the last disk update
+    draining: bool = False  # SIGTERM received: new requests get 503
     created: int = field(default_factory=lambda: int(time.time()))
     _token_text: dict[int, str] = field(default_factory=dict)
     # tokenizing and template rendering run here, never on the event loop; one thread, as the
@@ -399,15 +400,19 @@ def clamp(lp: float) -> float:
     return NEG_INF_JSON if lp == -math.inf or math.isnan(lp) else lp
 
 
+def sampled_first(token_id: int, logprob: float, top: dict[int, float]) -> list[tuple[int, float]]:
+    """vLLM's top_logprobs list: the sampled token first, then the best others, as many as were asked."""
+    return ([(token_id, logprob)] + [(t, v) for t, v in top.items() if t != token_id])[: len(top)]
+
+
 def version_fields(state: ServerState, out: CompletionOutput) -> dict[str, Any]:
-    """rlserve extensions (§2.15) carried by every choice."""
-    label = weight_version(state.engine)
+    """rlserve extensions (§2.15) carried by every choice: each span keeps the label it was produced under."""
     policy = out.policy_version if out.policy_version is not None else state.engine.engine.policy_version
     return {
         "policy_version": policy,
-        "weight_version": label,
+        "weight_version": out.weight_version or weight_version(state.engine),
         "weight_versions": [
-            {"version": label, "policy_version": s.policy_version, "start": s.start, "end": s.end}
+            {"version": s.weight_version, "policy_version": s.policy_version, "start": s.start, "end": s.end}
             for s in out.version_spans
         ],
     }

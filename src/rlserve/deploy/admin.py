@@ -1,0 +1,188 @@
+"""The deployment's admin address: every admin call reaches every serving replica and answers once all
+have applied it; `GET /deployment` lists the replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from rlserve.deploy.supervisor import Deployment, Slot
+from rlserve.server.control import ADMIN_PATHS
+from rlserve.server.errors import APIError, install_error_handlers
+
+_FORWARDED_HEADERS = ("authorization", "content-type")
+
+
+def build_admin_app(dep: Deployment) -> FastAPI:
+    from rlserve.server.app import Gate  # the replicas' own key rules: admin key on admin routes
+
+    app = FastAPI(title="rlserve deployment admin", redirect_slashes=False)
+    install_error_handlers(app)
+
+    @app.get("/deployment")
+    async def deployment() -> dict:
+        return await dep.describe()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        up = dep.router is not None and dep.router.exited() is None and bool(dep.serving())
+        return JSONResponse({"status": "healthy" if up else "unhealthy", "replicas_serving": len(dep.serving())},
+                            status_code=200 if up else 503)
+
+    @app.get("/get_world_size")
+    async def world_size() -> dict:
+        """How many ranks this address stands for in a trainer's broadcast group."""
+        return {"world_size": len(dep.serving())}
+
+    @app.get("/get_weight_version")
+    @app.get("/weight_info")
+    async def weight_version() -> dict:
+        return {"weight_version": dep.state.weight_version, "policy_version": dep.state.policy_version}
+
+    @app.get("/is_paused")
+    async def is_paused() -> dict:
+        return {"is_paused": dep.state.paused is not None}
+
+    @app.api_route("/{path:path}", methods=["GET", "POST"])
+    async def fan_out(path: str, request: Request) -> Response:
+        path = "/" + path.strip("/")
+        if path not in ADMIN_PATHS:
+            public = dep.router.url if dep.router else "the deployment's public URL"
+            raise APIError(404, f"{path} is not an admin route; send generation and other calls to {public}")
+        return await _fan_out(dep, path, request)
+
+    app.add_middleware(Gate, api_key=dep.config.server.api_key, admin_api_key=dep.config.server.admin_api_key)
+    return app
+
+
+async def _fan_out(dep: Deployment, path: str, request: Request) -> Response:
+    raw = await request.body()
+    body = _json(raw, request)
+    headers = {k: v for k in _FORWARDED_HEADERS if (v := request.headers.get(k)) is not None} | dep.headers
+    async with dep.lock:
+        targets = _targets(dep, path, body)
+        if not targets:
+            raise APIError(503, "no replica is serving; GET /deployment shows why")
+        contents = _bodies(dep, path, body, raw, targets)
+        results = await asyncio.gather(*(
+            dep.http.request(request.method, f"{slot.url}{path}", params=request.query_params, content=content,
+                             headers=headers) for slot, content in zip(targets, contents)), return_exceptions=True)
+        return await _settle(dep, path, body, request, targets, results)
+
+
+def _json(raw: bytes, request: Request) -> dict[str, Any]:
+    if not raw or "json" not in request.headers.get("content-type", "application/json"):
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return {}  # the replicas answer the parse error themselves
+    return body if isinstance(body, dict) else {}
+
+
+def _is_push(path: str, body: dict[str, Any]) -> bool:
+    return path == "/update_weights" and "weight_path" not in body and "update_info" not in body \
+        and body.get("weight_dir") is None
+
+
+def _targets(dep: Deployment, path: str, body: dict[str, Any]) -> list[Slot]:
+    if _is_push(path, body):  # only replicas in the trainer's group can receive its broadcast
+        return [s for s in dep.serving() if (s.replica.index, s.incarnation) in dep.group]
+    return dep.serving()
+
+
+def _bodies(dep: Deployment, path: str, body: dict[str, Any], raw: bytes, targets: list[Slot]) -> list[bytes]:
+    if path != "/init_broadcaster":
+        return [raw] * len(targets)
+    # one group: the trainer (rank 0) and every replica, each with its own rank
+    offset, world = int(body.get("rank_offset", 0)), body.get("inference_world_size")
+    if world is not None and int(world) < offset + len(targets):
+        raise APIError(400, f"this deployment has {len(targets)} serving replicas: set inference_world_size to at "
+                            f"least rank_offset + {len(targets)} (GET /get_world_size tells the count)",
+                       param="inference_world_size")
+    world = int(world) if world is not None else offset + len(targets)
+    return [json.dumps(body | {"rank_offset": offset + i, "inference_world_size": world}).encode()
+            for i in range(len(targets))]
+
+
+async def _settle(dep: Deployment, path: str, body: dict[str, Any], request: Request, targets: list[Slot],
+                  results: list) -> Response:
+    ok = [(s, r) for s, r in zip(targets, results) if isinstance(r, httpx.Response) and r.status_code < 400]
+    failed = [(s, r) for s, r in zip(targets, results) if (s, r) not in ok]
+    if not ok:  # nobody changed: pass the (first) refusal through as it is
+        slot, r = failed[0]
+        if isinstance(r, httpx.Response):
+            return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+        raise APIError(502, f"{path} reached no replica: " + "; ".join(_why(s, r) for s, r in failed))
+    _record(dep, path, body, request, [s for s, _ in ok])
+    for slot, r in failed:
+        await dep.evict(slot, f"{path} failed there: {_why(slot, r)}")
+    await _check_versions(dep)
+    for slot in [s for s in dep.slots if s.status == "stale"]:
+        await dep.rejoin(slot)
+    if failed:
+        names = ", ".join(f"{s.name} ({s.url})" for s, _ in failed)
+        raise APIError(502, f"{path} failed on {names}: " + "; ".join(_why(s, r) for s, r in failed)
+                       + f". It left the router's rotation and rejoins after a restart at the current weights; "
+                         f"the other replicas applied it and serve policy_version {dep.state.policy_version}")
+    first = ok[0][1]
+    return Response(first.content, status_code=first.status_code, media_type=first.headers.get("content-type"))
+
+
+def _why(slot: Slot, r: Any) -> str:
+    if isinstance(r, httpx.Response):
+        return f"{slot.name} answered {r.status_code}: {r.text[:300]}"
+    return f"{slot.name} unreachable: {r!r}"
+
+
+async def _check_versions(dep: Deployment) -> None:
+    """Every serving replica must now report the same versions; one that does not is taken out."""
+    serving = dep.serving()
+    versions = await asyncio.gather(*(dep._versions(s) for s in serving), return_exceptions=True)
+    good = [v for v in versions if isinstance(v, tuple)]
+    if not good:
+        return
+    expected = max(set(good), key=good.count)
+    dep.state.policy_version, dep.state.weight_version = expected
+    for slot, v in zip(serving, versions):
+        if v != expected:
+            await dep.evict(slot, f"reports {v}, the others {expected}")
+
+
+def _record(dep: Deployment, path: str, body: dict[str, Any], request: Request, applied: list[Slot]) -> None:
+    """Remember what a restarted replica must replay to serve what the others serve."""
+    s, label = dep.state, body.get("weight_version")
+    if path == "/update_weights" and "weight_path" in body:
+        p = str(body["weight_path"])
+        if (Path(p) / "adapter_config.json").exists():
+            name = str(body.get("model_name") or Path(p).name)
+            s.adapters[name] = ("/load_lora_adapter", {"lora_name": name, "lora_path": p})
+        else:
+            s.base, s.replayable = {"weight_dir": p, "weight_version": label}, None
+    elif _is_push(path, body):
+        s.base, s.replayable = None, "the current weights came from a trainer broadcast"
+    elif path == "/update_weights" and body.get("weight_dir") is not None:
+        s.base, s.replayable = {"weight_dir": body["weight_dir"], "weight_version": label}, None
+    elif path == "/update_weights_from_disk":
+        s.base, s.replayable = {"weight_dir": body["model_path"], "weight_version": label}, None
+    elif path in ("/load_lora_adapter", "/v1/load_lora_adapter"):
+        name = str(body["lora_name"])
+        s.adapters[name] = ("/load_lora_adapter", {"lora_name": name, "lora_path": body["lora_path"]})
+    elif path == "/v1/unload_lora_adapter":
+        s.adapters.pop(str(body.get("lora_name")), None)
+    elif path == "/load_adapter":
+        s.adapters["mlx-adapter"] = ("/load_adapter", {"adapter_path": body["adapter_path"]})
+    elif path == "/upload_adapter":
+        s.replayable = "an uploaded adapter cannot be replayed"
+    elif path == "/init_broadcaster":
+        dep.group = {(slot.replica.index, slot.incarnation) for slot in applied}
+    elif path in ("/pause", "/pause_generation"):
+        s.paused = "keep"  # a replica joining a paused deployment holds what it gets, like the others
+    elif path in ("/resume", "/continue_generation"):
+        s.paused = None

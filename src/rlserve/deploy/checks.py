@@ -1,0 +1,56 @@
+"""Deployment combinations that cannot work, rejected when the config loads (messages say what to change)."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rlserve.config import Config
+
+
+def check_deployment(config: "Config") -> None:
+    d = config.deployment
+    if d.type == "disaggregated":
+        raise ValueError("deployment.type = 'disaggregated' (prefill/decode replicas) is not available yet; "
+                         "use 'single_node' (deployment.replicas) or 'multi_node' (deployment.num_nodes)")
+    if d.type == "multi_node":
+        if d.replicas != 1:
+            raise ValueError("deployment.replicas counts replicas on one machine; with type 'multi_node' set "
+                             "deployment.num_nodes (one replica per Ray node) and leave replicas at 1")
+        if importlib.util.find_spec("ray") is None:
+            raise ValueError("deployment.type = 'multi_node' runs on Ray, which is not installed: "
+                             "pip install 'rlserve[ray]' (or use type 'single_node')")
+    elif d.num_nodes != 1:
+        raise ValueError("deployment.num_nodes needs deployment.type = 'multi_node' (Ray); "
+                         "for several replicas on this machine set deployment.replicas")
+    if not d.enabled:
+        return
+    port = config.server.port
+    if d.admin_port is not None and port and d.admin_port == port:
+        raise ValueError(f"deployment.admin_port {d.admin_port} equals server.port: give the admin address "
+                         "its own port (default server.port + 1)")
+    if d.backend_port:
+        backends = range(d.backend_port, d.backend_port + d.size)
+        admin = d.admin_port if d.admin_port is not None else (port + 1 if port else None)
+        clash = [p for p in (port, admin) if p and p in backends]
+        if clash:
+            raise ValueError(f"deployment.backend_port {d.backend_port}..{backends[-1]} (one port per replica) "
+                             f"overlaps port {clash[0]}; move deployment.backend_port")
+        if backends[-1] > 65535:
+            raise ValueError(f"deployment.backend_port {d.backend_port} + {d.size} replicas passes port 65535")
+    if d.type == "single_node":
+        _check_devices(config)
+
+
+def _check_devices(config: "Config") -> None:
+    device, n = config.model.device, config.deployment.replicas
+    if device.startswith("cuda") and ":" in device:
+        raise ValueError(f"model.device {device!r} pins one GPU, but each of deployment.replicas = {n} needs its "
+                         "own: set model.device = 'cuda' (replica i gets cuda:i)")
+    if device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < n:
+            raise ValueError(f"deployment.replicas = {n} GPU replicas but this machine has "
+                             f"{torch.cuda.device_count()} GPU(s): lower deployment.replicas")

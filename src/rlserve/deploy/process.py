@@ -1,0 +1,104 @@
+"""Child processes of a deployment: started in their own process group, every output line copied to
+ours with a prefix, and stopped with their whole tree (SIGTERM, then SIGKILL)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+_URL_LINE = re.compile(r"rlserve: serving \S+ on (http://\S+)")
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Linux: the child gets SIGTERM if the supervisor dies without cleaning up (e.g. kill -9)."""
+    os.setsid()
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class Child:
+    """One child process; `name` prefixes its log lines; `on_line` sees each line (e.g. to find its URL)."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None,
+                 on_line: Callable[[str], None] | None = None):
+        self.name, self.argv = name, argv
+        self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        self._on_line = on_line
+        self._pump = threading.Thread(target=self._copy_lines, name=f"log-{name}", daemon=True)
+        self._pump.start()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _copy_lines(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            line = raw.decode(errors="replace").rstrip("\n")
+            sys.stdout.write(f"[{self.name}] {line}\n")
+            sys.stdout.flush()
+            if self._on_line is not None:
+                self._on_line(line)
+
+    def exited(self) -> int | None:
+        return self.proc.poll()
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM the process group, SIGKILL what is left after grace_s."""
+        if self.proc.poll() is None:
+            _signal_group(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        _signal_group(self.proc.pid, signal.SIGKILL)  # stragglers of the group, if any
+        self.proc.wait()
+        self._pump.join(timeout=5)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class ServerChild(Child):
+    """An `rlserve serve` child: its URL is the one it prints once it listens."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None):
+        self.url: str | None = None
+        self._listening = threading.Event()
+        super().__init__(name, argv, env, on_line=self._watch)
+
+    def _watch(self, line: str) -> None:
+        match = _URL_LINE.search(line)
+        if match and self.url is None:
+            self.url = match.group(1)
+            self._listening.set()
+
+    def wait_listening(self, timeout_s: float) -> str:
+        deadline = time.monotonic() + timeout_s
+        while not self._listening.wait(0.2):
+            if self.exited() is not None:
+                raise RuntimeError(f"{self.name} exited with code {self.proc.returncode} before serving")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} did not start serving within {timeout_s:.0f}s")
+        assert self.url is not None
+        return self.url
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -1,0 +1,110 @@
+"""Multi-node on Ray: one replica per node, placed by a STRICT_SPREAD placement group. Each replica is a
+small actor that runs `rlserve serve` on its node as a child process (the same process tree as on one
+machine); the supervisor, the router and the admin address stay on the head node with the driver."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rlserve.config import Config
+from rlserve.deploy.process import ServerChild
+from rlserve.deploy.replica import ADMIN_URL_ENV, KEY_ENV, replica_config
+
+PLACEMENT_TIMEOUT_S = 300.0
+
+
+class ReplicaHost:
+    """Ray actor on one node: starts and watches the node's `rlserve serve` process."""
+
+    def __init__(self) -> None:
+        self.child: ServerChild | None = None
+        self.workdir = Path(tempfile.mkdtemp(prefix="rlserve-replica-"))
+
+    def start(self, index: int, config: dict, env: dict[str, str]) -> str:
+        path = self.workdir / "replica.json"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(config | {"server": config["server"] | {"host": ray.util.get_node_ip_address()}}, f)
+        argv = [sys.executable, "-m", "rlserve.cli", "serve", "@", str(path)]
+        self.child = ServerChild(f"replica {index}", argv, {**os.environ, **env})
+        return self.child.wait_listening(PLACEMENT_TIMEOUT_S)
+
+    def poll(self) -> int | None:
+        return None if self.child is None else self.child.exited()
+
+    def pid(self) -> int | None:
+        return None if self.child is None else self.child.pid
+
+    def stop(self) -> None:
+        if self.child is not None:
+            self.child.stop()
+
+
+class RayReplica:
+    """The supervisor's handle on a replica in bundle `index` of the placement group."""
+
+    def __init__(self, index: int, config: Config, key: str, admin_url: str, group):
+        self.index, self.name, self.group = index, f"replica {index}", group
+        self.config = replica_config(config, index, "0.0.0.0")
+        if config.num_threads is None:  # a node's replica uses that node's cores
+            self.config.pop("num_threads", None)
+        self.env = {KEY_ENV: key, ADMIN_URL_ENV: admin_url}
+        self.actor = None
+        self._url_ref = None
+
+    def start(self) -> None:
+        strategy = PlacementGroupSchedulingStrategy(placement_group=self.group, placement_group_bundle_index=self.index)
+        self.actor = ray.remote(num_cpus=1)(ReplicaHost).options(scheduling_strategy=strategy).remote()
+        self._url_ref = self.actor.start.remote(self.index, self.config, self.env)
+
+    def wait_listening(self, timeout_s: float) -> str:
+        return ray.get(self._url_ref, timeout=timeout_s)
+
+    def exited(self) -> int | None:
+        if self.actor is None:
+            return None
+        try:
+            return ray.get(self.actor.poll.remote(), timeout=30)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return -1  # the actor (or its node) is gone
+
+    def stop(self) -> None:
+        if self.actor is None:
+            return
+        try:
+            ray.get(self.actor.stop.remote(), timeout=60)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+            pass
+        ray.kill(self.actor)
+        self.actor = None
+
+
+def ray_replicas(config: Config, key: str, admin_url: str) -> list[RayReplica]:
+    """Join the running cluster and reserve one CPU on each of deployment.num_nodes nodes."""
+    d = config.deployment
+    ray.init(address=d.ray_address, log_to_driver=True)
+    group = placement_group([{"CPU": 1}] * d.num_nodes, strategy="STRICT_SPREAD")
+    try:
+        ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(group)
+        raise RuntimeError(f"Ray could not place {d.num_nodes} replicas on {d.num_nodes} distinct nodes with a free "
+                           "CPU each: add nodes (ray start --address ...) or lower deployment.num_nodes") from None
+    return [RayReplica(i, config, key, admin_url, group) for i in range(d.num_nodes)]
+
+
+def release(replicas: list) -> None:
+    """After the replicas stopped: give the placement group back and leave the cluster."""
+    groups = {id(r.group): r.group for r in replicas if isinstance(r, RayReplica)}
+    for group in groups.values():
+        remove_placement_group(group)
+    if groups and ray.is_initialized():
+        ray.shutdown()

@@ -1,0 +1,64 @@
+"""One replica = one `rlserve serve` process tree, started from the deployment's config with its own
+port, its share of the machine, and the internal key that lets only the deployment admin it."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from rlserve.config import Config
+from rlserve.deploy.process import ServerChild
+
+# what the supervisor hands a replica (server/deployment_guard.py reads them)
+KEY_ENV = "RLSERVE_DEPLOYMENT_KEY"
+ADMIN_URL_ENV = "RLSERVE_DEPLOYMENT_ADMIN_URL"
+
+
+def replica_config(config: Config, index: int, host: str, cpu_count: int | None = None) -> dict:
+    """The deployment's config as one plain server: its own port, one replica, its share of threads."""
+    d = config.deployment
+    data = config.model_dump(mode="json", exclude_defaults=True)
+    data.pop("deployment", None)
+    server = data.setdefault("server", {})
+    server["host"] = host
+    server["port"] = d.backend_port + index if d.backend_port else 0
+    if config.num_threads is None:
+        data["num_threads"] = max(1, (cpu_count or os.cpu_count() or 1) // d.size)
+    return data
+
+
+class LocalReplica:
+    """A replica on this machine, restartable: each start() is a new process (a new incarnation)."""
+
+    def __init__(self, index: int, config: Config, workdir: Path, key: str, admin_url: str, gpu: bool = False):
+        self.index, self.name = index, f"replica {index}"
+        self.config_path = workdir / f"replica-{index}.json"
+        fd = os.open(self.config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # may hold API keys
+        with os.fdopen(fd, "w") as f:
+            json.dump(replica_config(config, index, "127.0.0.1"), f)
+        self.env = {**os.environ, KEY_ENV: key, ADMIN_URL_ENV: admin_url}
+        if gpu:  # the i-th GPU this process may use
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            self.env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[index].strip() if visible else str(index)
+        self.child: ServerChild | None = None
+
+    def start(self) -> None:
+        argv = [sys.executable, "-m", "rlserve.cli", "serve", "@", str(self.config_path)]
+        self.child = ServerChild(self.name, argv, self.env)
+
+    def wait_listening(self, timeout_s: float) -> str:
+        assert self.child is not None
+        return self.child.wait_listening(timeout_s)
+
+    def exited(self) -> int | None:
+        return None if self.child is None else self.child.exited()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.child is None else self.child.pid
+
+    def stop(self) -> None:
+        if self.child is not None:
+            self.child.stop()

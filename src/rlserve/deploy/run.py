@@ -1,0 +1,108 @@
+"""`rlserve serve` with a deployment: replicas + vllm-router on server.port + the admin address, until
+SIGINT/SIGTERM, which stop every child before the supervisor exits."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+
+import uvicorn
+
+from rlserve.config import Config
+from rlserve.deploy.supervisor import Deployment, Replica, new_key, private_dir
+
+log = logging.getLogger("rlserve.deploy")
+
+
+def serve_deployment(config: Config) -> None:
+    logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per fan-out call is noise
+    try:
+        asyncio.run(_main(config))
+    except RuntimeError as exc:
+        raise SystemExit(f"rlserve: error: {exc}") from None
+
+
+class _AdminServer(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):  # the supervisor owns SIGINT/SIGTERM: it must stop its children first
+        yield
+
+
+async def _main(config: Config) -> None:
+    from rlserve.deploy.admin import build_admin_app
+    from rlserve.server.app import _bind
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    host, port = config.server.host, config.server.port
+    admin_port = config.deployment.admin_port if config.deployment.admin_port is not None else (port + 1 if port else 0)
+    admin_host = _admin_host(config)
+    sock = _bind(admin_host, admin_port)
+    admin_url = f"http://{admin_host}:{sock.getsockname()[1]}"
+    key, workdir = new_key(), private_dir("rlserve-deploy-")
+    dep = Deployment(config, _replicas(config, key, admin_url, workdir), key, host, port)
+    server = None
+    try:
+        starting = asyncio.ensure_future(dep.start())
+        await asyncio.wait([starting, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            starting.cancel()
+            return
+        starting.result()
+        server = _AdminServer(uvicorn.Config(build_admin_app(dep), log_level=config.server.log_level))
+        serving = asyncio.ensure_future(server.serve(sockets=[sock]))
+        watching = asyncio.ensure_future(dep.watch())
+        assert dep.router is not None
+        print(f"rlserve: serving {config.model.served_model_name or config.model.name or 'rlserve-default'} on "
+              f"{dep.router.url} ({len(dep.slots)} replicas behind vllm-router; admin: {admin_url})", flush=True)
+        await asyncio.wait([serving, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+        watching.cancel()
+        server.should_exit = True
+        await asyncio.gather(serving, watching, return_exceptions=True)
+    finally:
+        await dep.stop()
+        if config.deployment.type == "multi_node":
+            from rlserve.deploy.ray_nodes import release
+
+            release([s.replica for s in dep.slots])
+        sock.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+        log.info("deployment stopped")
+
+
+def _admin_host(config: Config) -> str:
+    """The admin address opens to the network only behind a key: weights and pauses are not public."""
+    host = config.server.host
+    if host in ("127.0.0.1", "localhost", "::1") or config.server.admin_api_key or config.server.api_key:
+        return host
+    log.warning("server.host is %s but no server.admin_api_key is set: the admin address listens on 127.0.0.1 "
+                "only (set server.admin_api_key to open it)", host)
+    return "127.0.0.1"
+
+
+def _replicas(config: Config, key: str, admin_url: str, workdir) -> list[Replica]:
+    d = config.deployment
+    if d.type == "multi_node":
+        from rlserve.deploy.ray_nodes import ray_replicas
+
+        return ray_replicas(config, key, admin_url)
+    from rlserve.deploy.replica import LocalReplica
+
+    gpu = config.model.device in ("auto", "cuda") and _has_cuda()
+    return [LocalReplica(i, config, workdir, key, admin_url, gpu=gpu) for i in range(d.replicas)]
+
+
+def _has_cuda() -> bool:
+    if os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+

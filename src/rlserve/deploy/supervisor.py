@@ -1,0 +1,250 @@
+"""The deployment supervisor: starts the replicas and the router, restarts a replica that dies and lets
+it rejoin only at the deployment's current weights, and keeps the record that makes that possible."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import httpx
+
+from rlserve.config import Config
+from rlserve.deploy.router import Router
+
+log = logging.getLogger("rlserve.deploy")
+KEY_HEADER = "x-rlserve-deployment-key"
+HEALTH_TIMEOUT_S = 600.0
+
+
+class Replica(Protocol):
+    index: int
+    name: str
+
+    def start(self) -> None: ...
+    def wait_listening(self, timeout_s: float) -> str: ...
+    def exited(self) -> int | None: ...
+    def stop(self) -> None: ...
+
+
+@dataclass
+class WeightState:
+    """What every serving replica has, so that a restarted one can be brought to it."""
+
+    policy_version: int = 0
+    weight_version: str = "default"
+    base: dict[str, Any] | None = None  # /update_weights body of the last full update from disk
+    adapters: dict[str, tuple[str, dict[str, Any]]] = field(default_factory=dict)  # name -> (route, body)
+    replayable: str | None = None  # None, or why a restarted replica cannot be brought to these weights
+    paused: str | None = None  # pause mode while the deployment is paused
+
+
+@dataclass(eq=False)
+class Slot:
+    replica: Replica
+    url: str | None = None
+    status: str = "starting"  # starting | serving | stale | failed | restarting
+    incarnation: int = 0
+    detail: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.replica.name
+
+
+class Deployment:
+    def __init__(self, config: Config, replicas: list[Replica], key: str, host: str, port: int):
+        self.config, self.key, self.host, self.port = config, key, host, port
+        self.slots = [Slot(r) for r in replicas]
+        self.state = WeightState(weight_version=config.weight_version)
+        self.router: Router | None = None
+        self.lock = asyncio.Lock()  # one admin mutation (or rejoin) at a time, so versions stay in step
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0))
+        self.group: set[tuple[int, int]] = set()  # (replica index, incarnation) in the trainer's broadcast group
+        self._tasks: set[asyncio.Task] = set()
+        self._router_restarting = False
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {KEY_HEADER: self.key}
+
+    def serving(self) -> list[Slot]:
+        return [s for s in self.slots if s.status == "serving"]
+
+    # ---- start and stop ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        for slot in self.slots:
+            slot.replica.start()
+        urls = await asyncio.gather(*(self._wait_ready(s) for s in self.slots))
+        for slot, url in zip(self.slots, urls):
+            slot.url, slot.status = url, "serving"
+        info = await self._versions(self.slots[0])
+        self.state.policy_version, self.state.weight_version = info
+        self.router = Router(self.config, self.host, self.port)
+        await self.router.start([s.url for s in self.slots])
+
+    async def _wait_ready(self, slot: Slot) -> str:
+        url = await asyncio.to_thread(slot.replica.wait_listening, HEALTH_TIMEOUT_S)
+        deadline = asyncio.get_running_loop().time() + HEALTH_TIMEOUT_S
+        while True:
+            try:
+                if (await self.http.get(f"{url}/health", timeout=5)).status_code == 200:
+                    return url
+            except httpx.HTTPError:
+                pass
+            if slot.replica.exited() is not None or asyncio.get_running_loop().time() > deadline:
+                raise RuntimeError(f"{slot.name} did not become healthy at {url}")
+            await asyncio.sleep(0.1)
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.router is not None:
+            await asyncio.to_thread(self.router.stop)
+        await asyncio.gather(*(asyncio.to_thread(s.replica.stop) for s in self.slots))
+        await self.http.aclose()
+
+    # ---- supervision ---------------------------------------------------------------------------
+
+    async def watch(self, interval_s: float = 0.2) -> None:
+        """Restart every replica whose process ended; it rejoins once it serves the current weights."""
+        while True:
+            if self.router is not None and self.router.exited() is not None and not self._router_restarting:
+                log.warning("vllm-router exited with code %s; restarting it", self.router.exited())
+                self._router_restarting = True
+                self._spawn(self._restart_router())
+            for slot in self.slots:
+                if slot.status != "restarting" and slot.replica.exited() is not None:
+                    code = slot.replica.exited()
+                    log.warning("%s (%s) exited with code %s; restarting it", slot.name, slot.url, code)
+                    slot.status, slot.detail = "restarting", f"exited with code {code}"
+                    self._spawn(self._restart(slot))
+            await asyncio.sleep(interval_s)
+
+    async def _restart_router(self) -> None:
+        assert self.router is not None
+        try:
+            await asyncio.to_thread(self.router.stop)
+            await self.router.start([s.url for s in self.serving() if s.url])  # same port as before
+        finally:
+            self._router_restarting = False
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _restart(self, slot: Slot) -> None:
+        if slot.url is not None and self.router is not None:
+            await self.router.remove(self.http, slot.url)
+        await asyncio.to_thread(slot.replica.stop)
+        slot.replica.start()  # on the event loop's thread: children die with the thread that forked them
+        slot.incarnation += 1
+        try:
+            slot.url = await self._wait_ready(slot)
+        except RuntimeError as exc:
+            slot.detail = str(exc)
+            return  # the watch loop sees the exit and tries again
+        async with self.lock:
+            await self.rejoin(slot)
+
+    async def rejoin(self, slot: Slot) -> None:
+        """Replay the current weights into a replica that is out of the rotation, then add it back.
+        Called under self.lock."""
+        s = self.state
+        if s.replayable is not None:
+            slot.status, slot.detail = "stale", f"sits out until the next update from disk: {s.replayable}"
+            log.warning("%s %s", slot.name, slot.detail)
+            return
+        try:
+            if s.base is not None:
+                await self._post(slot, "/update_weights", s.base)
+            for route, body in s.adapters.values():
+                await self._post(slot, route, body)
+            await self._post(slot, "/deployment/sync_version",
+                             {"policy_version": s.policy_version, "weight_version": s.weight_version})
+            if await self._versions(slot) != (s.policy_version, s.weight_version):
+                raise RuntimeError("versions differ after the replay")
+            if s.paused is not None:
+                await self._post(slot, "/pause", None, params={"mode": s.paused})
+        except (httpx.HTTPError, RuntimeError) as exc:
+            slot.status, slot.detail = "failed", f"could not be brought to the current weights: {exc}"
+            log.error("%s %s", slot.name, slot.detail)
+            return
+        assert self.router is not None and slot.url is not None
+        await self.router.add(self.http, slot.url)
+        slot.status, slot.detail = "serving", ""
+        log.info("%s rejoined at policy_version %s (%s)", slot.name, s.policy_version, s.weight_version)
+
+    async def evict(self, slot: Slot, why: str) -> None:
+        """Out of the rotation now; its process is restarted and rejoins at the current weights."""
+        if slot.status == "restarting":  # the watch loop saw it die first
+            return
+        slot.status, slot.detail = "failed", why
+        if self.router is not None and slot.url is not None:
+            await self.router.remove(self.http, slot.url)
+        log.error("%s left the router's rotation: %s", slot.name, why)
+        slot.status = "restarting"
+        self._spawn(self._restart(slot))
+
+    # ---- talking to replicas ---------------------------------------------------------------------
+
+    async def _post(self, slot: Slot, path: str, body: dict[str, Any] | None,
+                    params: dict[str, str] | None = None) -> Any:
+        r = await self.http.post(f"{slot.url}{path}", json=body, params=params,
+                                 headers=self.headers | self.admin_auth())
+        if r.status_code >= 400:
+            raise RuntimeError(f"{path} answered {r.status_code}: {r.text[:300]}")
+        return r
+
+    def admin_auth(self) -> dict[str, str]:
+        key = self.config.server.admin_api_key or self.config.server.api_key
+        return {"authorization": f"Bearer {key}"} if key else {}
+
+    async def _versions(self, slot: Slot) -> tuple[int, str]:
+        r = await self.http.get(f"{slot.url}/get_weight_version", headers=self.admin_auth())
+        r.raise_for_status()
+        data = r.json()
+        return int(data["policy_version"]), str(data["weight_version"])
+
+    async def describe(self) -> dict[str, Any]:
+        """GET /deployment: every replica with its URL, health, versions and load."""
+        async def one(slot: Slot) -> dict[str, Any]:
+            row = {"index": slot.replica.index, "url": slot.url, "status": slot.status, "detail": slot.detail,
+                   "restarts": slot.incarnation, "pid": getattr(slot.replica, "pid", None), "healthy": False}
+            try:
+                r = await self.http.get(f"{slot.url}/metrics", params={"format": "json"}, headers=self.admin_auth(),
+                                        timeout=5)
+                m = r.json()
+                row |= {"healthy": r.status_code == 200, "policy_version": m.get("current_policy_version"),
+                        "weight_version": m.get("weight_version"), "running": m.get("num_running"),
+                        "waiting": m.get("queue_depth"), "is_paused": m.get("is_paused")}
+            except (httpx.HTTPError, ValueError, AttributeError):
+                pass
+            return row
+
+        rows = await asyncio.gather(*(one(s) for s in self.slots))
+        s = self.state
+        router = self.router.child if self.router else None
+        return {"router": self.router.url if self.router else None, "router_pid": router.pid if router else None,
+                "policy_version": s.policy_version,
+                "weight_version": s.weight_version, "paused": s.paused, "replicas": rows}
+
+
+def new_key() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def private_dir(prefix: str) -> Path:
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    os.chmod(path, 0o700)
+    return path
+

@@ -1,0 +1,105 @@
+"""Starting a deployment (`rlserve serve --deployment.replicas N`) as a real process tree, for tests."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from conftest import SERVER_DEFAULTS
+
+_READY = re.compile(r"rlserve: serving \S+ on (http://\S+) \(.*admin: (http://[^\s)]+)\)")
+
+
+def start_deployment(*args: str, timeout: float = 300.0) -> tuple[str, str, subprocess.Popen]:
+    """(public URL, admin URL, supervisor process) once the router and the admin address answer."""
+    fd, log_path = tempfile.mkstemp(prefix="rlserve-test-deploy-", suffix=".log")
+    env = {k: v for k, v in os.environ.items() if k not in ("RLSERVE_API_KEY", "VLLM_API_KEY")}
+    cmd = [sys.executable, "-m", "rlserve.cli", "serve", "--server.host", "127.0.0.1", "--server.port", "0",
+           *SERVER_DEFAULTS, *args]
+    with os.fdopen(fd, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    proc.log_path = Path(log_path)  # type: ignore[attr-defined]
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"deployment exited with code {proc.returncode}:\n{log_text(proc)[-5000:]}")
+            match = _READY.search(log_text(proc))
+            if match and httpx.get(f"{match.group(2)}/health", timeout=5).status_code == 200:
+                return match.group(1), match.group(2), proc
+            time.sleep(0.2)
+        raise RuntimeError(f"deployment not up after {timeout:.0f}s:\n{log_text(proc)[-5000:]}")
+    except BaseException:
+        stop_deployment(proc)
+        raise
+
+
+def log_text(proc: subprocess.Popen) -> str:
+    path = getattr(proc, "log_path", None)
+    return path.read_text(errors="replace") if path is not None and path.exists() else ""
+
+
+def stop_deployment(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            for pid in descendants(proc.pid):
+                os.kill(pid, signal.SIGKILL)
+            proc.kill()
+            proc.wait()
+    path = getattr(proc, "log_path", None)
+    if path is not None:
+        path.unlink(missing_ok=True)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process under pid (Linux /proc), children first."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def replicas(admin_url: str) -> list[dict]:
+    return httpx.get(f"{admin_url}/deployment", timeout=30).json()["replicas"]
+
+
+def wait_for(condition, timeout: float = 300.0, what: str = "condition"):
+    """Poll until condition() is truthy (a hang guard, not a speed budget)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")

@@ -1,0 +1,72 @@
+"""`[deployment]`: shapes, defaults, and the combinations rejected when the config loads."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from rlserve.config_loader import ConfigError, load_config
+from rlserve.deploy.replica import replica_config
+from rlserve.deploy.router import router_argv
+
+
+def test_defaults_are_one_plain_server():
+    d = load_config([]).deployment
+    assert (d.type, d.replicas, d.enabled, d.router.policy) == ("single_node", 1, False, "consistent_hash")
+
+
+def test_toml_section(tmp_path):
+    path = tmp_path / "deploy.toml"
+    path.write_text('[server]\nport = 8100\n[deployment]\nreplicas = 2\nbackend_port = 8200\n'
+                    '[deployment.router]\npolicy = "power_of_two"\nextra_args = ["--disable-retries"]\n')
+    config = load_config(["@", str(path)])
+    assert config.deployment.enabled and config.deployment.router.policy == "power_of_two"
+    argv = router_argv(config, "127.0.0.1", 8100, ["http://127.0.0.1:8200", "http://127.0.0.1:8201"], 29100)
+    # the launch contract of wire-protocols §1.1, then the pass-through arguments
+    for flag, value in [("--policy", "power_of_two"), ("--port", "8100"), ("--request-id-headers", "x-session-id"),
+                        ("--worker-startup-timeout-secs", "4200"), ("--prometheus-port", "29100")]:
+        assert argv[argv.index(flag) + 1] == value
+    assert argv[argv.index("--worker-urls") + 1:][:2] == ["http://127.0.0.1:8200", "http://127.0.0.1:8201"]
+    assert argv[-1] == "--disable-retries"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--deployment.type", "disaggregated"], "not available yet"),
+    (["--deployment.num_nodes", "2"], "deployment.type = 'multi_node'"),
+    (["--deployment.type", "multi_node", "--deployment.replicas", "2"], "deployment.num_nodes"),
+    (["--deployment.replicas", "2", "--server.port", "8000", "--deployment.admin_port", "8000"], "admin_port"),
+    (["--deployment.replicas", "2", "--server.port", "8000", "--deployment.backend_port", "8001"], "overlaps port 8001"),
+    (["--deployment.replicas", "2", "--model.device", "cuda:1"], "model.device = 'cuda'"),
+    (["--deployment.router.policy", "random"], "deployment.router.policy"),
+])
+def test_impossible_combinations_say_what_to_change(args, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        load_config(args)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is not None, reason="ray is installed here")
+def test_multi_node_needs_ray():
+    with pytest.raises(ConfigError, match=r"rlserve\[ray\]"):
+        load_config(["--deployment.type", "multi_node", "--deployment.num_nodes", "2"])
+
+
+def test_each_replica_gets_its_port_and_share_of_threads():
+    config = load_config(["--deployment.replicas", "2", "--deployment.backend_port", "9100", "--server.port", "9000",
+                          "--server.admin_api_key", "k"])
+    first, second = (replica_config(config, i, "127.0.0.1", cpu_count=8) for i in range(2))
+    assert (first["server"]["port"], second["server"]["port"]) == (9100, 9101)
+    assert first["num_threads"] == second["num_threads"] == 4
+    assert "deployment" not in first and first["server"]["admin_api_key"] == "k"
+    pinned = load_config(["--deployment.replicas", "2", "--num_threads", "3"])
+    assert replica_config(pinned, 0, "127.0.0.1", cpu_count=8)["num_threads"] == 3
+    # a replica's config is a plain server's config
+    assert not load_config(["--server.port", str(first["server"]["port"])]).deployment.enabled
+
+
+def test_admin_address_opens_to_the_network_only_behind_a_key():
+    from rlserve.deploy.run import _admin_host
+
+    assert _admin_host(load_config(["--deployment.replicas", "2", "--server.host", "0.0.0.0"])) == "127.0.0.1"
+    keyed = load_config(["--deployment.replicas", "2", "--server.host", "0.0.0.0", "--server.admin_api_key", "k"])
+    assert _admin_host(keyed) == "0.0.0.0"
