@@ -6,6 +6,7 @@ the same at batch 1. tok/s = generated tokens / wall seconds of the whole call (
 
     python benchmarks/throughput.py            # smollm2-135m shape, 8 prompts x n=8, 64 + 64 tokens
     python benchmarks/throughput.py --quick    # tiny model, small counts: a smoke test
+    python benchmarks/throughput.py --dtype float32 bfloat16   # both precisions, every system, one run
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ TARGET_BATCH_TOK_S = 300.0
 TARGET_SINGLE_TOK_S = 45.0
 TARGET_VS_GENERATE = 12.0
 TARGET_VS_GENERATE_BATCH = 4.0
+# bf16 on a CPU with native bf16 (issue 15): over rlserve fp32, and over generate_batch in bf16
+TARGET_BF16_OVER_FP32 = {"batch": 2.5, "single": 1.6}
+TARGET_BF16_VS_GENERATE_BATCH = 5.0
+SHORT = {"float32": "", "bfloat16": " bf16"}  # row-name suffix: fp32 rows keep their plain names
 
 RLSERVE, GENERATE, GENERATE_BATCH = "rlserve", "transformers generate", "transformers generate_batch"
 CB_PAGE_SIZE = 32  # tokens per generate_batch cache page; the default 256 wastes memory on short sequences
@@ -74,6 +79,7 @@ class Result:
     tokens: int
     seconds: float
     others: float | None  # CPU cores other processes used meanwhile (None off Linux)
+    dtype: str = "float32"
 
     @property
     def tok_s(self) -> float:
@@ -95,6 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1, help="timed runs per system and workload; the fastest is kept")
     p.add_argument("--skip-hf", action="store_true", help="skip transformers `generate`")
     p.add_argument("--skip-generate-batch", action="store_true", help="skip transformers `generate_batch`")
+    p.add_argument("--dtype", nargs="+", choices=list(SHORT), default=["float32"], help="model dtypes, each for every system")
     p.add_argument("--quick", action="store_true", help="tiny preset and small counts (smoke test)")
     p.add_argument("--cache-dir", type=Path, default=cache_root() / "bench")
     args = p.parse_args(argv)
@@ -122,12 +129,12 @@ def make_workloads(args: argparse.Namespace, vocab_size: int) -> tuple[Workload,
 # ---- the systems: each loads its model and returns a runner ---------------------------------
 
 
-def rlserve_runner(model_dir: Path, workloads: list[Workload], args) -> tuple[Runner, dict[str, dict]]:
+def rlserve_runner(model_dir: Path, workloads: list[Workload], args, dtype: str) -> tuple[Runner, dict[str, dict]]:
     """The runner, and the engine stats of its last run of each workload."""
     cfg = Config(num_threads=args.threads, seed=args.seed)
-    cfg.model.name = str(model_dir)
+    cfg.model.name, cfg.model.dtype = str(model_dir), dtype
     cfg.model.max_model_len = max(512, max(w.max_len for w in workloads))
-    cfg.engine.kv_cache_bytes = kv_bytes_for(model_dir, workloads, cfg.engine.block_size, cfg.model.max_model_len)
+    cfg.engine.kv_cache_bytes = kv_bytes_for(model_dir, workloads, cfg.engine.block_size, cfg.model.max_model_len, dtype)
     engine = Engine(cfg)
     stats: dict[str, dict] = {}
 
@@ -141,22 +148,23 @@ def rlserve_runner(model_dir: Path, workloads: list[Workload], args) -> tuple[Ru
     return run, stats
 
 
-def kv_bytes_for(model_dir: Path, workloads: list[Workload], block_size: int, min_tokens: int) -> int:
-    """An fp32 KV pool that holds every sequence of the largest workload unshared, plus slack."""
+def kv_bytes_for(model_dir: Path, workloads: list[Workload], block_size: int, min_tokens: int, dtype: str) -> int:
+    """A KV pool that holds every sequence of the largest workload unshared, plus slack."""
     c = json.loads((model_dir / "config.json").read_text())
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    per_token = c["num_hidden_layers"] * 2 * c.get("num_key_value_heads", c["num_attention_heads"]) * head_dim * 4
+    per_token = c["num_hidden_layers"] * 2 * c.get("num_key_value_heads", c["num_attention_heads"]) * head_dim
+    per_token *= getattr(torch, dtype).itemsize
     tokens = max(w.num_seqs * (w.max_len + block_size) for w in workloads)
     return max(tokens, min_tokens + block_size) * per_token
 
 
-def load_hf(model_dir: Path, attn: str) -> transformers.PreTrainedModel:
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn).eval()
+def load_hf(model_dir: Path, attn: str, dtype: str) -> transformers.PreTrainedModel:
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype), attn_implementation=attn).eval()
 
 
-def generate_runner(model_dir: Path, args) -> Runner:
+def generate_runner(model_dir: Path, args, dtype: str) -> Runner:
     """Static batch: every sequence of a workload in one batch (prompts have equal lengths, so no padding)."""
-    model = load_hf(model_dir, "sdpa")
+    model = load_hf(model_dir, "sdpa", dtype)
     torch.manual_seed(args.seed)
 
     def run(w: Workload) -> int:
@@ -171,12 +179,12 @@ def generate_runner(model_dir: Path, args) -> Runner:
     return run
 
 
-def generate_batch_runner(model_dir: Path, args) -> Runner:
+def generate_batch_runner(model_dir: Path, args, dtype: str) -> Runner:
     """Continuous batching, under no_grad: inference_mode fails on CPU."""
     try:
-        model = load_hf(model_dir, "paged|sdpa")
+        model = load_hf(model_dir, "paged|sdpa", dtype)
     except ValueError:  # a transformers that dropped the "paged|" prefix
-        model = load_hf(model_dir, "sdpa")
+        model = load_hf(model_dir, "sdpa", dtype)
 
     def run(w: Workload) -> int:
         config = GenerationConfig(
@@ -202,7 +210,7 @@ def generate_batch_runner(model_dir: Path, args) -> Runner:
 # ---- timing and report ----------------------------------------------------------------------
 
 
-def measure(system: str, run: Runner, warmup: Workload, timed: list[Workload], repeats: int) -> list[Result]:
+def measure(system: str, run: Runner, warmup: Workload, timed: list[Workload], repeats: int, dtype: str) -> list[Result]:
     run(warmup)
     results = []
     for w in timed:
@@ -213,7 +221,7 @@ def measure(system: str, run: Runner, warmup: Workload, timed: list[Workload], r
                 tokens = run(w.repeat(i))
                 dt = time.perf_counter() - t0
             if best is None or dt < best.seconds:
-                best = Result(system, w.name, w.num_seqs, tokens, dt, load.cores)
+                best = Result(system + SHORT[dtype], w.name, w.num_seqs, tokens, dt, load.cores, dtype)
         results.append(best)
     return results
 
@@ -224,33 +232,44 @@ def stats_delta(before: dict, after: dict) -> dict:
     return {k: after[k] - before[k] if k in counters else after[k] for k in after}
 
 
-def target(r: Result, ours: Result | None) -> str:
-    if r.system == RLSERVE:
+def target(r: Result, ours: Result | None, fp32: Result | None) -> str:
+    """The issue's goal for this row, met or missed (fp32: absolute and over the peers; bf16: over
+    rlserve fp32 and over generate_batch bf16, on a CPU with native bf16)."""
+    if r.dtype == "bfloat16":
+        if r is ours and fp32 is not None:
+            goal, got = TARGET_BF16_OVER_FP32[r.workload], r.tok_s / fp32.tok_s
+            return f"{got:.2f}x rlserve fp32 (>= {goal}x: {'met' if got >= goal else 'missed'})"
+        goals = {GENERATE_BATCH + SHORT["bfloat16"]: TARGET_BF16_VS_GENERATE_BATCH}
+    elif r.system == RLSERVE:
         goal = TARGET_BATCH_TOK_S if r.workload == "batch" else TARGET_SINGLE_TOK_S
         return f">= {goal:.0f} tok/s: {'met' if r.tok_s >= goal else 'missed'}"
-    goal = {GENERATE: TARGET_VS_GENERATE, GENERATE_BATCH: TARGET_VS_GENERATE_BATCH}[r.system]
-    if r.workload != "batch" or ours is None:
+    else:
+        goals = {GENERATE: TARGET_VS_GENERATE, GENERATE_BATCH: TARGET_VS_GENERATE_BATCH}
+    if r.system not in goals or r.workload != "batch" or ours is None:
         return ""
+    goal = goals[r.system]
     return f"rlserve >= {goal:.0f}x: {'met' if ours.tok_s / r.tok_s >= goal else 'missed'}"
 
 
-def report(results: list[Result], stats: dict[str, dict], timed: list[Workload], args) -> None:
-    print(f"\n{'system':<28} {'batch':>5} {'tokens':>7} {'seconds':>8} {'tok/s':>8} {'rlserve/x':>10} {'others':>7}  target")
+def report(results: list[Result], stats: dict[tuple[str, str], dict], timed: list[Workload], args) -> None:
+    print(f"\n{'system':<33} {'batch':>5} {'tokens':>7} {'seconds':>8} {'tok/s':>8} {'rlserve/x':>10} {'others':>7}  target")
     for w in timed:
         rows = [r for r in results if r.workload == w.name]
-        ours = next((r for r in rows if r.system == RLSERVE), None)
+        fp32 = next((r for r in rows if r.system == RLSERVE), None)
         for r in rows:
+            ours = next((o for o in rows if o.system == RLSERVE + SHORT[r.dtype]), None)
             ratio = "" if ours is None or r is ours else f"{ours.tok_s / r.tok_s:.1f}x"
             others = "" if r.others is None else f"{r.others:.2f}"
-            goal = "" if args.quick else target(r, ours)
-            print(f"{r.system:<28} {r.seqs:>5} {r.tokens:>7} {r.seconds:>8.2f} {r.tok_s:>8.1f} {ratio:>10} {others:>7}  {goal}")
+            goal = "" if args.quick else target(r, ours, fp32)
+            print(f"{r.system:<33} {r.seqs:>5} {r.tokens:>7} {r.seconds:>8.2f} {r.tok_s:>8.1f} {ratio:>10} {others:>7}  {goal}")
+    print("rlserve/x = rlserve's tok/s in the row's dtype over the row's")
     print(f"others = CPU cores used by other processes during the run (of {os.cpu_count()}): "
           "well above 0 means the figures are low")
     if not args.quick:
-        print("targets (from the issue) are for the default workload on a 2-core CPU")
-    for w in timed:
-        print(f"\nrlserve engine stats, {w.name} run ({w.num_seqs} seqs; counters are this run's increments):")
-        print("  " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in stats[w.name].items()))
+        print("targets (from the issue) are for the default workload on a 2-core CPU (bf16: one with native bf16)")
+    for (dtype, name), values in stats.items():
+        print(f"\nrlserve {dtype} engine stats, {name} run (counters are this run's increments):")
+        print("  " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items()))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -261,21 +280,27 @@ def main(argv: list[str] | None = None) -> None:
     warnings.filterwarnings("ignore", message="The `paged|` prefix")  # 5.23 still needs it for generate_batch on CPU
     model_dir = make_model(args.preset, args.cache_dir / args.preset)
     warmup, timed = make_workloads(args, json.loads((model_dir / "config.json").read_text())["vocab_size"])
-    print(f"model {args.preset} (random weights, fp32) at {model_dir}")
+    print(f"model {args.preset} (random weights; {', '.join(args.dtype)}) at {model_dir}")
     print(f"workload: {args.batch_prompts} prompts x n={args.n}, {args.prompt_len} prompt + {args.new_tokens} new "
           f"tokens, temperature 1, EOS ignored; then 1 prompt x n=1; best of {args.repeats}")
     print(f"torch {torch.__version__} ({args.threads} threads, {os.cpu_count()} cores), "
           f"transformers {transformers.__version__}")
 
-    run, stats = rlserve_runner(model_dir, timed, args)
-    results = measure(RLSERVE, run, warmup, timed, args.repeats)
-    del run  # frees the engine
-    gc.collect()
-    if not args.skip_hf:
-        results += measure(GENERATE, generate_runner(model_dir, args), warmup, timed, args.repeats)
+    results: list[Result] = []
+    stats: dict[tuple[str, str], dict] = {}
+    for dtype in args.dtype:
+        run, dtype_stats = rlserve_runner(model_dir, timed, args, dtype)
+        results += measure(RLSERVE, run, warmup, timed, args.repeats, dtype)
+        stats.update({(dtype, w.name): dtype_stats[w.name] for w in timed})
+        del run  # frees the engine
         gc.collect()
-    if not args.skip_generate_batch:
-        results += measure(GENERATE_BATCH, generate_batch_runner(model_dir, args), warmup, timed, args.repeats)
+    for dtype in args.dtype:
+        if not args.skip_hf:
+            results += measure(GENERATE, generate_runner(model_dir, args, dtype), warmup, timed, args.repeats, dtype)
+            gc.collect()
+        if not args.skip_generate_batch:
+            results += measure(GENERATE_BATCH, generate_batch_runner(model_dir, args, dtype), warmup, timed, args.repeats, dtype)
+            gc.collect()
     report(results, stats, timed, args)
 
 

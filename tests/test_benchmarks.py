@@ -62,3 +62,12 @@ def test_moe_quick(tmp_path):
 def test_kv_offload_quick(tmp_path):
     out = run(tmp_path, "kv_offload.py", "--quick", "--disk")
     assert "same tokens: True" in out and re.search(r"^offload\s+[\d.]+", out, re.M)
+
+
+def test_llamacpp_comparison_skips_the_peer_when_it_is_not_built(tmp_path):
+    out = run(tmp_path, "llamacpp.py", "--preset", "tiny", "--clients", "2", "--prompt-len", "8", "--new-tokens", "4",
+              "--single-new-tokens", "4", "--dtype", "bfloat16")  # fmt: skip
+    assert "llama.cpp: skipped" in out
+    for workload in ("64 concurrent", "batch 1"):  # the row names, whatever --clients is
+        match = re.search(rf"^rlserve bfloat16\s+{workload}\s+([\d.]+)", out, re.M)
+        assert match and float(match.group(1)) > 0, out

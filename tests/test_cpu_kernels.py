@@ -109,6 +109,47 @@ def test_silu_mul_equals_the_torch_ops(kernels):
     assert torch.allclose(kernels.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, atol=1e-5)
 
 
+def bf16_ulps(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest difference in units of bf16 rounding at each value's size."""
+    ulp = want.float().abs().clamp_min(1e-3) * 2.0**-8
+    return ((got.float() - want.float()).abs() / ulp).max().item()
+
+
+def test_bf16_instances_follow_transformers_bf16_ops(kernels):
+    """The bf16 kernels on bf16 tensors against the same steps as transformers runs them in bf16
+    eager ops: a few bf16 roundings apart at most (they round once where it rounds per op)."""
+    gen = torch.Generator().manual_seed(11)
+    hidden, delta = (torch.randn(2, 7, 576, generator=gen) * 3).bfloat16().unbind(0)
+    weight = torch.randn(576, generator=gen).bfloat16()
+    residual = hidden + delta  # bf16 add, rounded
+    normed = residual.float() * torch.rsqrt(residual.float().pow(2).mean(-1, keepdim=True) + 1e-5)
+    want = weight * normed.bfloat16()  # LlamaRMSNorm: the normed value rounded, then the weight
+    out = torch.empty_like(hidden)
+    kernels.add_rms_norm(hidden, delta, weight, out, 1e-5)
+    assert torch.equal(hidden, residual) and bf16_ulps(out, want) <= 4
+
+    gate_up = (torch.randn(9, 2 * 1536, generator=gen) * 4).bfloat16()
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert bf16_ulps(kernels.silu_mul(gate_up), torch.nn.functional.silu(gate) * up) <= 4
+
+    q, k_cache, v_cache, tables, lens = case(5, 4, 3, 3, 64, 16, [1, 17, 60, 100])
+    q, k_cache, v_cache = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
+    want = reference_paged_attention(q.float(), k_cache.float(), v_cache.float(), tables, lens, 16, 0.125)
+    got = kernels.attention(q, k_cache, v_cache, tables, lens, 16, 0.125)
+    assert got.dtype == torch.bfloat16 and torch.allclose(got.float(), want, atol=2e-2)
+
+    t, nh, nkv, d = 3, 4, 2, 64
+    qkv = torch.randn(t, (nh + 2 * nkv) * d, generator=gen).bfloat16()
+    angles = torch.rand(t, d // 2, generator=gen) * 6
+    cos = torch.cat((angles.cos(), angles.cos()), -1).unsqueeze(1).bfloat16()
+    sin = torch.cat((-angles.sin(), angles.sin()), -1).unsqueeze(1).bfloat16()
+    want = apply_rope(qkv.view(t, -1, d)[:, : nh + nkv], cos, sin)
+    k_cache, v_cache = torch.zeros(2, 8, nkv, d, dtype=torch.bfloat16).unbind(0)
+    kernels.qk_rope_store(qkv, cos, sin, None, None, 1e-6, torch.tensor([1, 5, 2]), k_cache, v_cache, nh, nkv)
+    assert torch.allclose(qkv.view(t, -1, d)[:, : nh + nkv].float(), want.float(), atol=3e-2)
+    assert torch.equal(k_cache[[1, 5, 2]], qkv.view(t, -1, d)[:, nh : nh + nkv])
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return make_model("tiny", tmp_path_factory.mktemp("models") / "tiny")
@@ -172,4 +213,5 @@ def test_shapes_outside_the_kernels_buffers_keep_the_pytorch_path(kernels):
     assert not kernels.supports(2, 1, 512, 16, torch.float32)  # past the accumulators' size
     assert not kernels.supports(64, 1, 64, 16, torch.float32)  # more query heads per KV head than sized for
     assert not kernels.supports(9, 3, 64, 128, torch.float32)  # larger blocks than sized for
-    assert not kernels.supports(9, 3, 64, 16, torch.bfloat16)
+    assert kernels.supports(9, 3, 64, 16, torch.bfloat16)  # bf16 storage, fp32 arithmetic
+    assert not kernels.supports(9, 3, 64, 16, torch.float16)

@@ -8,6 +8,7 @@ from rlserve.config_loader import ConfigError, help_text, load_config
 
 USAGE = """usage: rlserve serve [@ FILE ...] [--section.key VALUE ...]
        rlserve make-model [--help] ...
+       rlserve bench throughput|serve [--help] ...
        inference [@ FILE ...] [--section.key VALUE ...]   (same as rlserve serve)
 """
 
@@ -23,6 +24,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if command in ("serve", "inference"):
         return _serve(rest, prog=f"rlserve {command}")
+    if command == "bench":
+        from rlserve.bench.main import main as bench_main
+
+        return bench_main(rest)
     if command == "make-model":
         from rlserve.model.make import make_model_main
 

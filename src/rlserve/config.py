@@ -16,7 +16,15 @@ class ModelConfig(Section):
     name: str | None = Field(None, description="HF model directory or hub id; none = the embedded default model")
     max_model_len: int | None = Field(None, ge=2, description="context length; none = the model's own")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="auto = float32 on CPU, bfloat16 on CUDA"
+        "auto",
+        description="auto = float32 on CPU (exact against an fp32 trainer), bfloat16 on CUDA; bfloat16 on "
+        "CPU is the fast path where the CPU has native bf16 (AVX512_BF16 or AMX)",
+    )
+    lm_head_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="dtype of the LM head and the logits after it (log_softmax and sampling are always "
+        "float32); auto = float32, which for a bf16 model costs a float32 copy of the head weight and "
+        "keeps logprobs close to an fp32 forward; set it to the model dtype to run the head in that",
     )
     device: str = Field("auto", description="auto, cpu, cuda, cuda:N or mps")
     enforce_eager: bool = Field(False, description="never capture CUDA graphs")
@@ -71,13 +79,13 @@ class EngineConfig(Section):
     )
     pack_weights: bool = Field(
         True,
-        description="fp32 on CPU: keep a second, MKL-packed copy of every projection's weight "
-        "(1.3-2.3x faster decode matmuls; costs the weights' size again in memory, and is skipped "
-        "when that is more than half the available memory)",
+        description="CPU: keep a second, packed copy of every projection's weight (fp32: MKL, 1.3-2.3x "
+        "faster decode matmuls; bf16: oneDNN, 1.2-2x; costs the weights' size again in memory, and is "
+        "skipped when that is more than half the available memory)",
     )
     cpu_kernels: bool = Field(
         True,
-        description="CPU, fp32: decode attention and the element-wise steps between matmuls run in C "
+        description="CPU, fp32 or bf16: decode attention and the element-wise steps between matmuls run in C "
         "kernels (decode attention reads K/V where they lie in the paged cache), built with the "
         "machine's C compiler at first use; without one, PyTorch ops",
     )

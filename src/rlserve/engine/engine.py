@@ -27,6 +27,7 @@ from rlserve.engine.sampler import Sampler, SamplingRow
 from rlserve.engine.scheduler import Scheduler
 from rlserve.engine.weights import StagedWeights, commit
 from rlserve.engine.sequence import Request, Sequence, Status
+from rlserve.model.cpu_kernels import cpu_has_native_bf16, warn_slow_half_precision
 from rlserve.model.llama import ModelShape
 from rlserve.model.loader import load_model, resolve_model_dir
 from rlserve.model.lora import LoraAdapter
@@ -75,7 +76,18 @@ def resolve_device(name: str) -> torch.device:
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
+    dtype = getattr(torch, name)
+    if device.type == "cpu" and dtype != torch.float32 and not cpu_has_native_bf16():
+        warn_slow_half_precision(name)
+    return dtype
+
+
+def resolve_head_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The LM head's dtype: float32 (auto) or the model's own; a third dtype is a config error."""
+    dtype = torch.float32 if name == "auto" else getattr(torch, name)
+    if dtype not in (torch.float32, model_dtype):
+        raise ValueError(f"model.lm_head_dtype={name} must be float32, auto or the model dtype ({model_dtype})")
+    return dtype
 
 
 class Engine:
@@ -100,6 +112,7 @@ class Engine:
         self.eos_token_ids = self._eos_ids()
         memory = memory_at_start(self.device) if config.gpu_memory_utilization else 0
         self.model = load_model(self.model_dir, self.shape, self.dtype, self.device)
+        self.model.set_head_dtype(resolve_head_dtype(config.model.lm_head_dtype, self.dtype))
 
         ec = config.engine
         num_blocks = self._num_blocks(ec.kv_cache_bytes or config.memory_budget_bytes or self._utilization_budget(memory))

@@ -1,6 +1,7 @@
 """CPU kernels in C, built with the machine's C compiler at first use and loaded through ctypes.
 
-Only what PyTorch has no fast op for on CPU (fp32), in `kernels/`:
+Only what PyTorch has no fast op for on CPU, in `kernels/`, each in an fp32 and a bf16 instance
+(bf16 storage, fp32 arithmetic; `scalar.h`):
 - `paged_attention.c`: decode attention that reads K/V where they lie in the paged cache. The
   eager path gathers every sequence's blocks into a contiguous copy for SDPA, reading the cache,
   writing it and reading it again.
@@ -33,7 +34,9 @@ from rlserve.model.make import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCES = sorted((Path(__file__).with_name("kernels")).glob("*.c"))
+KERNEL_DIR = Path(__file__).with_name("kernels")
+SOURCES = sorted(KERNEL_DIR.glob("*.c"))
+DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC", "-shared"]
 
 
@@ -50,10 +53,33 @@ def _cpu_id() -> str:
         return platform.processor() + platform.machine()
 
 
+NATIVE_BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # x86 AVX512_BF16 / AMX; aarch64 BF16
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """Whether the CPU multiplies bf16 natively (from /proc/cpuinfo's flags); without it bf16
+    GEMMs are emulated and several times slower than fp32."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return False
+    flags = {f for ln in lines if ln.startswith(("flags", "Features")) for f in ln.split(":", 1)[1].split()}
+    return bool(flags & NATIVE_BF16_FLAGS)
+
+
+@functools.cache
+def warn_slow_half_precision(dtype: str) -> None:
+    log.warning(
+        "model.dtype=%s on a CPU without native bf16 (no avx512_bf16/amx_bf16 flag): half-precision "
+        "matmuls are emulated here and several times slower than float32; use model.dtype=auto", dtype
+    )
+
+
 def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     digest = hashlib.sha256()
-    for part in [src.read_bytes() for src in SOURCES] + [version.encode(), " ".join(FLAGS).encode(), _cpu_id().encode()]:
+    for part in [src.read_bytes() for src in sorted(KERNEL_DIR.glob("*.[ch]"))] + [version.encode(), " ".join(FLAGS).encode(), _cpu_id().encode()]:
         digest.update(part)
     lib = cache_root() / "kernels" / f"rlserve-kernels-{digest.hexdigest()[:16]}.so"
     if lib.exists():
@@ -77,15 +103,19 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 class CpuKernels:
-    """The compiled library. Every tensor argument is fp32 on CPU with contiguous rows (checked
-    by the model's shapes, not here: these run 100+ times a step)."""
+    """The compiled library. Every tensor argument of one call has the same dtype (fp32 or bf16;
+    the instance is picked by it) and contiguous rows (checked by the model's shapes, not here:
+    these run 100+ times a step)."""
 
     def __init__(self, lib: ctypes.CDLL):
         i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
-        self._attention = self._fn(lib.rlserve_paged_attention, [ptr, i64] + [ptr] * 5 + [i64] * 6 + [f32, i32])
-        self._add_rms_norm = self._fn(lib.rlserve_add_rms_norm, [ptr] * 4 + [i64] * 2 + [f32, i32])
-        self._qk_rope_store = self._fn(lib.rlserve_qk_rope_store, [ptr] * 5 + [f32] + [ptr] * 3 + [i64] * 4 + [i32])
-        self._silu_mul = self._fn(lib.rlserve_silu_mul, [ptr, ptr, i64, i64, i32])
+        self._attention, self._add_rms_norm, self._qk_rope_store, self._silu_mul = {}, {}, {}, {}
+        for dtype, suffix in DTYPES.items():
+            fn = lambda name: getattr(lib, f"rlserve_{name}_{suffix}")  # noqa: E731
+            self._attention[dtype] = self._fn(fn("paged_attention"), [ptr, i64] + [ptr] * 5 + [i64] * 6 + [f32, i32])
+            self._add_rms_norm[dtype] = self._fn(fn("add_rms_norm"), [ptr] * 4 + [i64] * 2 + [f32, i32])
+            self._qk_rope_store[dtype] = self._fn(fn("qk_rope_store"), [ptr] * 5 + [f32] + [ptr] * 3 + [i64] * 4 + [i32])
+            self._silu_mul[dtype] = self._fn(fn("silu_mul"), [ptr, ptr, i64, i64, i32])
         self._limits = self._fn(lib.rlserve_paged_attention_limits, [i64] * 3, ctypes.c_int)
 
     @staticmethod
@@ -94,7 +124,7 @@ class CpuKernels:
         return fn
 
     def supports(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> bool:
-        return dtype == torch.float32 and bool(self._limits(num_heads // num_kv_heads, head_dim, block_size))
+        return dtype in DTYPES and bool(self._limits(num_heads // num_kv_heads, head_dim, block_size))
 
     def attention(self, q, k_cache, v_cache, blocks, ctx_lens, block_size: int, scale: float) -> torch.Tensor:
         """q [B, H, D] (rows may be strided: a view into the QKV rows); caches [slots, KVH, D];
@@ -102,7 +132,7 @@ class CpuKernels:
         b, h, d = q.shape
         assert q.stride(2) == 1 and q.stride(1) == d, "each row's heads must be contiguous"
         out = q.new_empty(b, h, d)
-        self._attention(
+        self._attention[q.dtype](
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), blocks.data_ptr(), ctx_lens.data_ptr(),
             out.data_ptr(), b, blocks.shape[1], h, k_cache.shape[1], d, block_size, scale, torch.get_num_threads(),
         )  # fmt: skip
@@ -112,13 +142,13 @@ class CpuKernels:
         """hidden += delta (the residual stream, in place); out = RMSNorm(hidden) * weight."""
         rows, dim = hidden.shape
         delta = None if delta is None else delta.contiguous()  # a swapped GEMM's output is a transposed view
-        self._add_rms_norm(hidden.data_ptr(), _ptr(delta), weight.data_ptr(), out.data_ptr(), rows, dim, eps, torch.get_num_threads())
+        self._add_rms_norm[hidden.dtype](hidden.data_ptr(), _ptr(delta), weight.data_ptr(), out.data_ptr(), rows, dim, eps, torch.get_num_threads())
 
     def qk_rope_store(self, qkv, cos, sin_signed, q_norm, k_norm, eps: float, slots, k_cache, v_cache, num_heads: int, num_kv_heads: int) -> None:
         """In place on qkv [T, (H + 2 KVH) * D]: per-head q/k RMSNorm (when given), RoPE on q and k;
         then k and v written to their KV slots."""
         d = k_cache.shape[-1]
-        self._qk_rope_store(
+        self._qk_rope_store[qkv.dtype](
             qkv.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), _ptr(q_norm), _ptr(k_norm), eps, slots.data_ptr(),
             k_cache.data_ptr(), v_cache.data_ptr(), qkv.shape[0], num_heads, num_kv_heads, d, torch.get_num_threads(),
         )  # fmt: skip
@@ -127,7 +157,7 @@ class CpuKernels:
         gate_up = gate_up.contiguous()
         rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
         out = gate_up.new_empty(rows, inter)
-        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, inter, torch.get_num_threads())
+        self._silu_mul[gate_up.dtype](gate_up.data_ptr(), out.data_ptr(), rows, inter, torch.get_num_threads())
         return out
 
 
@@ -170,8 +200,9 @@ def _self_check(kernels: CpuKernels) -> None:
 
     gen = torch.Generator().manual_seed(0)
 
-    def check(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
-        assert torch.allclose(got, want, atol=1e-5), f"{name} differs by {(got - want).abs().max().item():.2e}"
+    def check(name: str, got: torch.Tensor, want: torch.Tensor, atol: float = 1e-5) -> None:
+        diff = (got.float() - want.float()).abs().max().item()
+        assert diff <= atol, f"{name} ({got.dtype}) differs by {diff:.2e}"
 
     bs, nkv, group = 4, 2, 3
     blocks = torch.tensor([[3, 7, 1], [5, 0, 0], [11, 2, 9]])
@@ -181,11 +212,18 @@ def _self_check(kernels: CpuKernels) -> None:
         q = torch.randn(3, nkv * group, d, generator=gen)
         got = kernels.attention(q, k_cache.contiguous(), v_cache.contiguous(), blocks, ctx_lens, bs, 0.25)
         check("attention", got, reference_paged_attention(q, k_cache, v_cache, blocks, ctx_lens, bs, 0.25))
+        q, k_cache, v_cache = q.bfloat16(), k_cache.bfloat16().contiguous(), v_cache.bfloat16().contiguous()
+        want = reference_paged_attention(q.float(), k_cache.float(), v_cache.float(), blocks, ctx_lens, bs, 0.25)
+        check("attention", kernels.attention(q, k_cache, v_cache, blocks, ctx_lens, bs, 0.25), want, atol=2e-2)
 
     hidden, delta, weight = torch.randn(3, 3, 40, generator=gen).unbind(0)
     out, want = torch.empty_like(hidden), F.rms_norm(hidden + delta, (40,), weight[0], 1e-6)
     kernels.add_rms_norm(hidden, delta, weight[0], out, 1e-6)
     check("add_rms_norm", out, want)
+    hidden, delta, weight = hidden.bfloat16(), delta.bfloat16(), weight.bfloat16()
+    out, want = torch.empty_like(hidden), F.rms_norm((hidden + delta).float(), (40,), weight[0].float(), 1e-6)
+    kernels.add_rms_norm(hidden, delta, weight[0], out, 1e-6)
+    check("add_rms_norm", out, want, atol=5e-2)
     gate_up = torch.randn(3, 80, generator=gen)
     check("silu_mul", kernels.silu_mul(gate_up), F.silu(gate_up[:, :40]) * gate_up[:, 40:])
 
