@@ -140,3 +140,34 @@ def test_in_thread_engine_still_serves():
         assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3
     finally:
         stop_server(proc)
+
+
+def test_a_message_the_engine_refuses_rejects_that_request_and_the_engine_keeps_serving():
+    # found by the fuzzer: a value the engine's own checks refuse on decode killed the core
+    import asyncio
+
+    from rlserve.config import Config
+    from rlserve.engine.client import EngineClient
+
+    config = Config()
+    config.model.max_model_len = 128
+    config.engine.kv_cache_bytes = 8 << 20
+    client = EngineClient(config)
+
+    async def main() -> tuple[str, int]:
+        await client.start()
+        bad = SamplingParams(max_tokens=2)
+        bad.repetition_penalty = 0.0  # past the server-side check: only the core's decode sees it
+        with pytest.raises(ValueError, match="repetition_penalty"):
+            async for _ in client.generate([1, 2, 3], bad, "bad"):
+                pass
+        last = None
+        async for out in client.generate([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True), "good"):
+            last = out
+        return (last.outputs[0].finish_reason, len(last.outputs[0].token_ids))
+
+    try:
+        reason, tokens = asyncio.run(asyncio.wait_for(main(), HANG_GUARD_S))
+        assert (reason, tokens) == ("length", 2) and client.dead is None
+    finally:
+        client.shutdown()

@@ -21,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import zmq
 
 from rlserve.config import Config
@@ -58,7 +59,7 @@ class EngineCore:
                         raw = self.inbox.recv(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    self.handle(ipc.to_engine.decode(raw))
+                    self.receive(raw)
             while not self.done.empty():
                 self.done.get_nowait()()
             if self.paused:
@@ -130,6 +131,25 @@ class EngineCore:
         e = self.engine
         return ipc.State(e.policy_version, e.weight_version, {n: a.path for n, a in e.adapters.items()},
                          self.paused, dataclasses.asdict(e.stats))
+
+    def receive(self, raw: bytes) -> None:
+        try:
+            msg = ipc.to_engine.decode(raw)
+        except msgspec.ValidationError as exc:
+            # a value our own checks refuse (sampling params validate on decode): refuse that message, keep serving
+            self.refuse(raw, exc)
+            return
+        self.handle(msg)
+
+    def refuse(self, raw: bytes, exc: msgspec.ValidationError) -> None:
+        fields = msgspec.msgpack.decode(raw)
+        tag, ident = (fields[0], fields[1]) if isinstance(fields, list) and len(fields) > 1 else (None, None)
+        if tag == "Add" and isinstance(ident, int):
+            self.outbox.send(ipc.encode(ipc.Rejected(ident, str(exc))))
+        elif tag == "Call" and isinstance(ident, int):
+            self.reply(ident, None, ValueError(str(exc)))
+        else:
+            log.error("engine core: dropped a message it cannot read: %s", exc)
 
     def reply(self, call_id: int, value: Any, exc: BaseException | None = None) -> None:
         kind, message = (ipc.error_kind(exc), str(exc)) if exc is not None else (None, None)
