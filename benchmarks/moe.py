@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> None:
 
     cfg = Config(num_threads=args.threads, seed=args.seed, enable_return_routed_experts=True)
     cfg.model.name, cfg.model.max_model_len = str(model_dir), max(512, timed[0].max_len)
-    cfg.engine.kv_cache_bytes = throughput.kv_bytes_for(model_dir, timed, cfg.engine.block_size, cfg.model.max_model_len)
+    cfg.engine.kv_cache_bytes = throughput.kv_bytes_for(model_dir, timed, cfg.engine.block_size, cfg.model.max_model_len,
+                                                         "float32")
     engine = Engine(cfg)
     outputs = []
 
@@ -80,12 +81,12 @@ def main(argv: list[str] | None = None) -> None:
         outputs[:] = engine.generate(w.prompts, params)
         return sum(len(c.token_ids) for o in outputs for c in o.outputs)
 
-    results = throughput.measure("rlserve (router replay on)", run, warmup, timed, args.repeats)
+    results = throughput.measure("rlserve (router replay on)", run, warmup, timed, args.repeats, "float32")
     rows = [c.routed_experts for o in outputs for c in o.outputs]
     del engine, run
     gc.collect()
-    results += throughput.measure(throughput.GENERATE_BATCH, throughput.generate_batch_runner(model_dir, args),
-                                  warmup, timed, args.repeats)
+    results += throughput.measure(throughput.GENERATE_BATCH, throughput.generate_batch_runner(model_dir, args, "float32"),
+                                  warmup, timed, args.repeats, "float32")
     ours = results[0]
     print(f"\n{'system':<30} {'seqs':>5} {'tokens':>7} {'seconds':>8} {'tok/s':>8} {'rlserve/x':>10} {'others':>7}")
     for r in results:
