@@ -58,23 +58,39 @@ class RayReplica:
             self.config.pop("num_threads", None)
         self.env = {KEY_ENV: key, ADMIN_URL_ENV: admin_url}
         self.actor = None
-        self._url_ref = None
+        self._url_ref = self._poll_ref = None
+        self._exit_code: int | None = None
 
     def start(self) -> None:
         strategy = PlacementGroupSchedulingStrategy(placement_group=self.group, placement_group_bundle_index=self.index)
-        self.actor = ray.remote(num_cpus=1)(ReplicaHost).options(scheduling_strategy=strategy).remote()
+        # threaded: a poll must not queue behind `start`, which blocks until the server listens
+        self.actor = ray.remote(num_cpus=1, max_concurrency=4)(ReplicaHost).options(
+            scheduling_strategy=strategy).remote()
         self._url_ref = self.actor.start.remote(self.index, self.config, self.env)
+        self._poll_ref = None
+        self._exit_code = None
 
     def wait_listening(self, timeout_s: float) -> str:
         return ray.get(self._url_ref, timeout=timeout_s)
 
     def exited(self) -> int | None:
-        if self.actor is None:
+        """Never blocks (the supervisor's event loop calls it): the answer of the last finished poll.
+
+        A slow answer on a busy node is not a death; only Ray saying the actor or its node is gone is.
+        """
+        if self.actor is None or self._exit_code is not None:
+            return self._exit_code
+        if self._poll_ref is None:
+            self._poll_ref = self.actor.poll.remote()
+        done, _ = ray.wait([self._poll_ref], timeout=0)
+        if not done:
             return None
+        ref, self._poll_ref = self._poll_ref, None
         try:
-            return ray.get(self.actor.poll.remote(), timeout=30)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            return -1  # the actor (or its node) is gone
+            self._exit_code = ray.get(ref)
+        except ray.exceptions.RayActorError:
+            self._exit_code = -1  # the actor (or its node) is gone
+        return self._exit_code
 
     def stop(self) -> None:
         if self.actor is None:
@@ -84,7 +100,7 @@ class RayReplica:
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
             pass
         ray.kill(self.actor)
-        self.actor = None
+        self.actor, self._poll_ref = None, None
 
 
 def ray_replicas(config: Config, key: str, admin_url: str) -> list[RayReplica]:
