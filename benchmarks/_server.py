@@ -1,8 +1,12 @@
-"""Start `rlserve serve` in its own process for a benchmark and hand back its URL."""
+"""Start `rlserve serve` in its own process for a benchmark and hand back its URL; drive C concurrent
+clients against it (the served half of serving.py and engine_process.py)."""
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import contextlib
+import json
 import re
 import subprocess
 import sys
@@ -11,6 +15,10 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+import httpx
+
+from _cpu import OtherLoad
 
 
 @dataclass(frozen=True)
@@ -64,9 +72,47 @@ def rlserve_server(*args: str, timeout: float = 300.0) -> Iterator[Server]:
             proc.wait(timeout=60)
 
 
-def _healthy(url: str) -> bool:
-    import httpx
+def workload_args(model_dir: Path, args: argparse.Namespace) -> tuple[str, ...]:
+    """The server settings every served run of a prompt_len + new_tokens workload shares."""
+    return ("--model.name", str(model_dir), "--model.max_model_len", str(args.prompt_len + args.new_tokens + 16),
+            "--server.log_level", "warning")
 
+
+def served(model_dir: Path, prompts: list[list[int]], args: argparse.Namespace, stream: bool,
+           *extra: str) -> tuple[float, float | None]:
+    """tok/s of `prompts` sent at once to a fresh server, and the cores other processes used meanwhile."""
+    with rlserve_server(*workload_args(model_dir, args), *extra) as server:
+        return asyncio.run(clients(server.url, server.pids(), prompts, args.new_tokens, stream))
+
+
+async def clients(url: str, server_pids: list[int], prompts: list[list[int]], new_tokens: int,
+                  stream: bool) -> tuple[float, float | None]:
+    body = {"max_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True, "stream": stream,
+            "return_token_ids": True}
+    limits = httpx.Limits(max_connections=len(prompts) + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        await client.post("/v1/completions", json={**body, "prompt": prompts[0], "max_tokens": 2, "stream": False})
+
+        async def one(prompt: list[int]) -> int:
+            if not stream:
+                r = await client.post("/v1/completions", json={**body, "prompt": prompt})
+                return len(r.json()["choices"][0]["token_ids"])
+            count = 0
+            async with client.stream("POST", "/v1/completions", json={**body, "prompt": prompt}) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        for choice in json.loads(line[6:]).get("choices", []):
+                            count += len(choice.get("token_ids") or [])
+            return count
+
+        with OtherLoad(*server_pids) as load:  # the clients (this process) and the server(s) are the run
+            start = time.perf_counter()
+            counts = await asyncio.gather(*(one(p) for p in prompts))
+            elapsed = time.perf_counter() - start
+        return sum(counts) / elapsed, load.cores
+
+
+def _healthy(url: str) -> bool:
     try:
         return httpx.get(f"{url}/health", timeout=5).status_code == 200
     except httpx.HTTPError:

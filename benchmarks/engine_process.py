@@ -13,22 +13,13 @@ ignored), as a fraction of the offline engine's tok/s measured in the same run:
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 
 import torch
 
-from _server import rlserve_server
-from rlserve.model.make import cache_root, make_model
-from serving import _clients, offline, workload
-
-
-def served(model_dir, prompts, args, stream: bool, *extra: str) -> tuple[float, float | None]:
-    with rlserve_server("--model.name", str(model_dir), "--model.max_model_len",
-                        str(args.prompt_len + args.new_tokens + 16), "--server.log_level", "warning",
-                        *extra) as server:
-        return asyncio.run(_clients(server.url, server.pid, prompts, argparse.Namespace(**{**vars(args),
-                                                                                            "stream": stream})))
+from _server import served
+from rlserve.model.make import bench_cache_dir, make_model
+from serving import offline, workload
 
 
 def main() -> None:
@@ -40,7 +31,7 @@ def main() -> None:
     args = p.parse_args()
     cores = os.cpu_count() or 1
     torch.set_num_threads(cores)
-    model_dir = make_model(args.preset, cache_root() / "bench" / args.preset)
+    model_dir = make_model(args.preset, bench_cache_dir() / args.preset)
     from transformers import AutoConfig
 
     prompts = workload(args, AutoConfig.from_pretrained(model_dir).vocab_size)

@@ -26,7 +26,7 @@ from rlserve.config import Config, KVOffloadConfig
 from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams
 from rlserve.model.llama import ModelShape
-from rlserve.model.make import cache_root, make_model
+from rlserve.model.make import bench_cache_dir, make_model
 
 
 def run(model_dir, args, offload: dict | None) -> dict:
@@ -94,7 +94,7 @@ def main() -> None:
         args.preset, args.sessions, args.turns, args.history, args.new_tokens, args.gen_tokens = "tiny", 4, 2, 32, 16, 2
     if args.threads:
         torch.set_num_threads(args.threads)
-    model_dir = make_model(args.preset, cache_root() / "bench" / args.preset)
+    model_dir = make_model(args.preset, bench_cache_dir() / args.preset)
     final = args.history + args.turns * args.new_tokens
     print(f"{args.preset}: {args.sessions} sessions x {args.turns} turns, history {args.history} + "
           f"{args.new_tokens}/turn (final {final}), {args.gen_tokens} generated/turn, pool = 1/4 of the working set")

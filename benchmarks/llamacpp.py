@@ -32,7 +32,7 @@ import httpx
 from _cpu import OtherLoad
 from _server import rlserve_server
 from rlserve.bench.serve import random_prompts, run_level
-from rlserve.model.make import cache_root, make_model
+from rlserve.model.make import bench_cache_dir, cache_root, make_model
 
 SDIST = "llama-cpp-python==0.3.36"
 PAIRS = [("float32", "F32"), ("bfloat16", "F16")]
@@ -88,7 +88,8 @@ convert_hf_to_gguf.main()
 
 
 def gguf(model_dir: Path, outtype: str) -> Path:
-    out = llamacpp_dir() / "gguf" / f"{model_dir.name}-{outtype.lower()}.gguf"
+    # keyed like the model's own cache directory (per format version), so a new format converts anew
+    out = llamacpp_dir() / "gguf" / model_dir.parent.name / f"{model_dir.name}-{outtype.lower()}.gguf"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(".tmp")
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.build:
         build()
         return
-    model_dir = make_model(args.preset, cache_root() / "bench" / args.preset)
+    model_dir = make_model(args.preset, bench_cache_dir() / args.preset)
     args.vocab = 1000
     binary = llama_server_binary()
     print(f"model {args.preset} (random weights) at {model_dir}; {args.clients} concurrent x {args.prompt_len} + "

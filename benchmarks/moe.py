@@ -28,7 +28,7 @@ from rlserve.config import Config
 from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams
 from rlserve.engine.routing import encode_routed_experts
-from rlserve.model.make import cache_root, make_model
+from rlserve.model.make import bench_cache_dir, make_model
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -42,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--cache-dir", default=cache_root() / "bench")
+    p.add_argument("--cache-dir", default=bench_cache_dir())
     args = p.parse_args(argv)
     if args.quick:
         args.preset, args.batch_prompts, args.n, args.prompt_len, args.new_tokens = "tiny-moe", 2, 2, 16, 8

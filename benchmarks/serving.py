@@ -25,11 +25,11 @@ import httpx
 import torch
 
 from _cpu import OtherLoad
-from _server import rlserve_server
+from _server import clients, rlserve_server, served, workload_args
 from rlserve.config import Config
 from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams
-from rlserve.model.make import cache_root, make_model
+from rlserve.model.make import bench_cache_dir, make_model
 
 
 def workload(args, vocab: int) -> list[list[int]]:
@@ -49,39 +49,6 @@ def offline(model_dir: Path, prompts, args) -> tuple[float, float | None]:
         outs = engine.generate(prompts, params)
         elapsed = time.perf_counter() - start
     return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed, load.cores
-
-
-async def _clients(url: str, server_pids: list[int], prompts, args) -> tuple[float, float | None]:
-    body = {"max_tokens": args.new_tokens, "temperature": 1.0, "ignore_eos": True, "stream": args.stream}
-    limits = httpx.Limits(max_connections=args.clients + 8)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        await client.post("/v1/completions", json={**body, "prompt": prompts[0], "max_tokens": 2, "stream": False})
-
-        async def one(prompt) -> int:
-            if not args.stream:
-                r = await client.post("/v1/completions", json={**body, "prompt": prompt, "return_token_ids": True})
-                return len(r.json()["choices"][0]["token_ids"])
-            count = 0
-            async with client.stream("POST", "/v1/completions", json={**body, "prompt": prompt, "return_token_ids": True}) as r:
-                async for line in r.aiter_lines():
-                    if line.startswith("data: {"):
-                        import json
-
-                        for choice in json.loads(line[6:]).get("choices", []):
-                            count += len(choice.get("token_ids") or [])
-            return count
-
-        with OtherLoad(*server_pids) as load:  # the clients (this process) and the server(s) are the run
-            start = time.perf_counter()
-            counts = await asyncio.gather(*(one(p) for p in prompts))
-            elapsed = time.perf_counter() - start
-        return sum(counts) / elapsed, load.cores
-
-
-def served(model_dir: Path, prompts, args) -> tuple[float, float | None]:
-    with rlserve_server("--model.name", str(model_dir), "--model.max_model_len",
-                        str(args.prompt_len + args.new_tokens + 16), "--server.log_level", "warning") as server:
-        return asyncio.run(_clients(server.url, server.pids(), prompts, args))
 
 
 async def _latencies(urls: list[str], n: int) -> list[list[float]]:
@@ -106,12 +73,11 @@ def _quantile(xs: list[float], q: float) -> float:
 
 
 def deployment(model_dir: Path, prompts, args) -> None:
-    common = ("--model.name", str(model_dir), "--model.max_model_len", str(args.prompt_len + args.new_tokens + 16),
-              "--server.log_level", "warning")
+    common = workload_args(model_dir, args)
     with rlserve_server(*common, "--num_threads", "2") as single:
-        single_tps, single_others = asyncio.run(_clients(single.url, single.pids(), prompts, args))
+        single_tps, single_others = asyncio.run(clients(single.url, single.pids(), prompts, args.new_tokens, args.stream))
     with rlserve_server(*common, "--deployment.replicas", "2", "--num_threads", "1") as dep:
-        dep_tps, dep_others = asyncio.run(_clients(dep.url, dep.pids(), prompts, args))
+        dep_tps, dep_others = asyncio.run(clients(dep.url, dep.pids(), prompts, args.new_tokens, args.stream))
         replica = httpx.get(f"{dep.admin_url}/deployment", timeout=30).json()["replicas"][0]["url"]
         direct, routed = asyncio.run(_latencies([replica, dep.url], args.latency_requests))
     print(f"\ndeployment, {args.preset}, {args.clients} clients x ({args.prompt_len} prompt + {args.new_tokens} new "
@@ -139,7 +105,7 @@ def main() -> None:
     p.add_argument("--latency-requests", type=int, default=200)
     args = p.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
-    model_dir = make_model(args.preset, cache_root() / "bench" / args.preset)
+    model_dir = make_model(args.preset, bench_cache_dir() / args.preset)
     from transformers import AutoConfig
 
     prompts = workload(args, AutoConfig.from_pretrained(model_dir).vocab_size)
@@ -147,7 +113,7 @@ def main() -> None:
         deployment(model_dir, prompts, args)
         return
     offline_tps, offline_others = offline(model_dir, prompts, args)
-    served_tps, served_others = served(model_dir, prompts, args)
+    served_tps, served_others = served(model_dir, prompts, args, args.stream)
     print(f"\nserving, {args.preset}, {args.clients} clients x ({args.prompt_len} prompt + {args.new_tokens} new tokens), "
           f"stream={args.stream}")
     print(f"{'system':34s} {'tok/s':>8s} {'others':>7s}")

@@ -31,7 +31,7 @@ from _cpu import OtherLoad  # noqa: E402
 from rlserve.config import Config  # noqa: E402
 from rlserve.engine.engine import Engine  # noqa: E402
 from rlserve.engine.params import SamplingParams  # noqa: E402
-from rlserve.model.make import cache_root, make_model  # noqa: E402
+from rlserve.model.make import bench_cache_dir, make_model  # noqa: E402
 
 # From the issue, for the default workload on a 2-core CPU (fp32 smollm2-135m shape).
 TARGET_BATCH_TOK_S = 300.0
@@ -103,7 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-generate-batch", action="store_true", help="skip transformers `generate_batch`")
     p.add_argument("--dtype", nargs="+", choices=list(SHORT), default=["float32"], help="model dtypes, each for every system")
     p.add_argument("--quick", action="store_true", help="tiny preset and small counts (smoke test)")
-    p.add_argument("--cache-dir", type=Path, default=cache_root() / "bench")
+    p.add_argument("--cache-dir", type=Path, default=bench_cache_dir())
     args = p.parse_args(argv)
     if args.quick:
         args.preset, args.batch_prompts, args.n, args.prompt_len, args.new_tokens = "tiny", 2, 2, 16, 8

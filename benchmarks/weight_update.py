@@ -29,11 +29,7 @@ from rlserve.config import Config
 from rlserve.engine.engine import Engine
 from rlserve.engine.weights import StagingBuffers, stage_from_dir
 from rlserve.model.loader import read_safetensors, safetensors_files
-from rlserve.model.make import cache_root, make_model
-
-
-def cache_dir() -> Path:
-    return cache_root() / "bench"
+from rlserve.model.make import bench_cache_dir, make_model
 
 
 def free_port() -> int:
@@ -124,8 +120,8 @@ def main() -> None:
     parser.add_argument("--bucket-mib", type=int, default=256)
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
-    base = make_model(args.preset, cache_dir() / f"{args.preset}-seed0")
-    update = make_model(args.preset, cache_dir() / f"{args.preset}-seed1", seed=1)
+    base = make_model(args.preset, bench_cache_dir() / f"{args.preset}-seed0")
+    update = make_model(args.preset, bench_cache_dir() / f"{args.preset}-seed1", seed=1)
     bucket = args.bucket_mib << 20
 
     read_s, update_s, nbytes = bench_disk(base, update, args.repeats)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -20,8 +21,8 @@ from safetensors.torch import save_file
 
 from conftest import start_server, stop_server
 from rlserve.client import (
-    AdminError, BadRequest, ContextLengthExceeded, InferenceClient, ServerError, SyncInferenceClient,
-    WeightSyncTimeout, build_training_batch, hf_tokenizer, to_nexrl,
+    AdminError, BadRequest, ContextLengthExceeded, InferenceClient, RetryableError, ServerError, StreamInterrupted,
+    SyncInferenceClient, WeightSyncTimeout, build_training_batch, hf_tokenizer, to_nexrl,
 )
 from rlserve.client.endpoints import rendezvous_score
 from rlserve.model.make import make_model
@@ -357,6 +358,52 @@ def test_sync_api_openai_surface_and_tokenizer_agree(cluster):
         with ThreadPoolExecutor(8) as pool:  # threads share the client's loop
             many = list(pool.map(lambda i: client.generate(token_ids=[i + 1], max_tokens=2), range(16)))
         assert all(len(s.completion_ids) == 2 for s in many)
+
+
+def test_streams_match_the_plain_answer_and_4xx_raise_before_any_chunk(cluster):
+    body = {"prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    messages = [{"role": "user", "content": "hi"}]
+    with SyncInferenceClient(cluster.urls()) as client:
+        plain = client.completions.create(**body)["choices"][0]["text"]
+        chunks = list(client.completions.create(**body, stream=True, session_id="s"))
+        assert "".join(c["choices"][0]["text"] for c in chunks) == plain
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        chat = client.chat.completions.create(messages=messages, max_tokens=4, temperature=0)
+        streamed = client.chat.completions.create(messages=messages, max_tokens=4, temperature=0, stream=True)
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in streamed if c["choices"])
+        assert text == chat["choices"][0]["message"]["content"]
+        with pytest.raises(BadRequest, match="temperature"):
+            next(client.completions.create(**{**body, "temperature": -1}, stream=True))
+
+
+@pytest.mark.parametrize("end", ["cut", "clean close without [DONE]"])
+def test_a_stream_that_ends_early_raises_stream_interrupted(end):
+    """A peer that sends one chunk and then breaks the body, as vllm-router does when its replica dies
+    (tests/test_deploy_failover.py), or closes it cleanly without [DONE]."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    chunk = b'data: {"choices":[{"index":0,"text":"hi"}]}\n\n'
+
+    def serve():
+        while True:
+            conn, _ = listener.accept()
+            with conn:
+                if conn.recv(65536).startswith(b"GET"):  # the client's probes: up, not paused
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n"
+                                 b"connection: close\r\n\r\n{}")
+                    continue
+                head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                tail = b"" if end == "cut" else b"0\r\n\r\n"
+                conn.sendall(head + b"%x\r\n" % len(chunk) + chunk + b"\r\n" + tail)
+                return
+
+    threading.Thread(target=serve, daemon=True).start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    with listener, SyncInferenceClient(url, retry_deadline=10) as client:
+        stream = client.completions.create(prompt="x", stream=True, allow_mixed_versions=True)
+        assert next(stream)["choices"][0]["text"] == "hi"
+        with pytest.raises(StreamInterrupted, match="send the request again") as cut:
+            next(stream)
+        assert isinstance(cut.value, RetryableError) and cut.value.received == 1
 
 
 def test_generate_group_and_min_policy_version(cluster):

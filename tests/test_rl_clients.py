@@ -1,7 +1,7 @@
 """RL clients no one here wrote, against a real server.
 
 - verifiers' `renderers` client (the package as published) over /inference/v1/generate;
-- TRL's VLLMClient (as published, when installed) for generation, and its weight-sync requests
+- TRL's VLLMClient (as published, pinned in the test extra) for generation, and its weight-sync requests
   replayed exactly (they need vLLM's NCCL trainer engine, which needs CUDA and vLLM);
 - NeMo Gym's vLLM model server (Python >= 3.12 only): its chat + /tokenize requests replayed from
   responses_api_models/vllm_model/app.py 0.4.0, asserting every field it reads.

@@ -11,16 +11,19 @@ from rlserve.client.errors import (
     BadRequest,
     ContextLengthExceeded,
     EndpointUnavailable,
+    RetryableError,
     RLServeError,
     ServerError,
+    StreamInterrupted,
     WeightSyncTimeout,
 )
 from rlserve.client.sample import Sample, TrainingBatch, build_training_batch, hf_tokenizer, to_nexrl
 from rlserve.client.sync import SyncInferenceClient
 
 __all__ = [
-    "AdminError", "BadRequest", "ContextLengthExceeded", "EndpointUnavailable", "InferenceClient", "RLServeError",
-    "Sample", "ServerError", "SyncInferenceClient", "TrainingBatch", "WeightBroadcaster", "WeightSyncTimeout",
+    "AdminError", "BadRequest", "ContextLengthExceeded", "EndpointUnavailable", "InferenceClient", "RetryableError",
+    "RLServeError", "Sample", "ServerError", "StreamInterrupted", "SyncInferenceClient", "TrainingBatch",
+    "WeightBroadcaster", "WeightSyncTimeout",
     "build_training_batch", "hf_tokenizer", "to_nexrl",
 ]
 

@@ -13,7 +13,7 @@ What it guarantees about weight versions (unless a call passes allow_mixed_versi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from rlserve.client.endpoints import Endpoint
@@ -338,16 +338,21 @@ class InferenceClient:
 class Completions:
     """`client.completions.create(...)` / `client.chat.completions.create(...)`: the OpenAI call with
     vLLM extras passed through (top level or in extra_body); returns the response JSON as a dict.
-    Routed, retried and held during weight syncs like every generation; no streaming."""
+    Routed, retried and held during weight syncs like every generation. With stream=True it returns an
+    async iterator of the SSE chunks (dicts): retried until the first chunk arrives; a stream cut after
+    that raises StreamInterrupted (retryable: send the request again), never a silent restart."""
 
     def __init__(self, client: InferenceClient, path: str):
         self._client, self._path = client, path
 
     async def create(self, *, session_id: str | None = None, allow_mixed_versions: bool | None = None,
-                     extra_body: dict[str, Any] | None = None, **kwargs: Any) -> dict[str, Any]:
-        if kwargs.get("stream"):
-            raise ValueError("stream=True is not supported here; use the openai SDK against the same base URL")
+                     extra_body: dict[str, Any] | None = None,
+                     **kwargs: Any) -> dict[str, Any] | AsyncIterator[dict[str, Any]]:
         body = _compact({"model": self._client.model}) | kwargs | (extra_body or {})
+        if body.get("stream"):
+            allow = self._client.allow_mixed_versions if allow_mixed_versions is None else allow_mixed_versions
+            return self._client.transport.stream(self._path, json=body, session_id=session_id,
+                                                 allow_mixed_versions=allow)
         data, _ = await self._client._generation(self._path, body, session_id, allow_mixed_versions)
         return data
 

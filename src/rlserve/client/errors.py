@@ -24,7 +24,11 @@ class ContextLengthExceeded(BadRequest):
     """The prompt does not fit the model's context (pass on_overflow="truncate_sample" to get an empty sample)."""
 
 
-class ServerError(RLServeError):
+class RetryableError(RLServeError):
+    """The request itself was fine: the same call may succeed if sent again (after the client's own retries)."""
+
+
+class ServerError(RetryableError):
     """5xx answers until the retry deadline ran out."""
 
     def __init__(self, status: int, message: str, url: str = ""):
@@ -32,8 +36,18 @@ class ServerError(RLServeError):
         self.status, self.message, self.url = status, message, url
 
 
-class EndpointUnavailable(RLServeError):
+class EndpointUnavailable(RetryableError):
     """No endpoint could be reached before the retry deadline."""
+
+
+class StreamInterrupted(RetryableError):
+    """A stream broke after it had delivered `received` chunks: its server (or the replica behind a router)
+    died, or it sent an in-band 5xx error. Never resumed on its own: the caller holds part of one sample,
+    and a sample is only whole from one run, so send the request again from scratch."""
+
+    def __init__(self, message: str, received: int):
+        super().__init__(message)
+        self.received = received
 
 
 class WeightSyncTimeout(RLServeError):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any, TypeVar
 
 from rlserve.client.client import Completions, InferenceClient
@@ -33,6 +33,21 @@ class SyncInferenceClient:
             coro.close()
             raise RuntimeError("this SyncInferenceClient is closed")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _iterate(self, chunks: AsyncIterator[T]) -> Iterator[T]:
+        """A stream of the loop thread's async iterator, one item per blocking step."""
+        async def step() -> T:
+            return await anext(chunks)
+
+        try:
+            while True:
+                try:
+                    yield self._run(step())
+                except StopAsyncIteration:
+                    return
+        finally:
+            if not self._loop.is_closed():
+                self._run(chunks.aclose())  # type: ignore[attr-defined]
 
     @property
     def base_urls(self) -> list[str]:
@@ -96,8 +111,9 @@ class SyncCompletions:
     def __init__(self, owner: SyncInferenceClient, target: Completions):
         self._owner, self._target = owner, target
 
-    def create(self, **kwargs: Any) -> dict[str, Any]:
-        return self._owner._run(self._target.create(**kwargs))
+    def create(self, **kwargs: Any) -> dict[str, Any] | Iterator[dict[str, Any]]:
+        result = self._owner._run(self._target.create(**kwargs))
+        return self._owner._iterate(result) if isinstance(result, AsyncIterator) else result
 
 
 class SyncChat:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json as jsonlib
 import random
 import time
 from collections.abc import AsyncIterator
@@ -16,7 +17,15 @@ from typing import Any
 import httpx
 
 from rlserve.client.endpoints import Endpoint, Pool, normalize_url
-from rlserve.client.errors import EndpointUnavailable, RLServeError, WeightSyncTimeout, error_for
+from rlserve.client.errors import (
+    BadRequest,
+    EndpointUnavailable,
+    RLServeError,
+    ServerError,
+    StreamInterrupted,
+    WeightSyncTimeout,
+    error_for,
+)
 
 # the connection broke or never formed: the endpoint is taken out until a probe brings it back
 _CONNECTION_ERRORS = (httpx.NetworkError, httpx.RemoteProtocolError, httpx.ConnectTimeout)
@@ -85,11 +94,8 @@ class Transport:
             if ep is None:
                 error: RLServeError = EndpointUnavailable(f"no endpoint is up among {self.urls}")
             else:
-                body = json
-                if gated and ep.floor > 0 and json is not None:
-                    body = {**json, "min_policy_version": max(ep.floor, json.get("min_policy_version") or 0)}
                 try:
-                    r = await self._send(ep, method, path, body, headers)
+                    r = await self._send(ep, method, path, _floored(ep, json, gated), headers)
                 except _RETRYABLE as exc:
                     error, avoid = EndpointUnavailable(f"{method} {ep.url}{path} failed: {exc!r}"), ep
                 else:
@@ -108,6 +114,84 @@ class Transport:
                     avoid = ep
             attempt += 1
             await self._backoff(attempt, deadline, error)
+
+    async def stream(self, path: str, *, json: dict[str, Any], session_id: str | None = None,
+                     allow_mixed_versions: bool = False) -> AsyncIterator[Any]:
+        """POST a streamed generation; yield each SSE `data:` object until `[DONE]`. Until the first
+        chunk arrived, failures are retried like call() (nothing reached the caller yet); after it, a
+        broken connection, a 5xx error event or a stream ending without `[DONE]` raise StreamInterrupted."""
+        gated = not allow_mixed_versions
+        headers = {"X-Session-ID": session_id} if session_id is not None else {}
+        held_since: list[float] = []
+        attempt, avoid, deadline = 0, None, None
+        while True:
+            ep = await self._acquire(session_id, gated, avoid, held_since)
+            if deadline is None:
+                deadline = time.monotonic() + self.retry_deadline
+            if ep is None:
+                error: RLServeError = EndpointUnavailable(f"no endpoint is up among {self.urls}")
+            else:
+                async with contextlib.aclosing(self._events(ep, path, _floored(ep, json, gated), headers)) as events:
+                    try:
+                        first = await anext(events)
+                    except StopAsyncIteration:
+                        return
+                    except _RETRYABLE as exc:
+                        error, avoid = EndpointUnavailable(f"POST {ep.url}{path} failed: {exc!r}"), ep
+                    except (ServerError, StreamInterrupted) as exc:
+                        error, avoid = exc, ep
+                    except BadRequest as exc:
+                        if not (exc.status == 409 and gated):
+                            raise
+                        await self._refresh(ep)
+                        if ep.behind:
+                            continue
+                        raise
+                    else:
+                        received = 1
+                        yield first
+                        try:
+                            async for chunk in events:
+                                received += 1
+                                yield chunk
+                        except (*_RETRYABLE, ServerError, StreamInterrupted) as exc:
+                            raise StreamInterrupted(f"stream from {ep.url}{path} broke after {received} chunk(s): "
+                                                    f"{exc}; send the request again", received) from exc
+                        return
+            attempt += 1
+            await self._backoff(attempt, deadline, error)
+
+    async def _events(self, ep: Endpoint, path: str, body: dict[str, Any] | None,
+                      headers: dict[str, str]) -> AsyncIterator[Any]:
+        """One streamed POST: its SSE data objects; a non-2xx answer or an in-band error event raises
+        the typed error; a body that ends without `[DONE]` (a proxy that closed it cleanly) is cut."""
+        ep.in_flight += 1
+        try:
+            async with self.http.stream("POST", f"{ep.url}{path}", json=body, headers=headers) as r:
+                if r.status_code >= 400:
+                    await r.aread()
+                    raise error_for(r.status_code, _decode(r), r.text, ep.url)
+                async for line in r.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        return
+                    chunk = jsonlib.loads(data)
+                    if isinstance(chunk, dict) and "error" in chunk:
+                        err = chunk["error"]
+                        code = err.get("code") if isinstance(err, dict) else None
+                        raise error_for(code if isinstance(code, int) else 500, chunk, data, ep.url)
+                    _observe_versions(ep, chunk)
+                    yield chunk
+            raise StreamInterrupted(f"stream from {ep.url}{path} ended without [DONE]", 0)
+        except _CONNECTION_ERRORS:
+            if ep.up:
+                ep.went_down()
+                self.notify()
+            raise
+        finally:
+            ep.in_flight -= 1
 
     async def _acquire(self, session_id: str | None, gated: bool, avoid: Endpoint | None,
                        held_since: list[float]) -> Endpoint | None:
@@ -281,6 +365,13 @@ def _decode(r: httpx.Response) -> Any:
         return r.json()
     except ValueError:
         return r.text
+
+
+def _floored(ep: Endpoint, body: dict[str, Any] | None, gated: bool) -> dict[str, Any] | None:
+    """Ask for no older policy than this endpoint already served (it may have restarted on older weights)."""
+    if gated and ep.floor > 0 and body is not None:
+        return {**body, "min_policy_version": max(ep.floor, body.get("min_policy_version") or 0)}
+    return body
 
 
 def _observe_versions(ep: Endpoint, data: Any) -> None:

@@ -387,6 +387,12 @@ def cache_root() -> Path:
     return Path(os.environ.get("RLSERVE_CACHE_DIR") or Path.home() / ".cache" / "rlserve").expanduser()
 
 
+def bench_cache_dir() -> Path:
+    """Where benchmarks keep their models, per FORMAT_VERSION: make_model refuses a directory that holds
+    another format's build, so a format change builds anew instead of failing on an old cache."""
+    return cache_root() / "bench" / f"v{FORMAT_VERSION}"
+
+
 def default_model_dir() -> Path:
     """The embedded tiny model, built once into $RLSERVE_CACHE_DIR (or ~/.cache/rlserve) under a
     name that changes with this file, so a changed generator never serves an old build."""
