@@ -243,6 +243,9 @@ def _bind(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(address)
+    # listening before the URL is printed: a client that reads it may connect at once, and its connection
+    # waits in the backlog until uvicorn starts accepting instead of being refused
+    sock.listen(2048)
     sock.set_inheritable(True)
     return sock
 
