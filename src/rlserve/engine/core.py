@@ -71,6 +71,8 @@ class EngineCore:
                 for call_id in self.drains:
                     self.reply(call_id, 0)
                 self.drains.clear()
+            if engine.tp is not None:
+                engine.tp.check()  # a dead rank fails the engine now, not at its next collective
             if not busy and os.getppid() != parent:  # the server is gone: nobody will read our outputs
                 return
 
@@ -198,10 +200,24 @@ class EngineCore:
         self.engine.scheduler.hold_new = False
         self.paused = False
 
+    def on_ranks(self, call_id: int, kind: str, args: list[Any], local: Callable[[], Any]) -> Any:
+        """`local()` on rank 0; under tensor parallelism the workers stage the same work meanwhile."""
+        tp = self.engine.tp
+        return local() if tp is None else tp.staged(call_id, kind, args, local)
+
+    def commit_on_ranks(self, call_id: int, commit: Callable[[], Any]) -> Any:
+        """Commit rank 0's staged work, and the workers' before their next step."""
+        if self.engine.tp is not None:
+            self.engine.tp.commit(call_id)
+        return commit()
+
     def op_update_from_dir(self, call_id: int, weight_dir: str, roots: list[str], label: str | None) -> object:
         model = self.engine.model
-        return self.off_loop(call_id, lambda: stage_from_dir(model, check_under_roots(weight_dir, roots), self.staging, roots),
-                             lambda staged: self.engine.commit_weights(staged, label))
+        return self.off_loop(
+            call_id,
+            lambda: self.on_ranks(call_id, "dir", [weight_dir, roots], lambda: stage_from_dir(
+                model, check_under_roots(weight_dir, roots), self.staging, roots)),
+            lambda staged: self.commit_on_ranks(call_id, lambda: self.engine.commit_weights(staged, label)))
 
     def op_init_broadcaster(self, call_id: int, host: str, port: int, rank: int, world: int, timeout: float) -> None:
         from rlserve import weight_transfer
@@ -221,20 +237,33 @@ class EngineCore:
 
         def receive():
             group.result()
-            return stage(model, weight_transfer.receive(device, self.staging), "broadcast", require_all=False)
+            staged = stage(model, weight_transfer.receive(device, self.staging), "broadcast", require_all=False)
+            if self.engine.tp is not None:  # each worker gets its slices of the validated tensors
+                self.engine.tp.push(call_id, staged.tensors)
+            return staged
 
-        return self.off_loop(call_id, receive, lambda staged: self.engine.commit_weights(staged, label))
+        return self.off_loop(call_id, receive, lambda staged: self.commit_on_ranks(
+            call_id, lambda: self.engine.commit_weights(staged, label)))
 
     def op_load_adapter(self, call_id: int, name: str, path: str, roots: list[str]) -> object:
         from rlserve.model.lora import load_peft_adapter
 
-        e = self.engine
-        return self.off_loop(call_id, lambda: load_peft_adapter(name, check_under_roots(path, roots), e.shape, e.dtype,
-                                                                e.device, roots), e.add_adapter)
+        from rlserve.model.tensor_parallel import shard_adapter
+
+        e, tp = self.engine, self.engine.config.parallel.tp
+
+        def load():
+            adapter = load_peft_adapter(name, check_under_roots(path, roots), e.shape, e.dtype, e.device, roots)
+            return shard_adapter(adapter, 0, tp)
+
+        return self.off_loop(call_id, lambda: self.on_ranks(call_id, "adapter", [name, path, roots], load),
+                             lambda adapter: self.commit_on_ranks(call_id, lambda: e.add_adapter(adapter)))
 
     def op_remove_adapter(self, call_id: int, name: str) -> int:
         if name not in self.engine.adapters:
             raise KeyError(f"adapter {name!r} is not loaded")
+        if self.engine.tp is not None:
+            self.engine.tp.remove_adapter(name)
         return self.engine.remove_adapter(name)
 
     def op_set_weight_version(self, call_id: int, label: str, abort_all: bool) -> int:

@@ -29,6 +29,9 @@ def check_parallel(config: Config) -> None:
     tp, dp = config.parallel.tp, config.parallel.dp
     if dp > 1 and not config.engine.core_process:
         raise ValueError("parallel.dp > 1 runs each engine in its own process: drop engine.core_process=false")
+    if tp > 1 and not config.engine.core_process:
+        raise ValueError("parallel.tp > 1 runs the engine core process with its worker ranks: drop "
+                         "engine.core_process=false")
     device = config.model.device
     if device.startswith("cuda") or (device == "auto" and _cuda_devices()):
         have, what = _cuda_devices(), "CUDA devices"
