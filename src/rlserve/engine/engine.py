@@ -120,10 +120,11 @@ class Engine:
         self.model.set_head_dtype(resolve_head_dtype(config.model.lm_head_dtype, self.dtype))
 
         ec = config.engine
-        budget = ec.kv_cache_bytes or config.memory_budget_bytes or self._utilization_budget(memory)
-        if budget and tp > 1 and self.device.type == "cpu":
-            budget //= tp  # the ranks share the host's memory; each holds 1/tp of every block (its KV heads)
-        num_blocks = self._num_blocks(budget)
+        budget = ec.kv_cache_bytes or config.memory_budget_bytes
+        if tp > 1 and self.device.type == "cpu":
+            # the ranks share the host's memory: each takes 1/tp of it (its KV heads of every block)
+            budget, memory = (budget and budget // tp), memory // tp
+        num_blocks = self._num_blocks(budget or self._utilization_budget(memory))
         if num_blocks * ec.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV cache holds {num_blocks * ec.block_size} tokens, fewer than max_model_len "
