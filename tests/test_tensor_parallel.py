@@ -184,6 +184,7 @@ def test_killed_worker_rank_fails_the_engine_loudly_and_sigterm_leaves_nothing(b
                 t.join(HANG_GUARD_S)
                 assert not t.is_alive(), "hang guard: in-flight request never ended"
             assert results["plain"].status_code >= 500, results["plain"].text
+            assert "tensor-parallel rank 1" in results["plain"].text  # the failure names the dead rank
             streamed = "\n".join(results["stream"].lines)
             assert results["stream"].status_code >= 500 or '"error"' in streamed, streamed[-500:]
             wait_until(lambda: http.get("/health").status_code == 503, "/health turns 503")

@@ -362,7 +362,8 @@ def _serve(config: Config, inbox: zmq.Socket, outbox: zmq.Socket) -> int:
         _run_in_thread(core.run)
     except BaseException as exc:
         log.exception("engine core died")
-        outbox.send(ipc.encode(ipc.Failed(f"engine core died: {exc!r}")))
+        reason = engine.tp.explain(exc) if engine.tp is not None else repr(exc)
+        outbox.send(ipc.encode(ipc.Failed(f"engine core died: {reason}")))
         return 1
     finally:
         core.helper.shutdown(wait=False, cancel_futures=True)

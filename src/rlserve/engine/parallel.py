@@ -232,6 +232,8 @@ class TensorParallelLeader:
         self.tp = config.parallel.tp
         self.device = device
         self.backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # NCCL binds rank 0 to the current device
         self.store = dist.TCPStore("127.0.0.1", 0, self.tp, True, timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
                                    wait_for_workers=False)
         self.ctx = zmq.Context()
@@ -298,6 +300,18 @@ class TensorParallelLeader:
             if code is not None:
                 self.failure = self.failure or f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {code}"
                 raise RuntimeError(self.failure)
+
+    def explain(self, exc: BaseException) -> str:
+        """Why a step failed: a collective error usually means a rank died; name it when one did."""
+        deadline = time.monotonic() + 2  # a killed rank's peers notice before its parent can reap it
+        while True:
+            try:
+                self.check()
+            except RuntimeError as dead:
+                return f"{dead} ({exc!r})"
+            if time.monotonic() > deadline:
+                return repr(exc)
+            time.sleep(0.05)
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
