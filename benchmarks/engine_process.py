@@ -32,7 +32,7 @@ def served(model_dir, prompts, args, stream: bool, *extra: str) -> tuple[float, 
     with rlserve_server("--model.name", str(model_dir), "--model.max_model_len",
                         str(args.prompt_len + args.new_tokens + 16), "--server.log_level", "warning",
                         *extra) as server:
-        return asyncio.run(_clients(server.url, server.pid, prompts, argparse.Namespace(**{**vars(args),
+        return asyncio.run(_clients(server.url, server.pids(), prompts, argparse.Namespace(**{**vars(args),
                                                                                             "stream": stream})))
 
 
@@ -73,7 +73,7 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--parallel-only", action="store_true", help="only the tp/dp rows (and the offline baseline)")
+    p.add_argument("--parallel-only", action="store_true", help="only the tp/dp rows")
     args = p.parse_args()
     cores = os.cpu_count() or 1
     torch.set_num_threads(cores)
@@ -81,8 +81,9 @@ def main() -> None:
     from transformers import AutoConfig
 
     prompts = workload(args, AutoConfig.from_pretrained(model_dir).vocab_size)
-    rows = [("rlserve engine, offline", *offline(model_dir, prompts, args))]
+    rows = []
     if not args.parallel_only:
+        rows.append(("rlserve engine, offline", *offline(model_dir, prompts, args)))
         rows.append(("server, core process, stream", *served(model_dir, prompts, args, True)))
         rows.append(("server, core process, no stream", *served(model_dir, prompts, args, False)))
         rows.append(("server, in-thread, stream", *served(model_dir, prompts, args, True, "--engine.core_process", "false")))
@@ -91,10 +92,10 @@ def main() -> None:
     parallel = parallel_rows(model_dir, prompts, args, cores) if cores >= 2 else []
     print(f"\nengine process, {args.preset}, {args.clients} clients x ({args.prompt_len} prompt + "
           f"{args.new_tokens} new tokens), {cores} cores")
-    print(f"{'system':34s} {'tok/s':>8s} {'/offline':>9s} {'others':>7s}")
-    base = rows[0][1]
+    if rows:
+        print(f"{'system':34s} {'tok/s':>8s} {'/offline':>9s} {'others':>7s}")
     for name, tps, others in rows:
-        print(f"{name:34s} {tps:8.1f} {tps / base:9.1%} {'-' if others is None else f'{others:.2f}':>7s}")
+        print(f"{name:34s} {tps:8.1f} {tps / rows[0][1]:9.1%} {'-' if others is None else f'{others:.2f}':>7s}")
     if parallel:
         print(f"\n{'parallel layout':44s} {'tok/s':>8s} {'/tp=1':>7s} {'others':>7s}")
         for name, tps, others in parallel:

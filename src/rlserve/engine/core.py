@@ -313,32 +313,13 @@ def _run_in_thread(fn: Callable[[], None]) -> None:
         raise failure[0]
 
 
-def _die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 def main(argv: list[str]) -> int:
     in_addr, out_addr = argv
-    parent = os.getppid()
-    _die_with_parent()
-    if os.getppid() != parent:  # the server died before prctl took effect
+    # SIGTERM (the server going away) ends the loop at once (_serve); SIGINT is the server's to handle
+    config = ipc.start_child()
+    if config is None:
         return 1
-    # SIGTERM (the server going away) ends the loop at once; SIGINT is the server's to handle
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    config = Config.model_validate_json(sys.stdin.buffer.read())
-    logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    ctx = zmq.Context()
-    inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    for sock in (inbox, outbox):
-        sock.setsockopt(zmq.LINGER, 1000)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-    inbox.connect(in_addr)
-    outbox.connect(out_addr)
+    inbox, outbox = ipc.connect_pair(zmq.Context(), in_addr, out_addr, 1000)
     try:
         return _serve(config, inbox, outbox)
     finally:

@@ -18,13 +18,11 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import signal
 import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -33,6 +31,7 @@ import torch.distributed as dist
 import zmq
 
 from rlserve.config import Config
+from rlserve.engine.ipc import connect_pair, start_child
 from rlserve.model.llama import AttentionBatch, CascadePlan, CausalLM, PrefillSeq
 from rlserve.model.tensor_parallel import shard, shard_dim
 
@@ -532,36 +531,18 @@ class Worker:
                 return
 
 
-def _die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def worker_main(argv: list[str]) -> int:
     rank, tp, store_port, inbox_addr, reply_addr, num_blocks, device = argv
-    parent = os.getppid()
-    _die_with_parent()
-    if os.getppid() != parent:
+    config = start_child()
+    if config is None:
         return 1
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    config = Config.model_validate_json(sys.stdin.buffer.read())
-    logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     rank_i, tp_i = int(rank), int(tp)
     dev = device_of_rank(torch.device(device), rank_i)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    ctx = zmq.Context()
-    inbox, replies = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    for sock in (inbox, replies):
-        sock.setsockopt(zmq.LINGER, 2000)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-    inbox.connect(inbox_addr)
-    replies.connect(reply_addr)
+    inbox, replies = connect_pair(zmq.Context(), inbox_addr, reply_addr, 2000)
     try:
         worker = Worker(rank_i, tp_i, config, int(num_blocks), dev, replies)
         store = dist.TCPStore("127.0.0.1", int(store_port), tp_i, False,
