@@ -234,3 +234,31 @@ def test_server_refuses_a_tp_the_model_cannot_split(base):
     with pytest.raises(RuntimeError) as info:
         start_server("--model.name", str(base), "--parallel.tp", "3", "--num_threads", "1", timeout=120)
     assert "parallel.tp" in str(info.value)
+
+
+def test_step_inputs_cross_as_fixed_schema_msgspec_never_pickle():
+    import pickle
+
+    import msgspec
+
+    from rlserve.engine import parallel
+    from rlserve.model.llama import AttentionBatch, PrefillSeq
+
+    attn = AttentionBatch(
+        slot_mapping=torch.tensor([5, 6, 7]), num_decode=1, decode_blocks=torch.tensor([0, 1]),
+        decode_mask=torch.tensor([[True, False]]).view(1, 1, 1, 2), decode_lens=torch.tensor([17]), cascade=None,
+        prefills=[PrefillSeq(1, 2, 4, torch.tensor([0, 1, 2, 3]), torch.ones(2, 4, dtype=torch.bool).tril(2))],
+    )
+    raw = parallel.encode_step(torch.tensor([3, 4, 5]), torch.tensor([16, 2, 3]), attn, [(1, 2)])
+    step = parallel._to_worker.decode(raw)
+    assert isinstance(step, parallel.Step) and step.block_copies == [(1, 2)] and not step.kernels
+    cpu = torch.device("cpu")
+    assert torch.equal(step.decode_mask.to(cpu), attn.decode_mask) and step.decode_mask.to(cpu).dtype == torch.bool
+    assert torch.equal(step.prefills[0].mask.to(cpu), attn.prefills[0].mask)
+    assert torch.equal(step.input_ids.to(cpu), torch.tensor([3, 4, 5]))
+    bf16 = torch.randn(3, 2).bfloat16()
+    assert torch.equal(msgspec.msgpack.decode(msgspec.msgpack.encode(parallel.Tensor.of(bf16)), type=parallel.Tensor).to(cpu), bf16)
+    with pytest.raises(msgspec.DecodeError):
+        parallel._to_worker.decode(pickle.dumps(step))
+    with pytest.raises(KeyError):  # only the dtypes a step uses
+        parallel.Tensor("object", [1], b"x").to(cpu)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -94,7 +95,10 @@ def resolve_head_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
 
 class Engine:
     def __init__(self, config: Config | None = None):
-        self.config = config = config or Config()
+        config = config or Config()
+        if config.parallel.tp > 1 and not config.num_threads:  # the ranks split the cores (workers read this config)
+            config = config.model_copy(update={"num_threads": max(1, (os.cpu_count() or 1) // config.parallel.tp)})
+        self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.model.device)
