@@ -58,6 +58,6 @@ def test_serves_with_a_kv_pool_sized_by_gpu_memory_utilization(tmp_path):
         metrics = httpx.get(f"{url}/metrics", timeout=30).text
         # 4 sequences of 4096 tokens fit in half the memory: the pool holds exactly what they can use
         assert 'kv_cache_size_tokens="16384"' in metrics
-        assert "tensor parallelism is not implemented yet" in server_log(proc)
+        assert "tensor parallel: 2 ranks" in server_log(proc)  # [parallel] tp = 2 runs two ranks
     finally:
         stop_server(proc)

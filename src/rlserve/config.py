@@ -226,7 +226,4 @@ class Config(Section):
 
 
 def warn_unapplied(config: Config, log: logging.Logger) -> None:
-    """Settings read from prime-rl configs that this build accepts but does not act on yet."""
-    if config.parallel.tp > 1:
-        log.warning("parallel.tp=%d: tensor parallelism is not implemented yet; each engine runs the whole model "
-                    "in one rank", config.parallel.tp)
+    """Settings read from prime-rl configs that this build accepts but does not act on yet (none today)."""

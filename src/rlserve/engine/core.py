@@ -71,6 +71,8 @@ class EngineCore:
                 for call_id in self.drains:
                     self.reply(call_id, 0)
                 self.drains.clear()
+            if engine.tp is not None:
+                engine.tp.check()  # a dead rank fails the engine now, not at its next collective
             if not busy and os.getppid() != parent:  # the server is gone: nobody will read our outputs
                 return
 
@@ -198,10 +200,24 @@ class EngineCore:
         self.engine.scheduler.hold_new = False
         self.paused = False
 
+    def on_ranks(self, call_id: int, kind: str, args: list[Any], local: Callable[[], Any]) -> Any:
+        """`local()` on rank 0; under tensor parallelism the workers stage the same work meanwhile."""
+        tp = self.engine.tp
+        return local() if tp is None else tp.staged(call_id, kind, args, local)
+
+    def commit_on_ranks(self, call_id: int, commit: Callable[[], Any]) -> Any:
+        """Commit rank 0's staged work, and the workers' before their next step."""
+        if self.engine.tp is not None:
+            self.engine.tp.commit(call_id)
+        return commit()
+
     def op_update_from_dir(self, call_id: int, weight_dir: str, roots: list[str], label: str | None) -> object:
         model = self.engine.model
-        return self.off_loop(call_id, lambda: stage_from_dir(model, check_under_roots(weight_dir, roots), self.staging, roots),
-                             lambda staged: self.engine.commit_weights(staged, label))
+        return self.off_loop(
+            call_id,
+            lambda: self.on_ranks(call_id, "dir", [weight_dir, roots], lambda: stage_from_dir(
+                model, check_under_roots(weight_dir, roots), self.staging, roots)),
+            lambda staged: self.commit_on_ranks(call_id, lambda: self.engine.commit_weights(staged, label)))
 
     def op_init_broadcaster(self, call_id: int, host: str, port: int, rank: int, world: int, timeout: float) -> None:
         from rlserve import weight_transfer
@@ -221,20 +237,33 @@ class EngineCore:
 
         def receive():
             group.result()
-            return stage(model, weight_transfer.receive(device, self.staging), "broadcast", require_all=False)
+            staged = stage(model, weight_transfer.receive(device, self.staging), "broadcast", require_all=False)
+            if self.engine.tp is not None:  # each worker gets its slices of the validated tensors
+                self.engine.tp.push(call_id, staged.tensors)
+            return staged
 
-        return self.off_loop(call_id, receive, lambda staged: self.engine.commit_weights(staged, label))
+        return self.off_loop(call_id, receive, lambda staged: self.commit_on_ranks(
+            call_id, lambda: self.engine.commit_weights(staged, label)))
 
     def op_load_adapter(self, call_id: int, name: str, path: str, roots: list[str]) -> object:
         from rlserve.model.lora import load_peft_adapter
 
-        e = self.engine
-        return self.off_loop(call_id, lambda: load_peft_adapter(name, check_under_roots(path, roots), e.shape, e.dtype,
-                                                                e.device, roots), e.add_adapter)
+        from rlserve.model.tensor_parallel import shard_adapter
+
+        e, tp = self.engine, self.engine.config.parallel.tp
+
+        def load():
+            adapter = load_peft_adapter(name, check_under_roots(path, roots), e.shape, e.dtype, e.device, roots)
+            return shard_adapter(adapter, 0, tp)
+
+        return self.off_loop(call_id, lambda: self.on_ranks(call_id, "adapter", [name, path, roots], load),
+                             lambda adapter: self.commit_on_ranks(call_id, lambda: e.add_adapter(adapter)))
 
     def op_remove_adapter(self, call_id: int, name: str) -> int:
         if name not in self.engine.adapters:
             raise KeyError(f"adapter {name!r} is not loaded")
+        if self.engine.tp is not None:
+            self.engine.tp.remove_adapter(name)
         return self.engine.remove_adapter(name)
 
     def op_set_weight_version(self, call_id: int, label: str, abort_all: bool) -> int:
@@ -284,32 +313,13 @@ def _run_in_thread(fn: Callable[[], None]) -> None:
         raise failure[0]
 
 
-def _die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 def main(argv: list[str]) -> int:
     in_addr, out_addr = argv
-    parent = os.getppid()
-    _die_with_parent()
-    if os.getppid() != parent:  # the server died before prctl took effect
+    # SIGTERM (the server going away) ends the loop at once (_serve); SIGINT is the server's to handle
+    config = ipc.start_child()
+    if config is None:
         return 1
-    # SIGTERM (the server going away) ends the loop at once; SIGINT is the server's to handle
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    config = Config.model_validate_json(sys.stdin.buffer.read())
-    logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    ctx = zmq.Context()
-    inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    for sock in (inbox, outbox):
-        sock.setsockopt(zmq.LINGER, 1000)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-    inbox.connect(in_addr)
-    outbox.connect(out_addr)
+    inbox, outbox = ipc.connect_pair(zmq.Context(), in_addr, out_addr, 1000)
     try:
         return _serve(config, inbox, outbox)
     finally:
@@ -333,7 +343,8 @@ def _serve(config: Config, inbox: zmq.Socket, outbox: zmq.Socket) -> int:
         _run_in_thread(core.run)
     except BaseException as exc:
         log.exception("engine core died")
-        outbox.send(ipc.encode(ipc.Failed(f"engine core died: {exc!r}")))
+        reason = engine.tp.explain(exc) if engine.tp is not None else repr(exc)
+        outbox.send(ipc.encode(ipc.Failed(f"engine core died: {reason}")))
         return 1
     finally:
         core.helper.shutdown(wait=False, cancel_futures=True)

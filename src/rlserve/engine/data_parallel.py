@@ -29,6 +29,9 @@ def check_parallel(config: Config) -> None:
     tp, dp = config.parallel.tp, config.parallel.dp
     if dp > 1 and not config.engine.core_process:
         raise ValueError("parallel.dp > 1 runs each engine in its own process: drop engine.core_process=false")
+    if tp > 1 and not config.engine.core_process:
+        raise ValueError("parallel.tp > 1 runs the engine core process with its worker ranks: drop "
+                         "engine.core_process=false")
     device = config.model.device
     if device.startswith("cuda") or (device == "auto" and _cuda_devices()):
         have, what = _cuda_devices(), "CUDA devices"
@@ -51,7 +54,12 @@ def _cuda_devices() -> int:
 def engine_config(config: Config, rank: int) -> Config:
     """Each engine's config: its share of the cores, and its own seed (unseeded samples differ across engines)."""
     threads = config.num_threads or max(1, (os.cpu_count() or 1) // (config.parallel.dp * config.parallel.tp))
-    return config.model_copy(update={"seed": config.seed + rank, "num_threads": threads})
+    update: dict = {"seed": config.seed + rank, "num_threads": threads}
+    device = config.model.device
+    if config.parallel.dp > 1 and (device == "cuda" or (device == "auto" and _cuda_devices())):
+        # each engine its own devices: engine i's tensor-parallel ranks use cuda:i*tp .. cuda:i*tp+tp-1
+        update["model"] = config.model.model_copy(update={"device": f"cuda:{rank * config.parallel.tp}"})
+    return config.model_copy(update=update)
 
 
 class DataParallelClient:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -20,6 +21,7 @@ from rlserve.engine.kv_cache import BlockPool, extra_key
 from rlserve.engine.kv_offload import KVOffload
 from rlserve.engine.memory import kv_budget, memory_at_start
 from rlserve.engine.outputs import RequestOutput
+from rlserve.engine.parallel import TensorParallelLeader, device_of_rank
 from rlserve.engine.params import SamplingParams
 from rlserve.engine.routing import RoutedExpertsPool
 from rlserve.engine.runner import ModelRunner, kv_bytes_per_token
@@ -31,6 +33,7 @@ from rlserve.model.cpu_kernels import cpu_has_native_bf16, warn_slow_half_precis
 from rlserve.model.llama import ModelShape
 from rlserve.model.loader import load_model, resolve_model_dir
 from rlserve.model.lora import LoraAdapter
+from rlserve.model.tensor_parallel import check_tp
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +95,10 @@ def resolve_head_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
 
 class Engine:
     def __init__(self, config: Config | None = None):
-        self.config = config = config or Config()
+        config = config or Config()
+        if config.parallel.tp > 1 and not config.num_threads:  # the ranks split the cores (workers read this config)
+            config = config.model_copy(update={"num_threads": max(1, (os.cpu_count() or 1) // config.parallel.tp)})
+        self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.model.device)
@@ -105,17 +111,24 @@ class Engine:
         self.shape = ModelShape.from_hf(self.hf_config)
         self.max_model_len = config.model.max_model_len or self.shape.max_position_embeddings
         tp = config.parallel.tp
-        if self.shape.num_heads % tp or self.shape.num_kv_heads % tp:
-            raise ValueError(f"parallel.tp={tp} must divide the model's {self.shape.num_heads} attention heads and "
-                             f"{self.shape.num_kv_heads} KV heads: pick a tp that divides both")
+        check_tp(self.shape, tp)
+        if tp > 1 and config.kv_cache_offload is not None:
+            raise ValueError(f"parallel.tp={tp}: KV cache offload does not run under tensor parallelism yet; "
+                             "drop [kv_cache_offload] or set parallel.tp=1")
+        if tp > 1 and self.device.type == "cuda":
+            self.device = device_of_rank(self.device, 0)
         self.vocab_size = self.shape.vocab_size
         self.eos_token_ids = self._eos_ids()
         memory = memory_at_start(self.device) if config.gpu_memory_utilization else 0
-        self.model = load_model(self.model_dir, self.shape, self.dtype, self.device)
+        self.model = load_model(self.model_dir, self.shape, self.dtype, self.device, 0, tp)
         self.model.set_head_dtype(resolve_head_dtype(config.model.lm_head_dtype, self.dtype))
 
         ec = config.engine
-        num_blocks = self._num_blocks(ec.kv_cache_bytes or config.memory_budget_bytes or self._utilization_budget(memory))
+        budget = ec.kv_cache_bytes or config.memory_budget_bytes
+        if tp > 1 and self.device.type == "cpu":
+            # the ranks share the host's memory: each takes 1/tp of it (its KV heads of every block)
+            budget, memory = (budget and budget // tp), memory // tp
+        num_blocks = self._num_blocks(budget or self._utilization_budget(memory))
         if num_blocks * ec.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV cache holds {num_blocks * ec.block_size} tokens, fewer than max_model_len "
@@ -138,7 +151,13 @@ class Engine:
                 raise ValueError("enable_return_routed_experts needs a mixture-of-experts model (Qwen3-MoE); this one is dense")
             self.runner.routing = RoutedExpertsPool(self.shape.moe, num_blocks, ec.block_size)
         # the expert blocks size their matmuls from the routing on the host: no graph capture
-        if self.device.type == "cuda" and not config.model.enforce_eager and self.shape.moe is None:
+        self.tp: TensorParallelLeader | None = None
+        if tp > 1:  # every rank's pool has the same blocks, so block tables (and the prefix cache) are rank 0's alone
+            self.tp = TensorParallelLeader(config, num_blocks, self.device)
+            self.tp.attach(self.model)
+            self.runner.tp = self.tp
+        # decode graphs do not capture the tensor-parallel step broadcast: eager under tp
+        if self.device.type == "cuda" and not config.model.enforce_eager and self.shape.moe is None and tp == 1:
             self.runner.use_decode_graphs(ec.max_num_seqs, self.max_model_len)
         self.offload: KVOffload | None = None
         if config.kv_cache_offload is not None:
@@ -284,9 +303,11 @@ class Engine:
         return self.policy_version
 
     def close(self) -> None:
-        """Release what outlives the process otherwise (the disk tier's files)."""
+        """Release what outlives the process otherwise (the disk tier's files, tensor-parallel workers)."""
         if self.offload is not None:
             self.offload.close()
+        if self.tp is not None:
+            self.tp.close()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending)

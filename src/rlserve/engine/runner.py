@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +17,9 @@ from rlserve.model.cpu_kernels import CpuKernels, cpu_kernels
 from rlserve.model.llama import AttentionBatch, CascadePlan, CausalLM, PrefillSeq
 from rlserve.model.lora import LoraAdapter, LoraBatch
 from rlserve.model.moe import routed_experts
+
+if TYPE_CHECKING:
+    from rlserve.engine.parallel import TensorParallelLeader
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +68,7 @@ class ModelRunner:
         self._block_offsets = torch.arange(block_size, device=device)
         self.graphs: DecodeGraphs | None = None
         self.routing: RoutedExpertsPool | None = None  # set by the engine when router replay is on
+        self.tp: "TensorParallelLeader | None" = None  # set by the engine under tensor parallelism (rank 0)
 
     def _cpu_kernels(self, dtype: torch.dtype) -> CpuKernels | None:
         kernels = cpu_kernels()
@@ -160,9 +165,10 @@ class ModelRunner:
             lora=lora,
             kernels=self.kernels,
         )
-        hidden = self.model(
-            torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device), attn, self.kv_cache
-        )
+        ids, pos = torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device)
+        if self.tp is not None:  # the other ranks run the same step on their shards
+            self.tp.send_step(ids, pos, attn, batch.block_copies)
+        hidden = self.model(ids, pos, attn, self.kv_cache)
         self._record_routing(attn.slot_mapping)
         rows = torch.tensor(sample_rows, device=self.device)
         sample_logits = self.model.compute_logits(hidden.index_select(0, rows)) if sample_rows else None

@@ -34,6 +34,7 @@ class StagedWeights:
 
     tensors: dict[str, torch.Tensor]
     source: str
+    sharded: bool = False  # already this tensor-parallel rank's slices (a push scattered by rank 0)
 
 
 class StagingBuffers:
@@ -70,10 +71,10 @@ def stage_from_dir(
 def stage(
     model: CausalLM, named_tensors: Iterable[tuple[str, torch.Tensor]], source: str, require_all: bool
 ) -> StagedWeights:
-    expected = pushable_shapes(model.shape)
+    expected = pushable_shapes(model.full_shape)
     staged: dict[str, torch.Tensor] = {}
     for name, tensor in named_tensors:
-        if ignorable(name, model.shape):
+        if ignorable(name, model.full_shape):
             continue
         if name not in expected:
             raise WeightUpdateError(f"{source}: tensor {name!r} does not belong to this model")
@@ -87,7 +88,7 @@ def stage(
             raise WeightUpdateError(f"{source}: {name} contains NaN or infinite values")
         staged[name] = tensor
     if require_all:
-        missing = sorted(set(checkpoint_shapes(model.shape)) - set(staged))
+        missing = sorted(set(checkpoint_shapes(model.full_shape)) - set(staged))
         if missing:
             raise WeightUpdateError(f"{source}: {len(missing)} tensors are missing, e.g. {missing[:3]}")
     if not staged:
@@ -97,7 +98,9 @@ def stage(
 
 @torch.no_grad()
 def commit(model: CausalLM, staged: StagedWeights) -> None:
+    from rlserve.model.tensor_parallel import shard
+
     params = dict(model.named_parameters())
     for name, tensor in staged.tensors.items():
-        target_of(model, params, name).copy_(tensor)
+        target_of(model, params, name).copy_(tensor if staged.sharded else shard(name, tensor, model.tp_rank, model.tp_size))
     model.refresh_packed()

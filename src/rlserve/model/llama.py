@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -313,6 +314,7 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.scale = shape.head_dim**-0.5
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # tensor parallel: sums the ranks' o_proj outputs
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch, kv: torch.Tensor):
         t, nh, nkv = x.shape[0], self.num_heads, self.num_kv_heads
@@ -351,7 +353,7 @@ class Attention(nn.Module):
         o = self.o_proj(out)
         if batch.lora is not None:
             batch.lora.apply(o, out, self.layer, ("o_proj",))
-        return o
+        return o if self.reduce is None else self.reduce(o)
 
     def _decode(self, q, batch: AttentionBatch, k_cache, v_cache):
         if batch.cascade is not None:
@@ -431,6 +433,7 @@ class MLP(nn.Module):
         self.layer = layer
         self.gate_up_proj = Projection(shape.hidden_size, 2 * shape.intermediate_size, bias=False)
         self.down_proj = Projection(shape.intermediate_size, shape.hidden_size, bias=False)
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # tensor parallel: sums the ranks' down_proj outputs
 
     def forward(self, x, lora: "LoraBatch | None", kernels: "CpuKernels | None" = None):
         gate_up = self.gate_up_proj(x)
@@ -444,7 +447,7 @@ class MLP(nn.Module):
         down = self.down_proj(act)
         if lora is not None:
             lora.apply(down, act, self.layer, ("down_proj",))
-        return down
+        return down if self.reduce is None else self.reduce(down)
 
 
 class DecoderLayer(nn.Module):
@@ -473,6 +476,8 @@ class CausalLM(nn.Module):
         self.rope = RotaryEmbedding(shape, device)
         self.packed_head: PackedWeight | None = None
         self.head_cast: CastWeight | None = None  # the LM head in its own dtype, when it differs
+        # tensor parallel (model/tensor_parallel.py): `shape` is this rank's part, `full_shape` the checkpoint's
+        self.full_shape, self.tp_rank, self.tp_size = shape, 0, 1
 
     def set_head_dtype(self, dtype: torch.dtype) -> None:
         """Run the LM head (and so the logits) in `dtype`: fp32 for a bf16 model keeps its

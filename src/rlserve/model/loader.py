@@ -241,13 +241,19 @@ def ignorable(name: str, shape: ModelShape) -> bool:
 
 
 @torch.no_grad()
-def load_model(model_dir: Path, shape: ModelShape, dtype: torch.dtype, device: torch.device) -> CausalLM:
+def load_model(
+    model_dir: Path, shape: ModelShape, dtype: torch.dtype, device: torch.device, tp_rank: int = 0, tp_size: int = 1
+) -> CausalLM:
+    """The model, or under tensor parallelism (`tp_size` > 1) rank `tp_rank`'s part of it."""
+    from rlserve.model.tensor_parallel import local_shape, shard
+
     with torch.device("meta"):
-        model = CausalLM(shape, device)
+        model = CausalLM(local_shape(shape, tp_size), device)
     rope = model.rope
     model.rope = None
     model = model.to_empty(device=device).to(dtype)
     model.rope = rope.to(device)  # fp32 tables, computed rather than loaded
+    model.full_shape, model.tp_rank, model.tp_size = shape, tp_rank, tp_size
     expected = checkpoint_shapes(shape)
     params = dict(model.named_parameters())
     seen: set[str] = set()
@@ -258,7 +264,7 @@ def load_model(model_dir: Path, shape: ModelShape, dtype: torch.dtype, device: t
             raise ValueError(f"{model_dir}: unexpected tensor {name!r}")
         if tuple(tensor.shape) != expected[name]:
             raise ValueError(f"{model_dir}: {name} has shape {tuple(tensor.shape)}, expected {expected[name]}")
-        target_of(model, params, name).copy_(tensor)
+        target_of(model, params, name).copy_(shard(name, tensor, tp_rank, tp_size))
         seen.add(name)
     missing = sorted(set(expected) - seen)
     if missing:
