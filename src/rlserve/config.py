@@ -184,6 +184,23 @@ class KVOffloadConfig(Section):
         return self
 
 
+class KVTransferConfig(Section):
+    """Prefill/decode disaggregation (docs/disaggregation.md): this server serves the KV of requests it
+    prefilled for a decode server (kv_transfer_params.do_remote_decode) and pulls KV from a prefill
+    server (do_remote_prefill)."""
+
+    host: str = Field("127.0.0.1", description="address the KV block server listens on and tells decode servers")
+    port: int = Field(0, ge=0, le=65535, description="KV block server port; 0 = a free port")
+    pin_timeout_s: float = Field(
+        120.0, gt=0, description="a prefilled request's KV stays pinned this long for its decode server, at most"
+    )
+    pull_timeout_s: float = Field(60.0, gt=0, description="socket timeout of a decode server's pull; then it prefills itself")
+    non_cached_tokens: int = Field(
+        0, ge=0, description="decode side: below this many prompt tokens missing from its own prefix cache, "
+        "prefill locally instead of pulling"
+    )
+
+
 class Config(Section):
     seed: int = Field(0, description="seed of the engine's generator for unseeded requests")
     gpu_memory_utilization: float | None = Field(
@@ -212,6 +229,10 @@ class Config(Section):
     kv_cache_offload: KVOffloadConfig | None = Field(
         None, description="keep KV blocks evicted from the pool in CPU memory (and on disk); enables prefix caching"
     )
+    kv_transfer: KVTransferConfig | None = Field(
+        None, description="serve and pull KV blocks for prefill/decode disaggregation (set by deployment.type = "
+        "'disaggregated'); enables prefix caching"
+    )
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "Config":
@@ -220,8 +241,8 @@ class Config(Section):
         from rlserve.deploy.checks import check_deployment  # keeps config.py about shapes
 
         check_deployment(self)
-        if self.kv_cache_offload is not None and not self.engine.enable_prefix_caching:
-            self.engine.enable_prefix_caching = True  # the tiers sit behind the prefix cache
+        if (self.kv_cache_offload is not None or self.kv_transfer is not None) and not self.engine.enable_prefix_caching:
+            self.engine.enable_prefix_caching = True  # the tiers and pulled KV sit behind the prefix cache
         return self
 
 
