@@ -111,7 +111,8 @@ class RouterConfig(Section):
 
 class DeploymentConfig(Section):
     type: Literal["single_node", "multi_node", "disaggregated"] = Field(
-        "single_node", description="single_node: replicas on this machine; multi_node: one replica per Ray node"
+        "single_node", description="single_node: replicas on this machine; multi_node: one replica per Ray node; "
+        "disaggregated: prefill and decode replicas behind vllm-router's P/D mode, KV moved between them"
     )
     replicas: int = Field(1, ge=1, description="engine servers on this machine (single_node); 1 = no router")
     num_nodes: int = Field(1, ge=1, description="multi_node: Ray nodes, one replica each")
@@ -123,10 +124,30 @@ class DeploymentConfig(Section):
     )
     ray_address: str = Field("auto", description="multi_node: the Ray cluster to join")
     router: RouterConfig = Field(default_factory=RouterConfig)
+    num_prefill_replicas: int = Field(1, ge=1, description="disaggregated: prefill servers on this machine")
+    num_decode_replicas: int = Field(1, ge=1, description="disaggregated: decode servers on this machine")
+    num_prefill_nodes: int = Field(1, ge=1, description="disaggregated on Ray: nodes for prefill servers (not yet)")
+    num_decode_nodes: int = Field(1, ge=1, description="disaggregated on Ray: nodes for decode servers (not yet)")
+    prefill_env_vars: dict[str, str] = Field(default_factory=dict, description="disaggregated: extra environment "
+                                             "of every prefill server")
+    decode_env_vars: dict[str, str] = Field(default_factory=dict, description="disaggregated: extra environment "
+                                            "of every decode server")
+    non_cached_tokens: int = Field(
+        0, ge=0, description="disaggregated: a request with fewer prompt tokens missing from the decode server's "
+        "prefix cache is prefilled there instead of pulling KV (kv_transfer.non_cached_tokens)"
+    )
 
     @property
     def size(self) -> int:
+        if self.type == "disaggregated":
+            return self.num_prefill_replicas + self.num_decode_replicas
         return self.num_nodes if self.type == "multi_node" else self.replicas
+
+    def role(self, index: int) -> str | None:
+        """disaggregated: replica `index` is "prefill" (the first num_prefill_replicas) or "decode"."""
+        if self.type != "disaggregated":
+            return None
+        return "prefill" if index < self.num_prefill_replicas else "decode"
 
     @property
     def enabled(self) -> bool:

@@ -86,7 +86,7 @@ class Deployment:
         info = await self._versions(self.slots[0])
         self.state.policy_version, self.state.weight_version = info
         self.router = Router(self.config, self.host, self.port)
-        await self.router.start([s.url for s in self.slots])
+        await self.router.start([s.url for s in self.slots], roles=[getattr(s.replica, "role", None) for s in self.slots])
 
     async def _wait_ready(self, slot: Slot) -> str:
         url = await asyncio.to_thread(slot.replica.wait_listening, HEALTH_TIMEOUT_S)
