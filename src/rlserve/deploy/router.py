@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
 import sys
 import time
@@ -12,6 +13,8 @@ import httpx
 
 from rlserve.config import Config
 from rlserve.deploy.process import Child, free_port
+
+log = logging.getLogger("rlserve.deploy")
 
 
 def router_argv(config: Config, host: str, port: int, worker_urls: list[str], prometheus_port: int,
@@ -61,6 +64,11 @@ class Router:
         if roles is not None:
             self.roles = dict(zip(worker_urls, roles))
         roles = [self.roles.get(u) for u in worker_urls] if self.pd else None
+        if roles is not None and not {"prefill", "decode"} <= set(roles):
+            # P/D mode needs both kinds: nothing is served until the missing one rejoins (add)
+            log.warning("vllm-router waits for a prefill and a decode replica to serve (has %s)", worker_urls)
+            self.child, self._live = None, list(worker_urls)
+            return
         fixed = self.port
         async with httpx.AsyncClient(timeout=2) as http:
             for _ in range(attempts):  # a port picked here may be taken by the time the router binds it
@@ -114,10 +122,8 @@ class Router:
         return list(self._live)
 
     async def _restart_with(self, urls: list[str]) -> None:
-        roles = {self.roles.get(u) for u in urls}
         await asyncio.to_thread(self.stop)
-        if {"prefill", "decode"} <= roles:  # P/D mode needs both kinds; until then nothing is served
-            await self.start(urls)
+        await self.start(urls)
 
     def exited(self) -> int | None:
         return None if self.child is None else self.child.exited()
