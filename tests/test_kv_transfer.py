@@ -132,3 +132,15 @@ def test_abort_on_d_while_pulling_frees_everything(engines):
     d.step()
     assert all(d.pool.is_free(b) for b in range(d.pool.num_blocks))
     settle(p, lambda: p.kv_transfer.pinned_blocks == 0, "P to unpin")
+
+
+def test_under_non_cached_tokens_d_prefills_itself(engines):
+    p, _ = engines
+    d = engine(non_cached_tokens=len(PROMPT) + 1)
+    try:
+        want = decode(d, None)
+        assert decode(d, prefill(p)) == want
+        assert d.kv_transfer.stats.skipped == 1 and d.kv_transfer.stats.tokens_in == 0
+        settle(p, lambda: p.kv_transfer.pinned_blocks == 0, "the release to reach P")
+    finally:
+        d.close()

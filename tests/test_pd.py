@@ -46,6 +46,7 @@ def pd(root):
         "--weight_roots", json.dumps([str(root)]), "--engine.kv_cache_bytes", str(16 << 20))
     try:
         rows = sorted(replicas(admin), key=lambda r: r["index"])
+        assert [r["role"] for r in rows] == ["prefill", "decode"]
         yield {"public": public, "admin": admin, "proc": proc, "p": rows[0]["url"], "d": rows[1]["url"],
                "d_pid": rows[1]["pid"]}
     finally:

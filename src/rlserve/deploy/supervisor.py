@@ -216,7 +216,8 @@ class Deployment:
     async def describe(self) -> dict[str, Any]:
         """GET /deployment: every replica with its URL, health, versions and load."""
         async def one(slot: Slot) -> dict[str, Any]:
-            row = {"index": slot.replica.index, "url": slot.url, "status": slot.status, "detail": slot.detail,
+            row = {"index": slot.replica.index, "role": getattr(slot.replica, "role", None), "url": slot.url,
+                   "status": slot.status, "detail": slot.detail,
                    "restarts": slot.incarnation, "pid": getattr(slot.replica, "pid", None), "healthy": False}
             try:
                 r = await self.http.get(f"{slot.url}/metrics", params={"format": "json"}, headers=self.admin_auth(),
