@@ -9,6 +9,7 @@ import struct
 import time
 
 import pytest
+import torch
 
 from rlserve.config import Config
 from rlserve.engine.engine import Engine
@@ -144,3 +145,13 @@ def test_under_non_cached_tokens_d_prefills_itself(engines):
         settle(p, lambda: p.kv_transfer.pinned_blocks == 0, "the release to reach P")
     finally:
         d.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_block_copy_off_the_engine_thread_keeps_the_bytes(dtype):
+    from rlserve.engine.kv_transfer import _copy_outside_openmp
+
+    pool = torch.randn(3, 2, 64, 2, 8).to(dtype)
+    dst = torch.empty(3, 2, 16, 2, 8, dtype=dtype)
+    _copy_outside_openmp(dst, pool[:, :, 16:32])
+    assert torch.equal(dst, pool[:, :, 16:32])

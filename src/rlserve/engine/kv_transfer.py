@@ -31,6 +31,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +50,13 @@ log = logging.getLogger(__name__)
 
 _MAX_FRAME = 1 << 20  # a JSON frame (requests, answers) is small
 _BLOCK_SLACK = 1 << 20  # header + checksum room over a block's raw KV bytes
+_SOCKET_BUFFER = 8 << 20  # several blocks in flight: hashing on one side overlaps copying on the other
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        sock.setsockopt(socket.SOL_SOCKET, opt, _SOCKET_BUFFER)
 
 
 class TransferError(RuntimeError):
@@ -67,7 +75,9 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
-        k = sock.recv_into(view[got:], n - got)
+        # MSG_WAITALL: one call per block, not one per TCP segment (each return re-takes the GIL, which a
+        # busy engine thread holds for up to the switch interval)
+        k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
         if k == 0:
             raise TransferError(f"connection closed after {got} of {n} bytes")
         got += k
@@ -87,8 +97,8 @@ def recv_frame(sock: socket.socket) -> dict[str, Any]:
     return obj
 
 
-def send_block(sock: socket.socket, block: KVBlock) -> int:
-    parts = kv_format.encode_parts(block)
+def send_parts(sock: socket.socket, parts: list) -> int:
+    """One block as kv_format.encode_parts made it: a u64 length, then the pieces."""
     size = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
     sock.sendall(struct.pack("<Q", size))
     for p in parts:
@@ -96,12 +106,31 @@ def send_block(sock: socket.socket, block: KVBlock) -> int:
     return size
 
 
-def recv_block(sock: socket.socket, max_bytes: int, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[KVBlock, int]:
+def send_blocks(sock: socket.socket, blocks: Iterator[KVBlock]) -> int:
+    """Bytes sent; each block is encoded (its sha256) in a helper thread while the one before is sent.
+    `blocks` may reuse two buffers in turn: the next block is drawn only after the one before last is sent."""
+    sent = 0
+    with ThreadPoolExecutor(1, thread_name_prefix="rlserve-kv-encode") as encoder:
+        block = next(blocks, None)
+        pending = encoder.submit(kv_format.encode_parts, block) if block is not None else None
+        while pending is not None:
+            parts = pending.result()
+            block = next(blocks, None)
+            pending = encoder.submit(kv_format.encode_parts, block) if block is not None else None
+            sent += send_parts(sock, parts)
+    return sent
+
+
+def recv_block_bytes(sock: socket.socket, max_bytes: int) -> bytearray:
     (n,) = struct.unpack("<Q", _recv_exact(sock, 8))
     if n > max_bytes:
         raise TransferError(f"a block of {n} bytes is larger than this engine's blocks ({max_bytes})")
+    return _recv_exact(sock, n)
+
+
+def decode_block(data: bytearray, shape: tuple[int, ...], dtype: torch.dtype) -> KVBlock:
     try:
-        return kv_format.decode(_recv_exact(sock, n), expect_shape=shape, expect_dtype=dtype), n
+        return kv_format.decode(data, expect_shape=shape, expect_dtype=dtype)
     except kv_format.BlockFormatError as e:
         raise TransferError(str(e)) from None
 
@@ -134,7 +163,7 @@ class BlockServer:
         with conn:
             try:
                 conn.settimeout(self.timeout_s)
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                _tune(conn)
                 msg = recv_frame(conn)
                 tid = str(msg.get("transfer_id"))
                 if msg.get("op") == "pull":
@@ -145,9 +174,8 @@ class BlockServer:
                         send_frame(conn, {"ok": False, "error": str(e.args[0]) if e.args else "unknown transfer"})
                         return
                     send_frame(conn, {"ok": True, "blocks": 0 if first is None else int(msg.get("count", 0))})
-                    if first is not None:
-                        for block in itertools.chain([first], blocks):  # lazily: the pin counts as read until the end
-                            sent += send_block(conn, block)
+                    if first is not None:  # lazily: the pin counts as read until the last block is sent
+                        sent = send_blocks(conn, itertools.chain([first], blocks))
                 elif msg.get("op") != "release":
                     send_frame(conn, {"ok": False, "error": f"unknown op {msg.get('op')!r}"})
             except (OSError, TransferError, ValueError, TypeError) as e:
@@ -167,19 +195,21 @@ def pull(host: str, port: int, transfer_id: str, first: int, count: int, timeout
          shape: tuple[int, ...], dtype: torch.dtype) -> tuple[list[KVBlock], int]:
     """The decode side: `count` blocks from index `first` of a transfer, and the bytes read."""
     max_bytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size() + _BLOCK_SLACK
-    with socket.create_connection((host, port), timeout=timeout_s) as sock:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    with socket.create_connection((host, port), timeout=timeout_s) as sock, \
+            ThreadPoolExecutor(1, thread_name_prefix="rlserve-kv-check") as checker:
+        _tune(sock)
         send_frame(sock, {"op": "pull", "transfer_id": transfer_id, "first": first, "count": count})
         head = recv_frame(sock)
         if not head.get("ok"):
             raise TransferError(f"the prefill server refused: {head.get('error')}")
         if head.get("blocks") != count:
             raise TransferError(f"the prefill server has {head.get('blocks')} of the {count} blocks asked for")
-        blocks, total = [], 0
-        for _ in range(count):
-            block, n = recv_block(sock, max_bytes, shape, dtype)
-            blocks.append(block)
-            total += n
+        checks, total = [], 0
+        for _ in range(count):  # each block's checksum is verified while the next one arrives
+            data = recv_block_bytes(sock, max_bytes)
+            total += len(data)
+            checks.append(checker.submit(decode_block, data, shape, dtype))
+        blocks = [c.result() for c in checks]
     return blocks, total
 
 
@@ -193,6 +223,17 @@ def release_remote(host: str, port: int, transfer_id: str, timeout_s: float) -> 
             log.info("KV transfer %s: release not delivered (%s); the prefill server's timeout frees it", transfer_id, e)
 
     threading.Thread(target=send, name="rlserve-kv-release", daemon=True).start()
+
+
+def _copy_outside_openmp(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """A torch copy from this (non-engine) thread would start a second OpenMP team that spins against the
+    engine's on the same cores (measured: ~10x slower than memcpy); numpy copies on this thread alone."""
+    if src.device.type == "cpu" and dst.dtype != torch.bfloat16:
+        dst.numpy()[...] = src.numpy()
+    elif src.device.type == "cpu":  # numpy has no bfloat16: copy the same bytes as int16
+        dst.view(torch.int16).numpy()[...] = src.view(torch.int16).numpy()
+    else:
+        dst.copy_(src)  # a device-to-host copy: no host threads
 
 
 # ---- the engine's side of both ----------------------------------------------------------------
@@ -305,9 +346,13 @@ class KVTransfer:
             pin.serving += 1
         try:
             bs = self.block_size
+            # two contiguous staging blocks per connection, in turn (send_blocks encodes one while it sends the
+            # other): the pool's block is strided, and a fresh copy per block would fault in new pages each time
+            staging = [torch.empty(self.block_shape, dtype=self.kv_cache.dtype) for _ in range(2)]
             for i in range(first, first + count):
-                b = pin.blocks[i]
-                yield KVBlock(pin.hashes[i], self.kv_cache[:, :, b * bs : (b + 1) * bs], pin.weight_generation)
+                b, buf = pin.blocks[i], staging[i % 2]
+                _copy_outside_openmp(buf, self.kv_cache[:, :, b * bs : (b + 1) * bs])
+                yield KVBlock(pin.hashes[i], buf, pin.weight_generation)
         finally:
             with self.lock:
                 pin.serving -= 1
