@@ -360,9 +360,10 @@ class KVTransfer:
     def _served(self, tid: str, nbytes: int, seconds: float) -> None:
         # block server thread: the connection is over, whatever happened; the engine thread unpins
         if nbytes:
-            self.stats.serves += 1
-            self.stats.bytes_out += nbytes
-            self.stats.seconds_out += seconds
+            with self.lock:  # several connections may end at once
+                self.stats.serves += 1
+                self.stats.bytes_out += nbytes
+                self.stats.seconds_out += seconds
         self.released.put(tid)
 
     def _unpin(self, tid: str) -> None:
