@@ -253,3 +253,20 @@ def test_sigterm_leaves_no_process(pd):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 0
     wait_for(lambda: not any(alive(pid) for pid in tree), 30, "every child to exit")
+
+
+def test_in_thread_engines_transfer_too():
+    """`engine.core_process = false`: the engine steps in the API server's process; P and D driven directly."""
+    args = ("--engine.core_process", "false", "--engine.kv_cache_bytes", str(16 << 20), "--kv_transfer.port", "0")
+    (p, p_proc), (d, d_proc) = start_server(*args), start_server(*args)
+    try:
+        (prompt,) = prompts(8, [100])
+        body = {"prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+        kt = httpx.post(f"{p}/v1/completions", json=body, timeout=120).json()["kv_transfer_params"]
+        warm(p, prompt)  # P now holds the prompt's KV twice over: its own warm answer is the reference
+        same_choice(completion(d, prompt, kv_transfer_params=kt)["choices"][0], completion(p, prompt)["choices"][0])
+        assert metric(d, "rlserve:kv_transfer_tokens_total") == (100 - 1) // BLOCK * BLOCK
+        wait_for(lambda: pinned(p) == 0, 120, "P to free the pulled blocks")
+    finally:
+        stop_server(p_proc)
+        stop_server(d_proc)
