@@ -32,7 +32,9 @@ def test_toml_section(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--deployment.type", "disaggregated"], "not available yet"),
+    (["--deployment.type", "disaggregated", "--deployment.num_prefill_nodes", "2"], "not available yet"),
+    (["--deployment.type", "disaggregated", "--deployment.replicas", "2"], "num_prefill_replicas"),
+    (["--deployment.non_cached_tokens", "64"], "deployment.type = 'disaggregated'"),
     (["--deployment.num_nodes", "2"], "deployment.type = 'multi_node'"),
     (["--deployment.type", "multi_node", "--deployment.replicas", "2"], "deployment.num_nodes"),
     (["--deployment.replicas", "2", "--server.port", "8000", "--deployment.admin_port", "8000"], "admin_port"),

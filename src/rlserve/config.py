@@ -111,7 +111,8 @@ class RouterConfig(Section):
 
 class DeploymentConfig(Section):
     type: Literal["single_node", "multi_node", "disaggregated"] = Field(
-        "single_node", description="single_node: replicas on this machine; multi_node: one replica per Ray node"
+        "single_node", description="single_node: replicas on this machine; multi_node: one replica per Ray node; "
+        "disaggregated: prefill and decode replicas behind vllm-router's P/D mode, KV moved between them"
     )
     replicas: int = Field(1, ge=1, description="engine servers on this machine (single_node); 1 = no router")
     num_nodes: int = Field(1, ge=1, description="multi_node: Ray nodes, one replica each")
@@ -123,10 +124,30 @@ class DeploymentConfig(Section):
     )
     ray_address: str = Field("auto", description="multi_node: the Ray cluster to join")
     router: RouterConfig = Field(default_factory=RouterConfig)
+    num_prefill_replicas: int = Field(1, ge=1, description="disaggregated: prefill servers on this machine")
+    num_decode_replicas: int = Field(1, ge=1, description="disaggregated: decode servers on this machine")
+    num_prefill_nodes: int = Field(1, ge=1, description="disaggregated on Ray: nodes for prefill servers (not yet)")
+    num_decode_nodes: int = Field(1, ge=1, description="disaggregated on Ray: nodes for decode servers (not yet)")
+    prefill_env_vars: dict[str, str] = Field(default_factory=dict, description="disaggregated: extra environment "
+                                             "of every prefill server")
+    decode_env_vars: dict[str, str] = Field(default_factory=dict, description="disaggregated: extra environment "
+                                            "of every decode server")
+    non_cached_tokens: int = Field(
+        0, ge=0, description="disaggregated: a request with fewer prompt tokens missing from the decode server's "
+        "prefix cache is prefilled there instead of pulling KV (kv_transfer.non_cached_tokens)"
+    )
 
     @property
     def size(self) -> int:
+        if self.type == "disaggregated":
+            return self.num_prefill_replicas + self.num_decode_replicas
         return self.num_nodes if self.type == "multi_node" else self.replicas
+
+    def role(self, index: int) -> str | None:
+        """disaggregated: replica `index` is "prefill" (the first num_prefill_replicas) or "decode"."""
+        if self.type != "disaggregated":
+            return None
+        return "prefill" if index < self.num_prefill_replicas else "decode"
 
     @property
     def enabled(self) -> bool:
@@ -184,6 +205,23 @@ class KVOffloadConfig(Section):
         return self
 
 
+class KVTransferConfig(Section):
+    """Prefill/decode disaggregation (docs/disaggregation.md): this server serves the KV of requests it
+    prefilled for a decode server (kv_transfer_params.do_remote_decode) and pulls KV from a prefill
+    server (do_remote_prefill)."""
+
+    host: str = Field("127.0.0.1", description="address the KV block server listens on and tells decode servers")
+    port: int = Field(0, ge=0, le=65535, description="KV block server port; 0 = a free port")
+    pin_timeout_s: float = Field(
+        120.0, gt=0, description="a prefilled request's KV stays pinned this long for its decode server, at most"
+    )
+    pull_timeout_s: float = Field(60.0, gt=0, description="socket timeout of a decode server's pull; then it prefills itself")
+    non_cached_tokens: int = Field(
+        0, ge=0, description="decode side: below this many prompt tokens missing from its own prefix cache, "
+        "prefill locally instead of pulling"
+    )
+
+
 class Config(Section):
     seed: int = Field(0, description="seed of the engine's generator for unseeded requests")
     gpu_memory_utilization: float | None = Field(
@@ -212,6 +250,10 @@ class Config(Section):
     kv_cache_offload: KVOffloadConfig | None = Field(
         None, description="keep KV blocks evicted from the pool in CPU memory (and on disk); enables prefix caching"
     )
+    kv_transfer: KVTransferConfig | None = Field(
+        None, description="serve and pull KV blocks for prefill/decode disaggregation (set by deployment.type = "
+        "'disaggregated'); enables prefix caching"
+    )
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "Config":
@@ -220,8 +262,8 @@ class Config(Section):
         from rlserve.deploy.checks import check_deployment  # keeps config.py about shapes
 
         check_deployment(self)
-        if self.kv_cache_offload is not None and not self.engine.enable_prefix_caching:
-            self.engine.enable_prefix_caching = True  # the tiers sit behind the prefix cache
+        if (self.kv_cache_offload is not None or self.kv_transfer is not None) and not self.engine.enable_prefix_caching:
+            self.engine.enable_prefix_caching = True  # the tiers and pulled KV sit behind the prefix cache
         return self
 
 

@@ -12,8 +12,20 @@ if TYPE_CHECKING:
 def check_deployment(config: "Config") -> None:
     d = config.deployment
     if d.type == "disaggregated":
-        raise ValueError("deployment.type = 'disaggregated' (prefill/decode replicas) is not available yet; "
-                         "use 'single_node' (deployment.replicas) or 'multi_node' (deployment.num_nodes)")
+        if d.replicas != 1 or d.num_nodes != 1:
+            raise ValueError("deployment.type = 'disaggregated' counts its servers in num_prefill_replicas and "
+                             "num_decode_replicas: leave deployment.replicas and num_nodes at 1")
+        if d.num_prefill_nodes != 1 or d.num_decode_nodes != 1:
+            raise ValueError("deployment.num_prefill_nodes / num_decode_nodes (disaggregated on Ray) are not "
+                             "available yet: run the prefill and decode servers on this machine with "
+                             "num_prefill_replicas / num_decode_replicas")
+        if config.enable_return_routed_experts:
+            raise ValueError("enable_return_routed_experts cannot be used with deployment.type = 'disaggregated': "
+                             "transferred KV carries no routed experts")
+    elif (d.num_prefill_replicas, d.num_decode_replicas, d.num_prefill_nodes, d.num_decode_nodes) != (1, 1, 1, 1) \
+            or d.prefill_env_vars or d.decode_env_vars or d.non_cached_tokens:
+        raise ValueError("deployment.num_prefill_*/num_decode_*, prefill_env_vars, decode_env_vars and "
+                         "non_cached_tokens need deployment.type = 'disaggregated'")
     if d.type == "multi_node":
         if d.replicas != 1:
             raise ValueError("deployment.replicas counts replicas on one machine; with type 'multi_node' set "
@@ -39,18 +51,19 @@ def check_deployment(config: "Config") -> None:
                              f"overlaps port {clash[0]}; move deployment.backend_port")
         if backends[-1] > 65535:
             raise ValueError(f"deployment.backend_port {d.backend_port} + {d.size} replicas passes port 65535")
-    if d.type == "single_node":
+    if d.type in ("single_node", "disaggregated"):
         _check_devices(config)
 
 
 def _check_devices(config: "Config") -> None:
-    device, n = config.model.device, config.deployment.replicas
+    device, n = config.model.device, config.deployment.size
     if device.startswith("cuda") and ":" in device:
-        raise ValueError(f"model.device {device!r} pins one GPU, but each of deployment.replicas = {n} needs its "
-                         "own: set model.device = 'cuda' (replica i gets cuda:i)")
+        raise ValueError(f"model.device {device!r} pins one GPU, but each of the deployment's {n} replicas needs "
+                         "its own: set model.device = 'cuda' (replica i gets cuda:i)")
     if device == "cuda":
         import torch
 
         if torch.cuda.device_count() < n:
-            raise ValueError(f"deployment.replicas = {n} GPU replicas but this machine has "
-                             f"{torch.cuda.device_count()} GPU(s): lower deployment.replicas")
+            raise ValueError(f"the deployment has {n} GPU replicas but this machine has "
+                             f"{torch.cuda.device_count()} GPU(s): lower deployment.replicas (or the prefill/decode "
+                             "replica counts)")

@@ -17,13 +17,18 @@ ADMIN_URL_ENV = "RLSERVE_DEPLOYMENT_ADMIN_URL"
 
 
 def replica_config(config: Config, index: int, host: str, cpu_count: int | None = None) -> dict:
-    """The deployment's config as one plain server: its own port, one replica, its share of threads."""
+    """The deployment's config as one plain server: its own port, one replica, its share of threads;
+    in a disaggregated deployment also a KV block server (prefill) or puller (decode)."""
     d = config.deployment
     data = config.model_dump(mode="json", exclude_defaults=True)
     data.pop("deployment", None)
     server = data.setdefault("server", {})
     server["host"] = host
     server["port"] = d.backend_port + index if d.backend_port else 0
+    if d.role(index) is not None:
+        transfer = data.setdefault("kv_transfer", {})
+        transfer.setdefault("host", host)
+        transfer["non_cached_tokens"] = d.non_cached_tokens
     if config.num_threads is None:
         data["num_threads"] = max(1, (cpu_count or os.cpu_count() or 1) // d.size)
     return data
@@ -33,12 +38,15 @@ class LocalReplica:
     """A replica on this machine, restartable: each start() is a new process (a new incarnation)."""
 
     def __init__(self, index: int, config: Config, workdir: Path, key: str, admin_url: str, gpu: bool = False):
-        self.index, self.name = index, f"replica {index}"
+        d = config.deployment
+        self.index, self.role = index, d.role(index)
+        self.name = f"replica {index}" if self.role is None else f"{self.role} replica {index}"
         self.config_path = workdir / f"replica-{index}.json"
         fd = os.open(self.config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # may hold API keys
         with os.fdopen(fd, "w") as f:
             json.dump(replica_config(config, index, "127.0.0.1"), f)
-        self.env = {**os.environ, KEY_ENV: key, ADMIN_URL_ENV: admin_url}
+        role_env = {"prefill": d.prefill_env_vars, "decode": d.decode_env_vars}.get(self.role or "", {})
+        self.env = {**os.environ, **role_env, KEY_ENV: key, ADMIN_URL_ENV: admin_url}
         if gpu:  # the i-th GPU this process may use
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
             self.env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[index].strip() if visible else str(index)

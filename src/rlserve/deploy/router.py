@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
 import sys
 import time
@@ -13,12 +14,21 @@ import httpx
 from rlserve.config import Config
 from rlserve.deploy.process import Child, free_port
 
+log = logging.getLogger("rlserve.deploy")
 
-def router_argv(config: Config, host: str, port: int, worker_urls: list[str], prometheus_port: int) -> list[str]:
+
+def router_argv(config: Config, host: str, port: int, worker_urls: list[str], prometheus_port: int,
+                roles: list[str | None] | None = None) -> list[str]:
+    """`roles` (disaggregated): "prefill" or "decode" per worker URL, for the router's P/D mode (§1.2)."""
     r = config.deployment.router
-    argv = [_binary(), "--host", host, "--port", str(port), "--policy", r.policy,
-            "--worker-urls", *worker_urls,
-            "--request-id-headers", "x-session-id",
+    argv = [_binary(), "--host", host, "--port", str(port), "--policy", r.policy]
+    if roles is not None and any(roles):
+        argv.append("--vllm-pd-disaggregation")
+        for url, role in zip(worker_urls, roles):
+            argv += ["--prefill", url] if role == "prefill" else ["--decode", url]
+    else:
+        argv += ["--worker-urls", *worker_urls]
+    argv += ["--request-id-headers", "x-session-id",
             "--worker-startup-timeout-secs", "4200",
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus_port),
             # its INFO level logs every routing decision: too much to pass through the supervisor
@@ -42,19 +52,31 @@ class Router:
     def __init__(self, config: Config, host: str, port: int):
         self.config, self.host, self.port = config, host, port
         self.child: Child | None = None
+        self.pd = config.deployment.type == "disaggregated"
+        self.roles: dict[str, str | None] = {}  # P/D mode: worker URL -> role, for restarts with a new list
+        self._live: list[str] = []  # P/D mode: the worker URLs the running router was started with
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    async def start(self, worker_urls: list[str], attempts: int = 3) -> None:
+    async def start(self, worker_urls: list[str], attempts: int = 3, roles: list[str | None] | None = None) -> None:
+        if roles is not None:
+            self.roles = dict(zip(worker_urls, roles))
+        roles = [self.roles.get(u) for u in worker_urls] if self.pd else None
+        if roles is not None and not {"prefill", "decode"} <= set(roles):
+            # P/D mode needs both kinds: nothing is served until the missing one rejoins (add)
+            log.warning("vllm-router waits for a prefill and a decode replica to serve (has %s)", worker_urls)
+            self.child, self._live = None, list(worker_urls)
+            return
         fixed = self.port
         async with httpx.AsyncClient(timeout=2) as http:
             for _ in range(attempts):  # a port picked here may be taken by the time the router binds it
                 self.port = fixed or free_port(self.host)
-                argv = router_argv(self.config, self.host, self.port, worker_urls, free_port("127.0.0.1"))
+                argv = router_argv(self.config, self.host, self.port, worker_urls, free_port("127.0.0.1"), roles)
                 self.child = Child("router", argv)
                 if await self._wait_up(http, 60.0):
+                    self._live = list(worker_urls)
                     return
                 await asyncio.to_thread(self.child.stop)
                 if fixed:
@@ -73,16 +95,35 @@ class Router:
         return False
 
     async def workers(self, http: httpx.AsyncClient) -> list[str]:
+        if self.pd:
+            return list(self.live)
         r = await http.get(f"{self.url}/list_workers", timeout=10)
         return list(r.json().get("urls", []))
 
     async def add(self, http: httpx.AsyncClient, url: str) -> None:
+        if self.pd:  # P/D mode has no worker list to edit: the router restarts with the new list
+            if url not in self.live:
+                await self._restart_with([*self.live, url])
+            return
         if url not in await self.workers(http):
             (await http.post(f"{self.url}/add_worker", params={"url": url}, timeout=600)).raise_for_status()
 
     async def remove(self, http: httpx.AsyncClient, url: str) -> None:
+        if self.pd:
+            if url in self.live:
+                await self._restart_with([u for u in self.live if u != url])
+            return
         if url in await self.workers(http):
             await http.post(f"{self.url}/remove_worker", params={"url": url}, timeout=10)
+
+    @property
+    def live(self) -> list[str]:
+        """P/D mode: the worker URLs the running router was started with."""
+        return list(self._live)
+
+    async def _restart_with(self, urls: list[str]) -> None:
+        await asyncio.to_thread(self.stop)
+        await self.start(urls)
 
     def exited(self) -> int | None:
         return None if self.child is None else self.child.exited()

@@ -60,8 +60,11 @@ async def _main(config: Config) -> None:
         serving = asyncio.ensure_future(server.serve(sockets=[sock]))
         watching = asyncio.ensure_future(dep.watch())
         assert dep.router is not None
+        d = config.deployment
+        shape = (f"{d.num_prefill_replicas} prefill + {d.num_decode_replicas} decode replicas behind vllm-router "
+                 "in P/D mode" if d.type == "disaggregated" else f"{len(dep.slots)} replicas behind vllm-router")
         print(f"rlserve: serving {config.model.served_model_name or config.model.name or 'rlserve-default'} on "
-              f"{dep.router.url} ({len(dep.slots)} replicas behind vllm-router; admin: {admin_url})", flush=True)
+              f"{dep.router.url} ({shape}; admin: {admin_url})", flush=True)
         await asyncio.wait([serving, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
         watching.cancel()
         server.should_exit = True
@@ -96,7 +99,7 @@ def _replicas(config: Config, key: str, admin_url: str, workdir) -> list[Replica
     from rlserve.deploy.replica import LocalReplica
 
     gpu = config.model.device in ("auto", "cuda") and _has_cuda()
-    return [LocalReplica(i, config, workdir, key, admin_url, gpu=gpu) for i in range(d.replicas)]
+    return [LocalReplica(i, config, workdir, key, admin_url, gpu=gpu) for i in range(d.size)]
 
 
 def _has_cuda() -> bool:

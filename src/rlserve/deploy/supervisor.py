@@ -86,7 +86,7 @@ class Deployment:
         info = await self._versions(self.slots[0])
         self.state.policy_version, self.state.weight_version = info
         self.router = Router(self.config, self.host, self.port)
-        await self.router.start([s.url for s in self.slots])
+        await self.router.start([s.url for s in self.slots], roles=[getattr(s.replica, "role", None) for s in self.slots])
 
     async def _wait_ready(self, slot: Slot) -> str:
         url = await asyncio.to_thread(slot.replica.wait_listening, HEALTH_TIMEOUT_S)
@@ -216,7 +216,8 @@ class Deployment:
     async def describe(self) -> dict[str, Any]:
         """GET /deployment: every replica with its URL, health, versions and load."""
         async def one(slot: Slot) -> dict[str, Any]:
-            row = {"index": slot.replica.index, "url": slot.url, "status": slot.status, "detail": slot.detail,
+            row = {"index": slot.replica.index, "role": getattr(slot.replica, "role", None), "url": slot.url,
+                   "status": slot.status, "detail": slot.detail,
                    "restarts": slot.incarnation, "pid": getattr(slot.replica, "pid", None), "healthy": False}
             try:
                 r = await self.http.get(f"{slot.url}/metrics", params={"format": "json"}, headers=self.admin_auth(),

@@ -277,13 +277,15 @@ class AsyncEngine:
                         self._commands.get_nowait()(engine)
                     except queue.Empty:
                         break
+                engine.poll_transfers()
+                idle_s = 0.001 if engine.transfers_pending else 0.05 if engine.kv_transfer is not None else 0.5
                 if self.paused:
                     self._dispatch(engine.take_pending())
-                    self._wake.wait(timeout=0.5)
+                    self._wake.wait(timeout=idle_s)
                 elif engine.has_unfinished():
                     self._dispatch(engine.step_requests())
                 else:
-                    self._wake.wait(timeout=0.5)
+                    self._wake.wait(timeout=idle_s)
         except BaseException as exc:
             log.exception("engine loop died")
             self.dead = exc

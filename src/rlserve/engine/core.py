@@ -53,7 +53,7 @@ class EngineCore:
         engine, parent = self.engine, os.getppid()
         while not self.stop:
             busy = engine.has_unfinished() and not self.paused
-            if self.inbox.poll(0 if busy else IDLE_POLL_MS):
+            if self.inbox.poll(0 if busy else 1 if engine.transfers_pending else IDLE_POLL_MS):
                 while True:
                     try:
                         raw = self.inbox.recv(zmq.NOBLOCK)
@@ -62,6 +62,7 @@ class EngineCore:
                     self.receive(raw)
             while not self.done.empty():
                 self.done.get_nowait()()
+            engine.poll_transfers()
             if self.paused:
                 self.dispatch(engine.take_pending())
             elif engine.has_unfinished():

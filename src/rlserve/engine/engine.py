@@ -19,6 +19,7 @@ from rlserve.engine.detectors import Detectors
 from rlserve.engine.detokenizer import IncrementalDetokenizer
 from rlserve.engine.kv_cache import BlockPool, extra_key
 from rlserve.engine.kv_offload import KVOffload
+from rlserve.engine.kv_transfer import KVTransfer
 from rlserve.engine.memory import kv_budget, memory_at_start
 from rlserve.engine.outputs import RequestOutput
 from rlserve.engine.parallel import TensorParallelLeader, device_of_rank
@@ -66,6 +67,20 @@ class EngineStats:
     kv_offload_cpu_used_bytes: int = 0
     kv_offload_cpu_capacity_bytes: int = 0
     kv_offload_disk_used_bytes: int = 0
+    # prefill/decode KV transfer (0 without kv_transfer); see engine/kv_transfer.py TransferStats
+    kv_transfer_pulls: int = 0
+    kv_transfer_pull_failures: int = 0
+    kv_transfer_fallbacks: int = 0
+    kv_transfer_skipped: int = 0
+    kv_transfer_bytes_in: int = 0
+    kv_transfer_seconds_in: float = 0.0
+    kv_transfer_tokens_in: int = 0
+    kv_transfer_serves: int = 0
+    kv_transfer_bytes_out: int = 0
+    kv_transfer_seconds_out: float = 0.0
+    kv_transfer_pinned: int = 0
+    kv_transfer_expired: int = 0
+    kv_transfer_pinned_blocks: int = 0
 
 
 def resolve_device(name: str) -> torch.device:
@@ -166,6 +181,9 @@ class Engine:
             self.pool.on_evict = self.offload.save
             if self.runner.routing is not None:
                 self._offload_routing(self.runner.routing, ec.block_size)
+        self.kv_transfer: KVTransfer | None = None
+        if config.kv_transfer is not None:
+            self.kv_transfer = KVTransfer(self, config.kv_transfer)
         self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
         self.detectors = Detectors(config.logits_processors, self.vocab_size)
         eos = getattr(self.hf_config, "eos_token_id", None)
@@ -239,13 +257,26 @@ class Engine:
 
     def submit(self, req: Request) -> None:
         self.requests.setdefault(req.request_id, []).append(req)
+        if self.kv_transfer is not None and self.kv_transfer.start_pull(req):
+            return  # scheduled once its prompt's KV has arrived (poll_transfers)
         self.scheduler.add(req.seqs[0])
+
+    def poll_transfers(self) -> None:
+        """Between two steps: land pulled KV, free pins that were pulled, aborted or timed out."""
+        if self.kv_transfer is not None:
+            self.kv_transfer.poll()
+
+    @property
+    def transfers_pending(self) -> bool:
+        return self.kv_transfer is not None and self.kv_transfer.busy
 
     def abort(self, request_id: str) -> int:
         """Finish every request with this id now ("abort", partial tokens kept); returns how many."""
         reqs = list(self.requests.get(request_id, []))
         for req in reqs:
             self.abort_request(req)
+        if self.kv_transfer is not None:  # a prefilled request's pin goes with its id (a repeat is harmless)
+            self.kv_transfer.release_request(request_id)
         return len(reqs)
 
     def abort_request(self, req: Request) -> None:
@@ -258,6 +289,8 @@ class Engine:
                     seq.detok.flush()
                 self._capture_routing(seq)
                 self.scheduler.finish(seq)
+        if self.kv_transfer is not None:
+            self.kv_transfer.release_held(req)
         self._forget(req)
         self._pending.append(req)
 
@@ -308,6 +341,8 @@ class Engine:
             self.offload.close()
         if self.tp is not None:
             self.tp.close()
+        if self.kv_transfer is not None:
+            self.kv_transfer.close()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending)
@@ -323,6 +358,7 @@ class Engine:
     def step_requests(self) -> list[Request]:
         """One iteration; the requests it touched. Outputs are built by the caller, only for the
         requests it reports (a server need not copy every request's lists every step)."""
+        self.poll_transfers()
         touched_list, self._pending = self._pending, []
         batch = self.scheduler.schedule()
         if batch.empty:
@@ -386,7 +422,13 @@ class Engine:
             generation_tokens=self.generation_tokens,
             policy_version=self.policy_version,
             **(self._offload_stats() if self.offload is not None else {}),
+            **(self._transfer_stats() if self.kv_transfer is not None else {}),
         )
+
+    def _transfer_stats(self) -> dict[str, float]:
+        t = self.kv_transfer
+        return {f"kv_transfer_{k}": v for k, v in asdict(t.stats).items()} | {
+            "kv_transfer_pinned_blocks": t.pinned_blocks}
 
     def _offload_routing(self, routing: RoutedExpertsPool, bs: int) -> None:
         """Router replay: a block's routed experts travel with its KV; one without them is recomputed."""
@@ -496,6 +538,9 @@ class Engine:
             if seq.detok is not None:
                 seq.detok.flush()
             self._capture_routing(seq)
+            kt = p.kv_transfer_params
+            if self.kv_transfer is not None and kt and kt.get("do_remote_decode") and reason != "abort":
+                self.kv_transfer.pin(seq)
             self.scheduler.finish(seq)
 
     def _capture_routing(self, seq: Sequence) -> None:

@@ -1,4 +1,4 @@
-"""One KV block as bytes, for the disk tier and (later) P/D transfer: never pickled.
+"""One KV block as bytes, for the disk tier and P/D transfer (engine/kv_transfer.py): never pickled.
 
     MAGIC (8) | header length (u32 LE) | header (JSON) | payload | sha256 of everything before (32)
 
@@ -77,12 +77,17 @@ def _parts(block: KVBlock) -> list[memoryview]:
     return [memoryview(MAGIC + struct.pack("<I", len(header)) + header), *payload]
 
 
-def encode(block: KVBlock) -> bytes:
+def encode_parts(block: KVBlock) -> list[memoryview | bytes]:
+    """`encode` without joining: the pieces to write one after the other (a socket's sendmsg)."""
     parts = _parts(block)
     h = hashlib.sha256()
     for p in parts:
         h.update(p)
-    return b"".join([*parts, h.digest()])
+    return [*parts, h.digest()]
+
+
+def encode(block: KVBlock) -> bytes:
+    return b"".join(encode_parts(block))
 
 
 def write_file(path: str | Path, block: KVBlock) -> int:

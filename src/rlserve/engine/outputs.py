@@ -62,3 +62,5 @@ class RequestOutput:
     finished: bool = False
     # the first ranks for prompt_logprobs entries: {token_id: rank} per position (rank 1 = best)
     prompt_logprob_ranks: list[dict[int, int] | None] | None = None
+    # prefill side of P/D: where the decode server finds this request's KV (echoed top-level)
+    kv_transfer_params: dict | None = None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 LogprobsMode = Literal["processed", "raw"]
 
@@ -35,6 +35,9 @@ class SamplingParams:
     # (the server accepts it only with engine.allow_forced_tokens; random-weight models never
     # produce tool calls or reasoning tags on their own)
     forced_token_ids: list[int] | None = None
+    # prefill/decode disaggregation (wire-protocols §1.2): do_remote_decode on the prefill side,
+    # do_remote_prefill plus where the KV is on the decode side; engine/kv_transfer.py reads it
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -95,6 +98,8 @@ class SamplingParams:
             or not all(isinstance(t, int) and t >= 0 for t in self.forced_token_ids)
         ):
             raise bad("forced_token_ids", f"must be a list of token ids, got {self.forced_token_ids!r}")
+        if self.kv_transfer_params is not None and not isinstance(self.kv_transfer_params, dict):
+            raise bad("kv_transfer_params", f"must be null or an object, got {self.kv_transfer_params!r}")
         if self.logprobs_mode not in (None, "processed", "raw"):
             raise bad("logprobs_mode", f"must be 'processed' or 'raw', got {self.logprobs_mode!r}")
 

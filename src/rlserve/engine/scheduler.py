@@ -151,6 +151,9 @@ class Scheduler:
             return False
         for b, _ in hits:
             self.pool.take(b)
+        for b in reversed(seq.request.held_blocks):  # pulled KV (P/D): the hits above reference it now
+            self.pool.release(b)
+        seq.request.held_blocks.clear()
         seq.block_table = [b for b, _ in hits] + [self.pool.allocate() for _ in range(needed)]
         seq.block_hashes = [h for _, h in hits]
         if tiers:

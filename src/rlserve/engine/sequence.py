@@ -35,6 +35,8 @@ class Request:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_logprob_ranks: list[dict[int, int] | None] | None = None
     first_token_time: float | None = None
+    kv_transfer_out: dict | None = None  # prefill side of P/D: where its pinned KV is served
+    held_blocks: list[int] = field(default_factory=list)  # pulled KV blocks referenced until admission
 
     @property
     def live_seqs(self) -> list["Sequence"]:
@@ -54,6 +56,7 @@ class Request:
             prompt_logprob_ranks=self.prompt_logprob_ranks,
             num_cached_tokens=self.num_cached_tokens,
             finished=self.finished,
+            kv_transfer_params=self.kv_transfer_out,
         )
 
 

@@ -180,7 +180,7 @@ def _response(ctx: Ctx, out: RequestOutput) -> dict[str, Any]:
     return {**response, "choices": choices, "usage": _usage(ctx, out),
             "prompt_logprobs": prompt_logprobs_json(ctx.state, out, body.prompt_logprobs,
                                                     body.return_tokens_as_token_ids),
-            "kv_transfer_params": None}
+            "kv_transfer_params": out.kv_transfer_params}
 
 
 def _delta_choice(ctx: Ctx, o: CompletionOutput, cur: ChoiceCursor, streamer: MessageStreamer) -> dict[str, Any] | None:

@@ -225,7 +225,7 @@ def _response(ctx: Ctx, finals: list[RequestOutput]) -> dict[str, Any]:
     cached = sum(out.num_cached_tokens for out in finals)
     return {"id": ctx.id, "object": "text_completion", "created": ctx.created, "model": ctx.model,
             "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached),
-            "kv_transfer_params": None}
+            "kv_transfer_params": finals[0].kv_transfer_params if finals else None}
 
 
 async def _stream(ctx: Ctx, run: Run) -> AsyncIterator[str]:

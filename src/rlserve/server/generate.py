@@ -33,6 +33,7 @@ from rlserve.server.serving import (
     clamp,
     forced_token_ids,
     json_body,
+    kv_transfer_params,
     logit_bias,
     prompt_logprobs_json,
     sampled_first,
@@ -102,7 +103,9 @@ async def inference_generate(request: Request):
         raise bad_request("sampling_params must be an object", "sampling_params")
     if sp.get("prompt_logprobs") is not None and body.get("stream"):
         raise bad_request("prompt_logprobs is not available with stream=true", "prompt_logprobs")
-    params = make_params(sp, forced_token_ids=forced_token_ids(state, body))
+    params = make_params(sp, forced_token_ids=forced_token_ids(state, body),
+                         kv_transfer_params=kv_transfer_params(body.get("kv_transfer_params") or sp.get("kv_transfer_params"),
+                                                               sp.get("extra_args")))
     experts_start = _routed_experts_start(sp.get("routed_experts_prompt_start"))
     rid = request.headers.get("x-request-id") or body.get("request_id") or uuid.uuid4().hex
     as_ids = bool(sp.get("return_tokens_as_token_ids") or body.get("return_tokens_as_token_ids"))
@@ -121,7 +124,7 @@ async def inference_generate(request: Request):
             for c in out.outputs
         ],
         "prompt_logprobs": prompt_logprobs_json(state, out, params.prompt_logprobs, as_ids),
-        "kv_transfer_params": None,
+        "kv_transfer_params": out.kv_transfer_params,
         "usage": _usage(out),
     }
 

@@ -156,6 +156,7 @@ class _EngineCollector(Collector):
                     weight_version=weight_version(engine))
         yield gauge("rlserve:is_paused", "1 while generation is paused.", float(engine.paused))
         yield from _offload_metrics(s, names, values)
+        yield from _transfer_metrics(s, names, values)
 
 
 def _offload_metrics(s, names: list[str], values: list[str]):
@@ -182,3 +183,38 @@ def _offload_metrics(s, names: list[str], values: list[str]):
                             labels=names)
     c.add_metric(values, s.kv_offload_disk_rejected)
     yield c
+
+
+def _transfer_metrics(s, names: list[str], values: list[str]):
+    """Prefill/decode KV transfer (engine/kv_transfer.py); zeros without kv_transfer."""
+
+    def family(kind, name: str, doc: str, points: dict[str, float]):
+        m = kind(name, doc, labels=names + ["direction"])
+        for key, value in points.items():
+            m.add_metric(values + [key], value)
+        return m
+
+    def single(kind, name: str, doc: str, value: float):
+        m = kind(name, doc, labels=names)
+        m.add_metric(values, value)
+        return m
+
+    yield family(CounterMetricFamily, "rlserve:kv_transfers", "KV transfers: pulled into this pool (in) or served "
+                 "to a decode server (out).", {"in": s.kv_transfer_pulls, "out": s.kv_transfer_serves})
+    yield family(CounterMetricFamily, "rlserve:kv_transfer_bytes", "KV bytes pulled (in) or served (out).",
+                 {"in": s.kv_transfer_bytes_in, "out": s.kv_transfer_bytes_out})
+    yield family(CounterMetricFamily, "rlserve:kv_transfer_seconds", "Seconds spent pulling (in) or serving (out) KV.",
+                 {"in": s.kv_transfer_seconds_in, "out": s.kv_transfer_seconds_out})
+    yield single(CounterMetricFamily, "rlserve:kv_transfer_tokens", "Prompt tokens whose KV was pulled, not computed.",
+                 s.kv_transfer_tokens_in)
+    yield single(CounterMetricFamily, "rlserve:kv_transfer_failures", "KV pulls that failed (then prefilled locally).",
+                 s.kv_transfer_pull_failures)
+    yield single(CounterMetricFamily, "rlserve:kv_transfer_local_fallbacks", "Remote-prefill requests prefilled "
+                 "locally: weight generation, dtype, block size or shape mismatch, or a failed pull.",
+                 s.kv_transfer_fallbacks)
+    yield single(CounterMetricFamily, "rlserve:kv_transfer_skipped", "Remote-prefill requests prefilled locally "
+                 "because fewer than non_cached_tokens prompt tokens were missing.", s.kv_transfer_skipped)
+    yield single(CounterMetricFamily, "rlserve:kv_transfer_expired", "Pinned transfers freed by the timeout.",
+                 s.kv_transfer_expired)
+    yield single(GaugeMetricFamily, "rlserve:kv_transfer_pinned_blocks", "KV blocks pinned for decode servers.",
+                 s.kv_transfer_pinned_blocks)

@@ -179,9 +179,19 @@ def sampling_params(
             forced_token_ids=forced_token_ids(state, body.model_extra or {}),
             repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, logit_bias=logit_bias(body.logit_bias),
+            kv_transfer_params=kv_transfer_params(body.kv_transfer_params, (body.model_extra or {}).get("extra_args")),
         )
     except ValueError as e:
         raise from_value_error(e, SAMPLING_FIELDS) from None
+
+
+def kv_transfer_params(top: Any, extra_args: Any) -> dict[str, Any] | None:
+    """P/D (wire-protocols §1.2): top-level, or inside `extra_args` as prime-rl threads it; top-level wins."""
+    if top is None and isinstance(extra_args, dict):
+        top = extra_args.get("kv_transfer_params")
+    if top is not None and not isinstance(top, dict):
+        raise bad_request("kv_transfer_params must be an object or null", "kv_transfer_params")
+    return top
 
 
 def logit_bias(bias: dict | None) -> dict[int, float] | None:

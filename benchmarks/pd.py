@@ -1,0 +1,160 @@
+"""Prefill/decode disaggregation against one server, on a prefill-heavy workload, in one run.
+
+Same random-weight model and workload for both: C concurrent streaming /v1/completions clients, each a
+random P-token prompt and N new tokens (temperature 1, EOS ignored). One server with every core against
+`deployment.type = "disaggregated"` (1 prefill + 1 decode server, each half the cores, behind vllm-router in
+P/D mode). Reported: time to first token (p50, mean), tokens/s, and the KV transfer rate the decode server
+measured (its /metrics: bytes pulled / seconds pulling) against a raw loopback TCP copy of the same bytes.
+
+    python benchmarks/pd.py [--preset smollm2-135m] [--clients 16] [--prompt-len 1024] [--new-tokens 32]
+    python benchmarks/pd.py --quick      # tiny model, small counts: a smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import threading
+import time
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from _cpu import OtherLoad
+from _server import rlserve_server
+from rlserve.model.make import cache_root, make_model
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="smollm2-135m")
+    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args()
+    if args.quick:
+        args.preset, args.clients, args.prompt_len, args.new_tokens = "tiny", 4, 128, 8
+    return args
+
+
+async def _clients(url: str, pids: list[int], prompts: list[list[int]], args) -> dict:
+    body = {"max_tokens": args.new_tokens, "temperature": 1.0, "ignore_eos": True, "stream": True,
+            "return_token_ids": True}
+    limits = httpx.Limits(max_connections=args.clients + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=1200, limits=limits) as client:
+        warm = [random.Random(99).randrange(1000) for _ in range(64)]
+        await client.post("/v1/completions", json={**body, "prompt": warm, "max_tokens": 2, "stream": False})
+
+        async def one(prompt) -> tuple[float, int]:
+            start, first, count = time.perf_counter(), None, 0
+            async with client.stream("POST", "/v1/completions", json={**body, "prompt": prompt}) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        for choice in json.loads(line[6:]).get("choices", []):
+                            n = len(choice.get("token_ids") or [])
+                            if n and first is None:
+                                first = time.perf_counter() - start
+                            count += n
+            return first or float("nan"), count
+
+        with OtherLoad(*pids) as load:
+            start = time.perf_counter()
+            results = await asyncio.gather(*(one(p) for p in prompts))
+            elapsed = time.perf_counter() - start
+    ttfts = sorted(t for t, _ in results)
+    return {"ttft_p50": ttfts[len(ttfts) // 2], "ttft_mean": sum(ttfts) / len(ttfts),
+            "tok_s": sum(c for _, c in results) / elapsed, "others": load.cores}
+
+
+def _metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name and s.labels.get("direction", "in") == "in")
+
+
+def raw_socket_rate(nbytes: int, chunk: int) -> float:
+    """Bytes/s of a plain loopback TCP copy of nbytes in chunk-sized writes (the KV blocks' size)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    payload = bytes(chunk)
+
+    def send() -> None:
+        conn, _ = server.accept()
+        with conn:
+            sent = 0
+            while sent < nbytes:
+                conn.sendall(payload)
+                sent += chunk
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    buf = bytearray(chunk)
+    view = memoryview(buf)
+    with socket.create_connection(server.getsockname()) as sock:
+        start, got = time.perf_counter(), 0
+        while got < nbytes:
+            n = sock.recv_into(view)
+            if n == 0:
+                break
+            got += n
+        elapsed = time.perf_counter() - start
+    thread.join()
+    server.close()
+    return got / elapsed
+
+
+def main() -> None:
+    args = parse_args()
+    model_dir = make_model(args.preset, cache_root() / "bench" / args.preset)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(10, 30000 if args.preset != "tiny" else 1000) for _ in range(args.prompt_len)]
+               for _ in range(args.clients)]
+    cores = len(os.sched_getaffinity(0))
+    common = ("--model.name", str(model_dir), "--model.max_model_len", str(args.prompt_len + args.new_tokens + 64),
+              "--server.log_level", "warning", "--engine.kv_cache_bytes", str(1 << 30))
+    with rlserve_server(*common, "--num_threads", str(cores)) as single:
+        one = asyncio.run(_clients(single.url, single.pids(), prompts, args))
+    with rlserve_server(*common, "--deployment.type", "disaggregated", "--num_threads", str(max(1, cores // 2))) as dep:
+        d = sorted(httpx.get(f"{dep.admin_url}/deployment", timeout=30).json()["replicas"], key=lambda r: r["index"])
+        decode = d[1]["url"]
+        base = {n: _metric(decode, n) for n in ("rlserve:kv_transfer_bytes_total", "rlserve:kv_transfer_seconds_total",
+                                                 "rlserve:kv_transfer_tokens_total")}
+        pd = asyncio.run(_clients(dep.url, dep.pids(), prompts, args))
+        moved = {n: _metric(decode, n) - v for n, v in base.items()}
+        fallbacks = _metric(decode, "rlserve:kv_transfer_local_fallbacks_total")
+        # one more request alone: the pull without 15 others and both engines' compute competing for the cores
+        alone_base = {n: _metric(decode, n) for n in base}
+        lone = [rng.randrange(10, 30000 if args.preset != "tiny" else 1000) for _ in range(args.prompt_len)]
+        httpx.post(f"{dep.url}/v1/completions", json={"prompt": lone, "max_tokens": 1}, timeout=1200).raise_for_status()
+        alone = {n: _metric(decode, n) - v for n, v in alone_base.items()}
+    nbytes, seconds = moved["rlserve:kv_transfer_bytes_total"], moved["rlserve:kv_transfer_seconds_total"]
+    pulled = nbytes / seconds if seconds else float("nan")
+    block_bytes = int(nbytes / max(1, moved["rlserve:kv_transfer_tokens_total"] / 16)) or (1 << 20)
+    raw = raw_socket_rate(int(nbytes) or (64 << 20), block_bytes)
+
+    print(f"\nP/D, {args.preset}, {args.clients} clients x ({args.prompt_len} prompt + {args.new_tokens} new tokens), "
+          f"streamed, {cores} cores")
+    print(f"{'system':44s} {'TTFT p50 s':>10s} {'TTFT mean s':>11s} {'tok/s':>8s} {'others':>7s}")
+    for name, r in ((f"1 server x {cores} threads", one),
+                    (f"1 prefill + 1 decode x {max(1, cores // 2)} threads, router", pd)):
+        others = "-" if r["others"] is None else f"{r['others']:.2f}"
+        print(f"{name:44s} {r['ttft_p50']:10.3f} {r['ttft_mean']:11.3f} {r['tok_s']:8.1f} {others:>7s}")
+    print(f"P/D / 1 server: TTFT p50 {pd['ttft_p50'] / one['ttft_p50']:.2f}x, tok/s {pd['tok_s'] / one['tok_s']:.2f}x")
+    print(f"KV pulled: {nbytes / 1e6:.1f} MB for {moved['rlserve:kv_transfer_tokens_total']:.0f} prompt tokens in "
+          f"{seconds:.3f} s of pulls (summed over concurrent pulls): {pulled / 1e9:.3f} GB/s; decode fallbacks "
+          f"{fallbacks:.0f}")
+    lone_rate = alone["rlserve:kv_transfer_bytes_total"] / max(alone["rlserve:kv_transfer_seconds_total"], 1e-9)
+    print(f"raw loopback socket copy of the same bytes ({block_bytes}-byte writes): {raw / 1e9:.3f} GB/s; "
+          f"transfer / raw: {pulled / raw:.2f}x under load (target >= 0.5x)")
+    print(f"one transfer alone afterwards: {alone['rlserve:kv_transfer_bytes_total'] / 1e6:.1f} MB at "
+          f"{lone_rate / 1e9:.3f} GB/s, {lone_rate / raw:.2f}x raw (connection set-up and sha256 on both sides "
+          "included)")
+    print("others = CPU cores used by other processes during the run: well above 0 means the figures are low")
+
+
+if __name__ == "__main__":
+    main()

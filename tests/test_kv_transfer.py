@@ -1,0 +1,157 @@
+"""engine/kv_transfer.py in process: two real engines (prefill and decode) with their block server and puller.
+Mismatched or failed transfers prefill locally with the same output, pins end on pull, release, abort and
+timeout (twice is harmless), and the block server survives bad input."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+
+import pytest
+import torch
+
+from rlserve.config import Config
+from rlserve.engine.engine import Engine
+from rlserve.engine.kv_transfer import recv_frame, send_frame
+from rlserve.engine.params import SamplingParams
+
+PROMPT = list(range(7, 7 + 70))
+
+
+def engine(**transfer) -> Engine:
+    return Engine(Config.model_validate({"engine": {"kv_cache_bytes": 8 << 20}, "model": {"max_model_len": 256},
+                                         "kv_transfer": transfer}))
+
+
+@pytest.fixture(scope="module")
+def engines():
+    p, d = engine(pin_timeout_s=1.0), engine()
+    yield p, d
+    p.close()
+    d.close()
+
+
+def run(e: Engine, params: SamplingParams, rid: str = "r"):
+    e.add_request(rid, PROMPT, params)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        for out in e.step():
+            if out.finished:
+                return out
+        time.sleep(0.001)
+    raise AssertionError("no output")
+
+
+def prefill(p: Engine) -> dict:
+    out = run(p, SamplingParams(max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
+    return out.kv_transfer_params
+
+
+def settle(p: Engine, condition, what: str) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        p.poll_transfers()
+        if condition():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def decode(d: Engine, kt: dict | None) -> list[int]:
+    d.pool.reset_prefix_cache()  # every case starts cold on D
+    return run(d, SamplingParams(max_tokens=5, temperature=0, kv_transfer_params=kt)).outputs[0].token_ids
+
+
+@pytest.mark.parametrize("field, value", [("weight_generation", 5), ("block_size", 32), ("dtype", "bfloat16"),
+                                          ("kv_shape", [1, 2, 16, 1, 1])])
+def test_a_mismatch_prefills_locally_and_releases_the_pin(engines, field, value):
+    p, d = engines
+    want = decode(d, None)
+    kt = prefill(p)
+    fallbacks, pulled = d.kv_transfer.stats.fallbacks, d.kv_transfer.stats.tokens_in
+    assert decode(d, kt | {field: value}) == want
+    assert d.kv_transfer.stats.fallbacks == fallbacks + 1 and d.kv_transfer.stats.tokens_in == pulled
+    settle(p, lambda: p.kv_transfer.pinned_blocks == 0, "the release to reach P")
+
+
+def test_a_pull_pins_nothing_afterwards_and_equals_local_prefill(engines):
+    p, d = engines
+    want = decode(d, None)
+    kt = prefill(p)
+    computed = d.stats.prompt_tokens_computed
+    assert decode(d, kt) == want
+    assert d.stats.prompt_tokens_computed - computed == len(PROMPT) - (len(PROMPT) - 1) // 16 * 16
+    settle(p, lambda: p.kv_transfer.pinned_blocks == 0 and p.pool.num_free == p.pool.num_blocks, "P to unpin")
+    # the same transfer again: P has freed it, D's pull is refused and D prefills itself
+    failures = d.kv_transfer.stats.pull_failures
+    assert decode(d, kt) == want
+    assert d.kv_transfer.stats.pull_failures == failures + 1
+
+
+def test_abort_and_timeout_free_pins_and_repeat_releases_are_harmless(engines):
+    p, _ = engines
+    kt = prefill(p)
+    assert p.kv_transfer.pinned_blocks == len(kt["remote_block_ids"])
+    p.abort(kt["remote_request_id"])
+    assert p.kv_transfer.pinned_blocks == 0
+    p.abort(kt["remote_request_id"])  # already freed
+    with socket.create_connection(("127.0.0.1", kt["remote_port"])) as s:
+        send_frame(s, {"op": "release", "transfer_id": kt["transfer_id"]})
+    settle(p, lambda: p.pool.num_free == p.pool.num_blocks, "every block to be free")
+    expired = p.kv_transfer.stats.expired
+    prefill(p)
+    settle(p, lambda: p.kv_transfer.pinned_blocks == 0, "the 1 s pin timeout")
+    assert p.kv_transfer.stats.expired == expired + 1
+
+
+def test_the_block_server_answers_bad_input_and_keeps_serving(engines):
+    p, d = engines
+    kt = prefill(p)
+    port = kt["remote_port"]
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(struct.pack("<I", 1 << 30))  # a frame length beyond the limit: the server hangs up
+        assert s.recv(1) == b""
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        send_frame(s, {"op": "pull", "transfer_id": "nope", "first": 0, "count": 1})
+        assert recv_frame(s)["ok"] is False
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        send_frame(s, {"op": "pull", "transfer_id": kt["transfer_id"], "first": 0, "count": 999})
+        assert "outside" in recv_frame(s)["error"]
+    settle(p, lambda: p.kv_transfer.pinned_blocks == 0, "the refused pull's connection to free the pin")
+    kt = prefill(p)
+    assert decode(d, kt) == decode(d, None)
+
+
+def test_abort_on_d_while_pulling_frees_everything(engines):
+    p, d = engines
+    kt = prefill(p)
+    d.pool.reset_prefix_cache()
+    d.add_request("a", PROMPT, SamplingParams(max_tokens=5, kv_transfer_params=kt))
+    d.abort("a")
+    settle(d, lambda: not d.transfers_pending, "the pull to land")
+    d.step()
+    assert all(d.pool.is_free(b) for b in range(d.pool.num_blocks))
+    settle(p, lambda: p.kv_transfer.pinned_blocks == 0, "P to unpin")
+
+
+def test_under_non_cached_tokens_d_prefills_itself(engines):
+    p, _ = engines
+    d = engine(non_cached_tokens=len(PROMPT) + 1)
+    try:
+        want = decode(d, None)
+        assert decode(d, prefill(p)) == want
+        assert d.kv_transfer.stats.skipped == 1 and d.kv_transfer.stats.tokens_in == 0
+        settle(p, lambda: p.kv_transfer.pinned_blocks == 0, "the release to reach P")
+    finally:
+        d.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_block_copy_off_the_engine_thread_keeps_the_bytes(dtype):
+    from rlserve.engine.kv_transfer import _copy_outside_openmp
+
+    pool = torch.randn(3, 2, 64, 2, 8).to(dtype)
+    dst = torch.empty(3, 2, 16, 2, 8, dtype=dtype)
+    _copy_outside_openmp(dst, pool[:, :, 16:32])
+    assert torch.equal(dst, pool[:, :, 16:32])
