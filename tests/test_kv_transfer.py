@@ -155,3 +155,22 @@ def test_block_copy_off_the_engine_thread_keeps_the_bytes(dtype):
     dst = torch.empty(3, 2, 16, 2, 8, dtype=dtype)
     _copy_outside_openmp(dst, pool[:, :, 16:32])
     assert torch.equal(dst, pool[:, :, 16:32])
+
+
+def test_a_remote_host_outside_peer_hosts_is_never_contacted(engines):
+    """A client cannot make the decode server connect where it likes: it prefills locally instead."""
+    p, _ = engines
+    d = engine(peer_hosts=["::1"])
+    try:
+        kt = prefill(p)
+        with socket.create_server(("127.0.0.1", 0)) as trap:  # where the request points D
+            trap.setblocking(False)
+            fallbacks = d.kv_transfer.stats.fallbacks
+            got = decode(d, {**kt, "remote_port": trap.getsockname()[1]})
+            assert got == decode(d, None) and d.kv_transfer.stats.fallbacks == fallbacks + 1
+            assert d.kv_transfer.stats.pulls == 0
+            with pytest.raises(BlockingIOError):  # the request finished without a pull: nobody connected
+                trap.accept()
+        settle(p, lambda: p.kv_transfer.pinned_blocks == 0, "the unpulled pin to time out")
+    finally:
+        d.close()

@@ -220,6 +220,11 @@ class KVTransferConfig(Section):
         0, ge=0, description="decode side: below this many prompt tokens missing from its own prefix cache, "
         "prefill locally instead of pulling"
     )
+    peer_hosts: list[str] = Field(
+        ["127.0.0.1", "::1", "localhost"],
+        description="decode side: the prefill servers' hosts it may pull from; a request naming another "
+        "remote_host is prefilled locally (a client cannot make this server connect elsewhere)",
+    )
 
 
 class Config(Section):

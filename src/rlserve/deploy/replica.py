@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from rlserve.config import Config
+from rlserve.config import Config, KVTransferConfig
 from rlserve.deploy.process import ServerChild
 
 # what the supervisor hands a replica (server/deployment_guard.py reads them)
@@ -28,6 +28,8 @@ def replica_config(config: Config, index: int, host: str, cpu_count: int | None 
     if d.role(index) is not None:
         transfer = data.setdefault("kv_transfer", {})
         transfer.setdefault("host", host)
+        if d.role(index) == "decode":  # the prefill replicas listen on this same host
+            transfer["peer_hosts"] = sorted({host, *transfer.get("peer_hosts", KVTransferConfig().peer_hosts)})
         transfer["non_cached_tokens"] = d.non_cached_tokens
     if config.num_threads is None:
         data["num_threads"] = max(1, (cpu_count or os.cpu_count() or 1) // d.size)

@@ -127,9 +127,13 @@ class Engine:
         self.max_model_len = config.model.max_model_len or self.shape.max_position_embeddings
         tp = config.parallel.tp
         check_tp(self.shape, tp)
+        # each rank holds its heads' slice of every block: offload and transfer would move rank 0's alone
         if tp > 1 and config.kv_cache_offload is not None:
             raise ValueError(f"parallel.tp={tp}: KV cache offload does not run under tensor parallelism yet; "
                              "drop [kv_cache_offload] or set parallel.tp=1")
+        if tp > 1 and config.kv_transfer is not None:
+            raise ValueError(f"parallel.tp={tp}: prefill/decode KV transfer does not run under tensor parallelism "
+                             "yet; drop [kv_transfer] (or deployment.type = 'disaggregated') or set parallel.tp=1")
         if tp > 1 and self.device.type == "cuda":
             self.device = device_of_rank(self.device, 0)
         self.vocab_size = self.shape.vocab_size

@@ -385,6 +385,11 @@ class KVTransfer:
             log.info("request %s: kv_transfer_params without a transfer (%s); prefilling locally", req.request_id, kt)
             self.stats.fallbacks += 1
             return False
+        if host not in self.config.peer_hosts:
+            log.warning("request %s: kv_transfer_params.remote_host %r is not in kv_transfer.peer_hosts; prefilling "
+                        "locally (add the prefill servers' hosts to kv_transfer.peer_hosts)", req.request_id, host)
+            self.stats.fallbacks += 1
+            return False
         mismatch = self._mismatch(kt, req)
         if mismatch is not None:
             log.info("request %s: not using the prefill server's KV (%s); prefilling locally", req.request_id, mismatch)
