@@ -107,7 +107,7 @@ def send_parts(sock: socket.socket, parts: list) -> int:
 
 
 def send_blocks(sock: socket.socket, blocks: Iterator[KVBlock]) -> int:
-    """Bytes sent; each block is encoded (its sha256) in a helper thread while the one before is sent.
+    """Bytes sent; each block is encoded (its checksum) in a helper thread while the one before is sent.
     `blocks` may reuse two buffers in turn: the next block is drawn only after the one before last is sent."""
     sent = 0
     with ThreadPoolExecutor(1, thread_name_prefix="rlserve-kv-encode") as encoder:
