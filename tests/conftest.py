@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -21,12 +19,6 @@ SERVER_DEFAULTS = ("--engine.kv_cache_bytes", str(64 << 20), "--model.max_model_
 _URL_LINE = re.compile(r"rlserve: serving \S+ on (http://\S+)")
 
 
-def die_with_pytest() -> None:
-    """preexec_fn for servers tests start: a killed pytest (CI timeout, Ctrl-C twice) leaves no server behind."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def start_server(*args: str, timeout: float = 180.0, defaults: tuple[str, ...] = SERVER_DEFAULTS,
                  command: str = "serve") -> tuple[str, subprocess.Popen]:
     """Start `python -m rlserve.cli serve` on a free port; return (base_url, process) once /health is 200.
@@ -39,8 +31,7 @@ def start_server(*args: str, timeout: float = 180.0, defaults: tuple[str, ...] =
     cmd = [sys.executable, "-m", "rlserve.cli", command, "--server.host", "127.0.0.1", "--server.port", "0",
            *defaults, *args]
     with os.fdopen(fd, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                preexec_fn=die_with_pytest)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     proc.log_path = Path(log_path)  # type: ignore[attr-defined]
     deadline, url = time.monotonic() + timeout, None
     try:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from conftest import SERVER_DEFAULTS, die_with_pytest
+from conftest import SERVER_DEFAULTS
 
 _READY = re.compile(r"rlserve: serving \S+ on (http://\S+) \(.*admin: (http://[^\s)]+)\)")
 
@@ -25,8 +25,7 @@ def start_deployment(*args: str, timeout: float = 300.0) -> tuple[str, str, subp
     cmd = [sys.executable, "-m", "rlserve.cli", "serve", "--server.host", "127.0.0.1", "--server.port", "0",
            *SERVER_DEFAULTS, *args]
     with os.fdopen(fd, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                preexec_fn=die_with_pytest)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     proc.log_path = Path(log_path)  # type: ignore[attr-defined]
     deadline = time.monotonic() + timeout
     try:
