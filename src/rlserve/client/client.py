@@ -99,12 +99,7 @@ class InferenceClient:
         server (/tokenize), so ids and template always agree. max_tokens=None lets the completion run
         to the end of the context. `sampling_params` adds or overrides any §2.1 field.
         min_policy_version: a server still on an older policy answers 409 (ConflictError)."""
-        (sample,) = await self.generate_group(
-            prompt, token_ids, n=1, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-            min_p=min_p, stop=stop, stop_token_ids=stop_token_ids, seed=seed, session_id=session_id,
-            request_id=request_id, cache_salt=cache_salt, add_special_tokens=add_special_tokens,
-            return_text=return_text, sampling_params=sampling_params, min_policy_version=min_policy_version,
-            allow_mixed_versions=allow_mixed_versions, on_overflow=on_overflow)
+        (sample,) = await self.generate_group(**_arguments(locals()), n=1)
         return sample
 
     async def generate_group(
@@ -367,6 +362,11 @@ class Chat:
 
     async def __call__(self, messages: list[dict[str, Any]], **kwargs: Any) -> Sample:
         return await self._client._chat(messages, **kwargs)
+
+
+def _arguments(method_locals: dict[str, Any]) -> dict[str, Any]:
+    """A method's arguments, from its locals() taken before it binds anything else, to hand on whole."""
+    return {k: v for k, v in method_locals.items() if k != "self"}
 
 
 def _compact(d: dict[str, Any]) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import contextlib
 import json as jsonlib
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
@@ -165,8 +165,7 @@ class Transport:
                       headers: dict[str, str]) -> AsyncIterator[Any]:
         """One streamed POST: its SSE data objects; a non-2xx answer or an in-band error event raises
         the typed error; a body that ends without `[DONE]` (a proxy that closed it cleanly) is cut."""
-        ep.in_flight += 1
-        try:
+        with self._calling(ep):
             async with self.http.stream("POST", f"{ep.url}{path}", json=body, headers=headers) as r:
                 if r.status_code >= 400:
                     await r.aread()
@@ -185,13 +184,6 @@ class Transport:
                     _observe_versions(ep, chunk)
                     yield chunk
             raise StreamInterrupted(f"stream from {ep.url}{path} ended without [DONE]", 0)
-        except _CONNECTION_ERRORS:
-            if ep.up:
-                ep.went_down()
-                self.notify()
-            raise
-        finally:
-            ep.in_flight -= 1
 
     async def _acquire(self, session_id: str | None, gated: bool, avoid: Endpoint | None,
                        held_since: list[float]) -> Endpoint | None:
@@ -325,9 +317,15 @@ class Transport:
 
     async def _send(self, ep: Endpoint, method: str, path: str, json: dict[str, Any] | None,
                     headers: dict[str, str], params: dict[str, str] | None = None) -> httpx.Response:
+        with self._calling(ep):
+            return await self.http.request(method, f"{ep.url}{path}", json=json, headers=headers, params=params)
+
+    @contextlib.contextmanager
+    def _calling(self, ep: Endpoint) -> Iterator[None]:
+        """Count the call as open on ep; a connection error marks ep down and wakes the waiting calls."""
         ep.in_flight += 1
         try:
-            return await self.http.request(method, f"{ep.url}{path}", json=json, headers=headers, params=params)
+            yield
         except _CONNECTION_ERRORS:
             if ep.up:
                 ep.went_down()

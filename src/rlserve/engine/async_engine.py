@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from rlserve.config import Config
 from rlserve.engine.engine import Engine
+from rlserve.engine.face import EngineDeadError, EngineFace, check_pause_mode
 from rlserve.engine.outputs import RequestOutput
 from rlserve.engine.params import SamplingParams
 from rlserve.engine.sequence import Request
@@ -24,23 +25,18 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class EngineDeadError(RuntimeError):
-    pass
-
-
-class AsyncEngine:
+class AsyncEngine(EngineFace):
     def __init__(self, config: Config | None = None, engine: Engine | None = None):
+        super().__init__()
         self.engine = engine or Engine(config)
         self._commands: queue.SimpleQueue[Callable[[Engine], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         # id(request) -> (loop, queue, every step's output wanted, first output sent)
         self._streams: dict[int, list] = {}
         self._stop = False
-        self.dead: BaseException | None = None
         self.paused = False
         self._group: asyncio.Future | None = None  # torch.distributed group with a trainer
         self._staging = StagingBuffers()  # reused by every update; the lock keeps one in flight
-        self._update_lock = asyncio.Lock()
         self._thread = threading.Thread(target=self._loop, name="rlserve-engine", daemon=True)
         self._thread.start()
 
@@ -144,8 +140,7 @@ class AsyncEngine:
         only the first and the last); the last has finished=True. Raises ValueError for bad input
         before yielding. Leaving the iteration early (client gone, task cancelled) aborts the
         request and frees its blocks."""
-        if self.dead is not None:
-            raise EngineDeadError(f"engine loop died: {self.dead!r}")
+        self._check_alive()
         req = self.engine.make_request(request_id, prompt, params, cache_salt=cache_salt, adapter=adapter)
         outputs: asyncio.Queue = asyncio.Queue()
         self._streams[id(req)] = [asyncio.get_running_loop(), outputs, stream, False]
@@ -184,16 +179,10 @@ class AsyncEngine:
 
     # ---- control plane: every mutation lands between two engine steps ----------------------
 
-    @property
-    def updating(self) -> bool:
-        """A weight update is being staged or committed."""
-        return self._update_lock.locked()
-
     async def pause(self, mode: str = "keep") -> int:
         """keep: freeze in-flight requests; abort: finish them now; wait: let them finish first.
         New requests are queued in every mode. Returns how many requests were aborted."""
-        if mode not in ("keep", "abort", "wait"):
-            raise ValueError(f"mode must be keep, abort or wait, got {mode!r}")
+        check_pause_mode(mode)
         if mode == "abort":
             return await self.call(lambda e: self._set_paused(True, e.abort_all()))
         if mode == "wait":
@@ -216,12 +205,9 @@ class AsyncEngine:
     async def update_weights_from_dir(
         self, weight_dir: str, roots: list[str], weight_version: str | None = None, started: asyncio.Event | None = None
     ) -> int:
-        """Read and validate off the engine thread, then swap between two steps. Returns the new version.
-        `started` is set once this update holds the update lock: cancelling before then changes nothing."""
+        """Read and validate off the engine thread, then swap between two steps. Returns the new version."""
         path = check_under_roots(weight_dir, roots)
-        async with self._update_lock:
-            if started is not None:
-                started.set()
+        async with self._update_turn(started):
             staged = await asyncio.to_thread(stage_from_dir, self.engine.model, path, self._staging, roots)
             return await self.call(lambda e: e.commit_weights(staged, weight_version))
 
@@ -246,9 +232,7 @@ class AsyncEngine:
             raise RuntimeError("no broadcaster: call /init_broadcaster first")
         await self._group
         device = "cuda" if self.engine.device.type == "cuda" else "cpu"
-        async with self._update_lock:
-            if started is not None:
-                started.set()
+        async with self._update_turn(started):
             received = await asyncio.to_thread(weight_transfer.receive, device, self._staging)
             staged = stage(self.engine.model, received, "broadcast", require_all=False)
             return await self.call(lambda e: e.commit_weights(staged, weight_version))
@@ -262,8 +246,7 @@ class AsyncEngine:
     # ---- engine thread ----------------------------------------------------------------------
 
     def _post(self, command: Callable[[Engine], None]) -> None:
-        if self.dead is not None:
-            raise EngineDeadError(f"engine loop died: {self.dead!r}")
+        self._check_alive()
         self._commands.put(command)
         self._wake.set()
 

@@ -26,8 +26,8 @@ from transformers import AutoTokenizer
 
 from rlserve.config import Config
 from rlserve.engine import ipc
-from rlserve.engine.async_engine import EngineDeadError
 from rlserve.engine.engine import EngineStats
+from rlserve.engine.face import EngineDeadError, EngineFace, check_pause_mode
 from rlserve.engine.outputs import RequestOutput
 from rlserve.engine.params import SamplingParams
 from rlserve.model.llama import ModelShape
@@ -36,12 +36,11 @@ log = logging.getLogger(__name__)
 WATCH_INTERVAL_S = 0.2  # how often the process is checked for an exit no message announced
 
 
-class EngineClient:
+class EngineClient(EngineFace):
     def __init__(self, config: Config, wait: bool = True):
         """Start the engine process; with wait=False call `wait_ready()` before use (engines start side by side)."""
+        super().__init__()
         self.config = config
-        self.dead: BaseException | None = None
-        self._update_lock = asyncio.Lock()
         self._dir = tempfile.mkdtemp(prefix="rlserve-engine-")  # 0700: only this user reaches the sockets
         in_addr, out_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
         self._ctx = zmq.Context()
@@ -196,10 +195,6 @@ class EngineClient:
 
     # ---- requests ---------------------------------------------------------------------------
 
-    def _check_alive(self) -> None:
-        if self.dead is not None:
-            raise EngineDeadError(f"engine loop died: {self.dead!r}")
-
     def _send(self, msg: Any) -> None:
         self._out.send(ipc.encode(msg), zmq.NOBLOCK)
 
@@ -254,8 +249,7 @@ class EngineClient:
         return await self._call("abort", None if request_ids is None else [str(i) for i in request_ids])
 
     async def pause(self, mode: str = "keep") -> int:
-        if mode not in ("keep", "abort", "wait"):
-            raise ValueError(f"mode must be keep, abort or wait, got {mode!r}")
+        check_pause_mode(mode)
         return await self._call("pause", mode)
 
     async def resume(self) -> None:
@@ -264,17 +258,9 @@ class EngineClient:
     async def reset_prefix_cache(self) -> bool:
         return await self._call("reset_prefix_cache")
 
-    @property
-    def updating(self) -> bool:
-        """A weight update is being staged or committed."""
-        return self._update_lock.locked()
-
     async def update_weights_from_dir(self, weight_dir: str, roots: list[str], weight_version: str | None = None,
                                       started: asyncio.Event | None = None) -> int:
-        """`started` is set once this update holds the update lock: cancelling before then changes nothing."""
-        async with self._update_lock:
-            if started is not None:
-                started.set()
+        async with self._update_turn(started):
             return await self._call("update_from_dir", weight_dir, roots, weight_version)
 
     async def init_broadcaster(self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 300.0) -> None:
@@ -282,9 +268,7 @@ class EngineClient:
 
     async def update_weights_from_broadcast(self, weight_version: str | None = None,
                                             started: asyncio.Event | None = None) -> int:
-        async with self._update_lock:
-            if started is not None:
-                started.set()
+        async with self._update_turn(started):
             return await self._call("update_from_broadcast", weight_version)
 
     async def set_versions(self, policy_version: int, label: str) -> None:

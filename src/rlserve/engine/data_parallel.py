@@ -12,11 +12,13 @@ import asyncio
 import os
 import zlib
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from typing import Any
 
 from rlserve.config import Config
 from rlserve.engine.client import EngineClient
+from rlserve.engine.face import EngineFace
 from rlserve.engine.outputs import RequestOutput
 from rlserve.engine.params import SamplingParams
 
@@ -62,7 +64,10 @@ def engine_config(config: Config, rank: int) -> Config:
     return config.model_copy(update=update)
 
 
-class DataParallelClient:
+class DataParallelClient(EngineFace):
+    """`dead` and `updating` are its engines'; it has no update lock of its own (so no EngineFace.__init__):
+    each engine queues the updates fanned out to it on its own lock."""
+
     def __init__(self, config: Config):
         self.config = config
         self.engines: list[EngineClient] = []
@@ -162,11 +167,17 @@ class DataParallelClient:
     def updating(self) -> bool:
         return any(e.updating for e in self.engines)
 
-    async def update_weights_from_dir(self, weight_dir: str, roots: list[str], weight_version: str | None = None,
-                                      started: asyncio.Event | None = None) -> int:
+    @asynccontextmanager
+    async def _update_turn(self, started: asyncio.Event | None) -> AsyncIterator[None]:
+        """Started at once: the engines' own locks order the updates this face fans out."""
         if started is not None:
             started.set()
-        return (await self._all("update_weights_from_dir", weight_dir, roots, weight_version))[0]
+        yield
+
+    async def update_weights_from_dir(self, weight_dir: str, roots: list[str], weight_version: str | None = None,
+                                      started: asyncio.Event | None = None) -> int:
+        async with self._update_turn(started):
+            return (await self._all("update_weights_from_dir", weight_dir, roots, weight_version))[0]
 
     async def init_broadcaster(self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 300.0) -> None:
         # each engine is its own member of the trainer's group, at consecutive ranks
@@ -175,9 +186,8 @@ class DataParallelClient:
 
     async def update_weights_from_broadcast(self, weight_version: str | None = None,
                                             started: asyncio.Event | None = None) -> int:
-        if started is not None:
-            started.set()
-        return (await self._all("update_weights_from_broadcast", weight_version))[0]
+        async with self._update_turn(started):
+            return (await self._all("update_weights_from_broadcast", weight_version))[0]
 
     async def set_versions(self, policy_version: int, label: str) -> None:
         await self._all("set_versions", policy_version, label)
