@@ -14,6 +14,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -293,8 +294,8 @@ TRAINER = textwrap.dedent(
     import torch.distributed as dist
     from safetensors.torch import load_file
     from rlserve import weight_transfer
-    port, ckpt = int(sys.argv[1]), sys.argv[2]
-    weight_transfer.init_group("127.0.0.1", port, 0, 2, 120)
+    port, ckpt, world = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    weight_transfer.init_group("127.0.0.1", port, 0, world, 120)
     print("joined", flush=True)
     sys.stdin.readline()  # hold the server's update (it waits for this push) until told
     weight_transfer.send(sorted(load_file(ckpt).items()), 1 << 20)
@@ -313,15 +314,27 @@ def _free_port() -> int:
 
 
 def test_an_update_whose_caller_left_before_it_started_is_never_applied(srv, root):
-    url, proc = srv
-    pushed = make_model("tiny", root / "pushed", seed=6)
-    waiting = make_model("tiny", root / "abandoned", seed=7)
+    _abandoned_update(*srv, root, engines=1)
+
+
+def test_an_abandoned_update_is_never_applied_with_data_parallel_engines(root):
+    """The same rule when one API server fans updates out to two engine processes."""
+    url, proc = start_server("--weight_roots", json.dumps([str(root)]), "--parallel.dp", "2")
+    try:
+        _abandoned_update(url, proc, root, engines=2)
+    finally:
+        stop_server(proc)
+
+
+def _abandoned_update(url: str, proc: subprocess.Popen, root: Path, engines: int) -> None:
+    pushed = make_model("tiny", root / f"pushed-{engines}", seed=6)
+    waiting = make_model("tiny", root / f"abandoned-{engines}", seed=7)
     port = _free_port()
-    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(port), str(pushed / "model.safetensors")],
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(port), str(pushed / "model.safetensors"),
+                                str(1 + engines)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         r = httpx.post(f"{url}/init_broadcaster", json={"host": "127.0.0.1", "port": port, "rank_offset": 0,
-                                                        "inference_world_size": 1, "timeout": 120})
+                                                        "inference_world_size": engines, "timeout": 120})
         assert r.status_code == 200
         assert trainer.stdout.readline().strip() == "joined"
         v0 = versions(url)["policy_version"]

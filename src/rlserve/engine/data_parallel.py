@@ -12,7 +12,6 @@ import asyncio
 import os
 import zlib
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from typing import Any
 
@@ -65,10 +64,11 @@ def engine_config(config: Config, rank: int) -> Config:
 
 
 class DataParallelClient(EngineFace):
-    """`dead` and `updating` are its engines'; it has no update lock of its own (so no EngineFace.__init__):
-    each engine queues the updates fanned out to it on its own lock."""
+    """`dead` is its engines'. Updates queue on this face's own lock before they fan out, so an update
+    whose caller left while it waited is dropped here, as with one engine."""
 
     def __init__(self, config: Config):
+        super().__init__()
         self.config = config
         self.engines: list[EngineClient] = []
         try:
@@ -162,17 +162,6 @@ class DataParallelClient(EngineFace):
 
     async def reset_prefix_cache(self) -> bool:
         return all(await self._all("reset_prefix_cache"))
-
-    @property
-    def updating(self) -> bool:
-        return any(e.updating for e in self.engines)
-
-    @asynccontextmanager
-    async def _update_turn(self, started: asyncio.Event | None) -> AsyncIterator[None]:
-        """Started at once: the engines' own locks order the updates this face fans out."""
-        if started is not None:
-            started.set()
-        yield
 
     async def update_weights_from_dir(self, weight_dir: str, roots: list[str], weight_version: str | None = None,
                                       started: asyncio.Event | None = None) -> int:

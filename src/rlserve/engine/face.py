@@ -20,8 +20,9 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineFace:
+    dead: BaseException | None = None  # why the engine stopped; every later call raises EngineDeadError
+
     def __init__(self) -> None:
-        self.dead: BaseException | None = None  # why the engine stopped; every later call raises EngineDeadError
         self._update_lock = asyncio.Lock()
 
     @property
