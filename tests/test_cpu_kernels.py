@@ -62,7 +62,7 @@ def test_attention_reads_the_query_as_a_view_into_qkv_rows(kernels):
     assert torch.allclose(got, reference_paged_attention(q, k_cache, v_cache, tables, ctx_lens, 16, 0.2), atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("rows", [1, 7, 64, 512])  # 512 rows: enough work to split across threads
 @pytest.mark.parametrize("transposed_delta", [False, True])
 def test_add_rms_norm_equals_the_torch_ops(kernels, rows, transposed_delta):
     gen = torch.Generator().manual_seed(rows)
@@ -78,15 +78,16 @@ def test_add_rms_norm_equals_the_torch_ops(kernels, rows, transposed_delta):
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])
-def test_qk_rope_store_equals_the_torch_ops(kernels, qk_norm):
+@pytest.mark.parametrize("t", [5, 600])  # 600 tokens: enough work to split across threads
+def test_qk_rope_store_equals_the_torch_ops(kernels, qk_norm, t):
     gen = torch.Generator().manual_seed(int(qk_norm))
-    t, nh, nkv, d, slots_total = 5, 4, 2, 64, 40
+    nh, nkv, d, slots_total = 4, 2, 64, 1000
     qkv = torch.randn(t, (nh + 2 * nkv) * d, generator=gen)
     angles = torch.rand(t, d // 2, generator=gen) * 6
     cos = torch.cat((angles.cos(), angles.cos()), -1).unsqueeze(1)
     sin = torch.cat((-angles.sin(), angles.sin()), -1).unsqueeze(1)
     q_norm, k_norm = (torch.randn(d, generator=gen), torch.randn(d, generator=gen)) if qk_norm else (None, None)
-    slots = torch.tensor([3, 17, 0, 39, 8])
+    slots = torch.randperm(slots_total, generator=gen)[:t]
     heads = qkv.clone().view(t, nh + 2 * nkv, d)
     qk = heads[:, : nh + nkv]
     if qk_norm:
@@ -103,8 +104,9 @@ def test_qk_rope_store_equals_the_torch_ops(kernels, qk_norm):
     assert not k_cache[untouched].any() and not v_cache[untouched].any()
 
 
-def test_silu_mul_equals_the_torch_ops(kernels):
-    gate_up = torch.randn(9, 2 * 1536, generator=torch.Generator().manual_seed(0)) * 4
+@pytest.mark.parametrize("rows", [9, 200])  # one thread; split across threads (PARALLEL_MIN_WORK)
+def test_silu_mul_equals_the_torch_ops(kernels, rows):
+    gate_up = torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(0)) * 4
     gate, up = gate_up.chunk(2, dim=-1)
     assert torch.allclose(kernels.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, atol=1e-5)
 

@@ -7,7 +7,8 @@
  * in one pass over the rows. The arithmetic follows transformers' order (the residual sum first,
  * then mean of squares, rsqrt, scale by the weight), in fp32, rounding to T where it does.
  *
- * Rows are split across threads; a row is at most a few KB, so one row is never split.
+ * Rows are split across threads when there are enough of them (PARALLEL_MIN_WORK); a row is at
+ * most a few KB, so one row is never split.
  */
 #include <math.h>
 #include <stdint.h>
@@ -24,7 +25,7 @@ static inline void NAME(rms_norm_row)(const T *x, const T *weight, T *out, int64
 /* hidden [rows, dim] += delta (when delta is not NULL), then out = rms_norm(hidden) * weight */
 void NAME(rlserve_add_rms_norm)(T *hidden, const T *delta, const T *weight, T *out, int64_t rows, int64_t dim,
                                 float eps, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (rows > 8)
+#pragma omp parallel for num_threads(num_threads) if (rows > 1 && rows * dim >= PARALLEL_MIN_WORK)
     for (int64_t r = 0; r < rows; ++r) {
         T *h = hidden + r * dim;
         if (delta != 0) {
@@ -42,7 +43,7 @@ void NAME(rlserve_qk_rope_store)(T *qkv, const T *cos, const T *sin_signed, cons
                                  float eps, const int64_t *slots, T *k_cache, T *v_cache, int64_t tokens, int64_t nh,
                                  int64_t nkv, int64_t D, int num_threads) {
     const int64_t half = D / 2, width = (nh + 2 * nkv) * D;
-#pragma omp parallel for num_threads(num_threads) if (tokens > 8)
+#pragma omp parallel for num_threads(num_threads) if (tokens > 1 && tokens * width >= PARALLEL_MIN_WORK)
     for (int64_t t = 0; t < tokens; ++t) {
         T *row = qkv + t * width;
         const T *c = cos + t * D, *s = sin_signed + t * D;
@@ -68,7 +69,7 @@ void NAME(rlserve_qk_rope_store)(T *qkv, const T *cos, const T *sin_signed, cons
 
 /* gate_up [rows, 2 * inter] -> out [rows, inter] = silu(gate) * up */
 void NAME(rlserve_silu_mul)(const T *gate_up, T *out, int64_t rows, int64_t inter, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (rows > 8)
+#pragma omp parallel for num_threads(num_threads) if (rows > 1 && rows * inter >= PARALLEL_MIN_WORK)
     for (int64_t r = 0; r < rows; ++r) {
         const T *g = gate_up + r * 2 * inter, *u = g + inter;
         T *o = out + r * inter;

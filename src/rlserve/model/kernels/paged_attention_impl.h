@@ -85,7 +85,9 @@ void NAME(rlserve_paged_attention)(const T *q, int64_t q_stride, const T *k_cach
                                    int64_t H, int64_t KVH, int64_t D, int64_t block_size, float scale,
                                    int num_threads) {
     const int64_t G = H / KVH;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    int64_t work = 0; /* multiply-adds: every query head against every K and V of its context */
+    for (int64_t b = 0; b < B; ++b) work += ctx_lens[b] * H * D * 2;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (work >= PARALLEL_MIN_WORK && B * KVH > 1)
     for (int64_t item = 0; item < B * KVH; ++item) {
         const int64_t b = item / KVH, kvh = item % KVH;
         const T *qb = q + b * q_stride + kvh * G * D;
