@@ -151,7 +151,7 @@ def main() -> None:
     print(f"raw loopback socket copy of the same bytes ({block_bytes}-byte writes): {raw / 1e9:.3f} GB/s; "
           f"transfer / raw: {pulled / raw:.2f}x under load (target >= 0.5x)")
     print(f"one transfer alone afterwards: {alone['rlserve:kv_transfer_bytes_total'] / 1e6:.1f} MB at "
-          f"{lone_rate / 1e9:.3f} GB/s, {lone_rate / raw:.2f}x raw (connection set-up and sha256 on both sides "
+          f"{lone_rate / 1e9:.3f} GB/s, {lone_rate / raw:.2f}x raw (connection set-up and the checksum on both sides "
           "included)")
     print("others = CPU cores used by other processes during the run: well above 0 means the figures are low")
 
