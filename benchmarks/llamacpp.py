@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ import httpx
 from _cpu import OtherLoad
 from _server import rlserve_server
 from rlserve.bench.serve import random_prompts, run_level
+from rlserve.deploy.process import free_port
 from rlserve.model.make import bench_cache_dir, cache_root, make_model
 
 SDIST = "llama-cpp-python==0.3.36"
@@ -97,12 +97,6 @@ def gguf(model_dir: Path, outtype: str) -> Path:
         subprocess.run(cmd, check=True, capture_output=True, text=True)
         tmp.rename(out)
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

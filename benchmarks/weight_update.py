@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import time
 from pathlib import Path
@@ -26,16 +25,11 @@ import torch.multiprocessing as mp
 from _server import rlserve_server
 from rlserve import weight_transfer
 from rlserve.config import Config
+from rlserve.deploy.process import free_port
 from rlserve.engine.engine import Engine
 from rlserve.engine.weights import StagingBuffers, stage_from_dir
 from rlserve.model.loader import read_safetensors, safetensors_files
 from rlserve.model.make import bench_cache_dir, make_model
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def median_time(fn, repeats: int) -> float:

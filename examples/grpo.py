@@ -36,6 +36,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlserve.client import Sample, SyncInferenceClient, TrainingBatch, build_training_batch
+from rlserve.deploy.process import free_port
 
 TOPICS = ["animals", "the sea", "music", "colors", "food", "weather", "cities", "games",
           "trees", "space", "rivers", "books", "tools", "birds", "sports", "fruit"]
@@ -108,14 +109,6 @@ def stop_server(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- rollouts -----------------------------------------------------------------------------------

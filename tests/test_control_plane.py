@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from conftest import server_log, start_server, stop_server
+from rlserve.deploy.process import free_port
 from rlserve.model.make import make_model
 
 PROMPT = [11, 22, 33, 44, 55]
@@ -305,14 +306,6 @@ TRAINER = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_an_update_whose_caller_left_before_it_started_is_never_applied(srv, root):
     _abandoned_update(*srv, root, engines=1)
 
@@ -329,7 +322,7 @@ def test_an_abandoned_update_is_never_applied_with_data_parallel_engines(root):
 def _abandoned_update(url: str, proc: subprocess.Popen, root: Path, engines: int) -> None:
     pushed = make_model("tiny", root / f"pushed-{engines}", seed=6)
     waiting = make_model("tiny", root / f"abandoned-{engines}", seed=7)
-    port = _free_port()
+    port = free_port()
     trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(port), str(pushed / "model.safetensors"),
                                 str(1 + engines)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:

@@ -17,8 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from deploy_helpers import alive, descendants, replicas, start_deployment, stop_deployment, wait_for
 from rlserve.client import SyncInferenceClient
+from rlserve.deploy.process import free_port
 from rlserve.model.make import make_model
-from test_server_rl import TRAINER, _free_port, adapter_dir, choice_lps, generate, hf_check  # noqa: F401
+from test_server_rl import TRAINER, adapter_dir, choice_lps, generate, hf_check  # noqa: F401
 
 PROMPTS = [[11, 22, 33, 44, 55], [100, 7, 300, 9]]
 
@@ -190,7 +191,7 @@ def test_a_trainer_push_reaches_both_replicas(deployment, root):
     pushed = make_model("tiny", root / "pushed", seed=4)
     proc = subprocess.run(
         [sys.executable, "-c", TRAINER.replace('admin_api_key="admin"', "admin_api_key=None"), admin,
-         str(_free_port()), str(pushed / "model.safetensors")],
+         str(free_port()), str(pushed / "model.safetensors")],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr

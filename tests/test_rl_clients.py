@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import subprocess
 import sys
 import textwrap
@@ -22,6 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import start_server, stop_server
+from rlserve.deploy.process import free_port
 from rlserve.model.make import default_model_dir, make_model
 
 
@@ -179,12 +179,6 @@ def test_trl_vllm_client_generation(url):
     assert info["weight_transfer_config"] is not None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # TRL's VLLMClient weight sync (init_communicator, weight_update, update_named_param,
 # update_model_params), as HTTP calls; the broadcast follows vLLM's packed producer
 # (chunks close once their size exceeds the buffer) over a torch.distributed group.
@@ -260,7 +254,7 @@ TRL_TRAINER = textwrap.dedent(
 
 def test_trl_weight_sync_requests(url, root):
     pushed = make_model("tiny", root / "trl-pushed", seed=5)
-    proc = subprocess.run([sys.executable, "-c", TRL_TRAINER, url, str(_free_port()), str(pushed / "model.safetensors")],
+    proc = subprocess.run([sys.executable, "-c", TRL_TRAINER, url, str(free_port()), str(pushed / "model.safetensors")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr + proc.stdout
     lines = proc.stdout.strip().splitlines()

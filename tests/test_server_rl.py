@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import subprocess
 import sys
 import textwrap
@@ -16,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import start_server, stop_server
+from rlserve.deploy.process import free_port
 from rlserve.model.make import make_model
 
 PROMPTS = [[11, 22, 33, 44, 55], [100, 7, 300, 9], [5]]
@@ -158,12 +158,6 @@ def test_pause_modes_with_an_update_in_between(rl_server, root, mode):
             assert len(c["token_ids"]) == 300 and versions == [version - 1]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 TRAINER = textwrap.dedent(
     """
     import json, sys
@@ -181,7 +175,7 @@ def test_trainer_push_over_gloo(rl_server, root):
     pushed = make_model("tiny", root / "pushed", seed=4)
     before = httpx.get(f"{rl_server}/metrics", params={"format": "json"}).json()["current_policy_version"]
     proc = subprocess.run(
-        [sys.executable, "-c", TRAINER, rl_server, str(_free_port()), str(pushed / "model.safetensors")],
+        [sys.executable, "-c", TRAINER, rl_server, str(free_port()), str(pushed / "model.safetensors")],
         capture_output=True, text=True, timeout=180,
     )
     assert proc.returncode == 0, proc.stderr
