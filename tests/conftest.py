@@ -82,6 +82,32 @@ def server() -> Iterator[str]:
         stop_server(proc)
 
 
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    """This module's weight root: what a server started with `--weight_roots [root]` may load."""
+    return tmp_path_factory.mktemp("weights")
+
+
+@pytest.fixture(scope="module")
+def peft_adapter(root: Path):
+    """(directory, peft model) of a rank-4 LoRA adapter on the tiny model, saved under `root`."""
+    import torch  # imported here: files that need no model should not pay for torch at collection
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from rlserve.model.make import make_model
+
+    base = make_model("tiny", root / "lora-base", seed=0)
+    torch.manual_seed(7)
+    peft = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+        LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False),
+    ).eval()
+    path = root / "adapter"
+    peft.save_pretrained(path)
+    return path, peft
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--soak-minutes", type=float, default=0.0,
                      help="run tests/test_soak.py for this many minutes instead of its CI-sized fixed workload")

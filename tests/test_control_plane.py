@@ -20,18 +20,12 @@ import httpx
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
 
 from conftest import server_log, start_server, stop_server
 from rlserve.deploy.process import free_port
 from rlserve.model.make import make_model
 
 PROMPT = [11, 22, 33, 44, 55]
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    return tmp_path_factory.mktemp("roots")
 
 
 @pytest.fixture(scope="module")
@@ -46,21 +40,6 @@ def srv(root):
         yield url, proc
     finally:
         stop_server(proc)
-
-
-@pytest.fixture(scope="module")
-def peft_adapter(root):
-    from peft import LoraConfig, get_peft_model
-
-    base = make_model("tiny", root / "lora-base", seed=0)
-    torch.manual_seed(7)
-    peft = get_peft_model(
-        AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
-        LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False),
-    ).eval()
-    path = root / "adapter"
-    peft.save_pretrained(path)
-    return path, peft
 
 
 def versions(url):

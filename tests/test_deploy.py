@@ -19,14 +19,9 @@ from deploy_helpers import alive, descendants, replicas, start_deployment, stop_
 from rlserve.client import SyncInferenceClient
 from rlserve.deploy.process import free_port
 from rlserve.model.make import make_model
-from test_server_rl import TRAINER, adapter_dir, choice_lps, generate, hf_check  # noqa: F401
+from test_server_rl import TRAINER, choice_lps, generate, hf_check
 
 PROMPTS = [[11, 22, 33, 44, 55], [100, 7, 300, 9]]
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    return tmp_path_factory.mktemp("deploy-weights")
 
 
 @pytest.fixture(scope="module")
@@ -156,9 +151,9 @@ def test_kill_9_with_64_requests_in_flight(deployment, root):
     hf_check(root / "step-1", PROMPTS[0], generate(rows[0]["url"], PROMPTS[0])["choices"][0])
 
 
-def test_a_replica_that_fails_an_admin_call_leaves_and_rejoins(deployment, adapter_dir):
+def test_a_replica_that_fails_an_admin_call_leaves_and_rejoins(deployment, peft_adapter):
     public, admin, _ = deployment
-    path, _ = adapter_dir
+    path, _ = peft_adapter
     odd = replicas(admin)[1]
     # drift made by hand (with the key the supervisor gave it): only this replica has the adapter already
     key = _environ(odd["pid"])["RLSERVE_DEPLOYMENT_KEY"]

@@ -18,16 +18,11 @@ import textwrap
 import httpx
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from conftest import start_server, stop_server
 from rlserve.deploy.process import free_port
 from rlserve.model.make import default_model_dir, make_model
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    return tmp_path_factory.mktemp("weights")
 
 
 @pytest.fixture(scope="module")

@@ -22,11 +22,6 @@ PROMPTS = [[11, 22, 33, 44, 55], [100, 7, 300, 9], [5]]
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    return tmp_path_factory.mktemp("weights")
-
-
-@pytest.fixture(scope="module")
 def next_weights(root):
     return make_model("tiny", root / "step-1", seed=1)
 
@@ -205,23 +200,8 @@ def test_mlx_generate_and_metrics_json(rl_server):
     assert httpx.post(f"{rl_server}/generate", json={"nothing": 1}).status_code == 400
 
 
-@pytest.fixture(scope="module")
-def adapter_dir(root):
-    from peft import LoraConfig, get_peft_model
-
-    base = make_model("tiny", root / "lora-base", seed=0)
-    torch.manual_seed(7)
-    peft = get_peft_model(
-        AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
-        LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False),
-    ).eval()
-    path = root / "adapter"
-    peft.save_pretrained(path)
-    return path, peft
-
-
-def test_lora_over_http(root, adapter_dir):
-    path, peft = adapter_dir
+def test_lora_over_http(root, peft_adapter):
+    path, peft = peft_adapter
     url, proc = start_server("--weight_roots", json.dumps([str(root)]))
     try:
         r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "policy", "lora_path": str(path)})

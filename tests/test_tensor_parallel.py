@@ -41,11 +41,6 @@ def prefix_cache_hits(url: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    return tmp_path_factory.mktemp("tp-weights")
-
-
-@pytest.fixture(scope="module")
 def base(root):
     return make_model("tiny", root / "base", seed=0)
 
