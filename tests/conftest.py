@@ -82,6 +82,23 @@ def server() -> Iterator[str]:
         stop_server(proc)
 
 
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> Path:
+    """The tiny model, made once; test files that need another model override this fixture."""
+    from rlserve.model.make import make_model
+
+    return make_model("tiny", tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir: Path):
+    """transformers' fp32 model of this module's `model_dir`, the reference for logprobs."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
     """This module's weight root: what a server started with `--weight_roots [root]` may load."""

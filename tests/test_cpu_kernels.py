@@ -12,7 +12,6 @@ from rlserve.engine.params import SamplingParams
 from rlserve.model import cpu_kernels as kernels_module
 from rlserve.model.cpu_kernels import CpuKernels, cpu_kernels, reference_paged_attention
 from rlserve.model.llama import apply_rope, rms_norm
-from rlserve.model.make import make_model
 from test_engine import hf_logprobs, make_engine, random_prompts
 
 
@@ -150,11 +149,6 @@ def test_bf16_instances_follow_transformers_bf16_ops(kernels):
     kernels.qk_rope_store(qkv, cos, sin, None, None, 1e-6, torch.tensor([1, 5, 2]), k_cache, v_cache, nh, nkv)
     assert torch.allclose(qkv.view(t, -1, d)[:, : nh + nkv].float(), want.float(), atol=3e-2)
     assert torch.equal(k_cache[[1, 5, 2]], qkv.view(t, -1, d)[:, nh : nh + nkv])
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_model("tiny", tmp_path_factory.mktemp("models") / "tiny")
 
 
 def test_engine_runs_on_the_kernels_with_exact_logprobs(model_dir, kernels, monkeypatch):

@@ -7,25 +7,13 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from rlserve.config import Config, GibberishDetectionConfig, RepetitionDetectionConfig
 from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams
-from rlserve.model.make import make_model
 from test_engine import random_prompts
 
 THRESHOLD = 1000  # token ids above this are "rare"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_model("tiny", tmp_path_factory.mktemp("models") / "tiny")
-
-
-@pytest.fixture(scope="module")
-def hf(model_dir):
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 def detector_engine(model_dir, gibberish=None, repetition=None) -> Engine:

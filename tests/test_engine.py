@@ -6,17 +6,10 @@ import random
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from rlserve.config import Config
 from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams
-from rlserve.model.make import make_model
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_model("tiny", tmp_path_factory.mktemp("models") / "tiny")
 
 
 def make_engine(model_dir, **engine) -> Engine:
@@ -32,11 +25,6 @@ def make_engine(model_dir, **engine) -> Engine:
 @pytest.fixture(scope="module")
 def engine(model_dir):
     return make_engine(model_dir)
-
-
-@pytest.fixture(scope="module")
-def hf(model_dir):
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 def random_prompts(count: int, vocab: int, lo: int = 3, hi: int = 40, seed: int = 0) -> list[list[int]]:

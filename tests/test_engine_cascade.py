@@ -11,23 +11,12 @@ from transformers import AutoModelForCausalLM
 
 from rlserve.engine.params import SamplingParams
 from rlserve.model.llama import Attention
-from rlserve.model.make import make_model
 from test_engine import hf_logprobs, random_prompts
 from test_engine import make_engine as make_any_engine
 
 
 def make_engine(model_dir, **engine):
     return make_any_engine(model_dir, cpu_kernels=False, **engine)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_model("tiny", tmp_path_factory.mktemp("models") / "tiny")
-
-
-@pytest.fixture(scope="module")
-def hf(model_dir):
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from rlserve.config import Config
 from rlserve.engine.engine import Engine
 from rlserve.engine.graphs import MAX_GATHERED_TOKENS, DecodeGraphs, batch_bucket, width_bucket
 from rlserve.engine.params import SamplingParams
-from test_engine import hf, hf_logprobs, make_engine, model_dir, random_prompts  # noqa: F401 (fixtures)
+from test_engine import hf_logprobs, make_engine, random_prompts
 
 
 def test_buckets():

@@ -31,11 +31,6 @@ def model_dir(dirs):
     return dirs[0]
 
 
-@pytest.fixture(scope="module")
-def hf(model_dir):
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
 def moe_engine(model_dir, replay: bool = True, **engine) -> Engine:
     cfg = Config()
     cfg.model.name, cfg.model.max_model_len = str(model_dir), engine.pop("max_model_len", 512)
