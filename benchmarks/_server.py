@@ -72,6 +72,15 @@ def rlserve_server(*args: str, timeout: float = 300.0) -> Iterator[Server]:
             proc.wait(timeout=60)
 
 
+def add_workload_args(p: argparse.ArgumentParser, clients: int = 64, prompt_len: int = 64,
+                      new_tokens: int = 64) -> None:
+    """The workload flags of a served run: --preset, --clients C, --prompt-len P, --new-tokens N."""
+    p.add_argument("--preset", default="smollm2-135m")
+    p.add_argument("--clients", type=int, default=clients)
+    p.add_argument("--prompt-len", type=int, default=prompt_len)
+    p.add_argument("--new-tokens", type=int, default=new_tokens)
+
+
 def workload_args(model_dir: Path, args: argparse.Namespace) -> tuple[str, ...]:
     """The server settings every served run of a prompt_len + new_tokens workload shares."""
     return ("--model.name", str(model_dir), "--model.max_model_len", str(args.prompt_len + args.new_tokens + 16),

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from _server import served
+from _server import add_workload_args, served
 from rlserve.model.make import bench_cache_dir, make_model
 from serving import offline, workload
 
@@ -60,10 +60,7 @@ def parallel_rows(model_dir: Path, prompts, args, cores: int) -> list[tuple[str,
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="smollm2-135m")
-    p.add_argument("--clients", type=int, default=64)
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--new-tokens", type=int, default=64)
+    add_workload_args(p)
     p.add_argument("--parallel-only", action="store_true", help="only the tp/dp rows")
     args = p.parse_args()
     cores = os.cpu_count() or 1

@@ -29,7 +29,7 @@ from types import SimpleNamespace
 import httpx
 
 from _cpu import OtherLoad
-from _server import rlserve_server
+from _server import add_workload_args, rlserve_server
 from rlserve.bench.serve import random_prompts, run_level
 from rlserve.deploy.process import free_port
 from rlserve.model.make import bench_cache_dir, cache_root, make_model
@@ -141,10 +141,7 @@ def measure(url: str, args, seed: int) -> dict[str, tuple[float, float | None]]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--build", action="store_true", help="build llama-server into the cache and exit")
-    p.add_argument("--preset", default="smollm2-135m")
-    p.add_argument("--clients", type=int, default=64)
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--new-tokens", type=int, default=64)
+    add_workload_args(p)
     p.add_argument("--single-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--dtype", nargs="+", choices=[d for d, _ in PAIRS], default=[d for d, _ in PAIRS])

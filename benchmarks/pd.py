@@ -25,16 +25,13 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from _cpu import OtherLoad
-from _server import rlserve_server
+from _server import add_workload_args, rlserve_server
 from rlserve.model.make import cache_root, make_model
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="smollm2-135m")
-    p.add_argument("--clients", type=int, default=16)
-    p.add_argument("--prompt-len", type=int, default=1024)
-    p.add_argument("--new-tokens", type=int, default=32)
+    add_workload_args(p, clients=16, prompt_len=1024, new_tokens=32)
     p.add_argument("--quick", action="store_true")
     args = p.parse_args()
     if args.quick:

@@ -25,7 +25,7 @@ import httpx
 import torch
 
 from _cpu import OtherLoad
-from _server import clients, rlserve_server, served, workload_args
+from _server import add_workload_args, clients, rlserve_server, served, workload_args
 from rlserve.config import Config
 from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams
@@ -96,10 +96,7 @@ def deployment(model_dir: Path, prompts, args) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="smollm2-135m")
-    p.add_argument("--clients", type=int, default=64)
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--new-tokens", type=int, default=64)
+    add_workload_args(p)
     p.add_argument("--stream", action="store_true")
     p.add_argument("--deployment", action="store_true", help="2 replicas behind vllm-router vs 1 server")
     p.add_argument("--latency-requests", type=int, default=200)
