@@ -18,6 +18,7 @@ import io
 import json
 import os
 import warnings
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -42,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--cache-dir", default=bench_cache_dir())
+    p.add_argument("--cache-dir", type=Path, default=bench_cache_dir())
     args = p.parse_args(argv)
     if args.quick:
         args.preset, args.batch_prompts, args.n, args.prompt_len, args.new_tokens = "tiny-moe", 2, 2, 16, 8
