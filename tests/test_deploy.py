@@ -8,8 +8,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import sys
 
 import httpx
 import pytest
@@ -17,9 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from deploy_helpers import alive, descendants, replicas, start_deployment, stop_deployment, wait_for
 from rlserve.client import SyncInferenceClient
-from rlserve.deploy.process import free_port
 from rlserve.model.make import make_model
-from test_server_rl import TRAINER, choice_lps, generate, hf_check
+from test_server_rl import TRAINER, choice_lps, generate, hf_check, trainer_push
 
 PROMPTS = [[11, 22, 33, 44, 55], [100, 7, 300, 9]]
 
@@ -184,13 +181,8 @@ def _environ(pid: int) -> dict[str, str]:
 def test_a_trainer_push_reaches_both_replicas(deployment, root):
     public, admin, _ = deployment
     pushed = make_model("tiny", root / "pushed", seed=4)
-    proc = subprocess.run(
-        [sys.executable, "-c", TRAINER.replace('admin_api_key="admin"', "admin_api_key=None"), admin,
-         str(free_port()), str(pushed / "model.safetensors")],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [3]
+    no_admin_key = TRAINER.replace('admin_api_key="admin"', "admin_api_key=None")
+    assert trainer_push(admin, pushed, timeout=300, trainer=no_admin_key) == [3]
     for url in serving_urls(admin):
         choice = generate(url, PROMPTS[0])["choices"][0]
         assert choice["policy_version"] == 3 and choice["weight_version"] == "step-7"

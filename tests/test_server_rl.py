@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import httpx
 import pytest
@@ -166,15 +167,18 @@ TRAINER = textwrap.dedent(
 )
 
 
+def trainer_push(url: str, model_dir: Path, timeout: float, trainer: str = TRAINER) -> list[int]:
+    """Push `model_dir`'s weights from a trainer process over torch.distributed; the policy versions it got."""
+    proc = subprocess.run([sys.executable, "-c", trainer, url, str(free_port()), str(model_dir / "model.safetensors")],
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def test_trainer_push_over_gloo(rl_server, root):
     pushed = make_model("tiny", root / "pushed", seed=4)
     before = httpx.get(f"{rl_server}/metrics", params={"format": "json"}).json()["current_policy_version"]
-    proc = subprocess.run(
-        [sys.executable, "-c", TRAINER, rl_server, str(free_port()), str(pushed / "model.safetensors")],
-        capture_output=True, text=True, timeout=180,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [before + 1]
+    assert trainer_push(rl_server, pushed, timeout=180) == [before + 1]
     status = httpx.get(f"{rl_server}/metrics", params={"format": "json"}).json()
     assert status["current_policy_version"] == before + 1 and status["weight_version"] == "step-7"
     for prompt in PROMPTS[:2]:

@@ -19,10 +19,9 @@ from transformers import AutoModelForCausalLM
 
 from conftest import start_server, stop_server
 from rlserve.config import Config
-from rlserve.deploy.process import free_port
 from rlserve.model.make import make_model
 from test_engine_process import HANG_GUARD_S, children, gone, wait_until
-from test_server_rl import ADMIN, PROMPTS, TRAINER, generate, hf_check
+from test_server_rl import ADMIN, PROMPTS, generate, hf_check, trainer_push
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for child processes")
 TP2 = ("--parallel.tp", "2")
@@ -103,12 +102,7 @@ def test_trainer_push_is_scattered_to_every_rank(tp_server, root):
     url, _ = tp_server
     pushed = make_model("tiny", root / "pushed", seed=4)
     before = httpx.get(f"{url}/metrics", params={"format": "json"}).json()["current_policy_version"]
-    proc = subprocess.run(
-        [sys.executable, "-c", TRAINER, url, str(free_port()), str(pushed / "model.safetensors")],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [before + 1]
+    assert trainer_push(url, pushed, timeout=300) == [before + 1]
     for prompt in PROMPTS[:2]:
         hf_check(pushed, prompt, generate(url, prompt)["choices"][0])
 
