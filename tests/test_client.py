@@ -57,11 +57,6 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    return tmp_path_factory.mktemp("client-weights")
-
-
-@pytest.fixture(scope="module")
 def cluster(root):
     c = Cluster("--weight_roots", json.dumps([str(root)]), "--server.admin_api_key", ADMIN)
     c.urls()

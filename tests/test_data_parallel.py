@@ -17,11 +17,6 @@ from test_engine_process import HANG_GUARD_S, engine_pids, linux_only
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    return tmp_path_factory.mktemp("dp-weights")
-
-
-@pytest.fixture(scope="module")
 def dp_server(root):
     url, proc = start_server("--parallel.dp", "2", "--weight_roots", json.dumps([str(root)]))
     try:

@@ -23,11 +23,6 @@ BLOCK = 16
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    return tmp_path_factory.mktemp("pd-weights")
-
-
-@pytest.fixture(scope="module")
 def single(root):
     # one torch thread, as each of the deployment's two replicas gets on this machine's cores: matmul reductions
     # split differently over threads round differently
