@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from conftest import SERVER_DEFAULTS
+from conftest import SERVER_DEFAULTS, server_log
 
 _READY = re.compile(r"rlserve: serving \S+ on (http://\S+) \(.*admin: (http://[^\s)]+)\)")
 
@@ -31,20 +31,15 @@ def start_deployment(*args: str, timeout: float = 300.0) -> tuple[str, str, subp
     try:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError(f"deployment exited with code {proc.returncode}:\n{log_text(proc)[-5000:]}")
-            match = _READY.search(log_text(proc))
+                raise RuntimeError(f"deployment exited with code {proc.returncode}:\n{server_log(proc)[-5000:]}")
+            match = _READY.search(server_log(proc))
             if match and httpx.get(f"{match.group(2)}/health", timeout=5).status_code == 200:
                 return match.group(1), match.group(2), proc
             time.sleep(0.2)
-        raise RuntimeError(f"deployment not up after {timeout:.0f}s:\n{log_text(proc)[-5000:]}")
+        raise RuntimeError(f"deployment not up after {timeout:.0f}s:\n{server_log(proc)[-5000:]}")
     except BaseException:
         stop_deployment(proc)
         raise
-
-
-def log_text(proc: subprocess.Popen) -> str:
-    path = getattr(proc, "log_path", None)
-    return path.read_text(errors="replace") if path is not None and path.exists() else ""
 
 
 def stop_deployment(proc: subprocess.Popen) -> None:
