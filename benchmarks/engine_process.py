@@ -4,6 +4,12 @@ Same workload as serving.py (C clients, random P-token prompts, N new tokens, te
 ignored), as a fraction of the offline engine's tok/s measured in the same run:
   - server, engine core process (the default), streaming and not
   - server, engine in a thread of the HTTP process (engine.core_process=false), streaming and not
+  each twice: with the engine on every core (the default), and with the engine (offline too) on
+  one core fewer, which leaves a core to the HTTP process and the clients. The clients run on this
+  machine, so with every core given to the engine they and the HTTP process preempt its threads:
+  each preemption stalls a whole parallel region, so a little CPU taken costs a lot of throughput.
+  The second layout is the one that shows what the HTTP layer itself costs the engine (vLLM's CPU
+  backend reserves cores for its API server for the same reason).
   - tp=1 x 2 threads (one engine, the default) vs tp=2 x 1 thread (two tensor-parallel ranks of
     one engine) vs dp=2 x 1 thread (two engine processes), streaming, as ratios to tp=1.
     SmolLM2-135M's 9 heads / 3 KV heads do not split two ways, so these three rows serve the same
@@ -58,6 +64,19 @@ def parallel_rows(model_dir: Path, prompts, args, cores: int) -> list[tuple[str,
     ]
 
 
+def process_rows(model_dir: Path, prompts, args, threads: int) -> tuple[int, list[tuple[str, float, float | None]]]:
+    """Offline, then served by the engine core process and by the in-thread engine, each engine on `threads`."""
+    t = ("--num_threads", str(threads))
+    in_thread = ("--engine.core_process", "false")
+    return threads, [
+        ("rlserve engine, offline", *offline(model_dir, prompts, args, threads)),
+        ("server, core process, stream", *served(model_dir, prompts, args, True, *t)),
+        ("server, core process, no stream", *served(model_dir, prompts, args, False, *t)),
+        ("server, in-thread, stream", *served(model_dir, prompts, args, True, *t, *in_thread)),
+        ("server, in-thread, no stream", *served(model_dir, prompts, args, False, *t, *in_thread)),
+    ]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(p)
@@ -69,21 +88,16 @@ def main() -> None:
     from transformers import AutoConfig
 
     prompts = workload(args, AutoConfig.from_pretrained(model_dir).vocab_size)
-    rows = []
-    if not args.parallel_only:
-        rows.append(("rlserve engine, offline", *offline(model_dir, prompts, args)))
-        rows.append(("server, core process, stream", *served(model_dir, prompts, args, True)))
-        rows.append(("server, core process, no stream", *served(model_dir, prompts, args, False)))
-        rows.append(("server, in-thread, stream", *served(model_dir, prompts, args, True, "--engine.core_process", "false")))
-        rows.append(("server, in-thread, no stream",
-                     *served(model_dir, prompts, args, False, "--engine.core_process", "false")))
+    sections = [] if args.parallel_only else [process_rows(model_dir, prompts, args, n)
+                                               for n in sorted({cores, max(1, cores - 1)}, reverse=True)]
     parallel = parallel_rows(model_dir, prompts, args, cores) if cores >= 2 else []
     print(f"\nengine process, {args.preset}, {args.clients} clients x ({args.prompt_len} prompt + "
           f"{args.new_tokens} new tokens), {cores} cores")
-    if rows:
+    for threads, rows in sections:
+        print(f"\nengine on {threads} of {cores} cores{' (offline too)' if threads < cores else ''}")
         print(f"{'system':34s} {'tok/s':>8s} {'/offline':>9s} {'others':>7s}")
-    for name, tps, others in rows:
-        print(f"{name:34s} {tps:8.1f} {tps / rows[0][1]:9.1%} {'-' if others is None else f'{others:.2f}':>7s}")
+        for name, tps, others in rows:
+            print(f"{name:34s} {tps:8.1f} {tps / rows[0][1]:9.1%} {'-' if others is None else f'{others:.2f}':>7s}")
     if parallel:
         print(f"\n{'parallel layout':44s} {'tok/s':>8s} {'/tp=1':>7s} {'others':>7s}")
         for name, tps, others in parallel:

@@ -37,9 +37,9 @@ def workload(args, vocab: int) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.clients)]
 
 
-def offline(model_dir: Path, prompts, args) -> tuple[float, float | None]:
-    """tok/s, and the cores other processes used meanwhile."""
-    cfg = Config()
+def offline(model_dir: Path, prompts, args, threads: int | None = None) -> tuple[float, float | None]:
+    """tok/s, and the cores other processes used meanwhile (`threads`: the engine's; none = all cores)."""
+    cfg = Config(num_threads=threads)
     cfg.model.name, cfg.model.max_model_len = str(model_dir), args.prompt_len + args.new_tokens + 16
     engine = Engine(cfg)
     params = SamplingParams(temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True, seed=0)
