@@ -377,14 +377,14 @@ class KVTransfer:
             pin.serving += 1
         try:
             bs, on_cpu = self.block_size, self.kv_cache.device.type == "cpu"
-            # off CPU: two host staging blocks per connection, in turn (send_blocks encodes one while it sends the
-            # other); on CPU the pool's own memory is hashed and sent, no copy
-            staging = [] if on_cpu else [torch.empty(self.block_shape, dtype=self.kv_cache.dtype) for _ in range(2)]
+            # on CPU the pool's own memory is hashed and sent, no copy; off CPU one host staging block per
+            # connection (send_blocks sends each block before it draws the next)
+            staging = None if on_cpu else torch.empty(self.block_shape, dtype=self.kv_cache.dtype)
             for i in range(first, first + count):
                 b = pin.blocks[i]
                 kv = self.kv_cache[:, :, b * bs : (b + 1) * bs]
-                if not on_cpu:
-                    kv = staging[i % 2].copy_(kv)  # device to host: no host threads
+                if staging is not None:
+                    kv = staging.copy_(kv)  # device to host: no host threads
                 yield KVBlock(pin.hashes[i], kv, pin.weight_generation)
         finally:
             with self.lock:
