@@ -97,7 +97,7 @@ def recv_frame(sock: socket.socket) -> dict[str, Any]:
 def send_parts(sock: socket.socket, parts: list) -> int:
     """One block as kv_format.encode_parts made it: a u64 length, then the pieces, gathered by the kernel
     straight from their memory (the pool's own, on CPU) in as few sendmsg calls as it takes."""
-    views = [memoryview(p).cast("B") for p in parts]
+    views = [v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes]  # an empty one would never advance
     size = sum(v.nbytes for v in views)
     views.insert(0, memoryview(struct.pack("<Q", size)))
     first = 0
