@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -98,3 +102,50 @@ def wait_for(condition, timeout: float = 300.0, what: str = "condition"):
             return value
         time.sleep(0.2)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+@contextlib.contextmanager
+def local_ray_cluster(num_nodes: int) -> Iterator:
+    """A Ray cluster of num_nodes node processes on this machine (1 CPU each, private ports and temp dir)."""
+    from ray.cluster_utils import Cluster
+
+    temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit
+    # RAY_TMPDIR: not the shared /tmp/ray; the other: drivers see themselves at 127.0.0.1 like the nodes
+    env = {"RAY_TMPDIR": temp_dir, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    os.makedirs(os.path.join(temp_dir, "ray"))
+    node = {"num_cpus": 1, "object_store_memory": 80 << 20, "include_dashboard": False, "temp_dir": temp_dir,
+            "node_ip_address": "127.0.0.1"}
+    picked = iter(_distinct_free_ports(6 * num_nodes + 1))
+
+    def ports() -> dict:  # never Ray's defaults: other test runs may be using them
+        names = ("node_manager_port", "object_manager_port", "metrics_export_port", "metrics_agent_port",
+                 "runtime_env_agent_port", "dashboard_agent_listen_port")
+        return {name: next(picked) for name in names}
+
+    c = Cluster(initialize_head=True, head_node_args={**node, **ports(), "gcs_server_port": next(picked)})
+    try:
+        for _ in range(num_nodes - 1):
+            c.add_node(**node, **ports())
+        c.wait_for_nodes()
+        yield c
+    finally:
+        c.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _distinct_free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()

@@ -32,7 +32,9 @@ def test_toml_section(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--deployment.type", "disaggregated", "--deployment.num_prefill_nodes", "2"], "not available yet"),
+    (["--deployment.type", "disaggregated", "--deployment.num_prefill_nodes", "2", "--deployment.num_prefill_replicas",
+      "3"], "one server cannot span nodes"),
+    (["--deployment.num_decode_nodes", "2"], "deployment.type = 'disaggregated'"),
     (["--deployment.type", "disaggregated", "--deployment.replicas", "2"], "num_prefill_replicas"),
     (["--deployment.non_cached_tokens", "64"], "deployment.type = 'disaggregated'"),
     (["--deployment.num_nodes", "2"], "deployment.type = 'multi_node'"),
@@ -64,6 +66,20 @@ def test_each_replica_gets_its_port_and_share_of_threads():
     assert replica_config(pinned, 0, "127.0.0.1", cpu_count=8)["num_threads"] == 3
     # a replica's config is a plain server's config
     assert not load_config(["--server.port", str(first["server"]["port"])]).deployment.enabled
+
+
+def test_disaggregated_on_ray_places_one_server_per_node_and_decode_pulls_from_the_prefill_nodes():
+    config = load_config(["--deployment.type", "disaggregated", "--deployment.num_prefill_nodes", "2",
+                          "--deployment.num_decode_nodes", "3", "--deployment.non_cached_tokens", "64"])
+    d = config.deployment
+    assert d.on_ray and d.size == 5 and [d.role(i) for i in range(5)] == ["prefill"] * 2 + ["decode"] * 3
+    decode = replica_config(config, 4, "0.0.0.0", prefill_hosts=["10.0.0.1", "10.0.0.2"])
+    assert {"10.0.0.1", "10.0.0.2"} <= set(decode["kv_transfer"]["peer_hosts"])
+    assert decode["kv_transfer"]["non_cached_tokens"] == 64
+    # one side given: the other is one node; on this machine the replica counts rule
+    assert load_config(["--deployment.type", "disaggregated", "--deployment.num_decode_nodes", "2"]).deployment.size == 3
+    local = load_config(["--deployment.type", "disaggregated", "--deployment.num_decode_replicas", "2"]).deployment
+    assert not local.on_ray and local.size == 3
 
 
 def test_admin_address_opens_to_the_network_only_behind_a_key():

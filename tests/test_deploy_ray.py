@@ -1,67 +1,31 @@
 """Multi-node on Ray: a local two-node cluster (1 CPU each, private ports and temp dir) serves through two
-replicas behind the router, and one update through the admin address reaches both."""
+replicas behind the router, and one update through the admin address reaches both; disaggregated on Ray
+puts a prefill server on one node and a decode server on the other, their answers equal a single server's,
+and SIGTERM leaves no process behind."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import socket
-import tempfile
+import signal
+from urllib.parse import urlparse
 
 import httpx
 import pytest
 
-from deploy_helpers import replicas, start_deployment, stop_deployment
+from conftest import start_server, stop_server
+from deploy_helpers import alive, descendants, local_ray_cluster, log_text, replicas, start_deployment, stop_deployment, wait_for
 from rlserve.model.make import make_model
+from test_pd import BLOCK, completion, metric, prompts, same_choice, warm
 from test_server_rl import generate, hf_check
 
 ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit
-    # RAY_TMPDIR: not the shared /tmp/ray; the other: drivers see themselves at 127.0.0.1 like the nodes
-    env = {"RAY_TMPDIR": temp_dir, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    os.makedirs(os.path.join(temp_dir, "ray"))
-    node = {"num_cpus": 1, "object_store_memory": 80 << 20, "include_dashboard": False, "temp_dir": temp_dir,
-            "node_ip_address": "127.0.0.1"}
-
-    picked = iter(_distinct_free_ports(16))
-
-    def ports() -> dict:  # never Ray's defaults: other test runs may be using them
-        names = ("node_manager_port", "object_manager_port", "metrics_export_port", "metrics_agent_port",
-                 "runtime_env_agent_port", "dashboard_agent_listen_port")
-        return {name: next(picked) for name in names}
-
-    c = Cluster(initialize_head=True, head_node_args={**node, **ports(), "gcs_server_port": next(picked)})
-    try:
-        c.add_node(**node, **ports())
-        c.wait_for_nodes()
+    with local_ray_cluster(num_nodes=2) as c:
         yield c
-    finally:
-        c.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def _distinct_free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def test_two_nodes_serve_through_the_router_and_take_one_update(cluster, tmp_path):
@@ -85,3 +49,53 @@ def test_two_nodes_serve_through_the_router_and_take_one_update(cluster, tmp_pat
             hf_check(step1, [11, 22, 33], generate(row["url"], [11, 22, 33])["choices"][0])
     finally:
         stop_deployment(proc)
+
+
+def test_disaggregated_on_ray_serves_through_p_and_d_nodes_and_sigterm_leaves_nothing(cluster):
+    single_url, single = start_server("--num_threads", "1", "--engine.kv_cache_bytes", str(16 << 20))
+    public, admin, proc = start_deployment(
+        "--deployment.type", "disaggregated", "--deployment.num_prefill_nodes", "1", "--deployment.num_decode_nodes",
+        "1", "--deployment.ray_address", cluster.address, "--num_threads", "1",
+        "--engine.kv_cache_bytes", str(16 << 20), timeout=400)
+    try:
+        rows = sorted(replicas(admin), key=lambda r: r["index"])
+        assert [(r["role"], r["status"]) for r in rows] == [("prefill", "serving"), ("decode", "serving")]
+        p, d = rows[0]["url"], rows[1]["url"]
+        lengths = [40, 100]
+        for prompt in prompts(11, lengths):
+            warm(single_url, prompt)
+            same_choice(completion(public, prompt)["choices"][0], completion(single_url, prompt)["choices"][0])
+        assert metric(d, "rlserve:kv_transfer_tokens_total") == sum((n - 1) // BLOCK * BLOCK for n in lengths)
+        assert metric(d, "rlserve:kv_transfer_local_fallbacks_total") == 0
+        # P's block server listens on its node's IP, the address it tells D
+        (prompt,) = prompts(12, [50])
+        body = {"prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+        kt = httpx.post(f"{p}/v1/completions", json=body, timeout=120).json()["kv_transfer_params"]
+        assert kt["remote_host"] == urlparse(p).hostname
+        # a prefill server that dies is restarted on its node and rejoins the router as a prefill server
+        os.kill(rows[0]["pid"], signal.SIGKILL)
+        rows = wait_for(lambda: _all_serving_after_restart(admin), 300, "the prefill server to rejoin")
+        (prompt,) = prompts(13, [70])
+        warm(single_url, prompt)
+        same_choice(completion(public, prompt)["choices"][0], completion(single_url, prompt)["choices"][0])
+        assert metric(rows[1]["url"], "rlserve:kv_transfer_local_fallbacks_total") == 0
+        router_pid = httpx.get(f"{admin}/deployment", timeout=30).json()["router_pid"]
+        tree = [*descendants(proc.pid), router_pid, *(r["pid"] for r in rows)]
+        assert all(tree) and all(alive(pid) for pid in (router_pid, rows[0]["pid"], rows[1]["pid"]))
+    except BaseException:
+        stop_deployment(proc)
+        raise
+    finally:
+        stop_server(single)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        assert proc.wait(timeout=120) == 0, log_text(proc)[-4000:]
+        wait_for(lambda: not any(alive(pid) for pid in tree), 60, "every server and the router to exit")
+    finally:
+        stop_deployment(proc)
+
+
+def _all_serving_after_restart(admin: str) -> list[dict] | None:
+    rows = sorted(replicas(admin), key=lambda r: r["index"])
+    restarted = [r["restarts"] for r in rows] == [1, 0] and all(r["status"] == "serving" for r in rows)
+    return rows if restarted else None

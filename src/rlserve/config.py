@@ -122,12 +122,17 @@ class DeploymentConfig(Section):
     admin_port: int | None = Field(
         None, ge=0, le=65535, description="admin fan-out address of every replica; none = server.port + 1"
     )
-    ray_address: str = Field("auto", description="multi_node: the Ray cluster to join")
+    ray_address: str = Field("auto", description="multi_node, disaggregated on Ray: the Ray cluster to join")
     router: RouterConfig = Field(default_factory=RouterConfig)
     num_prefill_replicas: int = Field(1, ge=1, description="disaggregated: prefill servers on this machine")
     num_decode_replicas: int = Field(1, ge=1, description="disaggregated: decode servers on this machine")
-    num_prefill_nodes: int = Field(1, ge=1, description="disaggregated on Ray: nodes for prefill servers (not yet)")
-    num_decode_nodes: int = Field(1, ge=1, description="disaggregated on Ray: nodes for decode servers (not yet)")
+    num_prefill_nodes: int | None = Field(
+        None, ge=1, description="disaggregated on Ray: Ray nodes with one prefill server each; setting it (or "
+        "num_decode_nodes) places the servers on the cluster at ray_address instead of this machine"
+    )
+    num_decode_nodes: int | None = Field(
+        None, ge=1, description="disaggregated on Ray: Ray nodes with one decode server each (default 1 on Ray)"
+    )
     prefill_env_vars: dict[str, str] = Field(default_factory=dict, description="disaggregated: extra environment "
                                              "of every prefill server")
     decode_env_vars: dict[str, str] = Field(default_factory=dict, description="disaggregated: extra environment "
@@ -138,16 +143,34 @@ class DeploymentConfig(Section):
     )
 
     @property
+    def on_ray(self) -> bool:
+        """multi_node, or disaggregated with num_prefill_nodes / num_decode_nodes: one server per Ray node."""
+        return self.type == "multi_node" or (
+            self.type == "disaggregated" and (self.num_prefill_nodes, self.num_decode_nodes) != (None, None))
+
+    @property
+    def prefill_servers(self) -> int:
+        if self.type != "disaggregated":
+            return 0
+        return (self.num_prefill_nodes or 1) if self.on_ray else self.num_prefill_replicas
+
+    @property
+    def decode_servers(self) -> int:
+        if self.type != "disaggregated":
+            return 0
+        return (self.num_decode_nodes or 1) if self.on_ray else self.num_decode_replicas
+
+    @property
     def size(self) -> int:
         if self.type == "disaggregated":
-            return self.num_prefill_replicas + self.num_decode_replicas
+            return self.prefill_servers + self.decode_servers
         return self.num_nodes if self.type == "multi_node" else self.replicas
 
     def role(self, index: int) -> str | None:
-        """disaggregated: replica `index` is "prefill" (the first num_prefill_replicas) or "decode"."""
+        """disaggregated: replica `index` is "prefill" (the first prefill_servers) or "decode"."""
         if self.type != "disaggregated":
             return None
-        return "prefill" if index < self.num_prefill_replicas else "decode"
+        return "prefill" if index < self.prefill_servers else "decode"
 
     @property
     def enabled(self) -> bool:

@@ -15,14 +15,12 @@ def check_deployment(config: "Config") -> None:
         if d.replicas != 1 or d.num_nodes != 1:
             raise ValueError("deployment.type = 'disaggregated' counts its servers in num_prefill_replicas and "
                              "num_decode_replicas: leave deployment.replicas and num_nodes at 1")
-        if d.num_prefill_nodes != 1 or d.num_decode_nodes != 1:
-            raise ValueError("deployment.num_prefill_nodes / num_decode_nodes (disaggregated on Ray) are not "
-                             "available yet: run the prefill and decode servers on this machine with "
-                             "num_prefill_replicas / num_decode_replicas")
+        if d.on_ray:
+            _check_ray_roles(d)
         if config.enable_return_routed_experts:
             raise ValueError("enable_return_routed_experts cannot be used with deployment.type = 'disaggregated': "
                              "transferred KV carries no routed experts")
-    elif (d.num_prefill_replicas, d.num_decode_replicas, d.num_prefill_nodes, d.num_decode_nodes) != (1, 1, 1, 1) \
+    elif (d.num_prefill_replicas, d.num_decode_replicas, d.num_prefill_nodes, d.num_decode_nodes) != (1, 1, None, None) \
             or d.prefill_env_vars or d.decode_env_vars or d.non_cached_tokens:
         raise ValueError("deployment.num_prefill_*/num_decode_*, prefill_env_vars, decode_env_vars and "
                          "non_cached_tokens need deployment.type = 'disaggregated'")
@@ -30,12 +28,13 @@ def check_deployment(config: "Config") -> None:
         if d.replicas != 1:
             raise ValueError("deployment.replicas counts replicas on one machine; with type 'multi_node' set "
                              "deployment.num_nodes (one replica per Ray node) and leave replicas at 1")
-        if importlib.util.find_spec("ray") is None:
-            raise ValueError("deployment.type = 'multi_node' runs on Ray, which is not installed: "
-                             "pip install 'rlserve[ray]' (or use type 'single_node')")
     elif d.num_nodes != 1:
         raise ValueError("deployment.num_nodes needs deployment.type = 'multi_node' (Ray); "
                          "for several replicas on this machine set deployment.replicas")
+    if d.on_ray and importlib.util.find_spec("ray") is None:
+        how = "type 'multi_node'" if d.type == "multi_node" else "num_prefill_nodes / num_decode_nodes"
+        raise ValueError(f"deployment {how} runs on Ray, which is not installed: pip install 'rlserve[ray]' "
+                         "(or keep every server on this machine)")
     if not d.enabled:
         return
     port = config.server.port
@@ -51,8 +50,18 @@ def check_deployment(config: "Config") -> None:
                              f"overlaps port {clash[0]}; move deployment.backend_port")
         if backends[-1] > 65535:
             raise ValueError(f"deployment.backend_port {d.backend_port} + {d.size} replicas passes port 65535")
-    if d.type in ("single_node", "disaggregated"):
+    if not d.on_ray:
         _check_devices(config)
+
+
+def _check_ray_roles(d) -> None:
+    """On Ray each node runs one server of its kind; a server spanning several nodes is not offered."""
+    for kind in ("prefill", "decode"):
+        nodes, replicas = getattr(d, f"num_{kind}_nodes") or 1, getattr(d, f"num_{kind}_replicas")
+        if replicas not in (1, nodes):
+            raise ValueError(f"deployment.num_{kind}_replicas = {replicas} with num_{kind}_nodes = {nodes}: on Ray "
+                             f"every {kind} node runs its own server (one server cannot span nodes); leave "
+                             f"num_{kind}_replicas at 1 or set it to num_{kind}_nodes")
 
 
 def _check_devices(config: "Config") -> None:

@@ -1,6 +1,8 @@
 """Multi-node on Ray: one replica per node, placed by a STRICT_SPREAD placement group. Each replica is a
 small actor that runs `rlserve serve` on its node as a child process (the same process tree as on one
-machine); the supervisor, the router and the admin address stay on the head node with the driver."""
+machine); the supervisor, the router and the admin address stay on the head node with the driver.
+Disaggregated on Ray: the first num_prefill_nodes bundles run prefill servers, the rest decode servers; each
+server's KV block server listens on its node's IP, and decode servers may pull from the prefill nodes' IPs."""
 
 from __future__ import annotations
 
@@ -31,8 +33,12 @@ class ReplicaHost:
     def start(self, index: int, config: dict, env: dict[str, str]) -> str:
         path = self.workdir / "replica.json"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        ip = ray.util.get_node_ip_address()
+        config = config | {"server": config["server"] | {"host": ip}}
+        if "kv_transfer" in config:  # the address decode servers on other nodes pull from
+            config["kv_transfer"] = config["kv_transfer"] | {"host": ip}
         with os.fdopen(fd, "w") as f:
-            json.dump(config | {"server": config["server"] | {"host": ray.util.get_node_ip_address()}}, f)
+            json.dump(config, f)
         argv = [sys.executable, "-m", "rlserve.cli", "serve", "@", str(path)]
         self.child = ServerChild(f"replica {index}", argv, {**os.environ, **env})
         return self.child.wait_listening(PLACEMENT_TIMEOUT_S)
@@ -51,12 +57,17 @@ class ReplicaHost:
 class RayReplica:
     """The supervisor's handle on a replica in bundle `index` of the placement group."""
 
-    def __init__(self, index: int, config: Config, key: str, admin_url: str, group):
-        self.index, self.name, self.group = index, f"replica {index}", group
-        self.config = replica_config(config, index, "0.0.0.0")
+    def __init__(self, index: int, config: Config, key: str, admin_url: str, group,
+                 prefill_hosts: list[str] | None = None):
+        d = config.deployment
+        self.index, self.role, self.group = index, d.role(index), group
+        self.name = f"replica {index}" if self.role is None else f"{self.role} replica {index}"
+        self.config = replica_config(config, index, "0.0.0.0", prefill_hosts=prefill_hosts)
         if config.num_threads is None:  # a node's replica uses that node's cores
             self.config.pop("num_threads", None)
-        self.env = {KEY_ENV: key, ADMIN_URL_ENV: admin_url}
+        role_env = {"prefill": d.prefill_env_vars, "decode": d.decode_env_vars}.get(self.role or "", {})
+        self.env = {**role_env, KEY_ENV: key, ADMIN_URL_ENV: admin_url}
+        self.pid: int | None = None  # the server's process id on its node
         self.actor = None
         self._url_ref = self._poll_ref = None
         self._exit_code: int | None = None
@@ -71,7 +82,9 @@ class RayReplica:
         self._exit_code = None
 
     def wait_listening(self, timeout_s: float) -> str:
-        return ray.get(self._url_ref, timeout=timeout_s)
+        url = ray.get(self._url_ref, timeout=timeout_s)
+        self.pid = ray.get(self.actor.pid.remote(), timeout=timeout_s)
+        return url
 
     def exited(self) -> int | None:
         """Never blocks (the supervisor's event loop calls it): the answer of the last finished poll.
@@ -104,17 +117,33 @@ class RayReplica:
 
 
 def ray_replicas(config: Config, key: str, admin_url: str) -> list[RayReplica]:
-    """Join the running cluster and reserve one CPU on each of deployment.num_nodes nodes."""
+    """Join the running cluster and reserve one CPU on each of deployment.size distinct nodes."""
     d = config.deployment
     ray.init(address=d.ray_address, log_to_driver=True)
-    group = placement_group([{"CPU": 1}] * d.num_nodes, strategy="STRICT_SPREAD")
+    group = placement_group([{"CPU": 1}] * d.size, strategy="STRICT_SPREAD")
     try:
         ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
         remove_placement_group(group)
-        raise RuntimeError(f"Ray could not place {d.num_nodes} replicas on {d.num_nodes} distinct nodes with a free "
-                           "CPU each: add nodes (ray start --address ...) or lower deployment.num_nodes") from None
-    return [RayReplica(i, config, key, admin_url, group) for i in range(d.num_nodes)]
+        if d.type == "disaggregated":
+            what, lower = (f"{d.prefill_servers} prefill + {d.decode_servers} decode servers",
+                           "deployment.num_prefill_nodes / num_decode_nodes")
+        else:
+            what, lower = f"{d.size} replicas", "deployment.num_nodes"
+        raise RuntimeError(f"Ray could not place {what} on {d.size} distinct nodes with a free CPU each: add nodes "
+                           f"(ray start --address ...) or lower {lower}") from None
+    prefill_hosts = None
+    if d.type == "disaggregated":
+        ips = _bundle_ips(group)
+        prefill_hosts = sorted({ips[i] for i in range(d.prefill_servers)})
+    return [RayReplica(i, config, key, admin_url, group, prefill_hosts) for i in range(d.size)]
+
+
+def _bundle_ips(group) -> dict[int, str]:
+    """Bundle index -> the IP of the node Ray placed it on."""
+    nodes = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    placed = ray.util.placement_group_table(group)["bundles_to_node_id"]
+    return {int(i): nodes[node] for i, node in placed.items()}
 
 
 def release(replicas: list) -> None:

@@ -16,9 +16,11 @@ KEY_ENV = "RLSERVE_DEPLOYMENT_KEY"
 ADMIN_URL_ENV = "RLSERVE_DEPLOYMENT_ADMIN_URL"
 
 
-def replica_config(config: Config, index: int, host: str, cpu_count: int | None = None) -> dict:
+def replica_config(config: Config, index: int, host: str, cpu_count: int | None = None,
+                   prefill_hosts: list[str] | None = None) -> dict:
     """The deployment's config as one plain server: its own port, one replica, its share of threads;
-    in a disaggregated deployment also a KV block server (prefill) or puller (decode)."""
+    in a disaggregated deployment also a KV block server (prefill) or puller (decode) that may pull from
+    `prefill_hosts` (default: `host`, where the prefill replicas of one machine listen)."""
     d = config.deployment
     data = config.model_dump(mode="json", exclude_defaults=True)
     data.pop("deployment", None)
@@ -28,8 +30,9 @@ def replica_config(config: Config, index: int, host: str, cpu_count: int | None 
     if d.role(index) is not None:
         transfer = data.setdefault("kv_transfer", {})
         transfer.setdefault("host", host)
-        if d.role(index) == "decode":  # the prefill replicas listen on this same host
-            transfer["peer_hosts"] = sorted({host, *transfer.get("peer_hosts", KVTransferConfig().peer_hosts)})
+        if d.role(index) == "decode":
+            peers = prefill_hosts if prefill_hosts is not None else [host]
+            transfer["peer_hosts"] = sorted({*peers, *transfer.get("peer_hosts", KVTransferConfig().peer_hosts)})
         transfer["non_cached_tokens"] = d.non_cached_tokens
     if config.num_threads is None:
         data["num_threads"] = max(1, (cpu_count or os.cpu_count() or 1) // d.size)

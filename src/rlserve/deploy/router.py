@@ -100,8 +100,9 @@ class Router:
         r = await http.get(f"{self.url}/list_workers", timeout=10)
         return list(r.json().get("urls", []))
 
-    async def add(self, http: httpx.AsyncClient, url: str) -> None:
+    async def add(self, http: httpx.AsyncClient, url: str, role: str | None = None) -> None:
         if self.pd:  # P/D mode has no worker list to edit: the router restarts with the new list
+            self.roles[url] = role  # a restarted replica may listen on a new port
             if url not in self.live:
                 await self._restart_with([*self.live, url])
             return

@@ -38,9 +38,6 @@ async def _main(config: Config) -> None:
     from rlserve.server.app import _bind
 
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     host, port = config.server.host, config.server.port
     admin_port = config.deployment.admin_port if config.deployment.admin_port is not None else (port + 1 if port else 0)
     admin_host = _admin_host(config)
@@ -48,6 +45,9 @@ async def _main(config: Config) -> None:
     admin_url = f"http://{admin_host}:{sock.getsockname()[1]}"
     key, workdir = new_key(), private_dir("rlserve-deploy-")
     dep = Deployment(config, _replicas(config, key, admin_url, workdir), key, host, port)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, whose own SIGTERM handler exits mid-loop
+        loop.add_signal_handler(sig, stop.set)
     server = None
     try:
         starting = asyncio.ensure_future(dep.start())
@@ -61,7 +61,8 @@ async def _main(config: Config) -> None:
         watching = asyncio.ensure_future(dep.watch())
         assert dep.router is not None
         d = config.deployment
-        shape = (f"{d.num_prefill_replicas} prefill + {d.num_decode_replicas} decode replicas behind vllm-router "
+        where = " on Ray nodes" if d.on_ray else ""
+        shape = (f"{d.prefill_servers} prefill + {d.decode_servers} decode replicas{where} behind vllm-router "
                  "in P/D mode" if d.type == "disaggregated" else f"{len(dep.slots)} replicas behind vllm-router")
         print(f"rlserve: serving {config.model.served_model_name or config.model.name or 'rlserve-default'} on "
               f"{dep.router.url} ({shape}; admin: {admin_url})", flush=True)
@@ -71,7 +72,7 @@ async def _main(config: Config) -> None:
         await asyncio.gather(serving, watching, return_exceptions=True)
     finally:
         await dep.stop()
-        if config.deployment.type == "multi_node":
+        if config.deployment.on_ray:
             from rlserve.deploy.ray_nodes import release
 
             release([s.replica for s in dep.slots])
@@ -92,7 +93,7 @@ def _admin_host(config: Config) -> str:
 
 def _replicas(config: Config, key: str, admin_url: str, workdir) -> list[Replica]:
     d = config.deployment
-    if d.type == "multi_node":
+    if d.on_ray:
         from rlserve.deploy.ray_nodes import ray_replicas
 
         return ray_replicas(config, key, admin_url)

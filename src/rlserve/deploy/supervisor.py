@@ -178,7 +178,7 @@ class Deployment:
             log.error("%s %s", slot.name, slot.detail)
             return
         assert self.router is not None and slot.url is not None
-        await self.router.add(self.http, slot.url)
+        await self.router.add(self.http, slot.url, getattr(slot.replica, "role", None))
         slot.status, slot.detail = "serving", ""
         log.info("%s rejoined at policy_version %s (%s)", slot.name, s.policy_version, s.weight_version)
 

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from rlserve.config import Config
 from rlserve.engine.engine import Engine
 from rlserve.engine.face import EngineDeadError, EngineFace, check_pause_mode
+from rlserve.engine.kv_transfer import LANDING_POLL_S
 from rlserve.engine.outputs import RequestOutput
 from rlserve.engine.params import SamplingParams
 from rlserve.engine.sequence import Request
@@ -261,7 +262,7 @@ class AsyncEngine(EngineFace):
                     except queue.Empty:
                         break
                 engine.poll_transfers()
-                idle_s = 0.001 if engine.transfers_pending else 0.05 if engine.kv_transfer is not None else 0.5
+                idle_s = LANDING_POLL_S if engine.transfers_pending else 0.05 if engine.kv_transfer is not None else 0.5
                 if self.paused:
                     self._dispatch(engine.take_pending())
                     self._wake.wait(timeout=idle_s)

@@ -27,11 +27,13 @@ import zmq
 from rlserve.config import Config
 from rlserve.engine import ipc
 from rlserve.engine.engine import Engine
+from rlserve.engine.kv_transfer import LANDING_POLL_S
 from rlserve.engine.sequence import Request
 from rlserve.engine.weights import StagingBuffers, check_under_roots, stage, stage_from_dir
 
 log = logging.getLogger("rlserve.engine.core")
 IDLE_POLL_MS = 50  # how long an idle loop sleeps on its inbox before looking at helpers and its parent
+LANDING_POLL_MS = round(LANDING_POLL_S * 1000)
 
 
 class EngineCore:
@@ -53,7 +55,7 @@ class EngineCore:
         engine, parent = self.engine, os.getppid()
         while not self.stop:
             busy = engine.has_unfinished() and not self.paused
-            if self.inbox.poll(0 if busy else 1 if engine.transfers_pending else IDLE_POLL_MS):
+            if self.inbox.poll(0 if busy else LANDING_POLL_MS if engine.transfers_pending else IDLE_POLL_MS):
                 while True:
                     try:
                         raw = self.inbox.recv(zmq.NOBLOCK)

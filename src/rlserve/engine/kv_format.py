@@ -29,6 +29,7 @@ KV_LAYOUT = ["layers", "kv", "block_size", "kv_heads", "head_dim"]
 _CHECKSUM_BYTES = 16
 _checksum = xxhash.xxh3_128
 _MAX_HEADER_BYTES = 1 << 20
+_MIN_RUN_BYTES = 4096  # shorter contiguous runs are gathered into one copy instead
 DTYPES = {
     name: getattr(torch, name)
     for name in ("float32", "bfloat16", "float16", "int64", "int32", "int16", "int8", "uint8")
@@ -53,8 +54,23 @@ class KVBlock:
         return self.kv.shape[2]
 
 
-def _raw(t: torch.Tensor) -> memoryview:
-    return memoryview(t.detach().contiguous().cpu().view(torch.uint8).reshape(-1).numpy())
+def _raw(t: torch.Tensor) -> list[memoryview]:
+    """The tensor's bytes in row-major order, as views of its own memory where it lies in contiguous runs
+    (a block sliced out of the pool: one run per layer and k/v), so encoding copies nothing."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    lead = 0  # leading dims to iterate over; the rest of each slice is contiguous
+    while lead < t.dim() and not t[(0,) * lead].is_contiguous():
+        lead += 1
+    if t.numel() == 0 or lead == 0 or lead > 2 or lead == t.dim() or t[(0,) * lead].nbytes < _MIN_RUN_BYTES:
+        return [memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy())]  # one copy
+    # slices of one view of the whole storage: a torch view per run costs more than hashing it
+    whole = memoryview(torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).numpy())
+    item, run, offset, stride = t.element_size(), t[(0,) * lead].nbytes, t.storage_offset(), t.stride()
+    inner = range(t.shape[1]) if lead == 2 else range(1)
+    starts = [(offset + i * stride[0] + j * stride[1]) * item for i in range(t.shape[0]) for j in inner]
+    return [whole[s : s + run] for s in starts]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -70,10 +86,11 @@ def _parts(block: KVBlock) -> list[memoryview]:
     tensors, offset, payload = [], 0, []
     for name, t in [("kv", block.kv), *sorted(block.metadata.items())]:
         raw = _raw(t)
+        nbytes = sum(r.nbytes for r in raw)
         tensors.append({"name": name, "dtype": _dtype_name(t.dtype), "shape": list(t.shape), "offset": offset,
-                        "nbytes": raw.nbytes})
-        payload.append(raw)
-        offset += raw.nbytes
+                        "nbytes": nbytes})
+        payload += raw
+        offset += nbytes
     header = json.dumps({
         "format": FORMAT_VERSION, "hash": block.block_hash.hex(), "weight_generation": block.weight_generation,
         "block_size": block.block_size, "layout": KV_LAYOUT, "tensors": tensors,
