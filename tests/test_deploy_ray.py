@@ -13,8 +13,8 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
-from conftest import start_server, stop_server
-from deploy_helpers import alive, descendants, local_ray_cluster, log_text, replicas, start_deployment, stop_deployment, wait_for
+from conftest import server_log, start_server, stop_server
+from deploy_helpers import alive, descendants, local_ray_cluster, replicas, start_deployment, stop_deployment, wait_for
 from rlserve.model.make import make_model
 from test_pd import BLOCK, completion, metric, prompts, same_choice, warm
 from test_server_rl import generate, hf_check
@@ -89,7 +89,7 @@ def test_disaggregated_on_ray_serves_through_p_and_d_nodes_and_sigterm_leaves_no
         stop_server(single)
     proc.send_signal(signal.SIGTERM)
     try:
-        assert proc.wait(timeout=120) == 0, log_text(proc)[-4000:]
+        assert proc.wait(timeout=120) == 0, server_log(proc)[-4000:]
         wait_for(lambda: not any(alive(pid) for pid in tree), 60, "every server and the router to exit")
     finally:
         stop_deployment(proc)
