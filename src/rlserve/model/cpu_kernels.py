@@ -172,12 +172,13 @@ class CpuKernels:
         """Up to how many rows `gemv` is faster than the GEMM libraries (0: not for this dtype)."""
         return GEMV_MAX_ROWS.get(dtype, 0)
 
-    def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [rows, K] @ weight[N, K]^T (+ bias [N]) -> [rows, N]: F.linear for a few rows."""
+    def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
+        """x [rows, K] @ weight[N, K]^T (+ bias [N]) -> [rows, N]: F.linear for a few rows, split
+        over `threads` (default GEMV_THREADS) when the call has PARALLEL_MIN_WORK multiply-adds."""
         x, weight = x.contiguous(), weight.contiguous()
         out = x.new_empty(x.shape[0], weight.shape[0])
         self._gemv[x.dtype](
-            x.data_ptr(), weight.data_ptr(), _ptr(bias), out.data_ptr(), x.shape[0], x.shape[1], weight.shape[0], GEMV_THREADS,
+            x.data_ptr(), weight.data_ptr(), _ptr(bias), out.data_ptr(), x.shape[0], x.shape[1], weight.shape[0], threads or GEMV_THREADS,
         )  # fmt: skip
         return out
 
