@@ -43,6 +43,9 @@ DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 # on 2 cores (AVX-512, AVX512_BF16) with every SmolLM2-135M projection and its LM head, 1.0-1.2x at 1
 # row and 2-10x at 4-8 rows (fp32), 1.3-1.7x up to 16 rows (bf16).
 GEMV_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 16}
+# Threads the GEMV splits its outputs over. One: on the shared 2-core box two were 2-4x slower (the
+# parallel region waits for a descheduled second thread: 3.0 against 9.0 tok/s at batch 1); an
+# idle machine may read weights faster with more (set RLSERVE_GEMV_THREADS to try).
 GEMV_THREADS = int(os.environ.get("RLSERVE_GEMV_THREADS", "1"))
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC", "-shared"]
 
@@ -169,7 +172,10 @@ class CpuKernels:
         return out
 
     def gemv_rows(self, dtype: torch.dtype) -> int:
-        """Up to how many rows `gemv` is faster than the GEMM libraries (0: not for this dtype)."""
+        """Up to how many rows `gemv` is faster than the GEMM libraries (0: not for this dtype; bf16
+        only where the CPU has native bf16 dot products, measured nowhere else)."""
+        if dtype == torch.bfloat16 and not cpu_has_native_bf16():
+            return 0
         return GEMV_MAX_ROWS.get(dtype, 0)
 
     def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:

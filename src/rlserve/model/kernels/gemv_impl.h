@@ -7,10 +7,12 @@
  * reads ~25). Here the weight is read once, in torch's own [out, in] layout (each output's row
  * contiguous, so no packed copy and nothing to refresh after a weight update): a tile of 4 output
  * rows against up to 4 rows of x, 16 accumulators in registers, the x rows staying in L1.
- * Outputs are split across threads when the call has PARALLEL_MIN_WORK multiply-adds.
+ * Outputs are split across num_threads when the call has PARALLEL_MIN_WORK multiply-adds (the
+ * engine passes 1 by default: see GEMV_THREADS in cpu_kernels.py).
  *
- * bf16 multiplies pairs with AVX512_BF16's dot product (fp32 accumulation) where the CPU has it,
- * else widens to fp32; the portable build is the same tiles in plain C.
+ * bf16 multiplies pairs with AVX512_BF16's dot product (fp32 accumulation) where the CPU has it;
+ * elsewhere the same tiles in plain C, bf16 widened to fp32 (the engine takes this routine for
+ * bf16 only on CPUs with native bf16).
  */
 #include <stdint.h>
 
