@@ -43,10 +43,10 @@ DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 # on 2 cores (AVX-512, AVX512_BF16) with every SmolLM2-135M projection and its LM head, 1.0-1.2x at 1
 # row and 2-10x at 4-8 rows (fp32), 1.3-1.7x up to 16 rows (bf16).
 GEMV_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 16}
-# Threads the GEMV splits its outputs over. One: on the shared 2-core box two were 2-4x slower (the
-# parallel region waits for a descheduled second thread: 3.0 against 9.0 tok/s at batch 1); an
-# idle machine may read weights faster with more (set RLSERVE_GEMV_THREADS to try).
-GEMV_THREADS = int(os.environ.get("RLSERVE_GEMV_THREADS", "1"))
+# Threads the GEMV splits its outputs over; 0: torch's thread count. Not an OpenMP team: gemv.c's
+# caller + helper thread never waits for a descheduled thread at a barrier (OpenMP's two threads
+# were 2-4x slower than one on the shared box; the helper ~1.6x faster than one at 1-4 rows).
+GEMV_THREADS = int(os.environ.get("RLSERVE_GEMV_THREADS", "0"))
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC", "-shared"]
 
 
@@ -184,7 +184,7 @@ class CpuKernels:
         x, weight = x.contiguous(), weight.contiguous()
         out = x.new_empty(x.shape[0], weight.shape[0])
         self._gemv[x.dtype](
-            x.data_ptr(), weight.data_ptr(), _ptr(bias), out.data_ptr(), x.shape[0], x.shape[1], weight.shape[0], threads or GEMV_THREADS,
+            x.data_ptr(), weight.data_ptr(), _ptr(bias), out.data_ptr(), x.shape[0], x.shape[1], weight.shape[0], threads or GEMV_THREADS or torch.get_num_threads(),
         )  # fmt: skip
         return out
 

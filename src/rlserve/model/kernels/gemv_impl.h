@@ -7,8 +7,8 @@
  * reads ~25). Here the weight is read once, in torch's own [out, in] layout (each output's row
  * contiguous, so no packed copy and nothing to refresh after a weight update): a tile of 4 output
  * rows against up to 4 rows of x, 16 accumulators in registers, the x rows staying in L1.
- * Outputs are split across num_threads when the call has PARALLEL_MIN_WORK multiply-adds (the
- * engine passes 1 by default: see GEMV_THREADS in cpu_kernels.py).
+ * With num_threads > 1 the outputs are shared with one helper thread (gemv.c: no barrier that
+ * waits for a descheduled thread) when the call has PARALLEL_MIN_WORK multiply-adds.
  *
  * bf16 multiplies pairs with AVX512_BF16's dot product (fp32 accumulation) where the CPU has it;
  * elsewhere the same tiles in plain C, bf16 widened to fp32 (the engine takes this routine for
@@ -93,21 +93,38 @@ static inline __attribute__((always_inline)) void NAME(gemv_store)(const T *x, c
         for (int64_t j = 0; j < nj; ++j) out[(r0 + r) * N + n + j] = ST(acc[r][j] + (bias != 0 ? LD(bias[n + j]) : 0.0f));
 }
 
-/* x [rows, K], w [N, K], bias [N] or NULL, out [rows, N]; all contiguous. */
-void NAME(rlserve_gemv)(const T *x, const T *w, const T *bias, T *out, int64_t rows, int64_t K, int64_t N,
-                        int num_threads) {
-    const int64_t tiles = (N + GEMV_TILE_OUT - 1) / GEMV_TILE_OUT;
-#pragma omp parallel for schedule(dynamic, 8) num_threads(num_threads) if (tiles > 1 && rows * K * N >= PARALLEL_MIN_WORK)
-    for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t n = t * GEMV_TILE_OUT, nj = N - n < GEMV_TILE_OUT ? N - n : GEMV_TILE_OUT;
-        for (int64_t r0 = 0; r0 < rows; r0 += GEMV_TILE_ROWS) {
-            const int64_t nr = rows - r0 < GEMV_TILE_ROWS ? rows - r0 : GEMV_TILE_ROWS;
+struct NAME(gemv_job) {
+    const T *x, *w, *bias;
+    T *out;
+    int64_t rows, K, N;
+};
+
+/* Output tiles [begin, end) of a job: every row of x against those 4-output tiles of w. */
+static void NAME(gemv_tiles)(const void *job_ptr, int64_t begin, int64_t end) {
+    const struct NAME(gemv_job) *j = job_ptr;
+    for (int64_t t = begin; t < end; ++t) {
+        const int64_t n = t * GEMV_TILE_OUT, nj = j->N - n < GEMV_TILE_OUT ? j->N - n : GEMV_TILE_OUT;
+        for (int64_t r0 = 0; r0 < j->rows; r0 += GEMV_TILE_ROWS) {
+            const int64_t nr = j->rows - r0 < GEMV_TILE_ROWS ? j->rows - r0 : GEMV_TILE_ROWS;
             /* the full tiles with constant sizes, so gemv_tile unrolls; edges through the generic one */
-            if (nj == GEMV_TILE_OUT && nr == 4) NAME(gemv_store)(x, w, bias, out, K, N, r0, n, 4, 4);
-            else if (nj == GEMV_TILE_OUT && nr == 3) NAME(gemv_store)(x, w, bias, out, K, N, r0, n, 3, 4);
-            else if (nj == GEMV_TILE_OUT && nr == 2) NAME(gemv_store)(x, w, bias, out, K, N, r0, n, 2, 4);
-            else if (nj == GEMV_TILE_OUT && nr == 1) NAME(gemv_store)(x, w, bias, out, K, N, r0, n, 1, 4);
-            else NAME(gemv_store)(x, w, bias, out, K, N, r0, n, nr, nj);
+            if (nj == GEMV_TILE_OUT && nr == 4) NAME(gemv_store)(j->x, j->w, j->bias, j->out, j->K, j->N, r0, n, 4, 4);
+            else if (nj == GEMV_TILE_OUT && nr == 3) NAME(gemv_store)(j->x, j->w, j->bias, j->out, j->K, j->N, r0, n, 3, 4);
+            else if (nj == GEMV_TILE_OUT && nr == 2) NAME(gemv_store)(j->x, j->w, j->bias, j->out, j->K, j->N, r0, n, 2, 4);
+            else if (nj == GEMV_TILE_OUT && nr == 1) NAME(gemv_store)(j->x, j->w, j->bias, j->out, j->K, j->N, r0, n, 1, 4);
+            else NAME(gemv_store)(j->x, j->w, j->bias, j->out, j->K, j->N, r0, n, nr, nj);
         }
     }
+}
+
+/* x [rows, K], w [N, K], bias [N] or NULL, out [rows, N]; all contiguous. num_threads > 1 shares
+ * the outputs with gemv.c's helper thread (in 16 chunks) when the call has PARALLEL_MIN_WORK
+ * multiply-adds. */
+void NAME(rlserve_gemv)(const T *x, const T *w, const T *bias, T *out, int64_t rows, int64_t K, int64_t N,
+                        int num_threads) {
+    const struct NAME(gemv_job) job = {x, w, bias, out, rows, K, N};
+    const int64_t tiles = (N + GEMV_TILE_OUT - 1) / GEMV_TILE_OUT;
+    if (num_threads > 1 && tiles > 1 && rows * K * N >= PARALLEL_MIN_WORK)
+        gemv_parallel(NAME(gemv_tiles), &job, tiles, tiles >= 16 ? tiles / 16 : 1);
+    else
+        NAME(gemv_tiles)(&job, 0, tiles);
 }
