@@ -14,7 +14,7 @@
 
 typedef void (*gemv_chunk_fn)(const void *job, int64_t begin, int64_t end);
 
-#define HELPER_SPIN 20000 /* polls (~50 us) before the idle helper sleeps on the condition variable */
+#define HELPER_SPIN 20000 /* pause-polls (well under a millisecond) before the idle helper sleeps */
 
 static struct {
     pthread_mutex_t call;           /* one call at a time uses the helper; another runs alone */
