@@ -110,6 +110,74 @@ def test_silu_mul_equals_the_torch_ops(kernels, rows):
     assert torch.allclose(kernels.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, atol=1e-5)
 
 
+GEMV_SHAPES = [  # (in, out): SmolLM2's projections; odd sizes that leave tails of the 16/32-wide loads and 4-output tiles
+    (576, 960), (1536, 576), (37, 9), (17, 3), (33, 1), (1, 5),
+]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 16, 17])  # partial and full 4-row tiles, both sides of the row limits
+@pytest.mark.parametrize("k, n", GEMV_SHAPES)
+def test_gemv_equals_linear_fp32(kernels, rows, k, n):
+    gen = torch.Generator().manual_seed(rows * 1000 + k + n)
+    x, weight, bias = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    want = torch.nn.functional.linear(x.double(), weight.double(), bias.double()).float()
+    assert torch.allclose(kernels.gemv(x, weight, bias), want, atol=1e-4, rtol=1e-5)
+    assert torch.allclose(kernels.gemv(x, weight), want - bias, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17])
+@pytest.mark.parametrize("k, n", GEMV_SHAPES)
+def test_gemv_bf16_rounds_the_fp32_sum_of_bf16_products(kernels, rows, k, n):
+    """bf16 in and out: the exact sum of the bf16 products rounded once to bf16 (half a bf16 step,
+    at most 2^-8 of the value), plus the fp32 accumulation's own error (tiny: ~1e-7 per product)."""
+    gen = torch.Generator().manual_seed(rows * 1000 + k + n)
+    x, weight, bias = (torch.randn(rows, k, generator=gen).bfloat16(), torch.randn(n, k, generator=gen).bfloat16(),
+                       torch.randn(n, generator=gen).bfloat16())  # fmt: skip
+    want = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
+    got = kernels.gemv(x, weight, bias)
+    assert got.dtype == torch.bfloat16
+    assert ((got.double() - want).abs() <= want.abs() * 2.0**-8 + 1e-5 * k).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_split_across_threads_equals_one_thread(kernels, dtype):
+    """Enough work to pass PARALLEL_MIN_WORK: the outputs split across 2 threads, tiles unchanged."""
+    gen = torch.Generator().manual_seed(3)
+    x, weight = torch.randn(3, 1536, generator=gen).to(dtype), torch.randn(3073, 1536, generator=gen).to(dtype)
+    assert torch.equal(kernels.gemv(x, weight, threads=2), kernels.gemv(x, weight, threads=1))
+
+
+def test_projections_take_the_gemv_up_to_its_row_limit_and_see_weight_updates(kernels, model_dir, monkeypatch):
+    """A model's projections (and LM head) go through the GEMV at few rows and through the packed
+    GEMM above; both equal F.linear, and an in-place weight update reaches the GEMV at once."""
+    from transformers import AutoConfig
+
+    from rlserve.model.llama import ModelShape, Projection
+    from rlserve.model.loader import load_model
+
+    shape = ModelShape.from_hf(AutoConfig.from_pretrained(model_dir))
+    model = load_model(model_dir, shape, torch.float32, torch.device("cpu"))
+    model.pack_weights()
+    model.use_gemv(kernels)
+    calls = []
+    real_gemv = kernels.gemv
+    monkeypatch.setattr(kernels, "gemv", lambda *a, **kw: calls.append(a[0].shape[0]) or real_gemv(*a, **kw))
+    proj = next(m for m in model.modules() if isinstance(m, Projection))
+    limit = kernels.gemv_rows(torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    for rows in (1, limit, limit + 1):
+        x = torch.randn(rows, proj.in_features, generator=gen)
+        want = torch.nn.functional.linear(x, proj.weight, proj.bias)
+        assert torch.allclose(proj(x), want, atol=1e-4)
+        hidden = torch.randn(rows, model.shape.hidden_size, generator=gen)
+        assert torch.allclose(model.compute_logits(hidden), torch.nn.functional.linear(hidden, model.head_weight), atol=1e-4)
+    assert calls == [1, 1, limit, limit]  # the projection and the head at 1 and at the limit; none above
+    with torch.no_grad():
+        proj.weight.mul_(2)
+    x = torch.randn(1, proj.in_features, generator=gen)
+    assert torch.allclose(proj(x), torch.nn.functional.linear(x, proj.weight, proj.bias), atol=1e-4)
+
+
 def bf16_ulps(got: torch.Tensor, want: torch.Tensor) -> float:
     """Largest difference in units of bf16 rounding at each value's size."""
     ulp = want.float().abs().clamp_min(1e-3) * 2.0**-8

@@ -58,6 +58,7 @@ class ModelRunner:
         self.dtype = dtype
         if pack_weights:
             self._pack_weights_if_they_fit()
+        model.use_gemv(self.kernels)
         s = model.shape
         # [layers, 2, slots, kv_heads, head_dim]; zeros so padded gathers never read NaN garbage.
         # One block more than the pool hands out: the scratch block padded graph rows write to.

@@ -239,15 +239,19 @@ class CastWeight:
 
 
 class Projection(nn.Linear):
-    """nn.Linear that runs through a packed copy of its weight once `pack()` has made one."""
+    """nn.Linear that runs through a packed copy of its weight once `pack()` has made one, and
+    through the C GEMV for a few rows once `CausalLM.use_gemv` has given it the kernels."""
 
     packed: PackedWeight | None = None
+    gemv: "CpuKernels | None" = None
 
     def pack(self) -> bool:
         self.packed = PackedWeight() if PackedWeight.supported(self.weight) else None
         return self.packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv is not None and x.shape[0] <= self.gemv.gemv_rows(x.dtype) and x.dtype == self.weight.dtype:
+            return self.gemv.gemv(x, self.weight, self.bias)
         if self.packed is not None:
             return self.packed.linear(x, self.weight, self.bias)
         return linear(x, self.weight, self.bias)
@@ -475,6 +479,7 @@ class CausalLM(nn.Module):
         self.lm_head = None if shape.tie_word_embeddings else nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
         self.rope = RotaryEmbedding(shape, device)
         self.packed_head: PackedWeight | None = None
+        self.gemv: "CpuKernels | None" = None  # the C GEMV for projections of few rows (`use_gemv`)
         self.head_cast: CastWeight | None = None  # the LM head in its own dtype, when it differs
         # tensor parallel (model/tensor_parallel.py): `shape` is this rank's part, `full_shape` the checkpoint's
         self.full_shape, self.tp_rank, self.tp_size = shape, 0, 1
@@ -495,6 +500,13 @@ class CausalLM(nn.Module):
         self.packed_head = PackedWeight() if PackedWeight.supported(self.logits_weight) else None
         self.refresh_packed()
         return packed + (self.packed_head is not None)
+
+    def use_gemv(self, kernels: "CpuKernels | None") -> None:
+        """Run projections (the LM head too) of few rows through the kernels' GEMV (None: never)."""
+        self.gemv = kernels
+        for m in self.modules():
+            if isinstance(m, Projection):
+                m.gemv = kernels
 
     def refresh_packed(self) -> None:
         """Repack what changed now (after loading or updating weights), not in the next step."""
@@ -539,6 +551,8 @@ class CausalLM(nn.Module):
         """fp32 logits [T, vocab]; computed in the head's dtype (`set_head_dtype`)."""
         weight = self.logits_weight
         hidden = hidden.to(weight.dtype)
+        if self.gemv is not None and hidden.device.type == "cpu" and hidden.shape[0] <= self.gemv.gemv_rows(weight.dtype):
+            return self.gemv.gemv(hidden, weight).float()
         if self.packed_head is not None:
             return self.packed_head.linear(hidden, weight).float()
         return F.linear(hidden, weight).float()

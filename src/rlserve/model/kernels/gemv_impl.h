@@ -1,0 +1,130 @@
+/* out = x @ w^T (+ bias) for a few rows of x (included once per storage type by gemv.c; T, LD,
+ * ST from scalar.h; fp32 accumulation).
+ *
+ * At decode with few sequences a projection is a matrix-vector product bound by reading the
+ * weight: each weight value is used once per row. A GEMM library tuned for large products reads
+ * it slower than the memory allows (MKL's packed sgemm at 1 row streamed ~15 GB/s where llama.cpp
+ * reads ~25). Here the weight is read once, in torch's own [out, in] layout (each output's row
+ * contiguous, so no packed copy and nothing to refresh after a weight update): a tile of 4 output
+ * rows against up to 4 rows of x, 16 accumulators in registers, the x rows staying in L1.
+ * With num_threads > 1 the outputs are shared with one helper thread (gemv.c: no barrier that
+ * waits for a descheduled thread) when the call has PARALLEL_MIN_WORK multiply-adds.
+ *
+ * bf16 multiplies pairs with AVX512_BF16's dot product (fp32 accumulation) where the CPU has it;
+ * elsewhere the same tiles in plain C, bf16 widened to fp32 (the engine takes this routine for
+ * bf16 only on CPUs with native bf16).
+ */
+#include <stdint.h>
+
+#include "scalar.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define GEMV_TILE_OUT 4
+#define GEMV_TILE_ROWS 4
+
+/* acc[r][j] = dot(x row r, w row j) for nr rows of x and nj rows of w (both at most 4; constants
+ * once inlined, so the loops unroll and the accumulators live in registers). */
+static inline __attribute__((always_inline)) void NAME(gemv_tile)(const T *x, const T *w, int64_t K, int64_t nr,
+                                                                  int64_t nj, float acc_out[GEMV_TILE_ROWS][GEMV_TILE_OUT]) {
+#if defined(__AVX512F__) && !defined(RLSERVE_BF16)
+    __m512 acc[GEMV_TILE_ROWS][GEMV_TILE_OUT];
+    for (int64_t r = 0; r < nr; ++r)
+        for (int64_t j = 0; j < nj; ++j) acc[r][j] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m512 wv[GEMV_TILE_OUT];
+        for (int64_t j = 0; j < nj; ++j) wv[j] = _mm512_loadu_ps(w + j * K + k);
+        for (int64_t r = 0; r < nr; ++r) {
+            const __m512 xv = _mm512_loadu_ps(x + r * K + k);
+            for (int64_t j = 0; j < nj; ++j) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);
+        }
+    }
+    if (k < K) {
+        const __mmask16 m = (__mmask16)((1u << (K - k)) - 1u);
+        __m512 wv[GEMV_TILE_OUT];
+        for (int64_t j = 0; j < nj; ++j) wv[j] = _mm512_maskz_loadu_ps(m, w + j * K + k);
+        for (int64_t r = 0; r < nr; ++r) {
+            const __m512 xv = _mm512_maskz_loadu_ps(m, x + r * K + k);
+            for (int64_t j = 0; j < nj; ++j) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);
+        }
+    }
+    for (int64_t r = 0; r < nr; ++r)
+        for (int64_t j = 0; j < nj; ++j) acc_out[r][j] = _mm512_reduce_add_ps(acc[r][j]);
+#elif defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(RLSERVE_BF16)
+    __m512 acc[GEMV_TILE_ROWS][GEMV_TILE_OUT];
+    for (int64_t r = 0; r < nr; ++r)
+        for (int64_t j = 0; j < nj; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        const __mmask32 m = K - k >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (K - k)) - 1u);
+        __m512i wv[GEMV_TILE_OUT];
+        for (int64_t j = 0; j < nj; ++j) wv[j] = _mm512_maskz_loadu_epi16(m, w + j * K + k);
+        for (int64_t r = 0; r < nr; ++r) {
+            const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, x + r * K + k);
+            for (int64_t j = 0; j < nj; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, (__m512bh)wv[j]);
+        }
+    }
+    for (int64_t r = 0; r < nr; ++r)
+        for (int64_t j = 0; j < nj; ++j) acc_out[r][j] = _mm512_reduce_add_ps(acc[r][j]);
+#else
+    float acc[GEMV_TILE_ROWS][GEMV_TILE_OUT] = {{0.0f}};
+    for (int64_t k = 0; k < K; ++k) {
+        float wv[GEMV_TILE_OUT];
+        for (int64_t j = 0; j < nj; ++j) wv[j] = LD(w[j * K + k]);
+        for (int64_t r = 0; r < nr; ++r) {
+            const float xv = LD(x[r * K + k]);
+            for (int64_t j = 0; j < nj; ++j) acc[r][j] += xv * wv[j];
+        }
+    }
+    for (int64_t r = 0; r < nr; ++r)
+        for (int64_t j = 0; j < nj; ++j) acc_out[r][j] = acc[r][j];
+#endif
+}
+
+/* One tile of outputs [n, n + nj) for rows [r0, r0 + nr), written with the bias. */
+static inline __attribute__((always_inline)) void NAME(gemv_store)(const T *x, const T *w, const T *bias, T *out,
+                                                                   int64_t K, int64_t N, int64_t r0, int64_t n,
+                                                                   int64_t nr, int64_t nj) {
+    float acc[GEMV_TILE_ROWS][GEMV_TILE_OUT];
+    NAME(gemv_tile)(x + r0 * K, w + n * K, K, nr, nj, acc);
+    for (int64_t r = 0; r < nr; ++r)
+        for (int64_t j = 0; j < nj; ++j) out[(r0 + r) * N + n + j] = ST(acc[r][j] + (bias != 0 ? LD(bias[n + j]) : 0.0f));
+}
+
+struct NAME(gemv_job) {
+    const T *x, *w, *bias;
+    T *out;
+    int64_t rows, K, N;
+};
+
+/* Output tiles [begin, end) of a job: every row of x against those 4-output tiles of w. */
+static void NAME(gemv_tiles)(const void *job_ptr, int64_t begin, int64_t end) {
+    const struct NAME(gemv_job) *j = job_ptr;
+    for (int64_t t = begin; t < end; ++t) {
+        const int64_t n = t * GEMV_TILE_OUT, nj = j->N - n < GEMV_TILE_OUT ? j->N - n : GEMV_TILE_OUT;
+        for (int64_t r0 = 0; r0 < j->rows; r0 += GEMV_TILE_ROWS) {
+            const int64_t nr = j->rows - r0 < GEMV_TILE_ROWS ? j->rows - r0 : GEMV_TILE_ROWS;
+            /* the full tiles with constant sizes, so gemv_tile unrolls; edges through the generic one */
+            if (nj == GEMV_TILE_OUT && nr == 4) NAME(gemv_store)(j->x, j->w, j->bias, j->out, j->K, j->N, r0, n, 4, 4);
+            else if (nj == GEMV_TILE_OUT && nr == 3) NAME(gemv_store)(j->x, j->w, j->bias, j->out, j->K, j->N, r0, n, 3, 4);
+            else if (nj == GEMV_TILE_OUT && nr == 2) NAME(gemv_store)(j->x, j->w, j->bias, j->out, j->K, j->N, r0, n, 2, 4);
+            else if (nj == GEMV_TILE_OUT && nr == 1) NAME(gemv_store)(j->x, j->w, j->bias, j->out, j->K, j->N, r0, n, 1, 4);
+            else NAME(gemv_store)(j->x, j->w, j->bias, j->out, j->K, j->N, r0, n, nr, nj);
+        }
+    }
+}
+
+/* x [rows, K], w [N, K], bias [N] or NULL, out [rows, N]; all contiguous. num_threads > 1 shares
+ * the outputs with gemv.c's helper thread (in 16 chunks) when the call has PARALLEL_MIN_WORK
+ * multiply-adds. */
+void NAME(rlserve_gemv)(const T *x, const T *w, const T *bias, T *out, int64_t rows, int64_t K, int64_t N,
+                        int num_threads) {
+    const struct NAME(gemv_job) job = {x, w, bias, out, rows, K, N};
+    const int64_t tiles = (N + GEMV_TILE_OUT - 1) / GEMV_TILE_OUT;
+    if (num_threads > 1 && tiles > 1 && rows * K * N >= PARALLEL_MIN_WORK)
+        gemv_parallel(NAME(gemv_tiles), &job, tiles, tiles >= 16 ? tiles / 16 : 1);
+    else
+        NAME(gemv_tiles)(&job, 0, tiles);
+}
