@@ -8,9 +8,11 @@ import asyncio
 import contextlib
 import json
 import re
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -46,9 +48,17 @@ class Server:
         return out
 
 
+def exit_on_sigterm() -> None:
+    """SIGTERM to a benchmark unwinds it like Ctrl-C would, so the servers it started are stopped in
+    their `finally` blocks instead of being left running (the default action skips them)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+
+
 @contextlib.contextmanager
 def rlserve_server(*args: str, timeout: float = 300.0) -> Iterator[Server]:
     """Its output goes to a file, not a pipe nobody reads (a full pipe would stall the server)."""
+    exit_on_sigterm()
     with tempfile.NamedTemporaryFile("w+b", prefix="rlserve-bench-", suffix=".log") as log:
         cmd = [sys.executable, "-m", "rlserve.cli", "serve", "--server.port", "0", *args]
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

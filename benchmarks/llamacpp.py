@@ -29,7 +29,7 @@ from types import SimpleNamespace
 import httpx
 
 from _cpu import OtherLoad
-from _server import add_workload_args, rlserve_server
+from _server import Server, add_workload_args, exit_on_sigterm, rlserve_server
 from rlserve.bench.serve import random_prompts, run_level
 from rlserve.deploy.process import free_port
 from rlserve.model.make import bench_cache_dir, cache_root, make_model
@@ -100,11 +100,12 @@ def gguf(model_dir: Path, outtype: str) -> Path:
 
 
 @contextlib.contextmanager
-def llama_server(binary: Path, model: Path, args) -> Iterator[str]:
+def llama_server(binary: Path, model: Path, args) -> Iterator[Server]:
     port = free_port()
     ctx = args.clients * (args.prompt_len + max(args.new_tokens, args.single_new_tokens) + 16)
     cmd = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-np", str(args.clients),
            "-t", str(args.threads), "-c", str(ctx)]  # fmt: skip
+    exit_on_sigterm()
     with tempfile.NamedTemporaryFile("w+b", prefix="llama-server-", suffix=".log") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         try:
@@ -116,20 +117,21 @@ def llama_server(binary: Path, model: Path, args) -> Iterator[str]:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"llama-server did not start:\n{Path(log.name).read_text(errors='replace')}")
                 time.sleep(0.3)
-            yield url
+            yield Server(url, proc.pid)
         finally:
             proc.terminate()
             proc.wait(timeout=30)
 
 
-def measure(url: str, args, seed: int) -> dict[str, tuple[float, float | None]]:
-    """tok/s and other processes' CPU use for both workloads against one server."""
+def measure(server: Server, args, seed: int) -> dict[str, tuple[float, float | None]]:
+    """tok/s and other processes' CPU use (not the server's, nor the clients') for both workloads against one server."""
+    url = server.url
     results = {}
     for name, clients, new_tokens in (("64 concurrent", args.clients, args.new_tokens), ("batch 1", 1, args.single_new_tokens)):
         opts = SimpleNamespace(model=None, output_len=new_tokens, temperature=1.0, no_stream=True, no_progress=True, timeout=1800.0)
         asyncio.run(run_level(url, 1, random_prompts(1, args.prompt_len, args.vocab, seed - 1), opts))  # warm-up
         prompts = random_prompts(clients, args.prompt_len, args.vocab, seed)
-        with OtherLoad() as load:
+        with OtherLoad(*server.pids()) as load:
             run = asyncio.run(run_level(url, clients, prompts, opts))
         if run["failed"]:
             raise RuntimeError(f"{run['failed']} requests failed: {run['errors']}")
@@ -164,11 +166,11 @@ def main(argv: list[str] | None = None) -> None:
         server_args = ["--model.name", str(model_dir), "--model.dtype", dtype, "--model.max_model_len", "512",
                        "--engine.kv_cache_bytes", str(kv), "--num_threads", str(args.threads)]  # fmt: skip
         with rlserve_server(*server_args) as server:
-            ours = measure(server.url, args, seed * 100)
+            ours = measure(server, args, seed * 100)
         rows += [(f"rlserve {dtype}", name, tok_s, others, None) for name, (tok_s, others) in ours.items()]
         if binary is not None and llama_source() is not None:
-            with llama_server(binary, gguf(model_dir, ggml_type), args) as url:
-                peer = measure(url, args, seed * 100)
+            with llama_server(binary, gguf(model_dir, ggml_type), args) as server:
+                peer = measure(server, args, seed * 100)
             for name, (tok_s, others) in peer.items():
                 ratio, goal = ours[name][0] / tok_s, TARGETS[(dtype, name)]
                 rows.append((f"llama.cpp {ggml_type}", name, tok_s, others, f"{ratio:.2f}x (>= {goal}x: {'met' if ratio >= goal else 'missed'})"))

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ import msgspec
 import pytest
 
 from conftest import start_server, stop_server
+from rlserve.config import Config
 from rlserve.engine import ipc
 from rlserve.engine.outputs import CompletionOutput, RequestOutput, VersionSpan
 from rlserve.engine.params import SamplingParams
@@ -123,6 +125,33 @@ def test_server_going_away_stops_the_engine_process(sig):
         wait_until(lambda: gone(core), f"engine process {core} outlived the server ({sig.name})")
     finally:
         stop_server(proc)
+
+
+@linux_only
+def test_an_engine_process_whose_server_died_before_it_looked_exits(model_dir, tmp_path):
+    """The server dies while its engine process is still importing, so by the time the engine process
+    looks it has already been reparented and os.getppid() no longer names the server: only the pid the
+    server handed down tells it that nobody will ever read its outputs."""
+    config = Config()
+    config.model.name = str(model_dir)
+    short_lived_server = textwrap.dedent(f"""
+        import subprocess, sys
+        from rlserve.engine import ipc
+        proc = subprocess.Popen([sys.executable, "-m", "rlserve.engine.core", "ipc://{tmp_path}/in", "ipc://{tmp_path}/out"],
+                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                env=ipc.child_env())
+        proc.stdin.write(sys.stdin.buffer.read())
+        proc.stdin.close()
+        print(proc.pid, flush=True)
+    """)
+    launched = subprocess.run([sys.executable, "-c", short_lived_server], input=config.model_dump_json().encode(),
+                              capture_output=True, check=True, timeout=HANG_GUARD_S)
+    core = int(launched.stdout)
+    try:
+        wait_until(lambda: gone(core), f"engine process {core} outlived the server that started it")
+    finally:
+        if not gone(core):
+            os.kill(core, signal.SIGKILL)
 
 
 def test_engine_start_failure_is_reported():

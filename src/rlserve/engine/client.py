@@ -47,7 +47,7 @@ class EngineClient(EngineFace):
         self._out = self._socket(zmq.PUSH, in_addr)
         self._in = self._socket(zmq.PULL, out_addr)
         self.proc = subprocess.Popen([sys.executable, "-m", "rlserve.engine.core", in_addr, out_addr],
-                                     stdin=subprocess.PIPE)
+                                     stdin=subprocess.PIPE, env=ipc.child_env())
         self._streams: dict[int, asyncio.Queue] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._keys = itertools.count()

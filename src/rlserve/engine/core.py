@@ -52,7 +52,7 @@ class EngineCore:
     # ---- the loop ---------------------------------------------------------------------------
 
     def run(self) -> None:
-        engine, parent = self.engine, os.getppid()
+        engine, parent = self.engine, ipc.parent_pid()
         while not self.stop:
             busy = engine.has_unfinished() and not self.paused
             if self.inbox.poll(0 if busy else LANDING_POLL_MS if engine.transfers_pending else IDLE_POLL_MS):

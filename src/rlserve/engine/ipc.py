@@ -141,16 +141,29 @@ to_server = msgspec.msgpack.Decoder(ToServer, dec_hook=_decode_array)
 # ---- processes the engine side starts (the engine core, tensor-parallel workers) -------------
 
 
+PARENT_ENV = "RLSERVE_PARENT_PID"
+
+
+def child_env() -> dict[str, str]:
+    """The environment for a child that calls start_child(): it names this process as the one to die with."""
+    return {**os.environ, PARENT_ENV: str(os.getpid())}
+
+
+def parent_pid() -> int:
+    """The process that started this one. Not os.getppid() read at start: a parent that died while this
+    process was still importing leaves it reparented already, and then getppid() names the new parent."""
+    return int(os.environ.get(PARENT_ENV) or os.getppid())
+
+
 def start_child() -> Config | None:
     """Die with the parent (None when it is already gone), leave SIGINT to it, read the config it
     writes as JSON on stdin, log as it asks."""
-    parent = os.getppid()
     if sys.platform.startswith("linux"):
         import ctypes
 
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != parent:  # the parent died before prctl took effect
+    if os.getppid() != parent_pid():  # the parent died before prctl took effect
         return None
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     config = Config.model_validate_json(sys.stdin.buffer.read())

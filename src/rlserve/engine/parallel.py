@@ -31,7 +31,7 @@ import torch.distributed as dist
 import zmq
 
 from rlserve.config import Config
-from rlserve.engine.ipc import connect_pair, start_child
+from rlserve.engine.ipc import child_env, connect_pair, parent_pid, start_child
 from rlserve.model.llama import AttentionBatch, CascadePlan, CausalLM, PrefillSeq
 from rlserve.model.tensor_parallel import shard, shard_dim
 
@@ -251,7 +251,7 @@ class TensorParallelLeader:
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "rlserve.engine.parallel", str(rank), str(self.tp), str(self.store.port),
                      f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{reply_port}", str(num_blocks), str(device)],
-                    stdin=subprocess.PIPE)
+                    stdin=subprocess.PIPE, env=child_env())
                 proc.stdin.write(payload)
                 proc.stdin.close()
                 self.procs.append(proc)
@@ -509,7 +509,7 @@ class Worker:
             self.adapters[staged.name] = staged
 
     def serve(self, inbox: zmq.Socket) -> None:
-        parent = os.getppid()
+        parent = parent_pid()
         while True:
             if not inbox.poll(1000):
                 if os.getppid() != parent:
