@@ -8,6 +8,8 @@ import logging
 import pytest
 import torch
 
+from rlserve.config import Config
+from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams
 from rlserve.model import cpu_kernels as kernels_module
 from rlserve.model.cpu_kernels import CpuKernels, cpu_kernels, reference_paged_attention
@@ -279,3 +281,37 @@ def test_shapes_outside_the_kernels_buffers_keep_the_pytorch_path(kernels):
     assert not kernels.supports(9, 3, 64, 128, torch.float32)  # larger blocks than sized for
     assert kernels.supports(9, 3, 64, 16, torch.bfloat16)  # bf16 storage, fp32 arithmetic
     assert not kernels.supports(9, 3, 64, 16, torch.float16)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_layers_in_one_call_equal_the_python_path(model_dir, kernels, dtype, monkeypatch):
+    """A decode step of few rows runs every layer in one C call (decode_impl.h): the same kernels
+    in the same order as the Python path, so tokens and logprobs are bit-identical to it, also
+    after a weight is replaced by a new tensor (its address is read every step)."""
+    if dtype == "bfloat16" and not kernels_module.cpu_has_native_bf16():
+        pytest.skip("the bf16 GEMV (and so the one-call decode) runs only on CPUs with native bf16")
+    cfg = Config()
+    cfg.model.name, cfg.model.dtype, cfg.model.max_model_len = str(model_dir), dtype, 256
+    cfg.engine.kv_cache_bytes, cfg.engine.enable_prefix_caching = 16 << 20, False
+    engine = Engine(cfg)
+    model = engine.runner.model
+    calls = []
+    real = CpuKernels.decode_layers
+    monkeypatch.setattr(CpuKernels, "decode_layers", lambda self, ptrs, *a: calls.append(ptrs.shape[0]) or real(self, ptrs, *a))
+    prompts = random_prompts(3, engine.vocab_size, lo=5, hi=30, seed=9)
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=20, ignore_eos=True, logprobs=2, seed=4)
+
+    def run() -> list:
+        return [(c.token_ids, c.logprobs, c.top_logprobs) for o in engine.generate(prompts, params) for c in o.outputs]
+
+    one_call = run()
+    assert calls and set(calls) == {model.shape.num_layers}  # every decode step of the 6 rows took it
+    model._dense = False  # the Python path, layer by layer
+    assert run() == one_call
+    down = model.layers[1].mlp.down_proj
+    down.weight = torch.nn.Parameter(down.weight.detach() * 1.5)  # a new tensor at a new address
+    python_path = run()
+    model._dense = None
+    calls.clear()
+    assert run() == python_path and calls
+    assert python_path != one_call

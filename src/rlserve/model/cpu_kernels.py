@@ -119,7 +119,7 @@ class CpuKernels:
 
     def __init__(self, lib: ctypes.CDLL):
         i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
-        self._attention, self._add_rms_norm, self._qk_rope_store, self._silu_mul, self._gemv = {}, {}, {}, {}, {}
+        self._attention, self._add_rms_norm, self._qk_rope_store, self._silu_mul, self._gemv, self._decode = {}, {}, {}, {}, {}, {}
         for dtype, suffix in DTYPES.items():
             fn = lambda name: getattr(lib, f"rlserve_{name}_{suffix}")  # noqa: E731
             self._attention[dtype] = self._fn(fn("paged_attention"), [ptr, i64] + [ptr] * 5 + [i64] * 6 + [f32, i32])
@@ -127,6 +127,8 @@ class CpuKernels:
             self._qk_rope_store[dtype] = self._fn(fn("qk_rope_store"), [ptr] * 5 + [f32] + [ptr] * 3 + [i64] * 4 + [i32])
             self._silu_mul[dtype] = self._fn(fn("silu_mul"), [ptr, ptr, i64, i64, i32])
             self._gemv[dtype] = self._fn(fn("gemv"), [ptr] * 4 + [i64] * 3 + [i32])
+            self._decode[dtype] = self._fn(fn("decode_layers"), [ptr, i64] + [ptr] * 7 + [i64] + [ptr] * 2 + [i64] * 2 + [ptr] * 5 + [i64] * 6 + [f32, f32, i32, i32])
+        self.decode_layer_ptrs = self._fn(lib.rlserve_decode_layer_ptrs, [], ctypes.c_int)()
         self._limits = self._fn(lib.rlserve_paged_attention_limits, [i64] * 3, ctypes.c_int)
 
     @staticmethod
@@ -177,6 +179,23 @@ class CpuKernels:
         if dtype == torch.bfloat16 and not cpu_has_native_bf16():
             return 0
         return GEMV_MAX_ROWS.get(dtype, 0)
+
+    def decode_layers(self, layer_ptrs: torch.Tensor, final_norm, h, x, cos, sin_signed, slots, kv, blocks, ctx_lens, block_size: int,
+                      shape, eps: float, scale: float) -> None:  # fmt: skip
+        """Every decoder layer of a decode step of few rows in one call (decode_impl.h): h [rows,
+        hidden] the residual stream, updated in place; x ends as the final norm of it. layer_ptrs
+        [layers, decode_layer_ptrs] int64 (see decode_impl.h); kv [layers, 2, slots, kv_heads, D]."""
+        rows, hidden = h.shape
+        nh, nkv, d, inter = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.intermediate_size
+        qkv, attn = h.new_empty(rows, (nh + 2 * nkv) * d), h.new_empty(rows, nh * d)
+        delta, gate_up, act = h.new_empty(rows, hidden), h.new_empty(rows, 2 * inter), h.new_empty(rows, inter)
+        threads = torch.get_num_threads()
+        self._decode[h.dtype](
+            layer_ptrs.data_ptr(), layer_ptrs.shape[0], final_norm.data_ptr(), h.data_ptr(), x.data_ptr(), cos.data_ptr(),
+            sin_signed.data_ptr(), slots.data_ptr(), kv.data_ptr(), kv.shape[2], blocks.data_ptr(), ctx_lens.data_ptr(),
+            blocks.shape[1], block_size, qkv.data_ptr(), attn.data_ptr(), delta.data_ptr(), gate_up.data_ptr(),
+            act.data_ptr(), rows, hidden, nh, nkv, d, inter, eps, scale, threads, GEMV_THREADS or threads,
+        )  # fmt: skip
 
     def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
         """x [rows, K] @ weight[N, K]^T (+ bias [N]) -> [rows, N]: F.linear for a few rows, split

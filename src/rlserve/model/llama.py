@@ -481,6 +481,7 @@ class CausalLM(nn.Module):
         self.packed_head: PackedWeight | None = None
         self.gemv: "CpuKernels | None" = None  # the C GEMV for projections of few rows (`use_gemv`)
         self.head_cast: CastWeight | None = None  # the LM head in its own dtype, when it differs
+        self._dense: bool | None = None  # every layer plain attention + MLP (`_decode_in_one_call`), once known
         # tensor parallel (model/tensor_parallel.py): `shape` is this rank's part, `full_shape` the checkpoint's
         self.full_shape, self.tp_rank, self.tp_size = shape, 0, 1
 
@@ -540,12 +541,47 @@ class CausalLM(nn.Module):
         residual stream h updated in place, x the normed input of the next block."""
         ops, eps, layers = batch.kernels, self.shape.rms_norm_eps, self.layers
         x = torch.empty_like(h)
+        if self._decode_in_one_call(h, batch, kv_cache):
+            blocks = batch.decode_blocks.view(h.shape[0], -1)
+            ops.decode_layers(self._decode_layer_ptrs(ops.decode_layer_ptrs), self.norm, h, x, *rope, batch.slot_mapping,
+                              kv_cache, blocks, batch.decode_lens, batch.block_size, self.shape, eps, layers[0].self_attn.scale)  # fmt: skip
+            return x
         ops.add_rms_norm(h, None, layers[0].input_layernorm, x, eps)
         for i, layer in enumerate(layers):
             ops.add_rms_norm(h, layer.self_attn(x, rope, batch, kv_cache[i]), layer.post_attention_layernorm, x, eps)
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
             ops.add_rms_norm(h, layer.mlp(x, batch.lora, ops), next_norm, x, eps)
         return x
+
+    def _decode_in_one_call(self, h: torch.Tensor, batch: AttentionBatch, kv_cache: torch.Tensor) -> bool:
+        """Whether this step's layers can run as one C call (`CpuKernels.decode_layers`): decode
+        only, few enough rows for the GEMV, dense layers with no LoRA and no tensor parallelism."""
+        if batch.prefills or batch.lora is not None or batch.cascade is not None or self.gemv is None or not kv_cache.is_contiguous():
+            return False
+        if h.shape[0] > self.gemv.gemv_rows(h.dtype):
+            return False
+        if self._dense is None:
+            self._dense = all(
+                isinstance(layer.mlp, MLP) and layer.mlp.reduce is None and layer.self_attn.reduce is None
+                and layer.self_attn.o_proj.bias is None and layer.mlp.gate_up_proj.bias is None and layer.mlp.down_proj.bias is None
+                for layer in self.layers
+            )  # fmt: skip
+        return self._dense and all(p.dtype == h.dtype for p in self._decode_weights())
+
+    def _decode_weights(self) -> list[torch.Tensor]:
+        return [w for layer in self.layers for w in (layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight)]
+
+    def _decode_layer_ptrs(self, width: int) -> torch.Tensor:
+        """Each layer's weight addresses in decode_impl.h's order, read every step: a weight update
+        may replace a tensor."""
+        ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+        rows = []
+        for layer in self.layers:
+            a, m = layer.self_attn, layer.mlp
+            rows.append((ptr(layer.input_layernorm), ptr(a.qkv_proj.weight), ptr(a.qkv_proj.bias), ptr(a.q_norm), ptr(a.k_norm),
+                         ptr(a.o_proj.weight), ptr(layer.post_attention_layernorm), ptr(m.gate_up_proj.weight), ptr(m.down_proj.weight)))  # fmt: skip
+        assert len(rows[0]) == width, "decode_impl.h and the model disagree on the layer's weights"
+        return torch.tensor(rows, dtype=torch.int64)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [T, vocab]; computed in the head's dtype (`set_head_dtype`)."""
