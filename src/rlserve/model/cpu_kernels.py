@@ -120,6 +120,7 @@ class CpuKernels:
     def __init__(self, lib: ctypes.CDLL):
         i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
         self._attention, self._add_rms_norm, self._qk_rope_store, self._silu_mul, self._gemv, self._decode = {}, {}, {}, {}, {}, {}
+        self._gemv_f32out = {}
         for dtype, suffix in DTYPES.items():
             fn = lambda name: getattr(lib, f"rlserve_{name}_{suffix}")  # noqa: E731
             self._attention[dtype] = self._fn(fn("paged_attention"), [ptr, i64] + [ptr] * 5 + [i64] * 6 + [f32, i32])
@@ -127,6 +128,7 @@ class CpuKernels:
             self._qk_rope_store[dtype] = self._fn(fn("qk_rope_store"), [ptr] * 5 + [f32] + [ptr] * 3 + [i64] * 4 + [i32])
             self._silu_mul[dtype] = self._fn(fn("silu_mul"), [ptr, ptr, i64, i64, i32])
             self._gemv[dtype] = self._fn(fn("gemv"), [ptr] * 4 + [i64] * 3 + [i32])
+            self._gemv_f32out[dtype] = self._fn(fn("gemv_f32out"), [ptr] * 4 + [i64] * 3 + [i32])
             self._decode[dtype] = self._fn(fn("decode_layers"), [ptr, i64] + [ptr] * 7 + [i64] + [ptr] * 2 + [i64] * 2 + [ptr] * 5 + [i64] * 6 + [f32, f32, i32, i32])
         self.decode_layer_ptrs = self._fn(lib.rlserve_decode_layer_ptrs, [], ctypes.c_int)()
         self._limits = self._fn(lib.rlserve_paged_attention_limits, [i64] * 3, ctypes.c_int)
@@ -197,12 +199,13 @@ class CpuKernels:
             act.data_ptr(), rows, hidden, nh, nkv, d, inter, eps, scale, threads, GEMV_THREADS or threads,
         )  # fmt: skip
 
-    def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
+    def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, threads: int | None = None, fp32_out: bool = False) -> torch.Tensor:
         """x [rows, K] @ weight[N, K]^T (+ bias [N]) -> [rows, N]: F.linear for a few rows, split
-        over `threads` (default GEMV_THREADS) when the call has PARALLEL_MIN_WORK multiply-adds."""
+        over `threads` (default GEMV_THREADS) when the call has PARALLEL_MIN_WORK multiply-adds.
+        fp32_out: the fp32 sums, unrounded (for bf16: an fp32 linear over the widened values)."""
         x, weight = x.contiguous(), weight.contiguous()
-        out = x.new_empty(x.shape[0], weight.shape[0])
-        self._gemv[x.dtype](
+        out = x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32 if fp32_out else x.dtype)
+        (self._gemv_f32out if fp32_out else self._gemv)[x.dtype](
             x.data_ptr(), weight.data_ptr(), _ptr(bias), out.data_ptr(), x.shape[0], x.shape[1], weight.shape[0], threads or GEMV_THREADS or torch.get_num_threads(),
         )  # fmt: skip
         return out

@@ -583,8 +583,19 @@ class CausalLM(nn.Module):
         assert len(rows[0]) == width, "decode_impl.h and the model disagree on the layer's weights"
         return torch.tensor(rows, dtype=torch.int64)
 
+    def _head_gemv_widens(self, hidden: torch.Tensor) -> bool:
+        """Whether the fp32 head over a half-precision weight can run as the GEMV with fp32 sums
+        straight from that weight: bf16 values widen to fp32 exactly, so this computes the fp32
+        head's logits (up to summation order) reading half the bytes of its fp32 copy."""
+        if self.gemv is None or self.head_cast is None or self.head_cast.dtype != torch.float32 or hidden.device.type != "cpu":
+            return False
+        weight = self.head_weight
+        return hidden.dtype == weight.dtype and hidden.shape[0] <= self.gemv.gemv_rows(weight.dtype)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [T, vocab]; computed in the head's dtype (`set_head_dtype`)."""
+        if self._head_gemv_widens(hidden):  # the fp32 head of a bf16 model, reading the bf16 weight
+            return self.gemv.gemv(hidden, self.head_weight, fp32_out=True)
         weight = self.logits_weight
         hidden = hidden.to(weight.dtype)
         if self.gemv is not None and hidden.device.type == "cpu" and hidden.shape[0] <= self.gemv.gemv_rows(weight.dtype):
