@@ -116,9 +116,9 @@ def test_fp32_head_follows_in_place_weight_updates(tmp_path):
     assert torch.allclose(after, want, atol=1e-4) and torch.allclose(after, -before, atol=1e-4)
 
 
-def test_fp32_head_of_few_rows_reads_the_bf16_weight(tmp_path, monkeypatch):
-    """At decode sizes the fp32 head runs as the GEMV over the bf16 weight with fp32 sums (bf16
-    widens to fp32 exactly): the fp32 head's logits, reading half the bytes of its fp32 copy."""
+def test_fp32_head_reads_the_bf16_weight(tmp_path, monkeypatch):
+    """The fp32 head runs as the GEMV over the bf16 weight with fp32 sums (bf16 widens to fp32
+    exactly): the fp32 head's logits, reading half the bytes of its fp32 copy, at any row count."""
     from rlserve.model.cpu_kernels import CpuKernels, cpu_has_native_bf16
 
     engine = bf16_engine(make_model("tiny", tmp_path / "tiny"))
@@ -129,9 +129,9 @@ def test_fp32_head_of_few_rows_reads_the_bf16_weight(tmp_path, monkeypatch):
     real = CpuKernels.gemv
     monkeypatch.setattr(CpuKernels, "gemv", lambda self, x, w, *a, **kw: (widened.append(w.dtype) if kw.get("fp32_out") else None) or real(self, x, w, *a, **kw))
     limit = model.gemv.gemv_rows(torch.bfloat16)
-    for rows in (1, limit, limit + 1):
+    for rows in (1, limit, limit + 1, 100):
         hidden = torch.randn(rows, engine.shape.hidden_size).bfloat16()
         logits = model.compute_logits(hidden)
         want = torch.nn.functional.linear(hidden.float(), model.head_weight.float())
         assert logits.dtype == torch.float32 and torch.allclose(logits, want, rtol=1e-5, atol=1e-5)
-    assert widened == [torch.bfloat16, torch.bfloat16]  # 1 row and the limit; the packed fp32 copy above
+    assert widened == [torch.bfloat16] * 4

@@ -56,9 +56,9 @@ class ModelRunner:
         # step at 64 sequences, n = 8), so the split is only the fallback's.
         self.cascade_attention = cascade_attention and device.type == "cpu" and self.kernels is None
         self.dtype = dtype
+        model.use_gemv(self.kernels)  # first: a head that reads its bf16 weight through the GEMV needs no packed copy
         if pack_weights:
             self._pack_weights_if_they_fit()
-        model.use_gemv(self.kernels)
         s = model.shape
         # [layers, 2, slots, kv_heads, head_dim]; zeros so padded gathers never read NaN garbage.
         # One block more than the pool hands out: the scratch block padded graph rows write to.
