@@ -287,7 +287,7 @@ def test_shapes_outside_the_kernels_buffers_keep_the_pytorch_path(kernels):
 def test_decode_layers_in_one_call_equal_the_python_path(model_dir, kernels, dtype, monkeypatch):
     """A decode step of few rows runs every layer in one C call (decode_impl.h): the same kernels
     in the same order as the Python path, so tokens and logprobs are bit-identical to it, also
-    after a weight is replaced by a new tensor (its address is read every step)."""
+    after a weight is replaced by a new tensor (the addresses are read again at `refresh_packed`)."""
     if dtype == "bfloat16" and not kernels_module.cpu_has_native_bf16():
         pytest.skip("the bf16 GEMV (and so the one-call decode) runs only on CPUs with native bf16")
     cfg = Config()
@@ -306,12 +306,14 @@ def test_decode_layers_in_one_call_equal_the_python_path(model_dir, kernels, dty
 
     one_call = run()
     assert calls and set(calls) == {model.shape.num_layers}  # every decode step of the 6 rows took it
-    model._dense = False  # the Python path, layer by layer
+    model._decode_plan = False  # the Python path, layer by layer
     assert run() == one_call
     down = model.layers[1].mlp.down_proj
     down.weight = torch.nn.Parameter(down.weight.detach() * 1.5)  # a new tensor at a new address
+    model.refresh_packed()  # what replacing a weight tensor calls for (the packed copies need it too)
+    model._decode_plan = False
     python_path = run()
-    model._dense = None
+    model.refresh_packed()
     calls.clear()
     assert run() == python_path and calls
     assert python_path != one_call

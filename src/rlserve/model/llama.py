@@ -481,7 +481,7 @@ class CausalLM(nn.Module):
         self.packed_head: PackedWeight | None = None
         self.gemv: "CpuKernels | None" = None  # the C GEMV for projections of few rows (`use_gemv`)
         self.head_cast: CastWeight | None = None  # the LM head in its own dtype, when it differs
-        self._dense: bool | None = None  # every layer plain attention + MLP (`_decode_in_one_call`), once known
+        self._decode_plan: tuple[torch.Tensor, torch.dtype] | bool | None = None  # `_decode_in_one_call`, once known
         # tensor parallel (model/tensor_parallel.py): `shape` is this rank's part, `full_shape` the checkpoint's
         self.full_shape, self.tp_rank, self.tp_size = shape, 0, 1
 
@@ -512,6 +512,7 @@ class CausalLM(nn.Module):
 
     def refresh_packed(self) -> None:
         """Repack what changed now (after loading or updating weights), not in the next step."""
+        self._decode_plan = None
         for m in self.modules():
             if isinstance(m, Projection) and m.packed is not None:
                 m.packed.refresh(m.weight)
@@ -544,7 +545,7 @@ class CausalLM(nn.Module):
         x = torch.empty_like(h)
         if self._decode_in_one_call(h, batch, kv_cache):
             blocks = batch.decode_blocks.view(h.shape[0], -1)
-            ops.decode_layers(self._decode_layer_ptrs(ops.decode_layer_ptrs), self.norm, h, x, *rope, batch.slot_mapping,
+            ops.decode_layers(self._decode_plan[0], self.norm, h, x, *rope, batch.slot_mapping,
                               kv_cache, blocks, batch.decode_lens, batch.block_size, self.shape, eps, layers[0].self_attn.scale)  # fmt: skip
             return x
         ops.add_rms_norm(h, None, layers[0].input_layernorm, x, eps)
@@ -561,28 +562,31 @@ class CausalLM(nn.Module):
             return False
         if h.shape[0] > self.gemv.gemv_rows(h.dtype):
             return False
-        if self._dense is None:
-            self._dense = all(
-                isinstance(layer.mlp, MLP) and layer.mlp.reduce is None and layer.self_attn.reduce is None
-                and layer.self_attn.o_proj.bias is None and layer.mlp.gate_up_proj.bias is None and layer.mlp.down_proj.bias is None
-                for layer in self.layers
-            )  # fmt: skip
-        return self._dense and all(p.dtype == h.dtype for p in self._decode_weights())
+        if self._decode_plan is None:
+            self._decode_plan = self._plan_decode_in_one_call()
+        return self._decode_plan is not False and self._decode_plan[1] == h.dtype
 
-    def _decode_weights(self) -> list[torch.Tensor]:
-        return [w for layer in self.layers for w in (layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight)]
-
-    def _decode_layer_ptrs(self, width: int) -> torch.Tensor:
-        """Each layer's weight addresses in decode_impl.h's order, read every step: a weight update
-        may replace a tensor."""
+    def _plan_decode_in_one_call(self) -> "tuple[torch.Tensor, torch.dtype] | bool":
+        """Each layer's weight addresses in decode_impl.h's order and their dtype, or False when a
+        layer is not plain attention + MLP or the weights differ in dtype. Kept until
+        `refresh_packed` (weight updates copy in place, so the addresses hold; whoever replaces a
+        tensor calls it, as for the packed copies)."""
+        dense = all(
+            isinstance(layer.mlp, MLP) and layer.mlp.reduce is None and layer.self_attn.reduce is None
+            and layer.self_attn.o_proj.bias is None and layer.mlp.gate_up_proj.bias is None and layer.mlp.down_proj.bias is None
+            for layer in self.layers
+        )  # fmt: skip
+        weights = [w for layer in self.layers for w in (layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight)] if dense else []
+        if not dense or len({w.dtype for w in weights}) != 1:
+            return False
         ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
         rows = []
         for layer in self.layers:
             a, m = layer.self_attn, layer.mlp
             rows.append((ptr(layer.input_layernorm), ptr(a.qkv_proj.weight), ptr(a.qkv_proj.bias), ptr(a.q_norm), ptr(a.k_norm),
                          ptr(a.o_proj.weight), ptr(layer.post_attention_layernorm), ptr(m.gate_up_proj.weight), ptr(m.down_proj.weight)))  # fmt: skip
-        assert len(rows[0]) == width, "decode_impl.h and the model disagree on the layer's weights"
-        return torch.tensor(rows, dtype=torch.int64)
+        assert len(rows[0]) == self.gemv.decode_layer_ptrs, "decode_impl.h and the model disagree on the layer's weights"
+        return torch.tensor(rows, dtype=torch.int64), weights[0].dtype
 
     def _head_gemv_widens(self, hidden: torch.Tensor) -> bool:
         """Whether the fp32 head over a bf16 weight can run as the GEMV with fp32 sums straight
