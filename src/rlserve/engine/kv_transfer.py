@@ -39,7 +39,6 @@ import torch
 from rlserve.config import KVTransferConfig
 from rlserve.engine import kv_format
 from rlserve.engine.kv_cache import block_hash
-from rlserve.engine.kv_format import KVBlock
 
 if TYPE_CHECKING:
     from rlserve.engine.engine import Engine
@@ -48,13 +47,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _MAX_FRAME = 1 << 20  # a JSON frame (requests, answers) is small
-_BLOCK_SLACK = 1 << 20  # header + checksum room over a block's raw KV bytes
 _SOCKET_BUFFER = 8 << 20  # several blocks in flight: hashing on one side overlaps copying on the other
 _IOV_MAX = 512  # buffers per sendmsg (Linux allows 1024)
-_SPARE_RECEIVE_BYTES = 256 << 20  # receive buffers a decode server keeps between pulls
-# how often an idle engine loop looks for landed pulls: waking every 1 ms took the GIL from the pulling
-# thread often enough to cost ~40% of a lone pull's rate (measured: 0.86 -> 1.51 GB/s at 5 ms)
-LANDING_POLL_S = 0.005
 
 
 def _tune(sock: socket.socket) -> None:
@@ -111,21 +105,11 @@ def send_parts(sock: socket.socket, parts: list) -> int:
     return size
 
 
-def send_blocks(sock: socket.socket, blocks: Iterator[KVBlock]) -> int:
-    """Bytes sent. Each block is hashed and then sent from its own memory on this thread: a helper thread
-    hashing the next block measured slower (hand-offs and the GIL) than the hash itself."""
-    return sum(send_parts(sock, kv_format.encode_parts(block)) for block in blocks)
-
-
-def recv_block_bytes(sock: socket.socket, max_bytes: int, buffers: "ReceiveBuffers | None" = None) -> bytearray:
-    (n,) = struct.unpack("<Q", _recv_exact(sock, 8))
-    if n > max_bytes:
-        raise TransferError(f"a block of {n} bytes is larger than this engine's blocks ({max_bytes})")
-    if buffers is None:
-        return _recv_exact(sock, n)
-    buf = buffers.get(n)
-    _recv_into(sock, memoryview(buf))
-    return buf
+def send_blocks(sock: socket.socket, blocks: Iterator[list]) -> int:
+    """Bytes sent of blocks given as kv_format.kv_parts. Each block is hashed and then sent from its own
+    memory on this thread: a helper thread hashing the next block measured slower (hand-offs and the GIL)
+    than the hash itself."""
+    return sum(send_parts(sock, parts) for parts in blocks)
 
 
 def _recv_into(sock: socket.socket, view: memoryview) -> None:
@@ -139,36 +123,47 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
         got += k
 
 
-class ReceiveBuffers:
-    """Block-sized receive buffers kept for the next pull: a fresh buffer faults its pages in while the
-    socket fills it, which measured ~3x slower than receiving into memory touched before."""
-
-    def __init__(self, max_bytes: int):
-        self.max_bytes, self.kept = max_bytes, 0
-        self.free: dict[int, list[bytearray]] = {}
-        self.lock = threading.Lock()
-
-    def get(self, n: int) -> bytearray:
-        with self.lock:
-            spare = self.free.get(n)
-            if spare:
-                self.kept -= n
-                return spare.pop()
-        return bytearray(n)
-
-    def put(self, bufs: list[bytearray]) -> None:
-        with self.lock:
-            for buf in bufs:
-                if self.kept + len(buf) <= self.max_bytes:
-                    self.free.setdefault(len(buf), []).append(buf)
-                    self.kept += len(buf)
+def _recv_views(sock: socket.socket, views: list[memoryview]) -> None:
+    """Fill the views in order, scattered by the kernel (recvmsg_into) in as few calls as it takes."""
+    views, first = list(views), 0
+    while first < len(views):
+        n = sock.recvmsg_into(views[first : first + _IOV_MAX], 0, socket.MSG_WAITALL)[0]
+        if n == 0:
+            raise TransferError("connection closed in the middle of a block")
+        while n and n >= views[first].nbytes:
+            n -= views[first].nbytes
+            first += 1
+        if n:
+            views[first] = views[first][n:]
 
 
-def decode_block(data: bytearray, shape: tuple[int, ...], dtype: torch.dtype) -> KVBlock:
+def recv_block_into(sock: socket.socket, views: list[memoryview], shape: tuple[int, ...],
+                    dtype: torch.dtype) -> tuple[bytes, int, int]:
+    """One block's KV written straight into `views` (the destination pool block's per-layer k/v runs) and
+    its checksum checked on them there; its hash, weight generation and bytes on the wire. On any error the
+    views hold garbage: the caller frees them."""
+    prefix = bytearray(8 + kv_format.PREFIX_BYTES)
+    _recv_into(sock, memoryview(prefix))
+    (size,) = struct.unpack_from("<Q", prefix)
     try:
-        return kv_format.decode(data, expect_shape=shape, expect_dtype=dtype)
+        header_len = kv_format.header_length(prefix[8:])
+        kv_bytes = sum(v.nbytes for v in views)
+        if size != kv_format.PREFIX_BYTES + header_len + kv_bytes + kv_format.CHECKSUM_BYTES:
+            raise kv_format.BlockFormatError(f"a block of {size} bytes, expected one holding {kv_bytes} bytes of KV")
+        header = _recv_exact(sock, header_len)
+        block_hash, generation = kv_format.kv_only_header(header, shape, dtype)
     except kv_format.BlockFormatError as e:
         raise TransferError(str(e)) from None
+    digest = bytearray(kv_format.CHECKSUM_BYTES)
+    _recv_views(sock, [*views, memoryview(digest)])
+    h = kv_format.checksum()
+    h.update(memoryview(prefix)[8:])
+    h.update(header)
+    for v in views:
+        h.update(v)
+    if h.digest() != digest:
+        raise TransferError("checksum mismatch: a block arrived truncated or corrupted")
+    return block_hash, generation, 8 + size
 
 
 # ---- the prefill side's block server ----------------------------------------------------------
@@ -176,9 +171,9 @@ def decode_block(data: bytearray, shape: tuple[int, ...], dtype: torch.dtype) ->
 
 class BlockServer:
     """Accepts pulls on host:port, one thread per connection. `blocks(transfer_id, first, count)` yields
-    the blocks (KeyError: unknown transfer); `done(transfer_id)` is called when the connection ends."""
+    the blocks as kv_format.kv_parts (KeyError: unknown transfer); `done(transfer_id)` is called when the connection ends."""
 
-    def __init__(self, host: str, port: int, blocks: Callable[[str, int, int], Iterator[KVBlock]],
+    def __init__(self, host: str, port: int, blocks: Callable[[str, int, int], Iterator[list]],
                  done: Callable[[str, int, float], None], timeout_s: float):
         self.blocks, self.done, self.timeout_s = blocks, done, timeout_s
         self.sock = socket.create_server((host, port))
@@ -227,33 +222,29 @@ class BlockServer:
         self.sock.close()
 
 
-def pull(host: str, port: int, transfer_id: str, first: int, count: int, timeout_s: float,
-         shape: tuple[int, ...], dtype: torch.dtype,
-         buffers: ReceiveBuffers | None = None) -> tuple[list[KVBlock], int, list[bytearray]]:
-    """The decode side: `count` blocks from index `first` of a transfer, the bytes read, and the buffers the
-    blocks' tensors share (for `buffers.put` once the blocks are written elsewhere). Each block's checksum
-    is checked on arrival, while the socket buffers the next ones."""
-    max_bytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size() + _BLOCK_SLACK
-    blocks, total, received = [], 0, []
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s) as sock:
-            _tune(sock)
-            send_frame(sock, {"op": "pull", "transfer_id": transfer_id, "first": first, "count": count})
-            head = recv_frame(sock)
-            if not head.get("ok"):
-                raise TransferError(f"the prefill server refused: {head.get('error')}")
-            if head.get("blocks") != count:
-                raise TransferError(f"the prefill server has {head.get('blocks')} of the {count} blocks asked for")
-            for _ in range(count):
-                data = recv_block_bytes(sock, max_bytes, buffers)
-                received.append(data)
-                total += len(data)
-                blocks.append(decode_block(data, shape, dtype))
-    except BaseException:
-        if buffers is not None:
-            buffers.put(received)
-        raise
-    return blocks, total, received
+def block_views(kv_cache: torch.Tensor, block: int, block_size: int) -> list[memoryview]:
+    """A CPU pool block's memory as its per-layer k/v runs, to receive into."""
+    return kv_format.tensor_views(kv_cache[:, :, block * block_size : (block + 1) * block_size])
+
+
+def pull_into(host: str, port: int, transfer_id: str, first: int, targets: list[list[memoryview]],
+              timeout_s: float, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[list[tuple[bytes, int]], int]:
+    """The decode side: blocks `first`.. of a transfer, one into each target (its per-layer k/v views);
+    each block's (hash, weight generation) and the bytes read."""
+    got, total = [], 0
+    with socket.create_connection((host, port), timeout=timeout_s) as sock:
+        _tune(sock)
+        send_frame(sock, {"op": "pull", "transfer_id": transfer_id, "first": first, "count": len(targets)})
+        head = recv_frame(sock)
+        if not head.get("ok"):
+            raise TransferError(f"the prefill server refused: {head.get('error')}")
+        if head.get("blocks") != len(targets):
+            raise TransferError(f"the prefill server has {head.get('blocks')} of the {len(targets)} blocks asked for")
+        for views in targets:
+            block_hash, generation, nbytes = recv_block_into(sock, views, shape, dtype)
+            got.append((block_hash, generation))
+            total += nbytes
+    return got, total
 
 
 def release_remote(host: str, port: int, transfer_id: str, timeout_s: float) -> None:
@@ -300,13 +291,13 @@ class _Pin:
 @dataclass(slots=True)
 class _Landing:
     req: "Request"
-    first: int
-    blocks: list[KVBlock] | None = None
+    first: int  # leading prompt blocks this pool had cached: held in req.held_blocks from the start
+    blocks: list[int]  # pool blocks reserved for the pulled ones; on CPU the pull writes them directly
+    staging: list[torch.Tensor]  # off CPU: host blocks the pull writes, copied into `blocks` on landing
+    start: float
+    got: list[tuple[bytes, int]] = field(default_factory=list)  # each block's (hash, weight generation)
     error: str | None = None
     nbytes: int = 0
-    seconds: float = 0.0
-    hashes: list[bytes] = field(default_factory=list)
-    buffers: list[bytearray] = field(default_factory=list)  # the blocks' memory, reused once they are written
 
 
 class KVTransfer:
@@ -324,7 +315,9 @@ class KVTransfer:
         self.released: queue.SimpleQueue[str] = queue.SimpleQueue()
         self.landed: queue.SimpleQueue[_Landing] = queue.SimpleQueue()
         self.pulling = 0
-        self.buffers = ReceiveBuffers(_SPARE_RECEIVE_BYTES)
+        self.wake: Callable[[], None] = lambda: None  # the engine loop's wakeup: a landed pull is handled at once
+        cpu = self.kv_cache.device.type == "cpu" and self.kv_cache.is_contiguous()
+        self.pool_blocks = kv_format.PoolBlocks(self.kv_cache, self.block_size) if cpu else None
         self.server = BlockServer(config.host, config.port, self._blocks, self._served, config.pull_timeout_s)
         self.engine_id = f"rlserve-{config.host}:{self.server.port}"
 
@@ -369,7 +362,7 @@ class KVTransfer:
             self._unpin(tid)
         return len(tids)
 
-    def _blocks(self, tid: str, first: int, count: int) -> Iterator[KVBlock]:
+    def _blocks(self, tid: str, first: int, count: int) -> Iterator[list]:
         # block server thread: pinned blocks are never written or handed out, so reading them is safe
         with self.lock:
             pin = self.pins.get(tid)
@@ -379,16 +372,17 @@ class KVTransfer:
                 raise KeyError(f"blocks {first}..{first + count} are outside the transfer's {len(pin.blocks)}")
             pin.serving += 1
         try:
-            bs, on_cpu = self.block_size, self.kv_cache.device.type == "cpu"
+            bs, shape, dtype = self.block_size, self.block_shape, self.kv_cache.dtype
             # on CPU the pool's own memory is hashed and sent, no copy; off CPU one host staging block per
             # connection (send_blocks sends each block before it draws the next)
-            staging = None if on_cpu else torch.empty(self.block_shape, dtype=self.kv_cache.dtype)
+            staging = None if self.pool_blocks is not None else torch.empty(shape, dtype=dtype)
             for i in range(first, first + count):
                 b = pin.blocks[i]
-                kv = self.kv_cache[:, :, b * bs : (b + 1) * bs]
-                if staging is not None:
-                    kv = staging.copy_(kv)  # device to host: no host threads
-                yield KVBlock(pin.hashes[i], kv, pin.weight_generation)
+                if staging is None:
+                    views = self.pool_blocks.views(b)
+                else:  # device to host: no host threads
+                    views = kv_format.tensor_views(staging.copy_(self.kv_cache[:, :, b * bs : (b + 1) * bs]))
+                yield kv_format.kv_parts(pin.hashes[i], pin.weight_generation, shape, dtype, views)
         finally:
             with self.lock:
                 pin.serving -= 1
@@ -401,6 +395,7 @@ class KVTransfer:
                 self.stats.bytes_out += nbytes
                 self.stats.seconds_out += seconds
         self.released.put(tid)
+        self.wake()
 
     def _unpin(self, tid: str) -> None:
         with self.lock:
@@ -413,6 +408,7 @@ class KVTransfer:
 
     def start_pull(self, req: "Request") -> bool:
         """True when the request waits for pulled KV (it is scheduled once they land); False: run it now."""
+        start = time.monotonic()
         kt = req.params.kv_transfer_params
         if not kt or not kt.get("do_remote_prefill"):
             return False
@@ -443,9 +439,28 @@ class KVTransfer:
             self.stats.skipped += 1
             release_remote(host, port, str(tid), self.config.pull_timeout_s)
             return False
+        for h in hashes[:have]:  # held until admission: the pulled blocks continue their chain
+            b = self.pool.lookup(h)
+            self.pool.take(b)
+            req.held_blocks.append(b)
+        count = min(wanted - have, self.pool.num_free)
+        if count == 0:
+            log.info("request %s: no free KV blocks to pull into; prefilling locally", req.request_id)
+            self.release_held(req)
+            self.stats.fallbacks += 1
+            release_remote(host, port, str(tid), self.config.pull_timeout_s)
+            return False
+        # the destination blocks are reserved now and the pull writes their memory itself: landing is only
+        # registering their hashes
+        blocks = [self.pool.allocate() for _ in range(count)]
+        if self.pool_blocks is not None:
+            staging, targets = [], [self.pool_blocks.views(b) for b in blocks]
+        else:
+            staging = [torch.empty(self.block_shape, dtype=self.kv_cache.dtype) for _ in blocks]
+            targets = [kv_format.tensor_views(t) for t in staging]
         self.pulling += 1
-        landing = _Landing(req, have)
-        threading.Thread(target=self._pull, args=(landing, host, port, str(tid), wanted - have),
+        landing = _Landing(req, have, blocks, staging, start)
+        threading.Thread(target=self._pull, args=(landing, host, port, str(tid), targets),
                          name="rlserve-kv-pull", daemon=True).start()
         return True
 
@@ -475,65 +490,62 @@ class KVTransfer:
             out.append(parent)
         return out
 
-    def _pull(self, landing: _Landing, host: str, port: int, tid: str, count: int) -> None:
-        start = time.monotonic()
+    def _pull(self, landing: _Landing, host: str, port: int, tid: str, targets: list[list[memoryview]]) -> None:
         try:
-            landing.blocks, landing.nbytes, landing.buffers = pull(
-                host, port, tid, landing.first, count, self.config.pull_timeout_s, self.block_shape,
-                self.kv_cache.dtype, self.buffers)
+            landing.got, landing.nbytes = pull_into(host, port, tid, landing.first, targets,
+                                                    self.config.pull_timeout_s, self.block_shape, self.kv_cache.dtype)
         except (OSError, TransferError) as e:
             landing.error = str(e) or type(e).__name__
-        landing.seconds = time.monotonic() - start
         self.landed.put(landing)
+        self.wake()
 
     def _land(self, landing: _Landing) -> None:
         self.pulling -= 1
         req, s = landing.req, self.stats
+        written = 0
         if landing.error is not None:
             log.warning("request %s: KV pull failed (%s); prefilling locally", req.request_id, landing.error)
             s.pull_failures += 1
             s.fallbacks += 1
         elif not req.finished:  # not aborted meanwhile
-            s.bytes_in += landing.nbytes
-            s.seconds_in += landing.seconds
-            written = self._write(req, landing.first, landing.blocks or [])
+            written = self._register(req, landing)
             if written:
                 s.pulls += 1
                 s.tokens_in += written * self.block_size
+                s.bytes_in += landing.nbytes
+                # from the request's arrival to its blocks usable in this pool: what a pull costs the request
+                s.seconds_in += time.monotonic() - landing.start
             else:
                 s.fallbacks += 1
-        landing.blocks = None
-        self.buffers.put(landing.buffers)  # written into the pool (or dropped): their memory serves the next pull
+        for b in reversed(landing.blocks[written:]):  # not filled, or not usable: free again
+            self.pool.release(b)
         if not req.finished:
             self.engine.scheduler.add(req.seqs[0])
 
-    def _write(self, req: "Request", first: int, blocks: list[KVBlock]) -> int:
-        """Hold the prompt's leading cached blocks and write the pulled ones after them; how many were written.
+    def _register(self, req: "Request", landing: _Landing) -> int:
+        """Enter the pulled blocks into the prefix cache after the request's held ones; how many.
         Hashes are this engine's, under its current weights: KV from other weights never matches."""
-        hashes = self._hashes(req, first + len(blocks))
-        bs, held = self.block_size, req.held_blocks
-        for h in hashes[:first]:
-            b = self.pool.lookup(h)
-            if b is None:  # evicted during the pull: the chain breaks here, the rest is recomputed
-                return 0
-            self.pool.take(b)
-            held.append(b)
-        written = 0
-        for h, block in zip(hashes[first:], blocks):
-            if block.block_hash != h or block.weight_generation != self.engine.weight_generation:
+        hashes = self._hashes(req, landing.first + len(landing.got))
+        if any(self.pool.lookup(h) != b for h, b in zip(hashes, req.held_blocks)):
+            log.info("request %s: its cached prefix changed during the pull (new weights?); prefilling locally",
+                     req.request_id)
+            return 0
+        written, bs = 0, self.block_size
+        for h, (got_hash, generation), b in zip(hashes[landing.first :], landing.got, landing.blocks):
+            if got_hash != h or generation != self.engine.weight_generation:
                 log.info("request %s: a pulled block was computed for other tokens, weights or salt; prefilling "
                          "from there locally", req.request_id)
                 break
-            b = self.pool.lookup(h)
-            if b is None:
-                if self.pool.num_free == 0:
-                    break
-                b = self.pool.allocate()
-                self.kv_cache[:, :, b * bs : (b + 1) * bs].copy_(block.kv)
+            cached = self.pool.lookup(h)
+            if cached is None:
+                if landing.staging:
+                    self.kv_cache[:, :, b * bs : (b + 1) * bs].copy_(landing.staging[written])
                 self.pool.register(b, h)
-            else:
-                self.pool.take(b)
-            held.append(b)
+                req.held_blocks.append(b)
+            else:  # computed here meanwhile: use that one
+                self.pool.take(cached)
+                req.held_blocks.append(cached)
+                self.pool.release(b)
             written += 1
         return written
 
