@@ -51,7 +51,7 @@ _SOCKET_BUFFER = 8 << 20  # several blocks in flight: hashing on one side overla
 _IOV_MAX = 512  # buffers per sendmsg (Linux allows 1024)
 
 
-def _tune(sock: socket.socket) -> None:
+def tune_socket(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         sock.setsockopt(socket.SOL_SOCKET, opt, _SOCKET_BUFFER)
@@ -194,7 +194,7 @@ class BlockServer:
         with conn:
             try:
                 conn.settimeout(self.timeout_s)
-                _tune(conn)
+                tune_socket(conn)
                 msg = recv_frame(conn)
                 tid = str(msg.get("transfer_id"))
                 if msg.get("op") == "pull":
@@ -233,7 +233,7 @@ def pull_into(host: str, port: int, transfer_id: str, first: int, targets: list[
     each block's (hash, weight generation) and the bytes read."""
     got, total = [], 0
     with socket.create_connection((host, port), timeout=timeout_s) as sock:
-        _tune(sock)
+        tune_socket(sock)
         send_frame(sock, {"op": "pull", "transfer_id": transfer_id, "first": first, "count": len(targets)})
         head = recv_frame(sock)
         if not head.get("ok"):
