@@ -100,7 +100,7 @@ def raw_socket_rate(nbytes: int, chunk: int) -> float:
     def send() -> None:
         conn, _ = server.accept()
         with conn:
-            tune_socket(conn)
+            tune_socket(conn, 60)
             sent = 0
             while sent < nbytes:
                 conn.sendall(payload)
@@ -110,7 +110,7 @@ def raw_socket_rate(nbytes: int, chunk: int) -> float:
     thread.start()
     start, got = time.perf_counter(), 0
     with socket.create_connection(server.getsockname()) as sock:
-        tune_socket(sock)
+        tune_socket(sock, 60)
         while got < nbytes:
             n = sock.recv_into(view)
             if n == 0:

@@ -4,6 +4,7 @@ timeout (twice is harmless), and the block server survives bad input."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import struct
 import threading
@@ -223,7 +224,8 @@ class FakePrefillServer:
             shape = tuple(self.kt["kv_shape"])
             kv = torch.randn(shape)
             for i, h in enumerate(self.kt["block_hashes"][ask["first"] : ask["first"] + ask["count"]]):
-                parts = kv_format.kv_parts(bytes.fromhex(h), self.kt["weight_generation"], shape, torch.float32,
+                block_hash = bytes.fromhex(h)[::-1] if self.spoil == "foreign" else bytes.fromhex(h)
+                parts = kv_format.kv_parts(block_hash, self.kt["weight_generation"], shape, torch.float32,
                                            kv_format.tensor_views(kv))
                 data = b"".join(bytes(memoryview(x).cast("B")) for x in parts)
                 if self.spoil == "checksum" and i == 1:
@@ -237,10 +239,12 @@ class FakePrefillServer:
         self.sock.close()
 
 
-@pytest.mark.parametrize("spoil", ["checksum", "short"])
+@pytest.mark.parametrize("spoil", ["checksum", "short", "foreign"])
 def test_a_spoiled_pull_frees_its_reserved_blocks_and_d_prefills_locally(engines, spoil, caplog):
-    """D receives straight into reserved pool blocks: a block that fails its checksum or never fully
-    arrives frees them all, and the request prefills locally with the same output."""
+    """D receives straight into reserved pool blocks: a block that fails its checksum, never fully arrives
+    or holds other tokens' KV (another hash in its header) frees them all, and the request prefills locally
+    with the same output."""
+    caplog.set_level(logging.INFO, logger="rlserve.engine.kv_transfer")
     p, d = engines
     want = decode(d, None)
     kt = prefill(p)
@@ -253,8 +257,10 @@ def test_a_spoiled_pull_frees_its_reserved_blocks_and_d_prefills_locally(engines
         settle(d, lambda: not d.transfers_pending, "the pull to fail")
     finally:
         fake.close()
-    assert d.kv_transfer.stats.pull_failures == failures + 1 and d.kv_transfer.stats.fallbacks == fallbacks + 1
-    assert {"checksum": "checksum mismatch", "short": "connection closed"}[spoil] in caplog.text
+    assert d.kv_transfer.stats.fallbacks == fallbacks + 1
+    assert d.kv_transfer.stats.pull_failures == failures + (spoil != "foreign")  # that one arrived intact
+    assert {"checksum": "checksum mismatch", "short": "connection closed",
+            "foreign": "computed for other tokens"}[spoil] in caplog.text
     assert all(d.pool.is_free(b) for b in range(d.pool.num_blocks))  # the reserved blocks are back
     computed = d.stats.prompt_tokens_computed
     got = None

@@ -109,15 +109,24 @@ def _parts(block: KVBlock) -> list[memoryview]:
     return [_head(block.block_hash, block.weight_generation, block.block_size, tensors), *payload]
 
 
+def kv_head(block_hash: bytes, weight_generation: int, shape: tuple[int, ...], dtype: torch.dtype) -> bytes:
+    """MAGIC, header length and header of a block holding KV alone: what precedes its payload."""
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    return bytes(_head(block_hash, weight_generation, shape[2], [_tensor_entry("kv", shape, dtype, 0, nbytes)]))
+
+
 def kv_parts(block_hash: bytes, weight_generation: int, shape: tuple[int, ...], dtype: torch.dtype,
-             views: list[memoryview]) -> list[memoryview | bytes]:
-    """`encode_parts` of a block holding KV alone, given as the views of its bytes in order (PoolBlocks)."""
-    nbytes = sum(v.nbytes for v in views)
-    parts = [_head(block_hash, weight_generation, shape[2], [_tensor_entry("kv", shape, dtype, 0, nbytes)]), *views]
-    h = checksum()
-    for p in parts:
-        h.update(p)
-    return [*parts, h.digest()]
+             views: list[memoryview], head: bytes | None = None, digest: bytes | None = None) -> list[memoryview | bytes]:
+    """`encode_parts` of a block holding KV alone, given as the views of its bytes in order (PoolBlocks).
+    `head` and `digest`: what an earlier call gave for the same block (its first and last part), when its
+    bytes have not changed since."""
+    head = head if head is not None else kv_head(block_hash, weight_generation, shape, dtype)
+    if digest is None:
+        h = checksum(head)
+        for v in views:
+            h.update(v)
+        digest = h.digest()
+    return [head, *views, digest]
 
 
 class PoolBlocks:

@@ -51,7 +51,15 @@ _SOCKET_BUFFER = 8 << 20  # several blocks in flight: hashing on one side overla
 _IOV_MAX = 512  # buffers per sendmsg (Linux allows 1024)
 
 
-def tune_socket(sock: socket.socket) -> None:
+def tune_socket(sock: socket.socket, timeout_s: float) -> None:
+    """Blocking, with the timeout in the kernel (SO_RCVTIMEO/SO_SNDTIMEO): Python's own socket timeout makes
+    the socket non-blocking, so MSG_WAITALL returns whatever has arrived and each call polls first (more
+    system calls and GIL hand-offs per block: py-spy showed both sides waiting in poll)."""
+    sock.settimeout(None)
+    whole = int(timeout_s)
+    timeval = struct.pack("ll", whole, int((timeout_s - whole) * 1e6))
+    for opt in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+        sock.setsockopt(socket.SOL_SOCKET, opt, timeval)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         sock.setsockopt(socket.SOL_SOCKET, opt, _SOCKET_BUFFER)
@@ -88,28 +96,33 @@ def recv_frame(sock: socket.socket) -> dict[str, Any]:
     return obj
 
 
-def send_parts(sock: socket.socket, parts: list) -> int:
-    """One block as kv_format.encode_parts made it: a u64 length, then the pieces, gathered by the kernel
-    straight from their memory (the pool's own, on CPU) in as few sendmsg calls as it takes."""
-    views = [v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes]  # an empty one would never advance
-    size = sum(v.nbytes for v in views)
-    views.insert(0, memoryview(struct.pack("<Q", size)))
+def _send_views(sock: socket.socket, views: list[memoryview]) -> None:
     first = 0
     while first < len(views):
         n = sock.sendmsg(views[first : first + _IOV_MAX])
-        while n and n >= views[first].nbytes:  # a timeout socket may take part of the list
+        while n and n >= views[first].nbytes:  # a send interrupted (timeout, signal) takes part of the list
             n -= views[first].nbytes
             first += 1
         if n:
             views[first] = views[first][n:]
-    return size
 
 
 def send_blocks(sock: socket.socket, blocks: Iterator[list]) -> int:
-    """Bytes sent of blocks given as kv_format.kv_parts. Each block is hashed and then sent from its own
-    memory on this thread: a helper thread hashing the next block measured slower (hand-offs and the GIL)
-    than the hash itself."""
-    return sum(send_parts(sock, parts) for parts in blocks)
+    """Bytes sent of blocks given as kv_format.kv_parts, each a u64 length and then its parts, gathered by
+    the kernel straight from their memory (the pool's own, on CPU), several blocks per sendmsg. A block's
+    memory must stay as it is after the generator moved on to the next."""
+    total, batch = 0, []
+    for parts in blocks:
+        views = [v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes]  # an empty one never advances
+        size = sum(v.nbytes for v in views)
+        batch.append(memoryview(struct.pack("<Q", size)))
+        batch += views
+        total += 8 + size
+        if len(batch) > _IOV_MAX - len(views):
+            _send_views(sock, batch)
+            batch = []
+    _send_views(sock, batch)
+    return total
 
 
 def _recv_into(sock: socket.socket, view: memoryview) -> None:
@@ -137,33 +150,47 @@ def _recv_views(sock: socket.socket, views: list[memoryview]) -> None:
             views[first] = views[first][n:]
 
 
-def recv_block_into(sock: socket.socket, views: list[memoryview], shape: tuple[int, ...],
-                    dtype: torch.dtype) -> tuple[bytes, int, int]:
-    """One block's KV written straight into `views` (the destination pool block's per-layer k/v runs) and
-    its checksum checked on them there; its hash, weight generation and bytes on the wire. On any error the
-    views hold garbage: the caller frees them."""
-    prefix = bytearray(8 + kv_format.PREFIX_BYTES)
-    _recv_into(sock, memoryview(prefix))
-    (size,) = struct.unpack_from("<Q", prefix)
-    try:
-        header_len = kv_format.header_length(prefix[8:])
-        kv_bytes = sum(v.nbytes for v in views)
-        if size != kv_format.PREFIX_BYTES + header_len + kv_bytes + kv_format.CHECKSUM_BYTES:
-            raise kv_format.BlockFormatError(f"a block of {size} bytes, expected one holding {kv_bytes} bytes of KV")
-        header = _recv_exact(sock, header_len)
-        block_hash, generation = kv_format.kv_only_header(header, shape, dtype)
-    except kv_format.BlockFormatError as e:
-        raise TransferError(str(e)) from None
-    digest = bytearray(kv_format.CHECKSUM_BYTES)
-    _recv_views(sock, [*views, memoryview(digest)])
-    h = kv_format.checksum()
-    h.update(memoryview(prefix)[8:])
-    h.update(header)
-    for v in views:
-        h.update(v)
-    if h.digest() != digest:
-        raise TransferError("checksum mismatch: a block arrived truncated or corrupted")
-    return block_hash, generation, 8 + size
+def recv_blocks_into(sock: socket.socket, targets: list[list[memoryview]], heads: list[tuple[bytes, bytes, int]],
+                     shape: tuple[int, ...], dtype: torch.dtype) -> tuple[list[tuple[bytes, int]], int]:
+    """Blocks written straight into `targets` (each a destination pool block's per-layer k/v runs), several
+    per recvmsg_into, and each block's checksum checked on them there; each block's (hash, weight
+    generation) and the bytes read. `heads`: the kv_format.kv_head each block should have, with the hash and
+    weight generation in it (this engine's for the block): one that differs in content is parsed (a block for other tokens or weights: the caller
+    stops there), one that differs in length ends the pull. On any error the targets hold garbage: the
+    caller frees them."""
+    kv_bytes = sum(v.nbytes for v in targets[0]) if targets else 0
+    got, total, i = [], 0, 0
+    while i < len(targets):
+        group, iov = [], []
+        while i < len(targets) and len(iov) + len(targets[i]) + 3 <= _IOV_MAX:
+            size, head, digest = bytearray(8), bytearray(len(heads[i][0])), bytearray(kv_format.CHECKSUM_BYTES)
+            group.append((size, head, digest, targets[i], heads[i]))
+            iov += [memoryview(size), memoryview(head), *targets[i], memoryview(digest)]
+            i += 1
+        if not group:
+            raise TransferError(f"a block of {len(targets[i])} runs does not fit one receive")
+        _recv_views(sock, iov)
+        for size, head, digest, views, expected in group:
+            (n,) = struct.unpack("<Q", size)
+            try:
+                if n != len(expected[0]) + kv_bytes + kv_format.CHECKSUM_BYTES:
+                    raise kv_format.BlockFormatError(f"a block of {n} bytes, expected one of {kv_bytes} bytes of KV")
+                if head == expected[0]:
+                    block_hash, generation = expected[1:]
+                elif kv_format.header_length(head) + kv_format.PREFIX_BYTES != len(head):
+                    raise kv_format.BlockFormatError("a block's header is not the size this engine's is")
+                else:
+                    block_hash, generation = kv_format.kv_only_header(head[kv_format.PREFIX_BYTES :], shape, dtype)
+            except kv_format.BlockFormatError as e:
+                raise TransferError(str(e)) from None
+            h = kv_format.checksum(head)
+            for v in views:
+                h.update(v)
+            if h.digest() != digest:
+                raise TransferError("checksum mismatch: a block arrived truncated or corrupted")
+            got.append((block_hash, generation))
+            total += 8 + n
+    return got, total
 
 
 # ---- the prefill side's block server ----------------------------------------------------------
@@ -193,8 +220,7 @@ class BlockServer:
         tid, sent, start, blocks = None, 0, time.monotonic(), None
         with conn:
             try:
-                conn.settimeout(self.timeout_s)
-                tune_socket(conn)
+                tune_socket(conn, self.timeout_s)
                 msg = recv_frame(conn)
                 tid = str(msg.get("transfer_id"))
                 if msg.get("op") == "pull":
@@ -222,29 +248,19 @@ class BlockServer:
         self.sock.close()
 
 
-def block_views(kv_cache: torch.Tensor, block: int, block_size: int) -> list[memoryview]:
-    """A CPU pool block's memory as its per-layer k/v runs, to receive into."""
-    return kv_format.tensor_views(kv_cache[:, :, block * block_size : (block + 1) * block_size])
-
-
 def pull_into(host: str, port: int, transfer_id: str, first: int, targets: list[list[memoryview]],
-              timeout_s: float, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[list[tuple[bytes, int]], int]:
-    """The decode side: blocks `first`.. of a transfer, one into each target (its per-layer k/v views);
-    each block's (hash, weight generation) and the bytes read."""
-    got, total = [], 0
+              heads: list[tuple[bytes, bytes, int]], timeout_s: float, shape: tuple[int, ...],
+              dtype: torch.dtype) -> tuple[list[tuple[bytes, int]], int]:
+    """The decode side: blocks `first`.. of a transfer, one into each target (recv_blocks_into)."""
     with socket.create_connection((host, port), timeout=timeout_s) as sock:
-        tune_socket(sock)
+        tune_socket(sock, timeout_s)
         send_frame(sock, {"op": "pull", "transfer_id": transfer_id, "first": first, "count": len(targets)})
         head = recv_frame(sock)
         if not head.get("ok"):
             raise TransferError(f"the prefill server refused: {head.get('error')}")
         if head.get("blocks") != len(targets):
             raise TransferError(f"the prefill server has {head.get('blocks')} of the {len(targets)} blocks asked for")
-        for views in targets:
-            block_hash, generation, nbytes = recv_block_into(sock, views, shape, dtype)
-            got.append((block_hash, generation))
-            total += nbytes
-    return got, total
+        return recv_blocks_into(sock, targets, heads, shape, dtype)
 
 
 def release_remote(host: str, port: int, transfer_id: str, timeout_s: float) -> None:
@@ -285,6 +301,8 @@ class _Pin:
     hashes: list[bytes]
     weight_generation: int
     deadline: float
+    heads: list[bytes]  # each block's kv_format head and checksum, computed at pin time (CPU pools);
+    digests: list[bytes]  # empty: at send time
     serving: int = 0  # connections reading it now: the timeout waits for them
 
 
@@ -342,9 +360,19 @@ class KVTransfer:
             self.pool.take(b)
         tid = uuid.uuid4().hex
         generation = self.engine.weight_generation
+        heads, digests = [], []
+        if self.pool_blocks is not None:
+            # hashed now, on the engine thread (~8 ms for a 1,024-token smollm2-135m prompt here, next to its
+            # prefill's ~1 s), so that a pull
+            # only copies: pinned blocks are never written, so their checksum holds until they are sent
+            shape, dtype = self.block_shape, self.kv_cache.dtype
+            for b, h in zip(blocks, hashes):
+                parts = kv_format.kv_parts(h, generation, shape, dtype, self.pool_blocks.views(b))
+                heads.append(parts[0])
+                digests.append(parts[-1])
         with self.lock:
             self.pins[tid] = _Pin(req.request_id, blocks, hashes, generation,
-                                  time.monotonic() + self.config.pin_timeout_s)
+                                  time.monotonic() + self.config.pin_timeout_s, heads, digests)
         self.stats.pinned += 1
         req.kv_transfer_out = {
             "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
@@ -373,16 +401,17 @@ class KVTransfer:
             pin.serving += 1
         try:
             bs, shape, dtype = self.block_size, self.block_shape, self.kv_cache.dtype
-            # on CPU the pool's own memory is hashed and sent, no copy; off CPU one host staging block per
-            # connection (send_blocks sends each block before it draws the next)
-            staging = None if self.pool_blocks is not None else torch.empty(shape, dtype=dtype)
+            # on CPU the pool's own memory is sent, no copy, with the head and checksum made at pin time; off
+            # CPU a host copy of each block, hashed here (send_blocks may hold several before sending)
             for i in range(first, first + count):
                 b = pin.blocks[i]
-                if staging is None:
-                    views = self.pool_blocks.views(b)
+                if self.pool_blocks is not None:
+                    yield kv_format.kv_parts(pin.hashes[i], pin.weight_generation, shape, dtype,
+                                             self.pool_blocks.views(b), pin.heads[i], pin.digests[i])
                 else:  # device to host: no host threads
-                    views = kv_format.tensor_views(staging.copy_(self.kv_cache[:, :, b * bs : (b + 1) * bs]))
-                yield kv_format.kv_parts(pin.hashes[i], pin.weight_generation, shape, dtype, views)
+                    host = self.kv_cache[:, :, b * bs : (b + 1) * bs].to("cpu")
+                    yield kv_format.kv_parts(pin.hashes[i], pin.weight_generation, shape, dtype,
+                                             kv_format.tensor_views(host))
         finally:
             with self.lock:
                 pin.serving -= 1
@@ -458,9 +487,12 @@ class KVTransfer:
         else:
             staging = [torch.empty(self.block_shape, dtype=self.kv_cache.dtype) for _ in blocks]
             targets = [kv_format.tensor_views(t) for t in staging]
+        dtype, generation = self.kv_cache.dtype, self.engine.weight_generation
+        heads = [(kv_format.kv_head(h, generation, self.block_shape, dtype), h, generation)
+                 for h in hashes[have : have + count]]
         self.pulling += 1
         landing = _Landing(req, have, blocks, staging, start)
-        threading.Thread(target=self._pull, args=(landing, host, port, str(tid), targets),
+        threading.Thread(target=self._pull, args=(landing, host, port, str(tid), targets, heads),
                          name="rlserve-kv-pull", daemon=True).start()
         return True
 
@@ -490,9 +522,10 @@ class KVTransfer:
             out.append(parent)
         return out
 
-    def _pull(self, landing: _Landing, host: str, port: int, tid: str, targets: list[list[memoryview]]) -> None:
+    def _pull(self, landing: _Landing, host: str, port: int, tid: str, targets: list[list[memoryview]],
+              heads: list[tuple[bytes, bytes, int]]) -> None:
         try:
-            landing.got, landing.nbytes = pull_into(host, port, tid, landing.first, targets,
+            landing.got, landing.nbytes = pull_into(host, port, tid, landing.first, targets, heads,
                                                     self.config.pull_timeout_s, self.block_shape, self.kv_cache.dtype)
         except (OSError, TransferError) as e:
             landing.error = str(e) or type(e).__name__
