@@ -115,6 +115,19 @@ def kv_head(block_hash: bytes, weight_generation: int, shape: tuple[int, ...], d
     return bytes(_head(block_hash, weight_generation, shape[2], [_tensor_entry("kv", shape, dtype, 0, nbytes)]))
 
 
+def kv_heads(block_hashes: list[bytes], weight_generation: int, shape: tuple[int, ...],
+             dtype: torch.dtype) -> list[bytes]:
+    """kv_head of each block: one header made, the others by putting each hash in its place (equal-length
+    hashes give equal-length headers)."""
+    if not block_hashes:
+        return []
+    template = kv_head(block_hashes[0], weight_generation, shape, dtype)
+    at = template.index(block_hashes[0].hex().encode())
+    end = at + 2 * len(block_hashes[0])
+    return [template[:at] + h.hex().encode() + template[end:] if len(h) == len(block_hashes[0])
+            else kv_head(h, weight_generation, shape, dtype) for h in block_hashes]
+
+
 def kv_parts(block_hash: bytes, weight_generation: int, shape: tuple[int, ...], dtype: torch.dtype,
              views: list[memoryview], head: bytes | None = None, digest: bytes | None = None) -> list[memoryview | bytes]:
     """`encode_parts` of a block holding KV alone, given as the views of its bytes in order (PoolBlocks).

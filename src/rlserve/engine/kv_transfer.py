@@ -7,11 +7,12 @@ ends when the pull's connection closes (pulled, failed or abandoned), when the r
 aborted, or after `kv_transfer.pin_timeout_s`; ending a pin twice is harmless.
 
 Decode side (D). A request with `do_remote_prefill` whose weight generation, block size, dtype and KV
-shape match this engine's pulls the prompt blocks its own prefix cache lacks, in a thread. Between two
-steps they are written into pool blocks registered under D's own chained hashes (each must equal the
-hash P computed, so tokens, weights, adapter and cache_salt all agree) and held until the request is
-admitted; the normal prefix-cache path then skips their prefill. Any mismatch or failure: the request
-prefills locally (counted as a fallback).
+shape match this engine's pulls the prompt blocks its own prefix cache lacks, in a thread, straight into
+pool blocks reserved when the pull starts (checked there: header and checksum). The pull wakes the engine
+loop; between two steps the blocks are registered under D's own chained hashes (each must equal the hash
+P computed, so tokens, weights, adapter and cache_salt all agree) and held until the request is
+admitted; the normal prefix-cache path then skips their prefill. Any mismatch or failure: the reserved
+blocks are freed and the request prefills locally (counted as a fallback).
 
 Wire, one TCP connection per transfer; a frame is a u32 LE length + UTF-8 JSON (never pickle):
     D -> P  {"op": "pull", "transfer_id": T, "first": k, "count": n}  |  {"op": "release", "transfer_id": T}
@@ -482,17 +483,10 @@ class KVTransfer:
         # the destination blocks are reserved now and the pull writes their memory itself: landing is only
         # registering their hashes
         blocks = [self.pool.allocate() for _ in range(count)]
-        if self.pool_blocks is not None:
-            staging, targets = [], [self.pool_blocks.views(b) for b in blocks]
-        else:
-            staging = [torch.empty(self.block_shape, dtype=self.kv_cache.dtype) for _ in blocks]
-            targets = [kv_format.tensor_views(t) for t in staging]
-        dtype, generation = self.kv_cache.dtype, self.engine.weight_generation
-        heads = [(kv_format.kv_head(h, generation, self.block_shape, dtype), h, generation)
-                 for h in hashes[have : have + count]]
         self.pulling += 1
-        landing = _Landing(req, have, blocks, staging, start)
-        threading.Thread(target=self._pull, args=(landing, host, port, str(tid), targets, heads),
+        landing = _Landing(req, have, blocks, [], start)
+        threading.Thread(target=self._pull, args=(landing, host, port, str(tid), hashes[have : have + count],
+                                                  self.engine.weight_generation),
                          name="rlserve-kv-pull", daemon=True).start()
         return True
 
@@ -522,8 +516,15 @@ class KVTransfer:
             out.append(parent)
         return out
 
-    def _pull(self, landing: _Landing, host: str, port: int, tid: str, targets: list[list[memoryview]],
-              heads: list[tuple[bytes, bytes, int]]) -> None:
+    def _pull(self, landing: _Landing, host: str, port: int, tid: str, hashes: list[bytes], generation: int) -> None:
+        # the reserved blocks' memory and the heads expected in front of them, made here, off the engine thread
+        shape, dtype = self.block_shape, self.kv_cache.dtype
+        if self.pool_blocks is not None:
+            targets = [self.pool_blocks.views(b) for b in landing.blocks]
+        else:
+            landing.staging = [torch.empty(shape, dtype=dtype) for _ in landing.blocks]
+            targets = [kv_format.tensor_views(t) for t in landing.staging]
+        heads = [(head, h, generation) for head, h in zip(kv_format.kv_heads(hashes, generation, shape, dtype), hashes)]
         try:
             landing.got, landing.nbytes = pull_into(host, port, tid, landing.first, targets, heads,
                                                     self.config.pull_timeout_s, self.block_shape, self.kv_cache.dtype)
