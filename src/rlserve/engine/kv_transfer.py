@@ -97,29 +97,29 @@ def recv_frame(sock: socket.socket) -> dict[str, Any]:
     return obj
 
 
-def _send_views(sock: socket.socket, views: list[memoryview]) -> None:
+def _send_views(sock: socket.socket, views: list) -> None:
+    """Send byte buffers (bytes, or 1-D memoryviews of bytes: len is their size) in order."""
     first = 0
     while first < len(views):
         n = sock.sendmsg(views[first : first + _IOV_MAX])
-        while n and n >= views[first].nbytes:  # a send interrupted (timeout, signal) takes part of the list
-            n -= views[first].nbytes
+        while n and n >= len(views[first]):  # a send interrupted (timeout, signal) takes part of the list
+            n -= len(views[first])
             first += 1
         if n:
-            views[first] = views[first][n:]
+            views[first] = memoryview(views[first])[n:]
 
 
 def send_blocks(sock: socket.socket, blocks: Iterator[list]) -> int:
-    """Bytes sent of blocks given as kv_format.kv_parts, each a u64 length and then its parts, gathered by
-    the kernel straight from their memory (the pool's own, on CPU), several blocks per sendmsg. A block's
-    memory must stay as it is after the generator moved on to the next."""
+    """Bytes sent of blocks given as kv_format.kv_parts (bytes and 1-D byte views, none empty), each a u64
+    length and then its parts, gathered by the kernel straight from their memory (the pool's own, on CPU),
+    several blocks per sendmsg. A block's memory must stay as it is after the generator moved on."""
     total, batch = 0, []
     for parts in blocks:
-        views = [v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes]  # an empty one never advances
-        size = sum(v.nbytes for v in views)
-        batch.append(memoryview(struct.pack("<Q", size)))
-        batch += views
+        size = sum(map(len, parts))
+        batch.append(struct.pack("<Q", size))
+        batch += parts
         total += 8 + size
-        if len(batch) > _IOV_MAX - len(views):
+        if len(batch) > _IOV_MAX - len(parts):
             _send_views(sock, batch)
             batch = []
     _send_views(sock, batch)
