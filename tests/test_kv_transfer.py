@@ -4,8 +4,10 @@ timeout (twice is harmless), and the block server survives bad input."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import struct
+import threading
 import time
 
 import numpy as np
@@ -187,15 +189,82 @@ def test_a_remote_host_outside_peer_hosts_is_never_contacted(engines):
         d.close()
 
 
-def test_decode_keeps_its_receive_buffers_for_the_next_pull(engines):
-    """Receiving into fresh memory faults its pages in (~3x slower than a raw copy): D reuses its buffers."""
+def test_pulled_blocks_are_the_prefill_servers_bytes_in_d_s_own_pool(engines):
+    p, d = engines
+    kt = prefill(p)
+    src = [p.runner.kv_cache[:, :, b * 16 : (b + 1) * 16].clone() for b in kt["remote_block_ids"]]
+    d.pool.reset_prefix_cache()
+    d.add_request("x", PROMPT, SamplingParams(max_tokens=1, kv_transfer_params=kt))
+    settle(d, lambda: not d.transfers_pending, "the pull to land")
+    held = d.requests["x"][0].held_blocks  # the reserved blocks the pull wrote, now registered
+    assert len(held) == (len(PROMPT) - 1) // 16
+    for b, want in zip(held, src):
+        assert torch.equal(d.runner.kv_cache[:, :, b * 16 : (b + 1) * 16], want)
+    while d.has_unfinished():
+        d.step()
+    settle(p, lambda: p.kv_transfer.pinned_blocks == 0, "P to free the pulled blocks")
+
+
+class FakePrefillServer:
+    """Speaks the block wire protocol with the blocks a prefill server announced, spoiled on the way."""
+
+    def __init__(self, kt: dict, spoil: str):
+        self.kt, self.spoil = kt, spoil
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self) -> None:
+        from rlserve.engine import kv_format
+
+        conn, _ = self.sock.accept()
+        with conn:
+            ask = recv_frame(conn)
+            send_frame(conn, {"ok": True, "blocks": ask["count"]})
+            shape = tuple(self.kt["kv_shape"])
+            kv = torch.randn(shape)
+            for i, h in enumerate(self.kt["block_hashes"][ask["first"] : ask["first"] + ask["count"]]):
+                block_hash = bytes.fromhex(h)[::-1] if self.spoil == "foreign" else bytes.fromhex(h)
+                parts = kv_format.kv_parts(block_hash, self.kt["weight_generation"], shape, torch.float32,
+                                           kv_format.tensor_views(kv))
+                data = b"".join(bytes(memoryview(x).cast("B")) for x in parts)
+                if self.spoil == "checksum" and i == 1:
+                    data = data[:-100] + bytes(1) + data[-99:]  # one payload byte flipped after hashing
+                if self.spoil == "short" and i == 1:
+                    conn.sendall(struct.pack("<Q", len(data)) + data[: len(data) // 2])
+                    return
+                conn.sendall(struct.pack("<Q", len(data)) + data)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.mark.parametrize("spoil", ["checksum", "short", "foreign"])
+def test_a_spoiled_pull_frees_its_reserved_blocks_and_d_prefills_locally(engines, spoil, caplog):
+    """D receives straight into reserved pool blocks: a block that fails its checksum, never fully arrives
+    or holds other tokens' KV (another hash in its header) frees them all, and the request prefills locally
+    with the same output."""
+    caplog.set_level(logging.INFO, logger="rlserve.engine.kv_transfer")
     p, d = engines
     want = decode(d, None)
-    assert decode(d, prefill(p)) == want
-    kept = d.kv_transfer.buffers.kept
-    assert kept > 0
-    ids = {id(b) for bufs in d.kv_transfer.buffers.free.values() for b in bufs}
-    assert decode(d, prefill(p)) == want  # the same bytes through the same buffers
-    assert d.kv_transfer.buffers.kept == kept
-    assert {id(b) for bufs in d.kv_transfer.buffers.free.values() for b in bufs} == ids
-    settle(p, lambda: p.kv_transfer.pinned_blocks == 0, "P to free the pulled blocks")
+    kt = prefill(p)
+    fake = FakePrefillServer(kt, spoil)
+    try:
+        failures, fallbacks = d.kv_transfer.stats.pull_failures, d.kv_transfer.stats.fallbacks
+        d.pool.reset_prefix_cache()
+        params = SamplingParams(max_tokens=5, temperature=0, kv_transfer_params=kt | {"remote_port": fake.port})
+        d.add_request("s", PROMPT, params)
+        settle(d, lambda: not d.transfers_pending, "the pull to fail")
+    finally:
+        fake.close()
+    assert d.kv_transfer.stats.fallbacks == fallbacks + 1
+    assert d.kv_transfer.stats.pull_failures == failures + (spoil != "foreign")  # that one arrived intact
+    assert {"checksum": "checksum mismatch", "short": "connection closed",
+            "foreign": "computed for other tokens"}[spoil] in caplog.text
+    assert all(d.pool.is_free(b) for b in range(d.pool.num_blocks))  # the reserved blocks are back
+    computed = d.stats.prompt_tokens_computed
+    got = None
+    while got is None:
+        got = next((o.outputs[0].token_ids for o in d.step() if o.finished), None)
+    assert got == want and d.stats.prompt_tokens_computed - computed == len(PROMPT)
+    settle(p, lambda: p.kv_transfer.pinned_blocks == 0, "the unpulled pin to time out")

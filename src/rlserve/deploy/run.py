@@ -43,13 +43,13 @@ async def _main(config: Config) -> None:
     admin_host = _admin_host(config)
     sock = _bind(admin_host, admin_port)
     admin_url = f"http://{admin_host}:{sock.getsockname()[1]}"
-    key, workdir = new_key(), private_dir("rlserve-deploy-")
-    dep = Deployment(config, _replicas(config, key, admin_url, workdir), key, host, port)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, whose own SIGTERM handler exits mid-loop
-        loop.add_signal_handler(sig, stop.set)
-    server = None
-    try:
+    key, workdir, dep = new_key(), None, None
+    try:  # whatever fails from here on (a replica that cannot even be set up included) closes and removes these
+        workdir = private_dir("rlserve-deploy-")
+        dep = Deployment(config, _replicas(config, key, admin_url, workdir), key, host, port)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, whose own SIGTERM handler exits mid-loop
+            loop.add_signal_handler(sig, stop.set)
         starting = asyncio.ensure_future(dep.start())
         await asyncio.wait([starting, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
         if not starting.done():
@@ -71,13 +71,15 @@ async def _main(config: Config) -> None:
         server.should_exit = True
         await asyncio.gather(serving, watching, return_exceptions=True)
     finally:
-        await dep.stop()
-        if config.deployment.on_ray:
-            from rlserve.deploy.ray_nodes import release
+        if dep is not None:
+            await dep.stop()
+            if config.deployment.on_ray:
+                from rlserve.deploy.ray_nodes import release
 
-            release([s.replica for s in dep.slots])
+                release([s.replica for s in dep.slots])
         sock.close()
-        shutil.rmtree(workdir, ignore_errors=True)
+        if workdir is not None:
+            shutil.rmtree(workdir, ignore_errors=True)
         log.info("deployment stopped")
 
 

@@ -16,7 +16,6 @@ from typing import Any, TypeVar
 from rlserve.config import Config
 from rlserve.engine.engine import Engine
 from rlserve.engine.face import EngineDeadError, EngineFace, check_pause_mode
-from rlserve.engine.kv_transfer import LANDING_POLL_S
 from rlserve.engine.outputs import RequestOutput
 from rlserve.engine.params import SamplingParams
 from rlserve.engine.sequence import Request
@@ -32,6 +31,8 @@ class AsyncEngine(EngineFace):
         self.engine = engine or Engine(config)
         self._commands: queue.SimpleQueue[Callable[[Engine], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
+        if self.engine.kv_transfer is not None:  # a landed pull wakes the loop; it never polls for one
+            self.engine.kv_transfer.wake = self._wake.set
         # id(request) -> (loop, queue, every step's output wanted, first output sent)
         self._streams: dict[int, list] = {}
         self._stop = False
@@ -262,7 +263,7 @@ class AsyncEngine(EngineFace):
                     except queue.Empty:
                         break
                 engine.poll_transfers()
-                idle_s = LANDING_POLL_S if engine.transfers_pending else 0.05 if engine.kv_transfer is not None else 0.5
+                idle_s = 0.05 if engine.kv_transfer is not None else 0.5  # pins time out between two looks
                 if self.paused:
                     self._dispatch(engine.take_pending())
                     self._wake.wait(timeout=idle_s)

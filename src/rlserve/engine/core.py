@@ -27,13 +27,11 @@ import zmq
 from rlserve.config import Config
 from rlserve.engine import ipc
 from rlserve.engine.engine import Engine
-from rlserve.engine.kv_transfer import LANDING_POLL_S
 from rlserve.engine.sequence import Request
 from rlserve.engine.weights import StagingBuffers, check_under_roots, stage, stage_from_dir
 
 log = logging.getLogger("rlserve.engine.core")
 IDLE_POLL_MS = 50  # how long an idle loop sleeps on its inbox before looking at helpers and its parent
-LANDING_POLL_MS = round(LANDING_POLL_S * 1000)
 
 
 class EngineCore:
@@ -48,6 +46,15 @@ class EngineCore:
         self.helper = ThreadPoolExecutor(1, thread_name_prefix="rlserve-stage")  # one update at a time
         self.group: Future | None = None  # torch.distributed group with a trainer, being joined
         self.staging = StagingBuffers()
+        self.poller = zmq.Poller()
+        self.poller.register(inbox, zmq.POLLIN)
+        self.landed_r = None
+        if engine.kv_transfer is not None:  # a pull thread wakes the loop when its blocks have landed
+            self.landed_r, self.landed_w = os.pipe()
+            os.set_blocking(self.landed_r, False)
+            os.set_blocking(self.landed_w, False)
+            self.poller.register(self.landed_r, zmq.POLLIN)
+            engine.kv_transfer.wake = self.wake
 
     # ---- the loop ---------------------------------------------------------------------------
 
@@ -55,7 +62,12 @@ class EngineCore:
         engine, parent = self.engine, ipc.parent_pid()
         while not self.stop:
             busy = engine.has_unfinished() and not self.paused
-            if self.inbox.poll(0 if busy else LANDING_POLL_MS if engine.transfers_pending else IDLE_POLL_MS):
+            if self.poller.poll(0 if busy else IDLE_POLL_MS):
+                if self.landed_r is not None:
+                    try:
+                        os.read(self.landed_r, 4096)
+                    except BlockingIOError:
+                        pass
                 while True:
                     try:
                         raw = self.inbox.recv(zmq.NOBLOCK)
@@ -78,6 +90,12 @@ class EngineCore:
                 engine.tp.check()  # a dead rank fails the engine now, not at its next collective
             if not busy and os.getppid() != parent:  # the server is gone: nobody will read our outputs
                 return
+
+    def wake(self) -> None:
+        try:
+            os.write(self.landed_w, b"\0")
+        except BlockingIOError:  # the pipe is full of wakeups already
+            pass
 
     def dispatch(self, touched: list[Request]) -> None:
         items = []

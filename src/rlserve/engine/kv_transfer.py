@@ -7,11 +7,12 @@ ends when the pull's connection closes (pulled, failed or abandoned), when the r
 aborted, or after `kv_transfer.pin_timeout_s`; ending a pin twice is harmless.
 
 Decode side (D). A request with `do_remote_prefill` whose weight generation, block size, dtype and KV
-shape match this engine's pulls the prompt blocks its own prefix cache lacks, in a thread. Between two
-steps they are written into pool blocks registered under D's own chained hashes (each must equal the
-hash P computed, so tokens, weights, adapter and cache_salt all agree) and held until the request is
-admitted; the normal prefix-cache path then skips their prefill. Any mismatch or failure: the request
-prefills locally (counted as a fallback).
+shape match this engine's pulls the prompt blocks its own prefix cache lacks, in a thread, straight into
+pool blocks reserved when the pull starts (checked there: header and checksum). The pull wakes the engine
+loop; between two steps the blocks are registered under D's own chained hashes (each must equal the hash
+P computed, so tokens, weights, adapter and cache_salt all agree) and held until the request is
+admitted; the normal prefix-cache path then skips their prefill. Any mismatch or failure: the reserved
+blocks are freed and the request prefills locally (counted as a fallback).
 
 Wire, one TCP connection per transfer; a frame is a u32 LE length + UTF-8 JSON (never pickle):
     D -> P  {"op": "pull", "transfer_id": T, "first": k, "count": n}  |  {"op": "release", "transfer_id": T}
@@ -39,7 +40,6 @@ import torch
 from rlserve.config import KVTransferConfig
 from rlserve.engine import kv_format
 from rlserve.engine.kv_cache import block_hash
-from rlserve.engine.kv_format import KVBlock
 
 if TYPE_CHECKING:
     from rlserve.engine.engine import Engine
@@ -48,16 +48,19 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _MAX_FRAME = 1 << 20  # a JSON frame (requests, answers) is small
-_BLOCK_SLACK = 1 << 20  # header + checksum room over a block's raw KV bytes
 _SOCKET_BUFFER = 8 << 20  # several blocks in flight: hashing on one side overlaps copying on the other
 _IOV_MAX = 512  # buffers per sendmsg (Linux allows 1024)
-_SPARE_RECEIVE_BYTES = 256 << 20  # receive buffers a decode server keeps between pulls
-# how often an idle engine loop looks for landed pulls: waking every 1 ms took the GIL from the pulling
-# thread often enough to cost ~40% of a lone pull's rate (measured: 0.86 -> 1.51 GB/s at 5 ms)
-LANDING_POLL_S = 0.005
 
 
-def _tune(sock: socket.socket) -> None:
+def tune_socket(sock: socket.socket, timeout_s: float) -> None:
+    """Blocking, with the timeout in the kernel (SO_RCVTIMEO/SO_SNDTIMEO): Python's own socket timeout makes
+    the socket non-blocking, so MSG_WAITALL returns whatever has arrived and each call polls first (more
+    system calls and GIL hand-offs per block: py-spy showed both sides waiting in poll)."""
+    sock.settimeout(None)
+    whole = int(timeout_s)
+    timeval = struct.pack("ll", whole, int((timeout_s - whole) * 1e6))
+    for opt in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+        sock.setsockopt(socket.SOL_SOCKET, opt, timeval)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         sock.setsockopt(socket.SOL_SOCKET, opt, _SOCKET_BUFFER)
@@ -94,38 +97,33 @@ def recv_frame(sock: socket.socket) -> dict[str, Any]:
     return obj
 
 
-def send_parts(sock: socket.socket, parts: list) -> int:
-    """One block as kv_format.encode_parts made it: a u64 length, then the pieces, gathered by the kernel
-    straight from their memory (the pool's own, on CPU) in as few sendmsg calls as it takes."""
-    views = [v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes]  # an empty one would never advance
-    size = sum(v.nbytes for v in views)
-    views.insert(0, memoryview(struct.pack("<Q", size)))
+def _send_views(sock: socket.socket, views: list) -> None:
+    """Send byte buffers (bytes, or 1-D memoryviews of bytes: len is their size) in order."""
     first = 0
     while first < len(views):
         n = sock.sendmsg(views[first : first + _IOV_MAX])
-        while n and n >= views[first].nbytes:  # a timeout socket may take part of the list
-            n -= views[first].nbytes
+        while n and n >= len(views[first]):  # a send interrupted (timeout, signal) takes part of the list
+            n -= len(views[first])
             first += 1
         if n:
-            views[first] = views[first][n:]
-    return size
+            views[first] = memoryview(views[first])[n:]
 
 
-def send_blocks(sock: socket.socket, blocks: Iterator[KVBlock]) -> int:
-    """Bytes sent. Each block is hashed and then sent from its own memory on this thread: a helper thread
-    hashing the next block measured slower (hand-offs and the GIL) than the hash itself."""
-    return sum(send_parts(sock, kv_format.encode_parts(block)) for block in blocks)
-
-
-def recv_block_bytes(sock: socket.socket, max_bytes: int, buffers: "ReceiveBuffers | None" = None) -> bytearray:
-    (n,) = struct.unpack("<Q", _recv_exact(sock, 8))
-    if n > max_bytes:
-        raise TransferError(f"a block of {n} bytes is larger than this engine's blocks ({max_bytes})")
-    if buffers is None:
-        return _recv_exact(sock, n)
-    buf = buffers.get(n)
-    _recv_into(sock, memoryview(buf))
-    return buf
+def send_blocks(sock: socket.socket, blocks: Iterator[list]) -> int:
+    """Bytes sent of blocks given as kv_format.kv_parts (bytes and 1-D byte views, none empty), each a u64
+    length and then its parts, gathered by the kernel straight from their memory (the pool's own, on CPU),
+    several blocks per sendmsg. A block's memory must stay as it is after the generator moved on."""
+    total, batch = 0, []
+    for parts in blocks:
+        size = sum(map(len, parts))
+        batch.append(struct.pack("<Q", size))
+        batch += parts
+        total += 8 + size
+        if len(batch) > _IOV_MAX - len(parts):
+            _send_views(sock, batch)
+            batch = []
+    _send_views(sock, batch)
+    return total
 
 
 def _recv_into(sock: socket.socket, view: memoryview) -> None:
@@ -139,36 +137,61 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
         got += k
 
 
-class ReceiveBuffers:
-    """Block-sized receive buffers kept for the next pull: a fresh buffer faults its pages in while the
-    socket fills it, which measured ~3x slower than receiving into memory touched before."""
-
-    def __init__(self, max_bytes: int):
-        self.max_bytes, self.kept = max_bytes, 0
-        self.free: dict[int, list[bytearray]] = {}
-        self.lock = threading.Lock()
-
-    def get(self, n: int) -> bytearray:
-        with self.lock:
-            spare = self.free.get(n)
-            if spare:
-                self.kept -= n
-                return spare.pop()
-        return bytearray(n)
-
-    def put(self, bufs: list[bytearray]) -> None:
-        with self.lock:
-            for buf in bufs:
-                if self.kept + len(buf) <= self.max_bytes:
-                    self.free.setdefault(len(buf), []).append(buf)
-                    self.kept += len(buf)
+def _recv_views(sock: socket.socket, views: list[memoryview]) -> None:
+    """Fill the views in order, scattered by the kernel (recvmsg_into) in as few calls as it takes."""
+    views, first = list(views), 0
+    while first < len(views):
+        n = sock.recvmsg_into(views[first : first + _IOV_MAX], 0, socket.MSG_WAITALL)[0]
+        if n == 0:
+            raise TransferError("connection closed in the middle of a block")
+        while n and n >= views[first].nbytes:
+            n -= views[first].nbytes
+            first += 1
+        if n:
+            views[first] = views[first][n:]
 
 
-def decode_block(data: bytearray, shape: tuple[int, ...], dtype: torch.dtype) -> KVBlock:
-    try:
-        return kv_format.decode(data, expect_shape=shape, expect_dtype=dtype)
-    except kv_format.BlockFormatError as e:
-        raise TransferError(str(e)) from None
+def recv_blocks_into(sock: socket.socket, targets: list[list[memoryview]], heads: list[tuple[bytes, bytes, int]],
+                     shape: tuple[int, ...], dtype: torch.dtype) -> tuple[list[tuple[bytes, int]], int]:
+    """Blocks written straight into `targets` (each a destination pool block's per-layer k/v runs), several
+    per recvmsg_into, and each block's checksum checked on them there; each block's (hash, weight
+    generation) and the bytes read. `heads`: the kv_format.kv_head each block should have, with the hash and
+    weight generation in it (this engine's for the block): one that differs in content is parsed (a block for other tokens or weights: the caller
+    stops there), one that differs in length ends the pull. On any error the targets hold garbage: the
+    caller frees them."""
+    kv_bytes = sum(v.nbytes for v in targets[0]) if targets else 0
+    got, total, i = [], 0, 0
+    while i < len(targets):
+        group, iov = [], []
+        while i < len(targets) and len(iov) + len(targets[i]) + 3 <= _IOV_MAX:
+            size, head, digest = bytearray(8), bytearray(len(heads[i][0])), bytearray(kv_format.CHECKSUM_BYTES)
+            group.append((size, head, digest, targets[i], heads[i]))
+            iov += [memoryview(size), memoryview(head), *targets[i], memoryview(digest)]
+            i += 1
+        if not group:
+            raise TransferError(f"a block of {len(targets[i])} runs does not fit one receive")
+        _recv_views(sock, iov)
+        for size, head, digest, views, expected in group:
+            (n,) = struct.unpack("<Q", size)
+            try:
+                if n != len(expected[0]) + kv_bytes + kv_format.CHECKSUM_BYTES:
+                    raise kv_format.BlockFormatError(f"a block of {n} bytes, expected one of {kv_bytes} bytes of KV")
+                if head == expected[0]:
+                    block_hash, generation = expected[1:]
+                elif kv_format.header_length(head) + kv_format.PREFIX_BYTES != len(head):
+                    raise kv_format.BlockFormatError("a block's header is not the size this engine's is")
+                else:
+                    block_hash, generation = kv_format.kv_only_header(head[kv_format.PREFIX_BYTES :], shape, dtype)
+            except kv_format.BlockFormatError as e:
+                raise TransferError(str(e)) from None
+            h = kv_format.checksum(head)
+            for v in views:
+                h.update(v)
+            if h.digest() != digest:
+                raise TransferError("checksum mismatch: a block arrived truncated or corrupted")
+            got.append((block_hash, generation))
+            total += 8 + n
+    return got, total
 
 
 # ---- the prefill side's block server ----------------------------------------------------------
@@ -176,9 +199,9 @@ def decode_block(data: bytearray, shape: tuple[int, ...], dtype: torch.dtype) ->
 
 class BlockServer:
     """Accepts pulls on host:port, one thread per connection. `blocks(transfer_id, first, count)` yields
-    the blocks (KeyError: unknown transfer); `done(transfer_id)` is called when the connection ends."""
+    the blocks as kv_format.kv_parts (KeyError: unknown transfer); `done(transfer_id)` is called when the connection ends."""
 
-    def __init__(self, host: str, port: int, blocks: Callable[[str, int, int], Iterator[KVBlock]],
+    def __init__(self, host: str, port: int, blocks: Callable[[str, int, int], Iterator[list]],
                  done: Callable[[str, int, float], None], timeout_s: float):
         self.blocks, self.done, self.timeout_s = blocks, done, timeout_s
         self.sock = socket.create_server((host, port))
@@ -198,8 +221,7 @@ class BlockServer:
         tid, sent, start, blocks = None, 0, time.monotonic(), None
         with conn:
             try:
-                conn.settimeout(self.timeout_s)
-                _tune(conn)
+                tune_socket(conn, self.timeout_s)
                 msg = recv_frame(conn)
                 tid = str(msg.get("transfer_id"))
                 if msg.get("op") == "pull":
@@ -227,33 +249,19 @@ class BlockServer:
         self.sock.close()
 
 
-def pull(host: str, port: int, transfer_id: str, first: int, count: int, timeout_s: float,
-         shape: tuple[int, ...], dtype: torch.dtype,
-         buffers: ReceiveBuffers | None = None) -> tuple[list[KVBlock], int, list[bytearray]]:
-    """The decode side: `count` blocks from index `first` of a transfer, the bytes read, and the buffers the
-    blocks' tensors share (for `buffers.put` once the blocks are written elsewhere). Each block's checksum
-    is checked on arrival, while the socket buffers the next ones."""
-    max_bytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size() + _BLOCK_SLACK
-    blocks, total, received = [], 0, []
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s) as sock:
-            _tune(sock)
-            send_frame(sock, {"op": "pull", "transfer_id": transfer_id, "first": first, "count": count})
-            head = recv_frame(sock)
-            if not head.get("ok"):
-                raise TransferError(f"the prefill server refused: {head.get('error')}")
-            if head.get("blocks") != count:
-                raise TransferError(f"the prefill server has {head.get('blocks')} of the {count} blocks asked for")
-            for _ in range(count):
-                data = recv_block_bytes(sock, max_bytes, buffers)
-                received.append(data)
-                total += len(data)
-                blocks.append(decode_block(data, shape, dtype))
-    except BaseException:
-        if buffers is not None:
-            buffers.put(received)
-        raise
-    return blocks, total, received
+def pull_into(host: str, port: int, transfer_id: str, first: int, targets: list[list[memoryview]],
+              heads: list[tuple[bytes, bytes, int]], timeout_s: float, shape: tuple[int, ...],
+              dtype: torch.dtype) -> tuple[list[tuple[bytes, int]], int]:
+    """The decode side: blocks `first`.. of a transfer, one into each target (recv_blocks_into)."""
+    with socket.create_connection((host, port), timeout=timeout_s) as sock:
+        tune_socket(sock, timeout_s)
+        send_frame(sock, {"op": "pull", "transfer_id": transfer_id, "first": first, "count": len(targets)})
+        head = recv_frame(sock)
+        if not head.get("ok"):
+            raise TransferError(f"the prefill server refused: {head.get('error')}")
+        if head.get("blocks") != len(targets):
+            raise TransferError(f"the prefill server has {head.get('blocks')} of the {len(targets)} blocks asked for")
+        return recv_blocks_into(sock, targets, heads, shape, dtype)
 
 
 def release_remote(host: str, port: int, transfer_id: str, timeout_s: float) -> None:
@@ -294,19 +302,21 @@ class _Pin:
     hashes: list[bytes]
     weight_generation: int
     deadline: float
+    heads: list[bytes]  # each block's kv_format head and checksum, computed at pin time (CPU pools);
+    digests: list[bytes]  # empty: at send time
     serving: int = 0  # connections reading it now: the timeout waits for them
 
 
 @dataclass(slots=True)
 class _Landing:
     req: "Request"
-    first: int
-    blocks: list[KVBlock] | None = None
+    first: int  # leading prompt blocks this pool had cached: held in req.held_blocks from the start
+    blocks: list[int]  # pool blocks reserved for the pulled ones; on CPU the pull writes them directly
+    staging: list[torch.Tensor]  # off CPU: host blocks the pull writes, copied into `blocks` on landing
+    start: float
+    got: list[tuple[bytes, int]] = field(default_factory=list)  # each block's (hash, weight generation)
     error: str | None = None
     nbytes: int = 0
-    seconds: float = 0.0
-    hashes: list[bytes] = field(default_factory=list)
-    buffers: list[bytearray] = field(default_factory=list)  # the blocks' memory, reused once they are written
 
 
 class KVTransfer:
@@ -324,7 +334,9 @@ class KVTransfer:
         self.released: queue.SimpleQueue[str] = queue.SimpleQueue()
         self.landed: queue.SimpleQueue[_Landing] = queue.SimpleQueue()
         self.pulling = 0
-        self.buffers = ReceiveBuffers(_SPARE_RECEIVE_BYTES)
+        self.wake: Callable[[], None] = lambda: None  # the engine loop's wakeup: a landed pull is handled at once
+        cpu = self.kv_cache.device.type == "cpu" and self.kv_cache.is_contiguous()
+        self.pool_blocks = kv_format.PoolBlocks(self.kv_cache, self.block_size) if cpu else None
         self.server = BlockServer(config.host, config.port, self._blocks, self._served, config.pull_timeout_s)
         self.engine_id = f"rlserve-{config.host}:{self.server.port}"
 
@@ -349,9 +361,19 @@ class KVTransfer:
             self.pool.take(b)
         tid = uuid.uuid4().hex
         generation = self.engine.weight_generation
+        heads, digests = [], []
+        if self.pool_blocks is not None:
+            # hashed now, on the engine thread (~8 ms for a 1,024-token smollm2-135m prompt here, next to its
+            # prefill's ~1 s), so that a pull
+            # only copies: pinned blocks are never written, so their checksum holds until they are sent
+            shape, dtype = self.block_shape, self.kv_cache.dtype
+            for b, h in zip(blocks, hashes):
+                parts = kv_format.kv_parts(h, generation, shape, dtype, self.pool_blocks.views(b))
+                heads.append(parts[0])
+                digests.append(parts[-1])
         with self.lock:
             self.pins[tid] = _Pin(req.request_id, blocks, hashes, generation,
-                                  time.monotonic() + self.config.pin_timeout_s)
+                                  time.monotonic() + self.config.pin_timeout_s, heads, digests)
         self.stats.pinned += 1
         req.kv_transfer_out = {
             "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
@@ -369,7 +391,7 @@ class KVTransfer:
             self._unpin(tid)
         return len(tids)
 
-    def _blocks(self, tid: str, first: int, count: int) -> Iterator[KVBlock]:
+    def _blocks(self, tid: str, first: int, count: int) -> Iterator[list]:
         # block server thread: pinned blocks are never written or handed out, so reading them is safe
         with self.lock:
             pin = self.pins.get(tid)
@@ -379,16 +401,18 @@ class KVTransfer:
                 raise KeyError(f"blocks {first}..{first + count} are outside the transfer's {len(pin.blocks)}")
             pin.serving += 1
         try:
-            bs, on_cpu = self.block_size, self.kv_cache.device.type == "cpu"
-            # on CPU the pool's own memory is hashed and sent, no copy; off CPU one host staging block per
-            # connection (send_blocks sends each block before it draws the next)
-            staging = None if on_cpu else torch.empty(self.block_shape, dtype=self.kv_cache.dtype)
+            bs, shape, dtype = self.block_size, self.block_shape, self.kv_cache.dtype
+            # on CPU the pool's own memory is sent, no copy, with the head and checksum made at pin time; off
+            # CPU a host copy of each block, hashed here (send_blocks may hold several before sending)
             for i in range(first, first + count):
                 b = pin.blocks[i]
-                kv = self.kv_cache[:, :, b * bs : (b + 1) * bs]
-                if staging is not None:
-                    kv = staging.copy_(kv)  # device to host: no host threads
-                yield KVBlock(pin.hashes[i], kv, pin.weight_generation)
+                if self.pool_blocks is not None:
+                    yield kv_format.kv_parts(pin.hashes[i], pin.weight_generation, shape, dtype,
+                                             self.pool_blocks.views(b), pin.heads[i], pin.digests[i])
+                else:  # device to host: no host threads
+                    host = self.kv_cache[:, :, b * bs : (b + 1) * bs].to("cpu")
+                    yield kv_format.kv_parts(pin.hashes[i], pin.weight_generation, shape, dtype,
+                                             kv_format.tensor_views(host))
         finally:
             with self.lock:
                 pin.serving -= 1
@@ -401,6 +425,7 @@ class KVTransfer:
                 self.stats.bytes_out += nbytes
                 self.stats.seconds_out += seconds
         self.released.put(tid)
+        self.wake()
 
     def _unpin(self, tid: str) -> None:
         with self.lock:
@@ -413,6 +438,7 @@ class KVTransfer:
 
     def start_pull(self, req: "Request") -> bool:
         """True when the request waits for pulled KV (it is scheduled once they land); False: run it now."""
+        start = time.monotonic()
         kt = req.params.kv_transfer_params
         if not kt or not kt.get("do_remote_prefill"):
             return False
@@ -443,9 +469,24 @@ class KVTransfer:
             self.stats.skipped += 1
             release_remote(host, port, str(tid), self.config.pull_timeout_s)
             return False
+        for h in hashes[:have]:  # held until admission: the pulled blocks continue their chain
+            b = self.pool.lookup(h)
+            self.pool.take(b)
+            req.held_blocks.append(b)
+        count = min(wanted - have, self.pool.num_free)
+        if count == 0:
+            log.info("request %s: no free KV blocks to pull into; prefilling locally", req.request_id)
+            self.release_held(req)
+            self.stats.fallbacks += 1
+            release_remote(host, port, str(tid), self.config.pull_timeout_s)
+            return False
+        # the destination blocks are reserved now and the pull writes their memory itself: landing is only
+        # registering their hashes
+        blocks = [self.pool.allocate() for _ in range(count)]
         self.pulling += 1
-        landing = _Landing(req, have)
-        threading.Thread(target=self._pull, args=(landing, host, port, str(tid), wanted - have),
+        landing = _Landing(req, have, blocks, [], start)
+        threading.Thread(target=self._pull, args=(landing, host, port, str(tid), hashes[have : have + count],
+                                                  self.engine.weight_generation),
                          name="rlserve-kv-pull", daemon=True).start()
         return True
 
@@ -475,65 +516,70 @@ class KVTransfer:
             out.append(parent)
         return out
 
-    def _pull(self, landing: _Landing, host: str, port: int, tid: str, count: int) -> None:
-        start = time.monotonic()
+    def _pull(self, landing: _Landing, host: str, port: int, tid: str, hashes: list[bytes], generation: int) -> None:
+        # the reserved blocks' memory and the heads expected in front of them, made here, off the engine thread
+        shape, dtype = self.block_shape, self.kv_cache.dtype
+        if self.pool_blocks is not None:
+            targets = [self.pool_blocks.views(b) for b in landing.blocks]
+        else:
+            landing.staging = [torch.empty(shape, dtype=dtype) for _ in landing.blocks]
+            targets = [kv_format.tensor_views(t) for t in landing.staging]
+        heads = [(head, h, generation) for head, h in zip(kv_format.kv_heads(hashes, generation, shape, dtype), hashes)]
         try:
-            landing.blocks, landing.nbytes, landing.buffers = pull(
-                host, port, tid, landing.first, count, self.config.pull_timeout_s, self.block_shape,
-                self.kv_cache.dtype, self.buffers)
+            landing.got, landing.nbytes = pull_into(host, port, tid, landing.first, targets, heads,
+                                                    self.config.pull_timeout_s, self.block_shape, self.kv_cache.dtype)
         except (OSError, TransferError) as e:
             landing.error = str(e) or type(e).__name__
-        landing.seconds = time.monotonic() - start
         self.landed.put(landing)
+        self.wake()
 
     def _land(self, landing: _Landing) -> None:
         self.pulling -= 1
         req, s = landing.req, self.stats
+        written = 0
         if landing.error is not None:
             log.warning("request %s: KV pull failed (%s); prefilling locally", req.request_id, landing.error)
             s.pull_failures += 1
             s.fallbacks += 1
         elif not req.finished:  # not aborted meanwhile
-            s.bytes_in += landing.nbytes
-            s.seconds_in += landing.seconds
-            written = self._write(req, landing.first, landing.blocks or [])
+            written = self._register(req, landing)
             if written:
                 s.pulls += 1
                 s.tokens_in += written * self.block_size
+                s.bytes_in += landing.nbytes
+                # from the request's arrival to its blocks usable in this pool: what a pull costs the request
+                s.seconds_in += time.monotonic() - landing.start
             else:
                 s.fallbacks += 1
-        landing.blocks = None
-        self.buffers.put(landing.buffers)  # written into the pool (or dropped): their memory serves the next pull
+        for b in reversed(landing.blocks[written:]):  # not filled, or not usable: free again
+            self.pool.release(b)
         if not req.finished:
             self.engine.scheduler.add(req.seqs[0])
 
-    def _write(self, req: "Request", first: int, blocks: list[KVBlock]) -> int:
-        """Hold the prompt's leading cached blocks and write the pulled ones after them; how many were written.
+    def _register(self, req: "Request", landing: _Landing) -> int:
+        """Enter the pulled blocks into the prefix cache after the request's held ones; how many.
         Hashes are this engine's, under its current weights: KV from other weights never matches."""
-        hashes = self._hashes(req, first + len(blocks))
-        bs, held = self.block_size, req.held_blocks
-        for h in hashes[:first]:
-            b = self.pool.lookup(h)
-            if b is None:  # evicted during the pull: the chain breaks here, the rest is recomputed
-                return 0
-            self.pool.take(b)
-            held.append(b)
-        written = 0
-        for h, block in zip(hashes[first:], blocks):
-            if block.block_hash != h or block.weight_generation != self.engine.weight_generation:
+        hashes = self._hashes(req, landing.first + len(landing.got))
+        if any(self.pool.lookup(h) != b for h, b in zip(hashes, req.held_blocks)):
+            log.info("request %s: its cached prefix changed during the pull (new weights?); prefilling locally",
+                     req.request_id)
+            return 0
+        written, bs = 0, self.block_size
+        for h, (got_hash, generation), b in zip(hashes[landing.first :], landing.got, landing.blocks):
+            if got_hash != h or generation != self.engine.weight_generation:
                 log.info("request %s: a pulled block was computed for other tokens, weights or salt; prefilling "
                          "from there locally", req.request_id)
                 break
-            b = self.pool.lookup(h)
-            if b is None:
-                if self.pool.num_free == 0:
-                    break
-                b = self.pool.allocate()
-                self.kv_cache[:, :, b * bs : (b + 1) * bs].copy_(block.kv)
+            cached = self.pool.lookup(h)
+            if cached is None:
+                if landing.staging:
+                    self.kv_cache[:, :, b * bs : (b + 1) * bs].copy_(landing.staging[written])
                 self.pool.register(b, h)
-            else:
-                self.pool.take(b)
-            held.append(b)
+                req.held_blocks.append(b)
+            else:  # computed here meanwhile: use that one
+                self.pool.take(cached)
+                req.held_blocks.append(cached)
+                self.pool.release(b)
             written += 1
         return written
 

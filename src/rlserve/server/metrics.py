@@ -203,7 +203,8 @@ def _transfer_metrics(s, names: list[str], values: list[str]):
                  "to a decode server (out).", {"in": s.kv_transfer_pulls, "out": s.kv_transfer_serves})
     yield family(CounterMetricFamily, "rlserve:kv_transfer_bytes", "KV bytes pulled (in) or served (out).",
                  {"in": s.kv_transfer_bytes_in, "out": s.kv_transfer_bytes_out})
-    yield family(CounterMetricFamily, "rlserve:kv_transfer_seconds", "Seconds spent pulling (in) or serving (out) KV.",
+    yield family(CounterMetricFamily, "rlserve:kv_transfer_seconds",
+                 "Seconds from a pull's start to its blocks usable in the pool (in), or serving pulls (out).",
                  {"in": s.kv_transfer_seconds_in, "out": s.kv_transfer_seconds_out})
     yield single(CounterMetricFamily, "rlserve:kv_transfer_tokens", "Prompt tokens whose KV was pulled, not computed.",
                  s.kv_transfer_tokens_in)
