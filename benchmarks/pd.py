@@ -12,7 +12,9 @@ block received straight into its pool block and its checksum checked there, the 
 landed pull. The prefill server hashes each block before sending it. The raw copy: the same number of
 bytes over a fresh loopback TCP connection with the same socket options (TCP_NODELAY, 8 MiB buffers),
 connection set-up included, sent in block-sized writes and received into one reused block-sized buffer
-(cache-warm: it flatters the raw copy, never the transfer); no hashing, no framing, no engine.
+(cache-warm: it flatters the raw copy, never the transfer); no hashing, no framing, no engine. Then the
+same copy between two buffers of the transfer's size (memory-resident, as the KV bytes are on both sides:
+the bytes leave one pool and land in another, beyond the cache); both ratios are printed.
 
     python benchmarks/pd.py [--preset smollm2-135m] [--clients 16] [--prompt-len 1024] [--new-tokens 32]
     python benchmarks/pd.py --quick            # tiny model, small counts: a smoke test
@@ -88,14 +90,16 @@ def _metric(url: str, name: str) -> float:
                if s.name == name and s.labels.get("direction", "in") == "in")
 
 
-def raw_socket_rate(nbytes: int, chunk: int) -> float:
+def raw_socket_rate(nbytes: int, chunk: int, resident: bool = False) -> float:
     """Bytes/s of a plain loopback TCP copy of nbytes in chunk-sized writes (the KV blocks' size), set up
-    and timed as a transfer is (see the module's docstring)."""
+    and timed as a transfer is (see the module's docstring). Cache-hot (the default): one chunk-sized
+    source sent again and again into one chunk-sized destination, so neither side touches memory beyond
+    the cache. resident: from an nbytes source into an nbytes destination, as the KV bytes move (a pool on
+    each side); both touched before, so page faults are not counted."""
     server = socket.create_server(("127.0.0.1", 0))
-    payload = bytes(chunk)
-    buf = bytearray(chunk)
-    view = memoryview(buf)
-    view[:] = payload  # touched before: a fresh buffer's page faults are not the socket's cost
+    size = nbytes if resident else chunk
+    source = memoryview(bytearray(b"\x01" * size))
+    view = memoryview(bytearray(b"\x01" * size))  # touched before: a fresh buffer's page faults are not the socket's cost
 
     def send() -> None:
         conn, _ = server.accept()
@@ -103,7 +107,8 @@ def raw_socket_rate(nbytes: int, chunk: int) -> float:
             tune_socket(conn, 60)
             sent = 0
             while sent < nbytes:
-                conn.sendall(payload)
+                at = sent % size
+                conn.sendall(source[at : at + min(chunk, nbytes - sent)])
                 sent += chunk
 
     thread = threading.Thread(target=send)
@@ -112,7 +117,8 @@ def raw_socket_rate(nbytes: int, chunk: int) -> float:
     with socket.create_connection(server.getsockname()) as sock:
         tune_socket(sock, 60)
         while got < nbytes:
-            n = sock.recv_into(view)
+            at = got % size
+            n = sock.recv_into(view[at : at + min(chunk, size - at)])
             if n == 0:
                 break
             got += n
@@ -145,7 +151,7 @@ def main() -> None:
         fallbacks = _metric(decode, "rlserve:kv_transfer_local_fallbacks_total")
         # more requests alone: the pull without 15 others and both engines' compute competing for the cores;
         # each followed by the raw copy of its bytes, so that both see the same machine
-        lone_rates, raw_rates = [], []
+        lone_rates, raw_rates, resident_rates = [], [], []
         for _ in range(LONE_PULLS):
             alone_base = {n: _metric(decode, n) for n in base}
             lone = [rng.randrange(10, 30000 if args.preset != "tiny" else 1000) for _ in range(args.prompt_len)]
@@ -157,6 +163,7 @@ def main() -> None:
             lone_bytes = int(alone["rlserve:kv_transfer_bytes_total"])
             block_bytes = int(lone_bytes / max(1, alone["rlserve:kv_transfer_tokens_total"] / 16)) or (1 << 20)
             raw_rates.append(raw_socket_rate(lone_bytes or (64 << 20), block_bytes))
+            resident_rates.append(raw_socket_rate(lone_bytes or (64 << 20), block_bytes, resident=True))
 
     print(f"\nP/D, {args.preset}, {args.clients} clients x ({args.prompt_len} prompt + {args.new_tokens} new tokens), "
           f"streamed, {cores} cores")
@@ -181,6 +188,11 @@ def main() -> None:
     print(f"  raw copy: median {raw / 1e9:.3f} GB/s (each: {', '.join(f'{r / 1e9:.2f}' for r in raw_rates)})")
     print(f"  transfer / raw: {lone_rate / raw:.2f}x of the medians, pair by pair median {statistics.median(ratios):.2f}x "
           f"(min {ratios[0]:.2f}, max {ratios[-1]:.2f}); target >= 0.5x")
+    resident, resident_ratios = statistics.median(resident_rates), sorted(t / r for t, r in zip(lone_rates, resident_rates))
+    print(f"  raw copy between {lone_bytes / 1e6:.1f} MB buffers (memory-resident, as a pool's bytes): median "
+          f"{resident / 1e9:.3f} GB/s (each: {', '.join(f'{r / 1e9:.2f}' for r in resident_rates)})")
+    print(f"  transfer / memory-resident raw: {lone_rate / resident:.2f}x of the medians, pair by pair median "
+          f"{statistics.median(resident_ratios):.2f}x (min {resident_ratios[0]:.2f}, max {resident_ratios[-1]:.2f})")
     if one is not None:
         print("others = CPU cores used by other processes during the run: well above 0 means the figures are low")
 
