@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import httpx
@@ -125,13 +126,21 @@ def test_policy_version_window_gives_409(rl_server):
     assert r.status_code == 200 and r.json()["choices"][0]["policy_version"] == current
 
 
+LONG = 500  # new tokens: with the 5-token prompt, within the test server's 512-token context
+
+
 @pytest.mark.parametrize("mode", ["keep", "abort", "wait"])
 def test_pause_modes_with_an_update_in_between(rl_server, root, mode):
     async def scenario():
         async with httpx.AsyncClient(base_url=rl_server, timeout=120) as client:
-            body = {"token_ids": PROMPTS[0], "sampling_params": {"temperature": 0, "max_tokens": 300, "ignore_eos": True, "logprobs": 0}}
+            body = {"token_ids": PROMPTS[0], "sampling_params": {"temperature": 0, "max_tokens": LONG, "ignore_eos": True, "logprobs": 0}}
             tasks = [asyncio.create_task(client.post("/inference/v1/generate", json=body)) for _ in range(3)]
-            await asyncio.sleep(0.3)
+            # paused while all three decode: admitted, and thousands of steps from done (no sleep that a
+            # fast engine outruns)
+            deadline = time.monotonic() + 120  # a hang guard only
+            while (await client.get("/metrics", params={"format": "json"})).json()["num_running"] < 3:
+                assert time.monotonic() < deadline and not any(t.done() for t in tasks)
+                await asyncio.sleep(0.005)
             r = await client.post("/pause", params={"mode": mode}, headers=ADMIN)
             assert r.status_code == 200 and r.json()["status"] == "paused"
             assert (await client.get("/is_paused")).json() == {"is_paused": True}
@@ -147,11 +156,11 @@ def test_pause_modes_with_an_update_in_between(rl_server, root, mode):
         versions = [s["policy_version"] for s in c["weight_versions"]]
         assert len(c["logprobs"]["content"]) == len(c["token_ids"])
         if mode == "keep":  # frozen, then continued on the new weights
-            assert len(c["token_ids"]) == 300 and versions == [version - 1, version] and c["policy_version"] == version
+            assert len(c["token_ids"]) == LONG and versions == [version - 1, version] and c["policy_version"] == version
         elif mode == "abort":
-            assert c["finish_reason"] == "abort" and len(c["token_ids"]) < 300 and versions in ([version - 1], [])
+            assert c["finish_reason"] == "abort" and len(c["token_ids"]) < LONG and versions in ([version - 1], [])
         else:  # the pause (and so the update) waited for them
-            assert len(c["token_ids"]) == 300 and versions == [version - 1]
+            assert len(c["token_ids"]) == LONG and versions == [version - 1]
 
 
 TRAINER = textwrap.dedent(
