@@ -119,8 +119,8 @@ class CpuKernels:
 
     def __init__(self, lib: ctypes.CDLL):
         i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
-        self._attention, self._add_rms_norm, self._qk_rope_store, self._silu_mul, self._gemv, self._decode = {}, {}, {}, {}, {}, {}
-        self._gemv_f32out = {}
+        self._attention, self._add_rms_norm, self._qk_rope_store, self._silu_mul = {}, {}, {}, {}
+        self._gemv, self._gemv_f32out, self._decode = {}, {}, {}
         for dtype, suffix in DTYPES.items():
             fn = lambda name: getattr(lib, f"rlserve_{name}_{suffix}")  # noqa: E731
             self._attention[dtype] = self._fn(fn("paged_attention"), [ptr, i64] + [ptr] * 5 + [i64] * 6 + [f32, i32])

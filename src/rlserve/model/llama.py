@@ -493,13 +493,13 @@ class CausalLM(nn.Module):
     def packable_bytes(self) -> int:
         """Memory that `pack_weights` would take (a second copy of each weight it can pack)."""
         weights = [m.weight for m in self.modules() if isinstance(m, Projection)]
-        weights += [] if self._head_widens_bf16() else [self.logits_weight]
+        weights += [] if self._head_reads_bf16_weight() else [self.logits_weight]
         return sum(w.numel() * w.element_size() for w in weights if PackedWeight.supported(w))
 
     def pack_weights(self) -> int:
         """Keep MKL-packed copies of every projection's weight (fp32 on CPU); how many were packed."""
         packed = sum(m.pack() for m in self.modules() if isinstance(m, Projection))
-        self.packed_head = None if self._head_widens_bf16() or not PackedWeight.supported(self.logits_weight) else PackedWeight()
+        self.packed_head = None if self._head_reads_bf16_weight() or not PackedWeight.supported(self.logits_weight) else PackedWeight()
         self.refresh_packed()
         return packed + (self.packed_head is not None)
 
@@ -576,8 +576,10 @@ class CausalLM(nn.Module):
             and layer.self_attn.o_proj.bias is None and layer.mlp.gate_up_proj.bias is None and layer.mlp.down_proj.bias is None
             for layer in self.layers
         )  # fmt: skip
-        weights = [w for layer in self.layers for w in (layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight)] if dense else []
-        if not dense or len({w.dtype for w in weights}) != 1:
+        if not dense:
+            return False
+        dtypes = {w.dtype for layer in self.layers for w in (layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight)}  # fmt: skip
+        if len(dtypes) != 1:
             return False
         ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
         rows = []
@@ -586,24 +588,21 @@ class CausalLM(nn.Module):
             rows.append((ptr(layer.input_layernorm), ptr(a.qkv_proj.weight), ptr(a.qkv_proj.bias), ptr(a.q_norm), ptr(a.k_norm),
                          ptr(a.o_proj.weight), ptr(layer.post_attention_layernorm), ptr(m.gate_up_proj.weight), ptr(m.down_proj.weight)))  # fmt: skip
         assert len(rows[0]) == self.gemv.decode_layer_ptrs, "decode_impl.h and the model disagree on the layer's weights"
-        return torch.tensor(rows, dtype=torch.int64), weights[0].dtype
+        return torch.tensor(rows, dtype=torch.int64), dtypes.pop()
 
-    def _head_gemv_widens(self, hidden: torch.Tensor) -> bool:
-        """Whether the fp32 head over a bf16 weight can run as the GEMV with fp32 sums straight
-        from that weight: bf16 values widen to fp32 exactly, so this computes the fp32 head's
-        logits (up to summation order) reading half the bytes of its fp32 copy. At any row count:
-        its bf16 dot products beat MKL's fp32 GEMM on the copy 3-6x from 8 to 128 rows (2 cores,
-        AVX512_BF16), the weight's 4-output tiles staying in L1 while the rows pass."""
-        return self._head_widens_bf16() and hidden.dtype == torch.bfloat16 and hidden.device.type == "cpu"
-
-    def _head_widens_bf16(self) -> bool:
+    def _head_reads_bf16_weight(self) -> bool:
+        """Whether the fp32 head over a bf16 weight runs as the GEMV with fp32 sums straight from
+        that weight: bf16 values widen to fp32 exactly, so this computes the fp32 head's logits (up
+        to summation order) reading half the bytes of an fp32 copy, and no copy is kept. At any row
+        count: its bf16 dot products beat MKL's fp32 GEMM on the copy 3-6x from 8 to 128 rows (2
+        cores, AVX512_BF16), the weight's 4-output tiles staying in L1 while the rows pass."""
         if self.gemv is None or self.head_cast is None or self.head_cast.dtype != torch.float32:
             return False
         return self.head_weight.dtype == torch.bfloat16 and self.head_weight.device.type == "cpu" and self.gemv.gemv_rows(torch.bfloat16) > 0
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [T, vocab]; computed in the head's dtype (`set_head_dtype`)."""
-        if self._head_gemv_widens(hidden):  # the fp32 head of a bf16 model, reading the bf16 weight
+        if hidden.dtype == torch.bfloat16 and self._head_reads_bf16_weight():
             return self.gemv.gemv(hidden, self.head_weight, fp32_out=True)
         weight = self.logits_weight
         hidden = hidden.to(weight.dtype)
