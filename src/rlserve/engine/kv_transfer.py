@@ -302,8 +302,9 @@ class _Pin:
     hashes: list[bytes]
     weight_generation: int
     deadline: float
-    heads: list[bytes]  # each block's kv_format head and checksum, computed at pin time (CPU pools);
-    digests: list[bytes]  # empty: at send time
+    # each block's kv_format head and checksum, made at pin time on CPU pools (empty elsewhere: made at send time)
+    heads: list[bytes]
+    digests: list[bytes]
     serving: int = 0  # connections reading it now: the timeout waits for them
 
 
@@ -364,13 +365,12 @@ class KVTransfer:
         heads, digests = [], []
         if self.pool_blocks is not None:
             # hashed now, on the engine thread (~8 ms for a 1,024-token smollm2-135m prompt here, next to its
-            # prefill's ~1 s), so that a pull
-            # only copies: pinned blocks are never written, so their checksum holds until they are sent
+            # prefill's ~1 s), so that a pull only copies: pinned blocks are never written, so their checksum
+            # holds until they are sent
             shape, dtype = self.block_shape, self.kv_cache.dtype
-            for b, h in zip(blocks, hashes):
-                parts = kv_format.kv_parts(h, generation, shape, dtype, self.pool_blocks.views(b))
-                heads.append(parts[0])
-                digests.append(parts[-1])
+            heads = kv_format.kv_heads(hashes, generation, shape, dtype)
+            digests = [kv_format.kv_parts(h, generation, shape, dtype, self.pool_blocks.views(b), head)[-1]
+                       for b, h, head in zip(blocks, hashes, heads)]
         with self.lock:
             self.pins[tid] = _Pin(req.request_id, blocks, hashes, generation,
                                   time.monotonic() + self.config.pin_timeout_s, heads, digests)
