@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 
 from rlserve.config_loader import ConfigError, load_config
-from rlserve.deploy.replica import replica_config
+from rlserve.deploy.replica import replica_config, replica_cores
 from rlserve.deploy.router import router_argv
 
 
@@ -66,6 +66,17 @@ def test_each_replica_gets_its_port_and_share_of_threads():
     assert replica_config(pinned, 0, "127.0.0.1", cpu_count=8)["num_threads"] == 3
     # a replica's config is a plain server's config
     assert not load_config(["--server.port", str(first["server"]["port"])]).deployment.enabled
+
+
+@pytest.mark.parametrize("args, cores", [
+    (["--deployment.type", "disaggregated"], [[0, 1, 2, 3], [4, 5, 6, 7]]),  # threads unset: an even split
+    (["--deployment.replicas", "3", "--num_threads", "2"], [[0, 1], [2, 3], [4, 5]]),
+    (["--deployment.replicas", "2", "--num_threads", "2", "--parallel.tp", "2"], [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    (["--deployment.replicas", "3", "--num_threads", "3"], [None] * 3),  # 9 threads on 8 cores: the OS places them
+    (["--deployment.type", "disaggregated", "--deployment.bind_cores", "false"], [None] * 2),
+])
+def test_local_replicas_get_disjoint_cores_when_their_threads_fit(args, cores):
+    assert replica_cores(load_config(args), allowed=list(range(8))) == cores
 
 
 def test_disaggregated_on_ray_places_one_server_per_node_and_decode_pulls_from_the_prefill_nodes():

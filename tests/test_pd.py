@@ -240,6 +240,24 @@ def test_p_frees_pinned_blocks_when_d_is_killed(pd):
     assert metric(p, "vllm:kv_cache_usage_perc") == 0
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="P and D get a core each only with 2 usable cores")
+def test_p_and_d_run_on_their_own_cores_across_a_restart(pd):
+    """Unbound, the kernel runs a pull's sender and receiver on one core (a loopback wakeup pulls them together);
+    each replica's process tree is bound to its own cores, and a restarted D gets the same ones."""
+    wait_for(lambda: all(r["status"] == "serving" for r in replicas(pd["admin"])), 300, "D to be restarted")
+    rows = sorted(replicas(pd["admin"]), key=lambda r: r["index"])
+    assert rows[1]["pid"] != pd["d_pid"]  # the D killed above came back as a new process
+    cores = []
+    for row in rows:
+        tree = [row["pid"], *descendants(row["pid"])]
+        assert len(tree) >= 2  # the API server and its engine-core process
+        (mine,) = {frozenset(os.sched_getaffinity(pid)) for pid in tree}
+        cores.append(mine)
+    usable = sorted(os.sched_getaffinity(0))
+    half = len(usable) // 2
+    assert cores == [frozenset(usable[:half]), frozenset(usable[half:2 * half])]
+
+
 def test_sigterm_leaves_no_process(pd):
     proc = pd["proc"]
     wait_for(lambda: all(r["status"] == "serving" for r in replicas(pd["admin"])), 300, "D to be restarted")

@@ -141,6 +141,11 @@ class DeploymentConfig(Section):
         0, ge=0, description="disaggregated: a request with fewer prompt tokens missing from the decode server's "
         "prefix cache is prefilled there instead of pulling KV (kv_transfer.non_cached_tokens)"
     )
+    bind_cores: bool = Field(
+        True, description="replicas on this machine: give each its own CPU cores (sched_setaffinity, inherited by its "
+        "threads and engine processes) when their threads fit the cores this process may use; false = the OS "
+        "places them. Unbound, the scheduler puts a KV pull's sender and receiver on one core"
+    )
 
     @property
     def on_ray(self) -> bool:

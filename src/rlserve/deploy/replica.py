@@ -35,16 +35,37 @@ def replica_config(config: Config, index: int, host: str, cpu_count: int | None 
             transfer["peer_hosts"] = sorted({*peers, *transfer.get("peer_hosts", KVTransferConfig().peer_hosts)})
         transfer["non_cached_tokens"] = d.non_cached_tokens
     if config.num_threads is None:
-        data["num_threads"] = max(1, (cpu_count or os.cpu_count() or 1) // d.size)
+        data["num_threads"] = max(1, (cpu_count or len(usable_cores())) // d.size)
     return data
+
+
+def usable_cores() -> list[int]:
+    """The cores this process may run on (a taskset or cpuset narrows them), or all of them where the OS can't say."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def replica_cores(config: Config, allowed: list[int] | None = None) -> list[list[int] | None]:
+    """Disjoint cores for each local replica, in index order, each as many as its threads (torch threads per
+    engine rank times ranks); all None when binding is off, unsupported, or the threads do not fit `allowed`."""
+    d = config.deployment
+    allowed = usable_cores() if allowed is None else allowed
+    threads = [replica_config(config, i, "127.0.0.1", cpu_count=len(allowed))["num_threads"]
+               * config.parallel.tp * config.parallel.dp for i in range(d.size)]
+    if not d.bind_cores or not hasattr(os, "sched_setaffinity") or sum(threads) > len(allowed):
+        return [None] * d.size
+    starts = [sum(threads[:i]) for i in range(d.size)]
+    return [allowed[start:start + n] for start, n in zip(starts, threads)]
 
 
 class LocalReplica:
     """A replica on this machine, restartable: each start() is a new process (a new incarnation)."""
 
-    def __init__(self, index: int, config: Config, workdir: Path, key: str, admin_url: str, gpu: bool = False):
+    def __init__(self, index: int, config: Config, workdir: Path, key: str, admin_url: str, gpu: bool = False,
+                 cores: list[int] | None = None):
         d = config.deployment
-        self.index, self.role = index, d.role(index)
+        self.index, self.role, self.cores = index, d.role(index), cores
         self.name = f"replica {index}" if self.role is None else f"{self.role} replica {index}"
         self.config_path = workdir / f"replica-{index}.json"
         fd = os.open(self.config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # may hold API keys
@@ -59,7 +80,7 @@ class LocalReplica:
 
     def start(self) -> None:
         argv = [sys.executable, "-m", "rlserve.cli", "serve", "@", str(self.config_path)]
-        self.child = ServerChild(self.name, argv, self.env)
+        self.child = ServerChild(self.name, argv, self.env, cores=self.cores)
 
     def wait_listening(self, timeout_s: float) -> str:
         assert self.child is not None

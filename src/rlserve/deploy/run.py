@@ -99,10 +99,13 @@ def _replicas(config: Config, key: str, admin_url: str, workdir) -> list[Replica
         from rlserve.deploy.ray_nodes import ray_replicas
 
         return ray_replicas(config, key, admin_url)
-    from rlserve.deploy.replica import LocalReplica
+    from rlserve.deploy.replica import LocalReplica, replica_cores, usable_cores
 
     gpu = config.model.device in ("auto", "cuda") and _has_cuda()
-    return [LocalReplica(i, config, workdir, key, admin_url, gpu=gpu) for i in range(d.size)]
+    cores = replica_cores(config)
+    if d.bind_cores and cores[0] is None:
+        log.info("the replicas' threads do not fit the %d usable cores: not binding replicas to cores", len(usable_cores()))
+    return [LocalReplica(i, config, workdir, key, admin_url, gpu=gpu, cores=c) for i, c in enumerate(cores)]
 
 
 def _has_cuda() -> bool:
