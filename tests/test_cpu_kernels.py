@@ -141,11 +141,12 @@ def test_gemv_bf16_rounds_the_fp32_sum_of_bf16_products(kernels, rows, k, n):
     assert ((got.double() - want).abs() <= want.abs() * 2.0**-8 + 1e-5 * k).all()
 
 
+@pytest.mark.parametrize("rows", [1, 3])  # one row: the row-at-a-time dot; more: the 4-row tiles
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gemv_split_across_threads_equals_one_thread(kernels, dtype):
+def test_gemv_split_across_threads_equals_one_thread(kernels, dtype, rows):
     """Enough work to pass PARALLEL_MIN_WORK: the outputs split across 2 threads, tiles unchanged."""
     gen = torch.Generator().manual_seed(3)
-    x, weight = torch.randn(3, 1536, generator=gen).to(dtype), torch.randn(3073, 1536, generator=gen).to(dtype)
+    x, weight = torch.randn(rows, 1536, generator=gen).to(dtype), torch.randn(3073, 1536, generator=gen).to(dtype)
     assert torch.equal(kernels.gemv(x, weight, threads=2), kernels.gemv(x, weight, threads=1))
 
 
