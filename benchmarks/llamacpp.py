@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
                 ratios = sorted(a[0] / b[0] for a, b in zip(mine, theirs))
                 ratio, goal = statistics.median(ratios), TARGETS[(dtype, name)]
                 rows.append((f"llama.cpp {ggml_type}", name, theirs,
-                             f"{ratio:.2f}x, per round {', '.join(f'{x:.2f}' for x in ratios)} "
+                             f"{ratio:.2f}x, rounds sorted {', '.join(f'{x:.2f}' for x in ratios)} "
                              f"(>= {goal}x: {'met' if ratio >= goal else 'missed'})"))
     print(f"\n{'server':<18} {'workload':<14} {'tok/s':>8} {'per round':<22} {'others':>7}  rlserve/x (median of rounds)")
     for system, name, runs, ratio in rows:
