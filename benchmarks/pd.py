@@ -14,7 +14,9 @@ bytes over a fresh loopback TCP connection with the same socket options (TCP_NOD
 connection set-up included, sent in block-sized writes and received into one reused block-sized buffer
 (cache-warm: it flatters the raw copy, never the transfer); no hashing, no framing, no engine. Then the
 same copy between two buffers of the transfer's size (memory-resident, as the KV bytes are on both sides:
-the bytes leave one pool and land in another, beyond the cache); both ratios are printed.
+the bytes leave one pool and land in another, beyond the cache); and the same copy into memory touched when
+the deployment started and not since, as the decode pool's free blocks were (on this project's VMs memory left
+idle for a minute is 2-5x slower to write at first). All three ratios are printed.
 
     python benchmarks/pd.py [--preset smollm2-135m] [--clients 16] [--prompt-len 1024] [--new-tokens 32]
     python benchmarks/pd.py --quick            # tiny model, small counts: a smoke test
@@ -42,6 +44,7 @@ from rlserve.engine.kv_transfer import tune_socket
 from rlserve.model.make import cache_root, make_model
 
 LONE_PULLS = 5  # one pull is a noisy figure on a shared machine: the median of these is quoted
+AGED_BYTES_EACH = 64 << 20  # room for one lone pull's bytes (46.5 MB at the default 1,024-token prompts)
 
 
 def parse_args() -> argparse.Namespace:
@@ -90,16 +93,18 @@ def _metric(url: str, name: str) -> float:
                if s.name == name and s.labels.get("direction", "in") == "in")
 
 
-def raw_socket_rate(nbytes: int, chunk: int, resident: bool = False) -> float:
+def raw_socket_rate(nbytes: int, chunk: int, resident: bool = False, into: memoryview | None = None) -> float:
     """Bytes/s of a plain loopback TCP copy of nbytes in chunk-sized writes (the KV blocks' size), set up
     and timed as a transfer is (see the module's docstring). Cache-hot (the default): one chunk-sized
     source sent again and again into one chunk-sized destination, so neither side touches memory beyond
     the cache. resident: from an nbytes source into an nbytes destination, as the KV bytes move (a pool on
-    each side); both touched before, so page faults are not counted."""
+    each side); both touched before, so page faults are not counted. into: the destination instead (nbytes
+    of memory the caller touched long ago, as a decode server's unused pool blocks were)."""
     server = socket.create_server(("127.0.0.1", 0))
-    size = nbytes if resident else chunk
+    size = nbytes if resident or into is not None else chunk
     source = memoryview(bytearray(b"\x01" * size))
-    view = memoryview(bytearray(b"\x01" * size))  # touched before: a fresh buffer's page faults are not the socket's cost
+    # touched before: a fresh buffer's page faults are not the socket's cost
+    view = into if into is not None else memoryview(bytearray(b"\x01" * size))
 
     def send() -> None:
         conn, _ = server.accept()
@@ -142,6 +147,11 @@ def main() -> None:
         with rlserve_server(*common, "--num_threads", str(cores)) as single:
             one = asyncio.run(_clients(single.url, single.pids(), prompts, args))
     with rlserve_server(*common, "--deployment.type", "disaggregated", "--num_threads", str(max(1, cores // 2))) as dep:
+        # destinations for raw copies into memory as long untouched as the decode server's pool blocks that the
+        # lone pulls land in (zeroed at its start, unused since): on this VM memory idle for a minute is 2-5x
+        # slower to write at first (measured: 1.9-5 GB/s against ~10 for memory touched seconds before)
+        aged = memoryview(bytearray(LONE_PULLS * AGED_BYTES_EACH))
+        aged[::4096] = b"\x01" * len(range(0, len(aged), 4096))
         d = sorted(httpx.get(f"{dep.admin_url}/deployment", timeout=30).json()["replicas"], key=lambda r: r["index"])
         decode = d[1]["url"]
         base = {n: _metric(decode, n) for n in ("rlserve:kv_transfer_bytes_total", "rlserve:kv_transfer_seconds_total",
@@ -151,8 +161,8 @@ def main() -> None:
         fallbacks = _metric(decode, "rlserve:kv_transfer_local_fallbacks_total")
         # more requests alone: the pull without 15 others and both engines' compute competing for the cores;
         # each followed by the raw copy of its bytes, so that both see the same machine
-        lone_rates, raw_rates, resident_rates = [], [], []
-        for _ in range(LONE_PULLS):
+        lone_rates, raw_rates, resident_rates, aged_rates = [], [], [], []
+        for i in range(LONE_PULLS):
             alone_base = {n: _metric(decode, n) for n in base}
             lone = [rng.randrange(10, 30000 if args.preset != "tiny" else 1000) for _ in range(args.prompt_len)]
             httpx.post(f"{dep.url}/v1/completions", json={"prompt": lone, "max_tokens": 1},
@@ -164,6 +174,9 @@ def main() -> None:
             block_bytes = int(lone_bytes / max(1, alone["rlserve:kv_transfer_tokens_total"] / 16)) or (1 << 20)
             raw_rates.append(raw_socket_rate(lone_bytes or (64 << 20), block_bytes))
             resident_rates.append(raw_socket_rate(lone_bytes or (64 << 20), block_bytes, resident=True))
+            if lone_bytes <= AGED_BYTES_EACH:
+                dest = aged[i * AGED_BYTES_EACH : i * AGED_BYTES_EACH + lone_bytes]
+                aged_rates.append(raw_socket_rate(lone_bytes, block_bytes, into=dest))
 
     print(f"\nP/D, {args.preset}, {args.clients} clients x ({args.prompt_len} prompt + {args.new_tokens} new tokens), "
           f"streamed, {cores} cores")
@@ -193,6 +206,12 @@ def main() -> None:
           f"{resident / 1e9:.3f} GB/s (each: {', '.join(f'{r / 1e9:.2f}' for r in resident_rates)})")
     print(f"  transfer / memory-resident raw: {lone_rate / resident:.2f}x of the medians, pair by pair median "
           f"{statistics.median(resident_ratios):.2f}x (min {resident_ratios[0]:.2f}, max {resident_ratios[-1]:.2f})")
+    if aged_rates:
+        aged_ratios = sorted(t / r for t, r in zip(lone_rates, aged_rates))
+        print(f"  raw copy into memory untouched since the deployment started (as the decode pool's free blocks): median "
+              f"{statistics.median(aged_rates) / 1e9:.3f} GB/s (each: {', '.join(f'{r / 1e9:.2f}' for r in aged_rates)})")
+        print(f"  transfer / that raw copy: {lone_rate / statistics.median(aged_rates):.2f}x of the medians, pair by pair "
+              f"median {statistics.median(aged_ratios):.2f}x (min {aged_ratios[0]:.2f}, max {aged_ratios[-1]:.2f})")
     if one is not None:
         print("others = CPU cores used by other processes during the run: well above 0 means the figures are low")
 
