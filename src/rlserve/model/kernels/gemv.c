@@ -20,7 +20,7 @@ static struct {
     pthread_mutex_t call;           /* one call at a time uses the helper; another runs alone */
     pthread_mutex_t mu;             /* guards gen for the sleeping helper */
     pthread_cond_t cv;
-    _Atomic uint64_t claim;         /* gen << 32 | hi << 16 | lo (run_chunks) */
+    _Atomic uint64_t claim;         /* gen << 32 | next chunk */
     _Atomic int64_t done;           /* chunks of this gen finished */
     uint32_t gen;
     int started;                    /* 1: helper running, -1: could not start */
@@ -30,18 +30,14 @@ static struct {
     int64_t total, per, chunks;
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
 
-/* claim = gen << 32 | hi << 16 | lo: the chunks [lo, hi) are unclaimed. The caller takes them from
- * the front and the helper from the back, so each streams one contiguous run of the weight (the
- * prefetchers restart at every jump) and they meet wherever the helper's lateness puts them. */
-static void run_chunks(uint32_t gen, int from_back) {
+static void run_chunks(uint32_t gen) {
     for (;;) {
         uint64_t v = atomic_load_explicit(&pool.claim, memory_order_acquire);
-        const uint64_t lo = v & 0xffff, hi = (v >> 16) & 0xffff;
-        if ((uint32_t)(v >> 32) != gen || lo >= hi) return;
-        const uint64_t next = from_back ? v - (1u << 16) : v + 1;
-        if (!atomic_compare_exchange_weak_explicit(&pool.claim, &v, next, memory_order_acq_rel, memory_order_relaxed))
+        /* a stale chunk count only stops early: the claim below fails once gen has moved on */
+        if ((uint32_t)(v >> 32) != gen || (int64_t)(uint32_t)v >= pool.chunks) return;
+        if (!atomic_compare_exchange_weak_explicit(&pool.claim, &v, v + 1, memory_order_acq_rel, memory_order_relaxed))
             continue;
-        const int64_t begin = (int64_t)(from_back ? hi - 1 : lo) * pool.per;
+        const int64_t begin = (int64_t)(uint32_t)v * pool.per;
         const int64_t end = begin + pool.per < pool.total ? begin + pool.per : pool.total;
         pool.fn(pool.job, begin, end);
         atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
@@ -66,7 +62,7 @@ static void *helper(void *arg) {
             spins = 0;
         }
         seen = (uint32_t)(v >> 32);
-        run_chunks(seen, 1);
+        run_chunks(seen);
     }
     return 0;
 }
@@ -93,10 +89,10 @@ static void gemv_parallel(gemv_chunk_fn fn, const void *job, int64_t total, int6
     atomic_store_explicit(&pool.done, 0, memory_order_relaxed);
     pthread_mutex_lock(&pool.mu);
     const uint32_t gen = ++pool.gen;
-    atomic_store_explicit(&pool.claim, (uint64_t)gen << 32 | (uint64_t)pool.chunks << 16, memory_order_release);
+    atomic_store_explicit(&pool.claim, (uint64_t)gen << 32, memory_order_release);
     pthread_cond_signal(&pool.cv);
     pthread_mutex_unlock(&pool.mu);
-    run_chunks(gen, 0);
+    run_chunks(gen);
     /* only chunks the helper claimed are left; yield so it can finish one on this core */
     while (atomic_load_explicit(&pool.done, memory_order_acquire) < pool.chunks) sched_yield();
     pthread_mutex_unlock(&pool.call);
