@@ -7,8 +7,9 @@
  * reads ~25). Here the weight is read once, in torch's own [out, in] layout (each output's row
  * contiguous, so no packed copy and nothing to refresh after a weight update): a tile of 4 output
  * rows against up to 4 rows of x, 16 accumulators in registers, the x rows staying in L1; one row
- * of x reads each weight row front to back instead (gemv_dot). With num_threads > 1 the outputs are shared with one helper thread (gemv.c: no barrier that
- * waits for a descheduled thread) when the call has PARALLEL_MIN_WORK multiply-adds.
+ * of x reads each weight row front to back instead (gemv_dot). With num_threads > 1 the outputs
+ * are shared with one helper thread (gemv.c: no barrier that waits for a descheduled thread) when
+ * the call has PARALLEL_MIN_WORK multiply-adds.
  *
  * bf16 multiplies pairs with AVX512_BF16's dot product (fp32 accumulation) where the CPU has it;
  * elsewhere the same tiles in plain C, bf16 widened to fp32 (the engine takes this routine for
@@ -91,6 +92,14 @@ static inline __attribute__((always_inline)) void NAME(gemv_tile)(const T *x, co
 #endif
 }
 
+/* out[i] = v + bias (bias[n] or none): fp32 as is (out_f32), else rounded to the storage type. */
+static inline __attribute__((always_inline)) void NAME(gemv_put)(void *out, int out_f32, int64_t i, float v,
+                                                                 const T *bias, int64_t n) {
+    v += bias != 0 ? LD(bias[n]) : 0.0f;
+    if (out_f32) ((float *)out)[i] = v;
+    else ((T *)out)[i] = ST(v);
+}
+
 /* One tile of outputs [n, n + nj) for rows [r0, r0 + nr), written with the bias. */
 static inline __attribute__((always_inline)) void NAME(gemv_store)(const T *x, const T *w, const T *bias, void *out,
                                                                    int out_f32, int64_t K, int64_t N, int64_t r0,
@@ -98,11 +107,7 @@ static inline __attribute__((always_inline)) void NAME(gemv_store)(const T *x, c
     float acc[GEMV_TILE_ROWS][GEMV_TILE_OUT];
     NAME(gemv_tile)(x + r0 * K, w + n * K, K, nr, nj, acc);
     for (int64_t r = 0; r < nr; ++r)
-        for (int64_t j = 0; j < nj; ++j) {
-            const float v = acc[r][j] + (bias != 0 ? LD(bias[n + j]) : 0.0f);
-            if (out_f32) ((float *)out)[(r0 + r) * N + n + j] = v;
-            else ((T *)out)[(r0 + r) * N + n + j] = ST(v);
-        }
+        for (int64_t j = 0; j < nj; ++j) NAME(gemv_put)(out, out_f32, (r0 + r) * N + n + j, acc[r][j], bias, n + j);
 }
 
 #if (defined(__AVX512F__) && !defined(RLSERVE_BF16)) || (defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(RLSERVE_BF16))
@@ -161,11 +166,8 @@ static void NAME(gemv_tiles)(const void *job_ptr, int64_t begin, int64_t end) {
 #ifdef GEMV_ONE_ROW
     if (j->rows == 1) {
         const int64_t n_end = end * GEMV_TILE_OUT < j->N ? end * GEMV_TILE_OUT : j->N;
-        for (int64_t n = begin * GEMV_TILE_OUT; n < n_end; ++n) {
-            const float v = NAME(gemv_dot)(j->x, j->w + n * j->K, j->K) + (j->bias != 0 ? LD(j->bias[n]) : 0.0f);
-            if (j->out_f32) ((float *)j->out)[n] = v;
-            else ((T *)j->out)[n] = ST(v);
-        }
+        for (int64_t n = begin * GEMV_TILE_OUT; n < n_end; ++n)
+            NAME(gemv_put)(j->out, j->out_f32, n, NAME(gemv_dot)(j->x, j->w + n * j->K, j->K), j->bias, n);
         return;
     }
 #endif
