@@ -35,8 +35,13 @@ def replica_config(config: Config, index: int, host: str, cpu_count: int | None 
             transfer["peer_hosts"] = sorted({*peers, *transfer.get("peer_hosts", KVTransferConfig().peer_hosts)})
         transfer["non_cached_tokens"] = d.non_cached_tokens
     if config.num_threads is None:
-        data["num_threads"] = max(1, (cpu_count or len(usable_cores())) // d.size)
+        data["num_threads"] = replica_threads(config, cpu_count)
     return data
+
+
+def replica_threads(config: Config, cpu_count: int | None = None) -> int:
+    """Torch threads per engine rank of each replica: the configured ones, or an even share of the cores."""
+    return config.num_threads or max(1, (cpu_count or len(usable_cores())) // config.deployment.size)
 
 
 def usable_cores() -> list[int]:
@@ -51,12 +56,10 @@ def replica_cores(config: Config, allowed: list[int] | None = None) -> list[list
     engine rank times ranks); all None when binding is off, unsupported, or the threads do not fit `allowed`."""
     d = config.deployment
     allowed = usable_cores() if allowed is None else allowed
-    threads = [replica_config(config, i, "127.0.0.1", cpu_count=len(allowed))["num_threads"]
-               * config.parallel.tp * config.parallel.dp for i in range(d.size)]
-    if not d.bind_cores or not hasattr(os, "sched_setaffinity") or sum(threads) > len(allowed):
+    each = replica_threads(config, len(allowed)) * config.parallel.tp * config.parallel.dp
+    if not d.bind_cores or not hasattr(os, "sched_setaffinity") or each * d.size > len(allowed):
         return [None] * d.size
-    starts = [sum(threads[:i]) for i in range(d.size)]
-    return [allowed[start:start + n] for start, n in zip(starts, threads)]
+    return [allowed[i * each : (i + 1) * each] for i in range(d.size)]
 
 
 class LocalReplica:
