@@ -155,6 +155,7 @@ class PackedWeight:
     def __init__(self) -> None:
         self._packed: torch.Tensor | None = None
         self._key: tuple[int, int] | None = None
+        self._onednn = False  # the library that packed it, and so the one that multiplies with it
 
     @staticmethod
     def supported(weight: torch.Tensor) -> bool:
@@ -164,15 +165,12 @@ class PackedWeight:
             return _onednn_packing_works(torch.bfloat16)
         return weight.dtype == torch.float32 and (_onednn_packing_works(torch.float32) or _mkl_packing_works())
 
-    @staticmethod
-    def _onednn(weight: torch.Tensor) -> bool:
-        return weight.dtype == torch.bfloat16 or _onednn_packing_works(torch.float32)
-
     def refresh(self, weight: torch.Tensor) -> None:
         """Repack if the weight changed since the last pack (~0.15 s for a 135M model's weights)."""
         key = (weight.data_ptr(), weight._version)
         if key != self._key:
-            if self._onednn(weight):
+            self._onednn = weight.dtype == torch.bfloat16 or _onednn_packing_works(torch.float32)
+            if self._onednn:
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
             else:
                 self._packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), 64)
@@ -180,7 +178,7 @@ class PackedWeight:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         self.refresh(weight)
-        if self._onednn(weight):
+        if self._onednn:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
         # the op uses the packed weight only when told the real row count; else it falls back
         return torch.ops.mkl._mkl_linear(x, self._packed, weight, bias, x.shape[0])
