@@ -104,7 +104,7 @@ def _replicas(config: Config, key: str, admin_url: str, workdir) -> list[Replica
     gpu = config.model.device in ("auto", "cuda") and _has_cuda()
     cores = replica_cores(config)
     if d.bind_cores and cores[0] is None:
-        log.info("the replicas' threads do not fit the %d usable cores: not binding replicas to cores", len(usable_cores()))
+        log.info("not binding replicas to cores: their threads do not fit the %d usable cores, or this OS cannot bind", len(usable_cores()))
     return [LocalReplica(i, config, workdir, key, admin_url, gpu=gpu, cores=c) for i, c in enumerate(cores)]
 
 
