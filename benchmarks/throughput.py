@@ -27,7 +27,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig  # noqa: E402
 
-from _cpu import OtherLoad  # noqa: E402
+from _cpu import OtherLoad, instruction_peaks  # noqa: E402
 from rlserve.config import Config  # noqa: E402
 from rlserve.engine.engine import Engine  # noqa: E402
 from rlserve.engine.params import SamplingParams  # noqa: E402
@@ -251,7 +251,8 @@ def target(r: Result, ours: Result | None, fp32: Result | None) -> str:
     return f"rlserve >= {goal:.0f}x: {'met' if ours.tok_s / r.tok_s >= goal else 'missed'}"
 
 
-def report(results: list[Result], stats: dict[tuple[str, str], dict], timed: list[Workload], args) -> None:
+def report(results: list[Result], stats: dict[tuple[str, str], dict], timed: list[Workload], args,
+           peaks: tuple[float, float] | None = None) -> None:
     print(f"\n{'system':<33} {'batch':>5} {'tokens':>7} {'seconds':>8} {'tok/s':>8} {'rlserve/x':>10} {'others':>7}  target")
     for w in timed:
         rows = [r for r in results if r.workload == w.name]
@@ -267,6 +268,11 @@ def report(results: list[Result], stats: dict[tuple[str, str], dict], timed: lis
           "well above 0 means the figures are low")
     if not args.quick:
         print("targets (from the issue) are for the default workload on a 2-core CPU (bf16: one with native bf16)")
+    if peaks is not None:
+        fp32, bf16 = peaks
+        print(f"this CPU's instruction peaks, 1 core: fp32 FMA {fp32:.0f} GFLOP/s, AVX512_BF16 dot {bf16:.0f} GFLOP/s "
+              f"({bf16 / fp32:.2f}x; bf16 weights are 0.5x the bytes): the most bf16 can gain over an fp32 path "
+              "running at its own peak" + ("; AMX not measured" if "amx_bf16" in open("/proc/cpuinfo").read() else ""))
     for (dtype, name), values in stats.items():
         print(f"\nrlserve {dtype} engine stats, {name} run (counters are this run's increments):")
         print("  " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items()))
@@ -301,7 +307,8 @@ def main(argv: list[str] | None = None) -> None:
         if not args.skip_generate_batch:
             results += measure(GENERATE_BATCH, generate_batch_runner(model_dir, args, dtype), warmup, timed, args.repeats, dtype)
             gc.collect()
-    report(results, stats, timed, args)
+    peaks = instruction_peaks() if "bfloat16" in args.dtype and "float32" in args.dtype and not args.quick else None
+    report(results, stats, timed, args, peaks)
 
 
 if __name__ == "__main__":
