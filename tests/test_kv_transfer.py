@@ -189,7 +189,14 @@ def test_a_remote_host_outside_peer_hosts_is_never_contacted(engines):
         d.close()
 
 
-def test_pulled_blocks_are_the_prefill_servers_bytes_in_d_s_own_pool(engines):
+@pytest.mark.parametrize("one_block_per_receive", [False, True])
+def test_pulled_blocks_are_the_prefill_servers_bytes_in_d_s_own_pool(engines, one_block_per_receive, monkeypatch):
+    """D receives a cache-sized group of blocks per call and checks their checksums there: the tiny model's
+    blocks all fit one group, so the pull is also made one block per receive, as a larger model's are."""
+    from rlserve.engine import kv_transfer
+
+    if one_block_per_receive:
+        monkeypatch.setattr(kv_transfer, "_CHECK_BYTES", 1)
     p, d = engines
     kt = prefill(p)
     src = [p.runner.kv_cache[:, :, b * 16 : (b + 1) * 16].clone() for b in kt["remote_block_ids"]]
