@@ -93,6 +93,43 @@ def test_disaggregated_on_ray_places_one_server_per_node_and_decode_pulls_from_t
     assert not local.on_ray and local.size == 3
 
 
+@pytest.mark.parametrize("host, opt_in, ok", [
+    ("127.0.0.1", False, True),
+    ("localhost", False, True),
+    ("::1", False, True),
+    ("0.0.0.0", False, False),
+    ("::", False, False),
+    ("0.0.0.0", True, True),
+])
+def test_the_router_opens_to_the_network_only_by_explicit_opt_in(host, opt_in, ok):
+    """vllm-router takes no key on /add_worker and /remove_worker: off loopback they would be anyone's."""
+    from rlserve.deploy.run import check_router_exposure
+
+    config = load_config(["--deployment.replicas", "2", "--server.host", host, "--server.admin_api_key", "k",
+                          "--deployment.router.allow_open_worker_routes", str(opt_in).lower()])
+    if ok:
+        check_router_exposure(config)
+    else:
+        with pytest.raises(SystemExit, match="allow_open_worker_routes true"):
+            check_router_exposure(config)
+
+
+def test_a_deployment_on_an_open_host_refuses_before_starting_anything():
+    import subprocess
+    import sys
+
+    from conftest import SERVER_DEFAULTS
+
+    proc = subprocess.run(  # the check runs before any replica or router starts: nothing is served on 0.0.0.0
+        [sys.executable, "-m", "rlserve.cli", "serve", "--deployment.replicas", "2", "--server.host", "0.0.0.0",
+         "--server.port", "0", "--server.admin_api_key", "k", *SERVER_DEFAULTS],
+        capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode != 0
+    assert "/add_worker" in proc.stderr and "--deployment.router.allow_open_worker_routes true" in proc.stderr
+    assert "rlserve: serving" not in proc.stdout + proc.stderr and "[replica" not in proc.stdout + proc.stderr
+
+
 def test_admin_address_opens_to_the_network_only_behind_a_key():
     from rlserve.deploy.run import _admin_host
 

@@ -107,6 +107,10 @@ class RouterConfig(Section):
         "consistent_hash", description="consistent_hash keeps an X-Session-ID on one replica"
     )
     extra_args: list[str] = Field(default_factory=list, description="more vllm-router arguments, passed as given")
+    allow_open_worker_routes: bool = Field(
+        False, description="run the router on a non-loopback server.host although its worker routes "
+        "(/add_worker, /remove_worker) take no key (behind a firewall that admits only your clients)"
+    )
 
 
 class DeploymentConfig(Section):

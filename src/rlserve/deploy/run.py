@@ -19,12 +19,30 @@ log = logging.getLogger("rlserve.deploy")
 
 
 def serve_deployment(config: Config) -> None:
+    check_router_exposure(config)
     logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per fan-out call is noise
     try:
         asyncio.run(_main(config))
     except RuntimeError as exc:
         raise SystemExit(f"rlserve: error: {exc}") from None
+
+
+def check_router_exposure(config: Config) -> None:
+    """vllm-router serves worker routes on its public port and checks no key on them: off loopback, anyone
+    who reaches that port could add a server of theirs and be sent the users' requests. Opening it takes
+    an explicit opt-in, as admin routes without a key do."""
+    from rlserve.server.app import _is_loopback
+
+    host = config.server.host
+    if _is_loopback(host) or config.deployment.router.allow_open_worker_routes:
+        return
+    raise SystemExit(
+        f"rlserve: error: server.host {host!r} is reachable from other machines, and the deployment's vllm-router "
+        "answers its worker routes (/add_worker, /remove_worker, /workers) there without a key: anyone who reaches "
+        "the port could add a server of theirs and be sent your requests. Bind --server.host 127.0.0.1, or, with "
+        "the port behind a firewall that admits only your clients, pass --deployment.router.allow_open_worker_routes true"
+    )
 
 
 class _AdminServer(uvicorn.Server):
