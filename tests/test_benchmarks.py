@@ -34,6 +34,24 @@ def test_throughput_quick(tmp_path):
     assert "prefix_cache_hits=0" in out  # fresh prompts: no run is served from an earlier one's cache
 
 
+def test_the_instruction_peak_probe_builds_and_reports_two_rates():
+    """_peak.c, behind throughput.py's bf16:fp32 ceiling line: two positive GFLOP/s figures where the CPU has
+    AVX512_BF16 and a C compiler, None elsewhere."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        from _cpu import instruction_peaks
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    import shutil
+
+    peaks = instruction_peaks()
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if "avx512_bf16" in cpuinfo and shutil.which("gcc") and not os.environ.get("CC"):
+        assert peaks is not None
+    if peaks is not None:
+        assert len(peaks) == 2 and all(p > 0 for p in peaks)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_serving_small(tmp_path, stream):
     out = run(tmp_path, "serving.py", "--preset", "tiny", "--clients", "3", "--new-tokens", "4", *(["--stream"] if stream else []))
