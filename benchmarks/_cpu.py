@@ -65,14 +65,13 @@ def instruction_peaks() -> tuple[float, float] | None:
     """One core's fp32 FMA and bf16 dot-product peaks in GFLOP/s (_peak.c), or None where there is
     no C compiler or no AVX512_BF16. Their ratio caps bf16's gain over an fp32 path that runs at
     its own peak."""
-    import shutil
     import subprocess
     import tempfile
     from pathlib import Path
 
-    from rlserve.model.cpu_kernels import cpu_has_native_bf16
+    from rlserve.model.cpu_kernels import _compiler, cpu_has_native_bf16
 
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    cc = _compiler()  # the one the C kernels are built with
     if cc is None or not cpu_has_native_bf16():
         return None
     with tempfile.TemporaryDirectory() as tmp:

@@ -31,6 +31,7 @@ from _cpu import OtherLoad, instruction_peaks  # noqa: E402
 from rlserve.config import Config  # noqa: E402
 from rlserve.engine.engine import Engine  # noqa: E402
 from rlserve.engine.params import SamplingParams  # noqa: E402
+from rlserve.model.cpu_kernels import _cpu_id  # noqa: E402
 from rlserve.model.make import bench_cache_dir, make_model  # noqa: E402
 
 # From the issue, for the default workload on a 2-core CPU (fp32 smollm2-135m shape).
@@ -272,7 +273,7 @@ def report(results: list[Result], stats: dict[tuple[str, str], dict], timed: lis
         fp32, bf16 = peaks
         print(f"this CPU's instruction peaks, 1 core: fp32 FMA {fp32:.0f} GFLOP/s, AVX512_BF16 dot {bf16:.0f} GFLOP/s "
               f"({bf16 / fp32:.2f}x; bf16 weights are 0.5x the bytes): the most bf16 can gain over an fp32 path "
-              "running at its own peak" + ("; AMX not measured" if "amx_bf16" in open("/proc/cpuinfo").read() else ""))
+              "running at its own peak" + ("; AMX not measured" if "amx_bf16" in _cpu_id() else ""))
     for (dtype, name), values in stats.items():
         print(f"\nrlserve {dtype} engine stats, {name} run (counters are this run's increments):")
         print("  " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items()))
