@@ -9,14 +9,17 @@ measured (its /metrics: bytes pulled / seconds pulling) against a raw loopback T
 What is timed. A transfer: on the decode server, from its engine taking the request (the pull starts) to
 the blocks registered in its pool, usable by the scheduler: connection set-up, the pull request, every
 block received straight into its pool block and its checksum checked there, the engine noticing the
-landed pull. The prefill server hashes each block before sending it. The raw copy: the same number of
-bytes over a fresh loopback TCP connection with the same socket options (TCP_NODELAY, 8 MiB buffers),
-connection set-up included, sent in block-sized writes and received into one reused block-sized buffer
-(cache-warm: it flatters the raw copy, never the transfer); no hashing, no framing, no engine. Then the
-same copy between two buffers of the transfer's size (memory-resident, as the KV bytes are on both sides:
-the bytes leave one pool and land in another, beyond the cache); and the same copy into memory touched when
-the deployment started and not since, as the decode pool's free blocks were (on this project's VMs memory left
-idle for a minute is 2-5x slower to write at first). All three ratios are printed.
+landed pull. The prefill server hashes each block before sending it. The raw copy that the target is set
+against: the same number of bytes from a buffer of their size in one process to a buffer of their size in
+another (both touched before: a pool's bytes on each side, beyond the cache), the sender on the prefill
+server's cores and the receiver on the decode server's, over a fresh loopback TCP connection with the same
+socket options (TCP_NODELAY, 8 MiB buffers), connection set-up included, in block-sized writes; no hashing,
+no framing, no engine. So the ratio is what rlserve's own work costs, on the same cores and memory. Printed
+beside it, in this process and unbound: the copy into one reused block-sized buffer (cache-warm: no
+transfer that keeps the bytes can match it), between buffers of the transfer's size, and into memory
+touched when the deployment started and not since, as the decode pool's free blocks were (on this project's
+VMs memory left idle for a minute is 2-5x slower to write at first). Each lone transfer is followed by one
+of each copy, so that all see the same minute of a noisy machine; medians are quoted.
 
     python benchmarks/pd.py [--preset smollm2-135m] [--clients 16] [--prompt-len 1024] [--new-tokens 32]
     python benchmarks/pd.py --quick            # tiny model, small counts: a smoke test
@@ -32,6 +35,8 @@ import os
 import random
 import socket
 import statistics
+import subprocess
+import sys
 import threading
 import time
 
@@ -43,7 +48,7 @@ from _server import add_workload_args, rlserve_server
 from rlserve.engine.kv_transfer import tune_socket
 from rlserve.model.make import cache_root, make_model
 
-LONE_PULLS = 5  # one pull is a noisy figure on a shared machine: the median of these is quoted
+LONE_PULLS = 7  # one pull is a noisy figure on a shared machine: the median of these is quoted
 AGED_BYTES_EACH = 64 << 20  # room for one lone pull's bytes (46.5 MB at the default 1,024-token prompts)
 
 
@@ -133,6 +138,53 @@ def raw_socket_rate(nbytes: int, chunk: int, resident: bool = False, into: memor
     return got / elapsed
 
 
+# the sending side of raw_copy_between, a process of its own: it touches its source, listens, says its port,
+# and sends nbytes in chunk-sized writes to the one connection it accepts
+_RAW_SENDER = """
+import os, socket, sys
+from rlserve.engine.kv_transfer import tune_socket
+cores, nbytes, chunk = [int(c) for c in sys.argv[1].split(",")], int(sys.argv[2]), int(sys.argv[3])
+os.sched_setaffinity(0, cores)
+source = memoryview(bytearray(b"\\x01" * nbytes))
+server = socket.create_server(("127.0.0.1", 0))
+print(server.getsockname()[1], flush=True)
+conn, _ = server.accept()
+tune_socket(conn, 60)
+for at in range(0, nbytes, chunk):
+    conn.sendall(source[at : at + chunk])
+conn.close()
+"""
+
+
+def raw_copy_between(send_cores: set[int], recv_cores: set[int], nbytes: int, chunk: int) -> float:
+    """Bytes/s of the memory-resident raw copy (see raw_socket_rate) between two processes placed as the
+    prefill and decode servers are: the sender in a process of its own on the prefill server's cores, the
+    receiver (this thread) on the decode server's. Everything the transfer has but rlserve's own work."""
+    sender = subprocess.Popen([sys.executable, "-c", _RAW_SENDER, ",".join(map(str, sorted(send_cores))),
+                               str(nbytes), str(chunk)], stdout=subprocess.PIPE, text=True)
+    mine = os.sched_getaffinity(0)
+    try:
+        port = int(sender.stdout.readline())
+        os.sched_setaffinity(0, recv_cores)  # this thread only (Linux)
+        view = memoryview(bytearray(b"\x01" * nbytes))
+        start, got = time.perf_counter(), 0
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            tune_socket(sock, 60)
+            while got < nbytes:
+                n = sock.recv_into(view[got : got + chunk])
+                if n == 0:
+                    break
+                got += n
+            elapsed = time.perf_counter() - start
+        sender.wait(timeout=60)
+    finally:
+        os.sched_setaffinity(0, mine)
+        if sender.poll() is None:
+            sender.kill()
+            sender.wait()
+    return got / elapsed
+
+
 def main() -> None:
     args = parse_args()
     model_dir = make_model(args.preset, cache_root() / "bench" / args.preset)
@@ -154,6 +206,8 @@ def main() -> None:
         aged[::4096] = b"\x01" * len(range(0, len(aged), 4096))
         d = sorted(httpx.get(f"{dep.admin_url}/deployment", timeout=30).json()["replicas"], key=lambda r: r["index"])
         decode = d[1]["url"]
+        # the cores the prefill and decode servers run on (their engine processes inherit them)
+        p_cores, d_cores = (os.sched_getaffinity(r["pid"]) for r in d[:2])
         base = {n: _metric(decode, n) for n in ("rlserve:kv_transfer_bytes_total", "rlserve:kv_transfer_seconds_total",
                                                  "rlserve:kv_transfer_tokens_total")}
         pd = None if args.transfer_only else asyncio.run(_clients(dep.url, dep.pids(), prompts, args))
@@ -161,7 +215,7 @@ def main() -> None:
         fallbacks = _metric(decode, "rlserve:kv_transfer_local_fallbacks_total")
         # more requests alone: the pull without 15 others and both engines' compute competing for the cores;
         # each followed by the raw copy of its bytes, so that both see the same machine
-        lone_rates, raw_rates, resident_rates, aged_rates = [], [], [], []
+        lone_rates, placed_rates, raw_rates, resident_rates, aged_rates = [], [], [], [], []
         for i in range(LONE_PULLS):
             alone_base = {n: _metric(decode, n) for n in base}
             lone = [rng.randrange(10, 30000 if args.preset != "tiny" else 1000) for _ in range(args.prompt_len)]
@@ -172,6 +226,7 @@ def main() -> None:
                               max(alone["rlserve:kv_transfer_seconds_total"], 1e-9))
             lone_bytes = int(alone["rlserve:kv_transfer_bytes_total"])
             block_bytes = int(lone_bytes / max(1, alone["rlserve:kv_transfer_tokens_total"] / 16)) or (1 << 20)
+            placed_rates.append(raw_copy_between(p_cores, d_cores, lone_bytes or (64 << 20), block_bytes))
             raw_rates.append(raw_socket_rate(lone_bytes or (64 << 20), block_bytes))
             resident_rates.append(raw_socket_rate(lone_bytes or (64 << 20), block_bytes, resident=True))
             if lone_bytes <= AGED_BYTES_EACH:
@@ -191,29 +246,33 @@ def main() -> None:
         print(f"P/D / 1 server: TTFT p50 {pd['ttft_p50'] / one['ttft_p50']:.2f}x, tok/s {pd['tok_s'] / one['tok_s']:.2f}x")
         print(f"KV pulled: {nbytes / 1e6:.1f} MB for {moved['rlserve:kv_transfer_tokens_total']:.0f} prompt tokens in "
               f"{seconds:.3f} s of pulls (summed over concurrent pulls, each from the request reaching the decode "
-              f"engine to its blocks usable there): {pulled / 1e9:.3f} GB/s, {pulled / statistics.median(raw_rates):.2f}x "
-              f"the raw copy below; decode fallbacks {fallbacks:.0f}")
-    lone_rate, raw = statistics.median(lone_rates), statistics.median(raw_rates)
-    ratios = sorted(t / r for t, r in zip(lone_rates, raw_rates))
-    print(f"{LONE_PULLS} transfers alone, {lone_bytes / 1e6:.1f} MB each, each followed by a raw loopback socket copy "
+              f"engine to its blocks usable there): {pulled / 1e9:.3f} GB/s, {pulled / statistics.median(placed_rates):.2f}x "
+              f"the placed raw copy below; decode fallbacks {fallbacks:.0f}")
+    lone_rate = statistics.median(lone_rates)
+    print(f"{LONE_PULLS} transfers alone, {lone_bytes / 1e6:.1f} MB each, each followed by raw loopback socket copies "
           f"of its bytes ({block_bytes}-byte writes):")
     print(f"  transfer: median {lone_rate / 1e9:.3f} GB/s (each: {', '.join(f'{r / 1e9:.2f}' for r in lone_rates)})")
-    print(f"  raw copy: median {raw / 1e9:.3f} GB/s (each: {', '.join(f'{r / 1e9:.2f}' for r in raw_rates)})")
-    print(f"  transfer / raw: {lone_rate / raw:.2f}x of the medians, pair by pair median {statistics.median(ratios):.2f}x "
-          f"(min {ratios[0]:.2f}, max {ratios[-1]:.2f}); target >= 0.5x")
-    resident, resident_ratios = statistics.median(resident_rates), sorted(t / r for t, r in zip(lone_rates, resident_rates))
-    print(f"  raw copy between {lone_bytes / 1e6:.1f} MB buffers (memory-resident, as a pool's bytes): median "
-          f"{resident / 1e9:.3f} GB/s (each: {', '.join(f'{r / 1e9:.2f}' for r in resident_rates)})")
-    print(f"  transfer / memory-resident raw: {lone_rate / resident:.2f}x of the medians, pair by pair median "
-          f"{statistics.median(resident_ratios):.2f}x (min {resident_ratios[0]:.2f}, max {resident_ratios[-1]:.2f})")
+    _ratio_lines("raw copy between two processes on the prefill and decode servers' cores "
+                 f"({','.join(map(str, sorted(p_cores)))} -> {','.join(map(str, sorted(d_cores)))}), "
+                 f"{lone_bytes / 1e6:.1f} MB buffers", lone_rates, placed_rates, target=True)
+    _ratio_lines(f"raw copy in this process, unbound, into one reused {block_bytes}-byte buffer (cache-warm)",
+                 lone_rates, raw_rates)
+    _ratio_lines(f"raw copy in this process, unbound, between {lone_bytes / 1e6:.1f} MB buffers (memory-resident)",
+                 lone_rates, resident_rates)
     if aged_rates:
-        aged_ratios = sorted(t / r for t, r in zip(lone_rates, aged_rates))
-        print(f"  raw copy into memory untouched since the deployment started (as the decode pool's free blocks): median "
-              f"{statistics.median(aged_rates) / 1e9:.3f} GB/s (each: {', '.join(f'{r / 1e9:.2f}' for r in aged_rates)})")
-        print(f"  transfer / that raw copy: {lone_rate / statistics.median(aged_rates):.2f}x of the medians, pair by pair "
-              f"median {statistics.median(aged_ratios):.2f}x (min {aged_ratios[0]:.2f}, max {aged_ratios[-1]:.2f})")
+        _ratio_lines("raw copy in this process into memory untouched since the deployment started (as the decode "
+                     "pool's free blocks)", lone_rates, aged_rates)
     if one is not None:
         print("others = CPU cores used by other processes during the run: well above 0 means the figures are low")
+
+
+def _ratio_lines(what: str, transfers: list[float], raws: list[float], target: bool = False) -> None:
+    ratios = sorted(t / r for t, r in zip(transfers, raws))
+    median = statistics.median(raws)
+    print(f"  {what}: median {median / 1e9:.3f} GB/s (each: {', '.join(f'{r / 1e9:.2f}' for r in raws)})")
+    print(f"    transfer / that copy: {statistics.median(transfers) / median:.2f}x of the medians, pair by pair median "
+          f"{statistics.median(ratios):.2f}x (min {ratios[0]:.2f}, max {ratios[-1]:.2f})"
+          + ("; target >= 0.5x" if target else ""))
 
 
 if __name__ == "__main__":

@@ -255,18 +255,21 @@ class BlockServer:
         self.sock.close()
 
 
-def pull_into(host: str, port: int, transfer_id: str, first: int, targets: list[list[memoryview]],
-              heads: list[tuple[bytes, bytes, int]], timeout_s: float, shape: tuple[int, ...],
-              dtype: torch.dtype) -> tuple[list[tuple[bytes, int]], int]:
-    """The decode side: blocks `first`.. of a transfer, one into each target (recv_blocks_into)."""
+def pull_into(host: str, port: int, transfer_id: str, first: int, count: int,
+              destinations: Callable[[], tuple[list[list[memoryview]], list[tuple[bytes, bytes, int]]]],
+              timeout_s: float, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[list[tuple[bytes, int]], int]:
+    """The decode side: blocks `first`.. `first + count` of a transfer, one into each of the targets that
+    `destinations()` gives with their expected heads (recv_blocks_into). It is called once the pull is asked
+    for: making the views overlaps the prefill server's start, whose first blocks wait in the socket buffer."""
     with socket.create_connection((host, port), timeout=timeout_s) as sock:
         tune_socket(sock, timeout_s)
-        send_frame(sock, {"op": "pull", "transfer_id": transfer_id, "first": first, "count": len(targets)})
+        send_frame(sock, {"op": "pull", "transfer_id": transfer_id, "first": first, "count": count})
+        targets, heads = destinations()
         head = recv_frame(sock)
         if not head.get("ok"):
             raise TransferError(f"the prefill server refused: {head.get('error')}")
-        if head.get("blocks") != len(targets):
-            raise TransferError(f"the prefill server has {head.get('blocks')} of the {len(targets)} blocks asked for")
+        if head.get("blocks") != count:
+            raise TransferError(f"the prefill server has {head.get('blocks')} of the {count} blocks asked for")
         return recv_blocks_into(sock, targets, heads, shape, dtype)
 
 
@@ -523,17 +526,20 @@ class KVTransfer:
         return out
 
     def _pull(self, landing: _Landing, host: str, port: int, tid: str, hashes: list[bytes], generation: int) -> None:
-        # the reserved blocks' memory and the heads expected in front of them, made here, off the engine thread
         shape, dtype = self.block_shape, self.kv_cache.dtype
-        if self.pool_blocks is not None:
-            targets = [self.pool_blocks.views(b) for b in landing.blocks]
-        else:
-            landing.staging = [torch.empty(shape, dtype=dtype) for _ in landing.blocks]
-            targets = [kv_format.tensor_views(t) for t in landing.staging]
-        heads = [(head, h, generation) for head, h in zip(kv_format.kv_heads(hashes, generation, shape, dtype), hashes)]
+
+        def destinations():  # the reserved blocks' memory and the heads expected in front of them
+            if self.pool_blocks is not None:
+                targets = [self.pool_blocks.views(b) for b in landing.blocks]
+            else:
+                landing.staging = [torch.empty(shape, dtype=dtype) for _ in landing.blocks]
+                targets = [kv_format.tensor_views(t) for t in landing.staging]
+            heads = kv_format.kv_heads(hashes, generation, shape, dtype)
+            return targets, [(head, h, generation) for head, h in zip(heads, hashes)]
+
         try:
-            landing.got, landing.nbytes = pull_into(host, port, tid, landing.first, targets, heads,
-                                                    self.config.pull_timeout_s, self.block_shape, self.kv_cache.dtype)
+            landing.got, landing.nbytes = pull_into(host, port, tid, landing.first, len(landing.blocks), destinations,
+                                                    self.config.pull_timeout_s, shape, dtype)
         except (OSError, TransferError) as e:
             landing.error = str(e) or type(e).__name__
         self.landed.put(landing)
