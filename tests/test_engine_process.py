@@ -136,10 +136,10 @@ def test_an_engine_process_whose_server_died_before_it_looked_exits(model_dir, t
     config.model.name = str(model_dir)
     short_lived_server = textwrap.dedent(f"""
         import subprocess, sys
-        from rlserve.engine import ipc
+        from rlserve.engine.spawn import child_env
         proc = subprocess.Popen([sys.executable, "-m", "rlserve.engine.core", "ipc://{tmp_path}/in", "ipc://{tmp_path}/out"],
                                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                env=ipc.child_env())
+                                env=child_env())
         proc.stdin.write(sys.stdin.buffer.read())
         proc.stdin.close()
         print(proc.pid, flush=True)
@@ -200,3 +200,31 @@ def test_a_message_the_engine_refuses_rejects_that_request_and_the_engine_keeps_
         assert (reason, tokens) == ("length", 2) and client.dead is None
     finally:
         client.shutdown()
+
+
+def _marked(mark: str) -> list[int]:
+    """Processes whose environment holds `mark` (children inherit it): what a run left behind."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and not gone(int(entry.name)):
+            try:
+                if mark.encode() in (entry / "environ").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:  # exited meanwhile, or not ours to read
+                pass
+    return found
+
+
+@linux_only
+def test_a_server_that_refuses_its_config_stops_the_engine_it_started_early(model_dir):
+    """rlserve.cli starts the engine process before it imports the server stack, so that the two import
+    side by side. A server that refuses its config after that (here num_threads oversubscribing the cores,
+    found by the server's checks) exits non-zero saying what to change and leaves no process behind."""
+    mark = f"RLSERVE_TEST_RUN={os.getpid()}-{time.monotonic_ns()}"
+    env = {**os.environ, mark.split("=")[0]: mark.split("=")[1]}
+    run = subprocess.run([sys.executable, "-m", "rlserve.cli", "serve", "--server.port", "0",
+                          "--model.name", str(model_dir), "--parallel.tp", "2", "--num_threads", "100000"],
+                         env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert run.returncode != 0
+    assert "rlserve: error: " in run.stderr and "num_threads" in run.stderr, run.stderr[-2000:]
+    wait_until(lambda: not _marked(mark), "processes of the refused server outlived it")

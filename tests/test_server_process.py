@@ -16,7 +16,8 @@ import pytest
 
 from conftest import SERVER_DEFAULTS, start_server, stop_server
 from rlserve.config import Config
-from rlserve.server.app import _bind, check_admin_exposure
+from rlserve.server.app import _bind
+from rlserve.server.exposure import check_admin_exposure
 
 
 def test_open_host_without_admin_key_refuses_to_start():

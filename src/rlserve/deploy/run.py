@@ -32,10 +32,10 @@ def check_router_exposure(config: Config) -> None:
     """vllm-router serves worker routes on its public port and checks no key on them: off loopback, anyone
     who reaches that port could add a server of theirs and be sent the users' requests. Opening it takes
     an explicit opt-in, as admin routes without a key do."""
-    from rlserve.server.app import _is_loopback
+    from rlserve.server.exposure import is_loopback
 
     host = config.server.host
-    if _is_loopback(host) or config.deployment.router.allow_open_worker_routes:
+    if is_loopback(host) or config.deployment.router.allow_open_worker_routes:
         return
     raise SystemExit(
         f"rlserve: error: server.host {host!r} is reachable from other machines, and the deployment's vllm-router "

@@ -11,10 +11,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import shutil
-import subprocess
-import sys
-import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +26,7 @@ from rlserve.engine.engine import EngineStats
 from rlserve.engine.face import EngineDeadError, EngineFace, check_pause_mode
 from rlserve.engine.outputs import RequestOutput
 from rlserve.engine.params import SamplingParams
+from rlserve.engine.spawn import EngineProcess
 from rlserve.model.llama import ModelShape
 
 log = logging.getLogger(__name__)
@@ -37,27 +34,18 @@ WATCH_INTERVAL_S = 0.2  # how often the process is checked for an exit no messag
 
 
 class EngineClient(EngineFace):
-    def __init__(self, config: Config, wait: bool = True):
-        """Start the engine process; with wait=False call `wait_ready()` before use (engines start side by side)."""
+    def __init__(self, config: Config, wait: bool = True, process: EngineProcess | None = None):
+        """Start the engine process, or adopt `process` started earlier for this config (rlserve.cli starts it
+        before importing the server stack); with wait=False call `wait_ready()` before use (engines start
+        side by side)."""
         super().__init__()
         self.config = config
-        self._dir = tempfile.mkdtemp(prefix="rlserve-engine-")  # 0700: only this user reaches the sockets
-        in_addr, out_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
-        self._ctx = zmq.Context()
-        self._out = self._socket(zmq.PUSH, in_addr)
-        self._in = self._socket(zmq.PULL, out_addr)
-        self.proc = subprocess.Popen([sys.executable, "-m", "rlserve.engine.core", in_addr, out_addr],
-                                     stdin=subprocess.PIPE, env=ipc.child_env())
+        self.process = process if process is not None else EngineProcess(config)
+        self.proc, self._out, self._in = self.process.proc, self.process.to_engine, self.process.from_engine
         self._streams: dict[int, asyncio.Queue] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._keys = itertools.count()
         self._tasks: list[asyncio.Task] = []
-        try:
-            self.proc.stdin.write(config.model_dump_json().encode())
-            self.proc.stdin.close()
-        except BaseException:
-            self.shutdown()
-            raise
         if wait:
             self.wait_ready()
 
@@ -74,14 +62,6 @@ class EngineClient(EngineFace):
         self.shape = ModelShape(**ready.shape)
         self._state = ready.state
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, trust_remote_code=config.model.trust_remote_code)
-
-    def _socket(self, kind: int, addr: str) -> zmq.Socket:
-        sock = self._ctx.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.bind(addr)
-        return sock
 
     def _wait_ready(self) -> ipc.Ready:
         while True:
@@ -173,25 +153,11 @@ class EngineClient(EngineFace):
 
     def shutdown(self) -> None:
         """Ask the core to stop, then make sure it has: nothing is left behind."""
-        if self._ctx.closed:
+        if self.process.stopped:
             return
-        if self.proc.poll() is None:
-            try:
-                self._out.send(ipc.encode(ipc.Shutdown()), zmq.NOBLOCK)
-                self.proc.wait(timeout=10)
-            except (zmq.ZMQError, subprocess.TimeoutExpired):
-                self.proc.terminate()
-                try:
-                    self.proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait()
+        self.process.stop(ipc.encode(ipc.Shutdown()))
         for task in self._tasks:
             task.cancel()
-        self._in.close(linger=0)
-        self._out.close(linger=0)
-        self._ctx.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
 
     # ---- requests ---------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from rlserve.config import Config
 
 from rlserve.engine.outputs import RequestOutput
 from rlserve.engine.params import SamplingParams
+from rlserve.engine.spawn import PARENT_ENV
 from rlserve.engine.weights import WeightUpdateError
 from rlserve.model.lora import AdapterError
 
@@ -139,14 +140,6 @@ to_server = msgspec.msgpack.Decoder(ToServer, dec_hook=_decode_array)
 
 
 # ---- processes the engine side starts (the engine core, tensor-parallel workers) -------------
-
-
-PARENT_ENV = "RLSERVE_PARENT_PID"
-
-
-def child_env() -> dict[str, str]:
-    """The environment for a child that calls start_child(): it names this process as the one to die with."""
-    return {**os.environ, PARENT_ENV: str(os.getpid())}
 
 
 def parent_pid() -> int:

@@ -31,7 +31,8 @@ import torch.distributed as dist
 import zmq
 
 from rlserve.config import Config
-from rlserve.engine.ipc import child_env, connect_pair, parent_pid, start_child
+from rlserve.engine.ipc import connect_pair, parent_pid, start_child
+from rlserve.engine.spawn import child_env
 from rlserve.model.llama import AttentionBatch, CascadePlan, CausalLM, PrefillSeq
 from rlserve.model.tensor_parallel import shard, shard_dim
 

@@ -483,7 +483,10 @@ class CausalLM(nn.Module):
     def __init__(self, shape: ModelShape, device: torch.device):
         super().__init__()
         self.shape = shape
-        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
+        # weights come from the checkpoint: no random init (Embedding's, even on the meta device, imports
+        # torch._dynamo: ~1 s of every engine start)
+        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size,
+                                         _weight=torch.empty(shape.vocab_size, shape.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(shape, i) for i in range(shape.num_layers))
         self.norm = nn.Parameter(torch.ones(shape.hidden_size))
         self.lm_head = None if shape.tie_word_embeddings else nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)

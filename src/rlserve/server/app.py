@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import importlib.metadata
-import ipaddress
 import logging
 import signal
 import socket
@@ -23,10 +22,12 @@ from rlserve.config import Config, warn_unapplied
 from rlserve.engine.async_engine import AsyncEngine, EngineDeadError
 from rlserve.engine.client import EngineClient
 from rlserve.engine.data_parallel import DataParallelClient, check_parallel, routing_hint
+from rlserve.engine.spawn import EngineProcess
 from rlserve.server import (chat, completions, control, deployment_guard, generate, responses, tokenization,
                             vllm_weights, worker_routes)
 from rlserve.server.chat_template import load_template
 from rlserve.server.errors import APIError, install_error_handlers
+from rlserve.server.exposure import check_admin_exposure
 from rlserve.server.limits import BodyGuard
 from rlserve.server.openapi import install_openapi
 from rlserve.server.metrics import Metrics
@@ -201,24 +202,30 @@ async def metrics(request: Request) -> Response:
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-def serve(config: Config) -> None:
+def serve(config: Config, engine_process: EngineProcess | None = None) -> None:
     """Load the engine, bind host:port (0 = any free port), log the URL, and serve until SIGTERM/SIGINT,
-    then drain (see DrainingServer)."""
-    check_admin_exposure(config)
-    logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    warn_unapplied(config, log)
+    then drain (see DrainingServer). `engine_process`: the engine core process started for this config
+    before this module was imported (rlserve.cli); adopted, or stopped when the server does not start."""
     try:
-        check_parallel(config)
-        if config.parallel.dp > 1:
-            engine: AsyncEngine | EngineClient | DataParallelClient = DataParallelClient(config)
-        elif config.engine.core_process:
-            engine = EngineClient(config)
-        else:
-            # the engine thread runs Python between its torch ops: hand the GIL over sooner than every 5 ms
-            sys.setswitchinterval(0.0005)
-            engine = AsyncEngine(config)
-    except ValueError as e:  # the engine's config checks (KV cache too small, ...) say what to change
-        raise SystemExit(f"rlserve: error: {e}") from None
+        check_admin_exposure(config)
+        logging.basicConfig(level=config.server.log_level.upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        warn_unapplied(config, log)
+        try:
+            check_parallel(config)
+            if config.parallel.dp > 1:
+                engine: AsyncEngine | EngineClient | DataParallelClient = DataParallelClient(config)
+            elif config.engine.core_process:
+                engine, engine_process = EngineClient(config, process=engine_process), None
+            else:
+                # the engine thread runs Python between its torch ops: hand the GIL over sooner than every 5 ms
+                sys.setswitchinterval(0.0005)
+                engine = AsyncEngine(config)
+        except ValueError as e:  # the engine's config checks (KV cache too small, ...) say what to change
+            raise SystemExit(f"rlserve: error: {e}") from None
+    finally:
+        if engine_process is not None:  # not adopted (EngineClient stops the one it adopted if it fails)
+            engine_process.stop()
     try:
         app = build_app(engine, config)
         try:
@@ -248,30 +255,6 @@ def _bind(host: str, port: int) -> socket.socket:
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
-
-
-def check_admin_exposure(config: Config) -> None:
-    """Admin routes replace what every user is served: off loopback they need a key or an explicit opt-out."""
-    server = config.server
-    if server.admin_api_key or server.allow_open_admin or _is_loopback(server.host):
-        return
-    raise SystemExit(
-        f"rlserve: error: server.host {server.host!r} is reachable from other machines and server.admin_api_key "
-        "is not set, so anyone could replace the served weights: set --server.admin_api_key KEY, bind "
-        "--server.host 127.0.0.1, or pass --server.allow_open_admin true to serve admin routes without a key"
-    )
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        pass
-    try:  # a host name: loopback only if every address it names is
-        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except OSError:
-        return False
-    return bool(infos) and all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
 
 
 class DrainingServer(uvicorn.Server):
