@@ -218,8 +218,9 @@ def _marked(mark: str) -> list[int]:
 @linux_only
 def test_a_server_that_refuses_its_config_stops_the_engine_it_started_early(model_dir):
     """rlserve.cli starts the engine process before it imports the server stack, so that the two import
-    side by side. A server that refuses its config after that (here num_threads oversubscribing the cores, or
-    on one core the two ranks, found by the server's checks) exits non-zero saying what to change and leaves no process behind."""
+    side by side. A server that refuses its config after that (here num_threads oversubscribing the cores,
+    or on one core the two ranks, found by the server's checks) exits non-zero saying what to change and
+    leaves no process behind."""
     mark = f"RLSERVE_TEST_RUN={os.getpid()}-{time.monotonic_ns()}"
     env = {**os.environ, mark.split("=")[0]: mark.split("=")[1]}
     run = subprocess.run([sys.executable, "-m", "rlserve.cli", "serve", "--server.port", "0",

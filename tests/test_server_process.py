@@ -16,8 +16,7 @@ import pytest
 
 from conftest import SERVER_DEFAULTS, start_server, stop_server
 from rlserve.config import Config
-from rlserve.server.app import _bind
-from rlserve.server.exposure import check_admin_exposure
+from rlserve.server.listen import bind, check_admin_exposure
 
 
 def test_open_host_without_admin_key_refuses_to_start():
@@ -127,7 +126,7 @@ def test_sigterm_aborts_what_is_still_running_after_the_grace_period():
 def test_the_printed_address_accepts_connections_before_the_server_loop_runs():
     """The URL line is printed before uvicorn starts: a client that reads it and connects at once (a supervisor,
     a test, on a machine where this process gets no CPU for a while) must queue, not be refused."""
-    sock = _bind("127.0.0.1", 0)
+    sock = bind("127.0.0.1", 0)
     try:
         with socket.create_connection(sock.getsockname()[:2], timeout=10):
             pass  # nobody has called accept(): the kernel's backlog holds it

@@ -57,7 +57,7 @@ def _serve(argv: list[str], prog: str) -> int:
 
         serve_deployment(config)
         return 0
-    from rlserve.server.exposure import check_admin_exposure
+    from rlserve.server.listen import check_admin_exposure
 
     check_admin_exposure(config)
     engine_process = None

@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from rlserve.deploy.supervisor import Deployment, Slot
-from rlserve.server.control import ADMIN_PATHS
+from rlserve.server.listen import ADMIN_PATHS
 from rlserve.server.errors import APIError, install_error_handlers
 
 _FORWARDED_HEADERS = ("authorization", "content-type")

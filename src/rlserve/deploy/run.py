@@ -32,7 +32,7 @@ def check_router_exposure(config: Config) -> None:
     """vllm-router serves worker routes on its public port and checks no key on them: off loopback, anyone
     who reaches that port could add a server of theirs and be sent the users' requests. Opening it takes
     an explicit opt-in, as admin routes without a key do."""
-    from rlserve.server.exposure import is_loopback
+    from rlserve.server.listen import is_loopback
 
     host = config.server.host
     if is_loopback(host) or config.deployment.router.allow_open_worker_routes:
@@ -53,13 +53,13 @@ class _AdminServer(uvicorn.Server):
 
 async def _main(config: Config) -> None:
     from rlserve.deploy.admin import build_admin_app
-    from rlserve.server.app import _bind
+    from rlserve.server.listen import bind
 
     stop = asyncio.Event()
     host, port = config.server.host, config.server.port
     admin_port = config.deployment.admin_port if config.deployment.admin_port is not None else (port + 1 if port else 0)
     admin_host = _admin_host(config)
-    sock = _bind(admin_host, admin_port)
+    sock = bind(admin_host, admin_port)
     admin_url = f"http://{admin_host}:{sock.getsockname()[1]}"
     key, workdir, dep = new_key(), None, None
     try:  # whatever fails from here on (a replica that cannot even be set up included) closes and removes these

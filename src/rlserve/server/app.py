@@ -7,7 +7,6 @@ import hmac
 import importlib.metadata
 import logging
 import signal
-import socket
 import sys
 import time
 from contextlib import asynccontextmanager
@@ -27,7 +26,7 @@ from rlserve.server import (chat, completions, control, deployment_guard, genera
                             vllm_weights, worker_routes)
 from rlserve.server.chat_template import load_template
 from rlserve.server.errors import APIError, install_error_handlers
-from rlserve.server.exposure import check_admin_exposure
+from rlserve.server.listen import ADMIN_PATHS, bind, check_admin_exposure
 from rlserve.server.limits import BodyGuard
 from rlserve.server.openapi import install_openapi
 from rlserve.server.metrics import Metrics
@@ -114,7 +113,7 @@ class Gate:
             if len(path) > 1 and path.endswith("/"):
                 path = path.rstrip("/") or "/"
                 scope = {**scope, "path": path, "raw_path": scope.get("raw_path", b"").rstrip(b"/")}
-            if path in control.ADMIN_PATHS and self.admin_api_key:
+            if path in ADMIN_PATHS and self.admin_api_key:
                 allowed = [self.admin_api_key]
             elif path in PUBLIC_PATHS:
                 allowed = []
@@ -124,7 +123,7 @@ class Gate:
                 await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
                 return
             # admin routes stay open so a trainer can still resume or abort what is held
-            if self.state is not None and self.state.draining and path not in control.ADMIN_PATHS | {"/metrics"}:
+            if self.state is not None and self.state.draining and path not in ADMIN_PATHS | {"/metrics"}:
                 error = APIError(503, "the server is shutting down: send new requests to another replica")
                 await JSONResponse(error.body(), status_code=503, headers={"Retry-After": "1"})(scope, receive, send)
                 return
@@ -229,7 +228,7 @@ def serve(config: Config, engine_process: EngineProcess | None = None) -> None:
     try:
         app = build_app(engine, config)
         try:
-            sock = _bind(config.server.host, config.server.port)
+            sock = bind(config.server.host, config.server.port)
         except OSError as e:
             raise SystemExit(f"rlserve: error: cannot listen on {config.server.host}:{config.server.port}: {e}") from None
         host, port = sock.getsockname()[:2]
@@ -242,19 +241,6 @@ def serve(config: Config, engine_process: EngineProcess | None = None) -> None:
         DrainingServer(uv_config, app.state.rlserve, grace).run(sockets=[sock])
     finally:
         engine.shutdown()
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                         flags=socket.AI_PASSIVE)[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(address)
-    # listening before the URL is printed: a client that reads it may connect at once, and its connection
-    # waits in the backlog until uvicorn starts accepting instead of being refused
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
 
 
 class DrainingServer(uvicorn.Server):

@@ -41,14 +41,6 @@ log = logging.getLogger(__name__)
 router = APIRouter()
 
 # routes that need server.admin_api_key when it is set
-ADMIN_PATHS = frozenset({
-    "/update_weights", "/init_broadcaster", "/pause", "/resume", "/abort_requests", "/reset_prefix_cache",
-    "/load_lora_adapter", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/load_adapter", "/upload_adapter",
-    "/update_weights_from_disk", "/pause_generation", "/continue_generation", "/flush_cache", "/abort_request",
-    "/update_weight_version",
-}) | vllm_weights.ADMIN_PATHS
-
-
 def _state(request: Request) -> ServerState:
     return request.app.state.rlserve
 

@@ -23,7 +23,6 @@ from rlserve.server.errors import APIError, bad_request
 from rlserve.server.serving import ServerState, json_body
 
 router = APIRouter()
-ADMIN_PATHS = frozenset({"/init_weight_transfer_engine", "/start_weight_update", "/finish_weight_update"})
 
 
 @dataclass
