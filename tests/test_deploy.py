@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import signal
+from pathlib import Path
 
 import httpx
 import pytest
@@ -206,9 +207,21 @@ def test_a_dead_router_is_restarted_on_the_same_url(deployment):
 
 
 def test_sigterm_leaves_no_process(deployment):
+    """Nor the replicas' engine socket directories: each replica stops by itself on the SIGTERM its process
+    group gets (its engine process gets it too), not by the supervisor's SIGKILL after the grace period."""
     _, _, proc = deployment
     tree = descendants(proc.pid)
     assert len(tree) >= 3  # two replicas and the router
+    socket_dirs = {Path(arg[len("ipc://"):]).parent for pid in tree for arg in _cmdline(pid) if arg.startswith("ipc://")}
+    assert len(socket_dirs) == 2 and all(d.is_dir() for d in socket_dirs)  # one per replica's engine process
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 0
     wait_for(lambda: not any(alive(pid) for pid in tree), 30, "every child to exit")
+    assert not [d for d in socket_dirs if d.exists()]
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -229,3 +230,35 @@ def test_a_server_that_refuses_its_config_stops_the_engine_it_started_early(mode
     assert run.returncode != 0
     assert "rlserve: error: parallel.tp" in run.stderr or "rlserve: error: num_threads" in run.stderr, run.stderr[-2000:]
     wait_until(lambda: not _marked(mark), "processes of the refused server outlived it")
+
+
+def test_a_call_to_an_engine_process_that_is_gone_raises_engine_dead(model_dir):
+    """A SIGTERM to a server's whole process group (a deployment stopping its replicas) stops its engine
+    process too, and the server's drain then calls an engine that is gone before the watcher has noticed.
+    That call must fail as EngineDeadError (the drain's cue to stop), not with ZeroMQ's EAGAIN, which left
+    the drain hung and the server to be SIGKILLed with its socket directory behind."""
+    from rlserve.engine.client import EngineClient
+    from rlserve.engine.face import EngineDeadError
+
+    config = Config()
+    config.model.name = str(model_dir)
+    config.engine.kv_cache_bytes = 64 << 20
+    client = EngineClient(config)  # its event-loop tasks never start: nobody watches the process
+    try:
+        client.proc.kill()
+        client.proc.wait()
+
+        async def call_until_refused() -> BaseException:
+            deadline = time.monotonic() + HANG_GUARD_S
+            while time.monotonic() < deadline:
+                try:  # sent while ZeroMQ has not yet dropped the dead peer: no reply ever comes, ask again
+                    await asyncio.wait_for(client.has_unfinished(), timeout=0.1)
+                except asyncio.TimeoutError:
+                    continue
+                except BaseException as exc:
+                    return exc
+            raise AssertionError("hang guard: calls to a dead engine were never refused")
+
+        assert isinstance(asyncio.run(call_until_refused()), EngineDeadError)
+    finally:
+        client.shutdown()

@@ -9,6 +9,7 @@ within a fraction of a second and `dead` says why.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 from collections.abc import AsyncIterator
@@ -162,7 +163,13 @@ class EngineClient(EngineFace):
     # ---- requests ---------------------------------------------------------------------------
 
     def _send(self, msg: Any) -> None:
-        self._out.send(ipc.encode(msg), zmq.NOBLOCK)
+        """EngineDeadError when no engine is connected any more: it exited (a SIGTERM to the whole process
+        group reaches it too), and _watch has not noticed yet. Sockets without high-water marks never
+        refuse a message otherwise."""
+        try:
+            self._out.send(ipc.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            raise EngineDeadError("engine loop died: the engine process has closed its socket") from None
 
     async def generate(
         self,
@@ -177,9 +184,9 @@ class EngineClient(EngineFace):
         """As AsyncEngine.generate: cumulative outputs, the last finished; ValueError for bad input."""
         self._check_alive()
         key = next(self._keys)
-        outputs: asyncio.Queue = asyncio.Queue()
-        self._streams[key] = outputs
         self._send(ipc.Add(key, request_id, prompt, params, cache_salt, adapter, stream))
+        outputs: asyncio.Queue = asyncio.Queue()
+        self._streams[key] = outputs  # before any output can be read: that happens at our first await
         finished = False
         try:
             while not finished:
@@ -191,13 +198,14 @@ class EngineClient(EngineFace):
         finally:
             self._streams.pop(key, None)
             if not finished and self.dead is None:
-                self._send(ipc.Abort(key))
+                with contextlib.suppress(EngineDeadError):  # gone: nothing left to abort
+                    self._send(ipc.Abort(key))
 
     async def _call(self, op: str, *args: Any) -> Any:
         self._check_alive()
         call_id = next(self._keys)
-        fut = self._calls[call_id] = asyncio.get_running_loop().create_future()
         self._send(ipc.Call(call_id, op, list(args)))
+        fut = self._calls[call_id] = asyncio.get_running_loop().create_future()  # the reply is read after we await
         return await fut
 
     # ---- named control operations (core.OPS) ------------------------------------------------

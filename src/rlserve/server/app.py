@@ -276,4 +276,7 @@ class DrainingServer(uvicorn.Server):
                 log.warning("shutdown grace period over: aborted %d request(s)", aborted)
         except EngineDeadError:
             pass
-        self.should_exit = True
+        except Exception:  # whatever went wrong, the server still stops
+            log.exception("draining the engine failed; stopping anyway")
+        finally:
+            self.should_exit = True
