@@ -262,3 +262,24 @@ def test_a_call_to_an_engine_process_that_is_gone_raises_engine_dead(model_dir):
         assert isinstance(asyncio.run(call_until_refused()), EngineDeadError)
     finally:
         client.shutdown()
+
+
+@linux_only
+def test_sigterm_while_the_server_starts_stops_its_engine_and_leaves_nothing(model_dir):
+    """The engine process starts before the server stack is imported, so a SIGTERM (a deployment stopping a
+    replica it just started) can come while the server is still starting. The server then stops the engine
+    and removes its socket directory before it exits, instead of leaving the engine to die with it."""
+    proc = subprocess.Popen([sys.executable, "-m", "rlserve.cli", "serve", "--server.port", "0",
+                             "--model.name", str(model_dir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: engine_pids(proc) or proc.poll() is not None, "the engine process to start")
+        core = engine_pid(proc)
+        args = Path(f"/proc/{core}/cmdline").read_bytes().decode().split("\0")
+        socket_dir = Path(next(a for a in args if a.startswith("ipc://"))[len("ipc://"):]).parent
+        assert socket_dir.is_dir()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=HANG_GUARD_S)  # 143 while starting; 0 if it was already serving
+        wait_until(lambda: gone(core), "the engine process to exit")
+        assert not socket_dir.exists()
+    finally:
+        stop_server(proc)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
 import sys
 from typing import NoReturn
 
@@ -60,6 +61,9 @@ def _serve(argv: list[str], prog: str) -> int:
     from rlserve.server.listen import check_admin_exposure
 
     check_admin_exposure(config)
+    # until the server takes SIGTERM over (its drain), SIGTERM unwinds like Ctrl-C would: an engine process
+    # already started is stopped and its socket directory removed, not left to die with this process
+    signal.signal(signal.SIGTERM, _raise_exit)
     engine_process = None
     if config.engine.core_process and config.parallel.dp == 1:
         from rlserve.engine.spawn import EngineProcess
@@ -75,6 +79,10 @@ def _serve(argv: list[str], prog: str) -> int:
         raise
     serve(config, engine_process)
     _exit_without_teardown(0)
+
+
+def _raise_exit(signum: int, frame) -> NoReturn:
+    raise SystemExit(128 + signum)
 
 
 def _exit_without_teardown(code: int) -> NoReturn:

@@ -55,7 +55,7 @@ class EngineClient(EngineFace):
         try:
             ready = self._wait_ready()
         except BaseException:
-            self.shutdown()
+            self.process.stop()  # still loading: it reads no Shutdown message yet, so it is terminated
             raise
         config = self.config
         self.model_dir = Path(ready.model_dir)

@@ -56,8 +56,9 @@ class EngineProcess:
         return self.ctx.closed
 
     def stop(self, goodbye: bytes | None = None) -> None:
-        """Send `goodbye` (the engine's Shutdown message) and wait for the process to exit; terminate it,
-        then kill it, when it does not. Nothing is left behind: the process, its sockets, their directory."""
+        """Send `goodbye` (the engine's Shutdown message), or SIGTERM without one (an engine still loading
+        reads no messages), and wait for the process to exit; terminate it, then kill it, when it does not.
+        Nothing is left behind: the process, its sockets, their directory."""
         if self.ctx.closed:
             return
         if self.proc.poll() is None:
