@@ -40,7 +40,7 @@ from rlserve.server.uploads import capped, write_uploaded_adapter
 log = logging.getLogger(__name__)
 router = APIRouter()
 
-# routes that need server.admin_api_key when it is set
+
 def _state(request: Request) -> ServerState:
     return request.app.state.rlserve
 
