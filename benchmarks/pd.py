@@ -10,16 +10,21 @@ What is timed. A transfer: on the decode server, from its engine taking the requ
 the blocks registered in its pool, usable by the scheduler: connection set-up, the pull request, every
 block received straight into its pool block and its checksum checked there, the engine noticing the
 landed pull. The prefill server hashes each block before sending it. The raw copy that the target is set
-against: the same number of bytes from a buffer of their size in one process to a buffer of their size in
-another (both touched before: a pool's bytes on each side, beyond the cache), the sender on the prefill
-server's cores and the receiver on the decode server's, over a fresh loopback TCP connection with the same
-socket options (TCP_NODELAY, 8 MiB buffers), connection set-up included, in block-sized writes; no hashing,
-no framing, no engine. So the ratio is what rlserve's own work costs, on the same cores and memory. Printed
-beside it, in this process and unbound: the copy into one reused block-sized buffer (cache-warm: no
-transfer that keeps the bytes can match it), between buffers of the transfer's size, and into memory
-touched when the deployment started and not since, as the decode pool's free blocks were (on this project's
-VMs memory left idle for a minute is 2-5x slower to write at first). Each lone transfer is followed by one
-of each copy, so that all see the same minute of a noisy machine; medians are quoted.
+against: the same KV bytes (without the transfer's framing) from a buffer of their size in one process into
+memory in another, the sender on the prefill server's cores and the receiver on the decode server's, over a
+fresh loopback TCP connection with the same socket options (TCP_NODELAY, 8 MiB buffers), connection set-up
+included, in block-sized writes; no hashing, no framing, no engine. Its destination is laid out and aged as
+the decode pool's free blocks that the transfer lands in: a block is one run of 16 tokens in each layer's K
+and V region (60 runs of 12 KB on smollm2-135m), filled by recvmsg_into as the transfer fills them, in
+memory touched when the deployment started and not since. That matters on this project's VMs: memory left
+idle for a minute or two writes at 1-10 GB/s at first, against ~10-25 GB/s a moment later (whatever it
+holds; how slow varies from minute to minute and from one deployment to the next), and scattered runs pay it
+more than one sequential buffer does. So the ratio is what rlserve's own work costs, on the same cores and
+the same kind of memory. Printed beside it: the same copy into one buffer touched a moment before; in this
+process and unbound, the copy into one reused block-sized buffer (cache-warm: no transfer that keeps the
+bytes can match it) and between buffers of the transfer's size; and the plain write speed of idle memory
+against the same memory written again. Each lone transfer is followed by one of each, so that all see the
+same minute of a noisy machine; medians are quoted.
 
     python benchmarks/pd.py [--preset smollm2-135m] [--clients 16] [--prompt-len 1024] [--new-tokens 32]
     python benchmarks/pd.py --quick            # tiny model, small counts: a smoke test
@@ -49,7 +54,7 @@ from rlserve.engine.kv_transfer import tune_socket
 from rlserve.model.make import cache_root, make_model
 
 LONE_PULLS = 7  # one pull is a noisy figure on a shared machine: the median of these is quoted
-AGED_BYTES_EACH = 64 << 20  # room for one lone pull's bytes (46.5 MB at the default 1,024-token prompts)
+PROBE_BYTES = 16 << 20  # per lone pull: idle memory whose plain write speed is timed
 
 
 def parse_args() -> argparse.Namespace:
@@ -138,6 +143,17 @@ def raw_socket_rate(nbytes: int, chunk: int, resident: bool = False, into: memor
     return got / elapsed
 
 
+def _idle_write_rates(region: memoryview) -> tuple[float, float]:
+    """Bytes/s of writing a region of long-untouched memory, then of writing it again at once."""
+    source = b"\x02" * len(region)
+    rates = []
+    for _ in range(2):
+        start = time.perf_counter()
+        region[:] = source
+        rates.append(len(region) / (time.perf_counter() - start))
+    return rates[0], rates[1]
+
+
 # the sending side of raw_copy_between, a process of its own: it touches its source, listens, says its port,
 # and sends nbytes in chunk-sized writes to the one connection it accepts
 _RAW_SENDER = """
@@ -156,25 +172,32 @@ conn.close()
 """
 
 
-def raw_copy_between(send_cores: set[int], recv_cores: set[int], nbytes: int, chunk: int) -> float:
+def raw_copy_between(send_cores: set[int], recv_cores: set[int], nbytes: int, chunk: int,
+                     into: list[memoryview] | None = None) -> float:
     """Bytes/s of the memory-resident raw copy (see raw_socket_rate) between two processes placed as the
     prefill and decode servers are: the sender in a process of its own on the prefill server's cores, the
-    receiver (this thread) on the decode server's. Everything the transfer has but rlserve's own work."""
+    receiver (this thread) on the decode server's. Everything the transfer has but rlserve's own work.
+    into: the destination, views filled in order as the transfer fills a pool's block runs (recvmsg_into, up
+    to 512 views a call), instead of one buffer touched a moment before."""
     sender = subprocess.Popen([sys.executable, "-c", _RAW_SENDER, ",".join(map(str, sorted(send_cores))),
                                str(nbytes), str(chunk)], stdout=subprocess.PIPE, text=True)
     mine = os.sched_getaffinity(0)
     try:
         port = int(sender.stdout.readline())
         os.sched_setaffinity(0, recv_cores)  # this thread only (Linux)
-        view = memoryview(bytearray(b"\x01" * nbytes))
+        view = None if into is not None else memoryview(bytearray(b"\x01" * nbytes))
         start, got = time.perf_counter(), 0
         with socket.create_connection(("127.0.0.1", port)) as sock:
             tune_socket(sock, 60)
-            while got < nbytes:
-                n = sock.recv_into(view[got : got + chunk])
-                if n == 0:
-                    break
-                got += n
+            if view is not None:
+                while got < nbytes:
+                    n = sock.recv_into(view[got : got + chunk])
+                    if n == 0:
+                        break
+                    got += n
+            else:
+                for first in range(0, len(into), 512):
+                    got += sock.recvmsg_into(into[first : first + 512], 0, socket.MSG_WAITALL)[0]
             elapsed = time.perf_counter() - start
         sender.wait(timeout=60)
     finally:
@@ -183,6 +206,27 @@ def raw_copy_between(send_cores: set[int], recv_cores: set[int], nbytes: int, ch
             sender.kill()
             sender.wait()
     return got / elapsed
+
+
+class AgedPool:
+    """Memory laid out as a decode pool's KV ([layers, k/v, slots, heads, head_dim]: a block is one run of
+    block_size tokens in each of the 2 x layers regions) and touched once, now, as the pool is when its
+    server starts; room for `pulls` transfers of `blocks` blocks, each into blocks of its own."""
+
+    def __init__(self, model_dir, pulls: int, blocks: int, block_size: int = 16):
+        config = json.loads((model_dir / "config.json").read_text())
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        itemsize = 4 if config.get("torch_dtype", "float32") == "float32" else 2
+        self.runs, self.run_bytes, self.blocks = 2 * config["num_hidden_layers"], \
+            block_size * config["num_key_value_heads"] * head_dim * itemsize, blocks
+        self.region = pulls * blocks * self.run_bytes
+        self.memory = memoryview(bytearray(self.runs * self.region))
+        self.memory[::4096] = b"\x01" * len(range(0, len(self.memory), 4096))
+
+    def views(self, pull: int) -> list[memoryview]:
+        """Pull `pull`'s destinations in the order its bytes arrive: block by block, each block's runs."""
+        return [self.memory[r * self.region + (pull * self.blocks + b) * self.run_bytes :][: self.run_bytes]
+                for b in range(self.blocks) for r in range(self.runs)]
 
 
 def main() -> None:
@@ -200,10 +244,13 @@ def main() -> None:
             one = asyncio.run(_clients(single.url, single.pids(), prompts, args))
     with rlserve_server(*common, "--deployment.type", "disaggregated", "--num_threads", str(max(1, cores // 2))) as dep:
         # destinations for raw copies into memory as long untouched as the decode server's pool blocks that the
-        # lone pulls land in (zeroed at its start, unused since): on this VM memory idle for a minute is 2-5x
-        # slower to write at first (measured: 1.9-5 GB/s against ~10 for memory touched seconds before)
-        aged = memoryview(bytearray(LONE_PULLS * AGED_BYTES_EACH))
-        aged[::4096] = b"\x01" * len(range(0, len(aged), 4096))
+        # lone pulls land in (zeroed at its start, unused since), and a stretch of it to time plain writes into:
+        # on this project's VMs memory left idle for a minute or two writes at 1-10 GB/s at first, against ~25
+        # a moment later, whatever it holds, and how slow varies from minute to minute
+        blocks = (args.prompt_len - 1) // 16  # a pull's blocks: every full block of the prompt but its last token
+        aged = AgedPool(model_dir, LONE_PULLS, blocks)
+        probe = memoryview(bytearray(LONE_PULLS * PROBE_BYTES))
+        probe[::4096] = b"\x01" * len(range(0, len(probe), 4096))
         d = sorted(httpx.get(f"{dep.admin_url}/deployment", timeout=30).json()["replicas"], key=lambda r: r["index"])
         decode = d[1]["url"]
         # the cores the prefill and decode servers run on (their engine processes inherit them)
@@ -215,7 +262,7 @@ def main() -> None:
         fallbacks = _metric(decode, "rlserve:kv_transfer_local_fallbacks_total")
         # more requests alone: the pull without 15 others and both engines' compute competing for the cores;
         # each followed by the raw copy of its bytes, so that both see the same machine
-        lone_rates, placed_rates, raw_rates, resident_rates, aged_rates = [], [], [], [], []
+        lone_rates, aged_rates, placed_rates, raw_rates, resident_rates, idle_writes = [], [], [], [], [], []
         for i in range(LONE_PULLS):
             alone_base = {n: _metric(decode, n) for n in base}
             lone = [rng.randrange(10, 30000 if args.preset != "tiny" else 1000) for _ in range(args.prompt_len)]
@@ -224,14 +271,14 @@ def main() -> None:
             alone = {n: _metric(decode, n) - v for n, v in alone_base.items()}
             lone_rates.append(alone["rlserve:kv_transfer_bytes_total"] /
                               max(alone["rlserve:kv_transfer_seconds_total"], 1e-9))
-            lone_bytes = int(alone["rlserve:kv_transfer_bytes_total"])
+            lone_bytes = int(alone["rlserve:kv_transfer_bytes_total"]) or (64 << 20)
             block_bytes = int(lone_bytes / max(1, alone["rlserve:kv_transfer_tokens_total"] / 16)) or (1 << 20)
-            placed_rates.append(raw_copy_between(p_cores, d_cores, lone_bytes or (64 << 20), block_bytes))
-            raw_rates.append(raw_socket_rate(lone_bytes or (64 << 20), block_bytes))
-            resident_rates.append(raw_socket_rate(lone_bytes or (64 << 20), block_bytes, resident=True))
-            if lone_bytes <= AGED_BYTES_EACH:
-                dest = aged[i * AGED_BYTES_EACH : i * AGED_BYTES_EACH + lone_bytes]
-                aged_rates.append(raw_socket_rate(lone_bytes, block_bytes, into=dest))
+            idle_writes.append(_idle_write_rates(probe[i * PROBE_BYTES : (i + 1) * PROBE_BYTES]))
+            kv_bytes = aged.runs * aged.run_bytes
+            aged_rates.append(raw_copy_between(p_cores, d_cores, blocks * kv_bytes, kv_bytes, into=aged.views(i)))
+            placed_rates.append(raw_copy_between(p_cores, d_cores, lone_bytes, block_bytes))
+            raw_rates.append(raw_socket_rate(lone_bytes, block_bytes))
+            resident_rates.append(raw_socket_rate(lone_bytes, block_bytes, resident=True))
 
     print(f"\nP/D, {args.preset}, {args.clients} clients x ({args.prompt_len} prompt + {args.new_tokens} new tokens), "
           f"streamed, {cores} cores")
@@ -246,22 +293,27 @@ def main() -> None:
         print(f"P/D / 1 server: TTFT p50 {pd['ttft_p50'] / one['ttft_p50']:.2f}x, tok/s {pd['tok_s'] / one['tok_s']:.2f}x")
         print(f"KV pulled: {nbytes / 1e6:.1f} MB for {moved['rlserve:kv_transfer_tokens_total']:.0f} prompt tokens in "
               f"{seconds:.3f} s of pulls (summed over concurrent pulls, each from the request reaching the decode "
-              f"engine to its blocks usable there): {pulled / 1e9:.3f} GB/s, {pulled / statistics.median(placed_rates):.2f}x "
-              f"the placed raw copy below; decode fallbacks {fallbacks:.0f}")
+              f"engine to its blocks usable there): {pulled / 1e9:.3f} GB/s, "
+              f"{pulled / statistics.median(aged_rates):.2f}x the target's raw copy below; "
+              f"decode fallbacks {fallbacks:.0f}")
     lone_rate = statistics.median(lone_rates)
     print(f"{LONE_PULLS} transfers alone, {lone_bytes / 1e6:.1f} MB each, each followed by raw loopback socket copies "
           f"of its bytes ({block_bytes}-byte writes):")
     print(f"  transfer: median {lone_rate / 1e9:.3f} GB/s (each: {', '.join(f'{r / 1e9:.2f}' for r in lone_rates)})")
-    _ratio_lines("raw copy between two processes on the prefill and decode servers' cores "
-                 f"({','.join(map(str, sorted(p_cores)))} -> {','.join(map(str, sorted(d_cores)))}), "
-                 f"{lone_bytes / 1e6:.1f} MB buffers", lone_rates, placed_rates, target=True)
+    placed = (f"raw copy between two processes on the prefill and decode servers' cores "
+              f"({','.join(map(str, sorted(p_cores)))} -> {','.join(map(str, sorted(d_cores)))}), {lone_bytes / 1e6:.1f} MB")
+    _ratio_lines(f"{placed} of KV (no framing), into memory laid out as the decode pool's blocks and untouched "
+                 "since the deployment started, as the free blocks the transfer lands in", lone_rates, aged_rates,
+                 target=True)
+    _ratio_lines(f"{placed}, into a buffer touched a moment before", lone_rates, placed_rates)
     _ratio_lines(f"raw copy in this process, unbound, into one reused {block_bytes}-byte buffer (cache-warm)",
                  lone_rates, raw_rates)
     _ratio_lines(f"raw copy in this process, unbound, between {lone_bytes / 1e6:.1f} MB buffers (memory-resident)",
                  lone_rates, resident_rates)
-    if aged_rates:
-        _ratio_lines("raw copy in this process into memory untouched since the deployment started (as the decode "
-                     "pool's free blocks)", lone_rates, aged_rates)
+    first, again = (statistics.median(r[k] for r in idle_writes) for k in (0, 1))
+    print(f"  the machine's memory: {PROBE_BYTES >> 20} MB untouched since the deployment started writes at "
+          f"{first / 1e9:.2f} GB/s (each: {', '.join(f'{r[0] / 1e9:.2f}' for r in idle_writes)}), the same bytes "
+          f"written again at {again / 1e9:.2f} GB/s (medians)")
     if one is not None:
         print("others = CPU cores used by other processes during the run: well above 0 means the figures are low")
 
