@@ -245,8 +245,8 @@ def main() -> None:
     with rlserve_server(*common, "--deployment.type", "disaggregated", "--num_threads", str(max(1, cores // 2))) as dep:
         # destinations for raw copies into memory as long untouched as the decode server's pool blocks that the
         # lone pulls land in (zeroed at its start, unused since), and a stretch of it to time plain writes into:
-        # on this project's VMs memory left idle for a minute or two writes at 1-10 GB/s at first, against ~25
-        # a moment later, whatever it holds, and how slow varies from minute to minute
+        # on this project's VMs memory left idle for a minute or two writes at 1-10 GB/s at first, against
+        # ~10-25 a moment later, whatever it holds, and how slow varies from minute to minute
         blocks = (args.prompt_len - 1) // 16  # a pull's blocks: every full block of the prompt but its last token
         aged = AgedPool(model_dir, LONE_PULLS, blocks)
         probe = memoryview(bytearray(LONE_PULLS * PROBE_BYTES))
