@@ -50,7 +50,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from _cpu import OtherLoad
 from _server import add_workload_args, rlserve_server
-from rlserve.engine.kv_transfer import tune_socket
+from rlserve.engine.kv_transfer import _recv_views, tune_socket
 from rlserve.model.make import cache_root, make_model
 
 LONE_PULLS = 7  # one pull is a noisy figure on a shared machine: the median of these is quoted
@@ -158,7 +158,7 @@ def _idle_write_rates(region: memoryview) -> tuple[float, float]:
 # and sends nbytes in chunk-sized writes to the one connection it accepts
 _RAW_SENDER = """
 import os, socket, sys
-from rlserve.engine.kv_transfer import tune_socket
+from rlserve.engine.kv_transfer import _recv_views, tune_socket
 cores, nbytes, chunk = [int(c) for c in sys.argv[1].split(",")], int(sys.argv[2]), int(sys.argv[3])
 os.sched_setaffinity(0, cores)
 source = memoryview(bytearray(b"\\x01" * nbytes))
@@ -177,8 +177,8 @@ def raw_copy_between(send_cores: set[int], recv_cores: set[int], nbytes: int, ch
     """Bytes/s of the memory-resident raw copy (see raw_socket_rate) between two processes placed as the
     prefill and decode servers are: the sender in a process of its own on the prefill server's cores, the
     receiver (this thread) on the decode server's. Everything the transfer has but rlserve's own work.
-    into: the destination, views filled in order as the transfer fills a pool's block runs (recvmsg_into, up
-    to 512 views a call), instead of one buffer touched a moment before."""
+    into: the destination, views filled in order as the transfer fills a pool's block runs (recvmsg_into, as
+    the transfer's own receive loop does), instead of one buffer touched a moment before."""
     sender = subprocess.Popen([sys.executable, "-c", _RAW_SENDER, ",".join(map(str, sorted(send_cores))),
                                str(nbytes), str(chunk)], stdout=subprocess.PIPE, text=True)
     mine = os.sched_getaffinity(0)
@@ -196,8 +196,8 @@ def raw_copy_between(send_cores: set[int], recv_cores: set[int], nbytes: int, ch
                         break
                     got += n
             else:
-                for first in range(0, len(into), 512):
-                    got += sock.recvmsg_into(into[first : first + 512], 0, socket.MSG_WAITALL)[0]
+                _recv_views(sock, into)  # the kernel's scatter, short receives resumed where they stopped
+                got = nbytes
             elapsed = time.perf_counter() - start
         sender.wait(timeout=60)
     finally:
@@ -206,6 +206,13 @@ def raw_copy_between(send_cores: set[int], recv_cores: set[int], nbytes: int, ch
             sender.kill()
             sender.wait()
     return got / elapsed
+
+
+def _touched(nbytes: int) -> memoryview:
+    """nbytes of zeroed memory with every page written once, now: mapped, as a pool is when its server starts."""
+    memory = memoryview(bytearray(nbytes))
+    memory[::4096] = b"\x01" * len(range(0, nbytes, 4096))
+    return memory
 
 
 class AgedPool:
@@ -220,8 +227,7 @@ class AgedPool:
         self.runs, self.run_bytes, self.blocks = 2 * config["num_hidden_layers"], \
             block_size * config["num_key_value_heads"] * head_dim * itemsize, blocks
         self.region = pulls * blocks * self.run_bytes
-        self.memory = memoryview(bytearray(self.runs * self.region))
-        self.memory[::4096] = b"\x01" * len(range(0, len(self.memory), 4096))
+        self.memory = _touched(self.runs * self.region)
 
     def views(self, pull: int) -> list[memoryview]:
         """Pull `pull`'s destinations in the order its bytes arrive: block by block, each block's runs."""
@@ -249,8 +255,7 @@ def main() -> None:
         # ~10-25 a moment later, whatever it holds, and how slow varies from minute to minute
         blocks = (args.prompt_len - 1) // 16  # a pull's blocks: every full block of the prompt but its last token
         aged = AgedPool(model_dir, LONE_PULLS, blocks)
-        probe = memoryview(bytearray(LONE_PULLS * PROBE_BYTES))
-        probe[::4096] = b"\x01" * len(range(0, len(probe), 4096))
+        probe = _touched(LONE_PULLS * PROBE_BYTES)
         d = sorted(httpx.get(f"{dep.admin_url}/deployment", timeout=30).json()["replicas"], key=lambda r: r["index"])
         decode = d[1]["url"]
         # the cores the prefill and decode servers run on (their engine processes inherit them)
