@@ -14,6 +14,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+# The suite checks the CPU engine against transformers' fp32 CPU forward, on any machine: a GPU machine's
+# `auto` device would run bf16 on the GPU instead. The tests marked `cuda` ask for the GPU by name.
+os.environ.setdefault("RLSERVE_DEVICE", "cpu")
+
 # small and quick: the tiny model, a 64 MiB KV cache, a 512-token context
 SERVER_DEFAULTS = ("--engine.kv_cache_bytes", str(64 << 20), "--model.max_model_len", "512")
 _URL_LINE = re.compile(r"rlserve: serving \S+ on (http://\S+)")

@@ -76,6 +76,7 @@ def test_greedy_tokens_equal_the_eager_engine(model_dir, counted):
         assert torch.allclose(torch.tensor(a.outputs[0].logprobs), torch.tensor(b.outputs[0].logprobs), atol=1e-5)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graphs_match_eager_decode(model_dir):
     def engine_on_gpu(enforce_eager: bool) -> Engine:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -26,7 +27,11 @@ class ModelConfig(Section):
         "float32); auto = float32, which for a bf16 model costs a float32 copy of the head weight and "
         "keeps logprobs close to an fp32 forward; set it to the model dtype to run the head in that",
     )
-    device: str = Field("auto", description="auto, cpu, cuda, cuda:N or mps")
+    device: str = Field(
+        default_factory=lambda: os.environ.get("RLSERVE_DEVICE") or "auto",
+        description="auto, cpu, cuda, cuda:N or mps; its default is $RLSERVE_DEVICE when set, else auto "
+        "(cuda where torch sees a GPU)",
+    )
     enforce_eager: bool = Field(False, description="never capture CUDA graphs")
     trust_remote_code: bool = Field(False, description="allow custom code from the model directory")
     chat_template: str | None = Field(None, description="a Jinja chat template (file path or inline) replacing the model's")
