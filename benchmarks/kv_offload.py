@@ -22,7 +22,7 @@ import torch
 from transformers import AutoConfig
 
 from _cpu import OtherLoad
-from rlserve.config import Config, KVOffloadConfig
+from rlserve.config.schema import Config, KVOffloadConfig
 from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams
 from rlserve.model.llama import ModelShape

@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 
-from rlserve.config_loader import ConfigError, load_config
+from rlserve.config.load import ConfigError, load_config
 from rlserve.deploy.replica import replica_config, replica_cores
 from rlserve.deploy.router import router_argv
 

@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import start_server, stop_server
-from rlserve.config import Config
+from rlserve.config.schema import Config
 from rlserve.model.make import make_model
 from test_engine_process import HANG_GUARD_S, children, gone, wait_until
 from test_server_rl import ADMIN, PROMPTS, generate, hf_check, trainer_push
@@ -29,8 +29,8 @@ TP2 = ("--parallel.tp", "2")
 
 def tp_pids(server: subprocess.Popen) -> tuple[int, list[int]]:
     """(engine core pid, its worker rank pids) of a server we started."""
-    (core,) = [c for c in children(server.pid) if b"rlserve.engine.core" in Path(f"/proc/{c}/cmdline").read_bytes()]
-    workers = [c for c in children(core) if b"rlserve.engine.parallel" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    (core,) = [c for c in children(server.pid) if b"rlserve.runtime.core" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    workers = [c for c in children(core) if b"rlserve.engine.tp.leader" in Path(f"/proc/{c}/cmdline").read_bytes()]
     return core, workers
 
 
@@ -200,7 +200,7 @@ def test_sigterm_of_the_server_stops_every_rank(base):
 
 
 def test_config_checks_say_what_to_change(base):
-    from rlserve.engine.data_parallel import check_parallel
+    from rlserve.runtime.data_parallel import check_parallel
     from rlserve.model.llama import ModelShape
     from rlserve.model.tensor_parallel import check_tp
     from transformers import AutoConfig
@@ -238,7 +238,7 @@ def test_step_inputs_cross_as_fixed_schema_msgspec_never_pickle():
 
     import msgspec
 
-    from rlserve.engine import parallel
+    from rlserve.engine.tp import leader as parallel
     from rlserve.model.llama import AttentionBatch, PrefillSeq
 
     attn = AttentionBatch(

@@ -6,7 +6,7 @@ import importlib.util
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from rlserve.config import Config
+    from rlserve.config.schema import Config
 
 
 def check_deployment(config: "Config") -> None:

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from rlserve.config import Config, KVTransferConfig
+from rlserve.config.schema import Config, KVTransferConfig
 from rlserve.deploy.process import ServerChild
 
 # what the supervisor hands a replica (server/deployment_guard.py reads them)

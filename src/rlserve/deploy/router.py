@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from rlserve.config import Config
+from rlserve.config.schema import Config
 from rlserve.deploy.process import Child, free_port
 
 log = logging.getLogger("rlserve.deploy")

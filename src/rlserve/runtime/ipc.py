@@ -17,11 +17,11 @@ import msgspec
 import numpy as np
 import zmq
 
-from rlserve.config import Config
+from rlserve.config.schema import Config
 
 from rlserve.engine.outputs import RequestOutput
 from rlserve.engine.params import SamplingParams
-from rlserve.engine.spawn import PARENT_ENV
+from rlserve.runtime.spawn import PARENT_ENV
 from rlserve.engine.weights import WeightUpdateError
 from rlserve.model.lora import AdapterError
 

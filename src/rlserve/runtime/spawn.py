@@ -14,7 +14,7 @@ import tempfile
 
 import zmq
 
-from rlserve.config import Config
+from rlserve.config.schema import Config
 
 PARENT_ENV = "RLSERVE_PARENT_PID"
 
@@ -34,7 +34,7 @@ class EngineProcess:
         self.ctx = zmq.Context()
         self.to_engine = self._socket(zmq.PUSH, in_addr)
         self.from_engine = self._socket(zmq.PULL, out_addr)
-        self.proc = subprocess.Popen([sys.executable, "-m", "rlserve.engine.core", in_addr, out_addr],
+        self.proc = subprocess.Popen([sys.executable, "-m", "rlserve.runtime.core", in_addr, out_addr],
                                      stdin=subprocess.PIPE, env=child_env())
         try:
             self.proc.stdin.write(config.model_dump_json().encode())

@@ -37,9 +37,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rlserve.config import KVTransferConfig
-from rlserve.engine import kv_format
-from rlserve.engine.kv_cache import block_hash
+from rlserve.config.schema import KVTransferConfig
+from rlserve.engine.kv import format as kv_format
+from rlserve.engine.kv.pool import block_hash
 
 if TYPE_CHECKING:
     from rlserve.engine.engine import Engine

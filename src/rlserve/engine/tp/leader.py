@@ -1,7 +1,7 @@
 """Tensor-parallel ranks of one engine core: rank 0 (the engine core process) and its workers.
 
 Rank 0 schedules, samples and answers the server; ranks 1..tp-1 are worker processes it starts
-(`python -m rlserve.engine.parallel`, the config as JSON on stdin) and stops. Each step rank 0
+(`python -m rlserve.engine.tp.leader`, the config as JSON on stdin) and stops. Each step rank 0
 sends the step's inputs (token ids, positions, the attention batch as fixed-schema msgspec over
 ZeroMQ, never pickle), then every rank runs its shard (model/tensor_parallel.py) and the layers
 sum their partial outputs with an all-reduce on the step group (gloo on CPU, NCCL on CUDA).
@@ -30,13 +30,13 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from rlserve.config import Config
-from rlserve.engine.ipc import connect_pair, parent_pid, start_child
-from rlserve.engine.spawn import child_env
+from rlserve.config.schema import Config
+from rlserve.runtime.ipc import connect_pair, parent_pid, start_child
+from rlserve.runtime.spawn import child_env
 from rlserve.model.llama import AttentionBatch, CascadePlan, CausalLM, PrefillSeq
 from rlserve.model.tensor_parallel import shard, shard_dim
 
-log = logging.getLogger("rlserve.engine.parallel")
+log = logging.getLogger("rlserve.engine.tp.leader")
 COLLECTIVE_TIMEOUT_S = 120.0  # a rank waiting this long in one collective gives up (the other is gone or stuck)
 START_TIMEOUT_S = 600.0  # a worker loading its shard
 POLL_MS = 200
@@ -250,7 +250,7 @@ class TensorParallelLeader:
                 port = inbox.bind_to_random_port("tcp://127.0.0.1")
                 self.inboxes.append(inbox)
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", "rlserve.engine.parallel", str(rank), str(self.tp), str(self.store.port),
+                    [sys.executable, "-m", "rlserve.engine.tp.leader", str(rank), str(self.tp), str(self.store.port),
                      f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{reply_port}", str(num_blocks), str(device)],
                     stdin=subprocess.PIPE, env=child_env())
                 proc.stdin.write(payload)
@@ -335,7 +335,7 @@ class TensorParallelLeader:
 
     def wait_staged(self, call_id: int) -> None:
         """Every worker's answer to Stage(call_id); on any failure all workers drop it and this raises."""
-        from rlserve.engine.ipc import rebuild_error
+        from rlserve.runtime.ipc import rebuild_error
 
         waiting, errors = set(range(1, self.tp)), []
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -464,7 +464,7 @@ class Worker:
 
     # staged work runs in the helper thread, so steps go on meanwhile
     def stage(self, msg: Stage) -> None:
-        from rlserve.engine.ipc import error_kind
+        from rlserve.runtime.ipc import error_kind
 
         try:
             staged = self._stage(msg)

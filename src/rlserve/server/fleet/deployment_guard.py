@@ -15,7 +15,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rlserve.server.listen import ADMIN_PATHS
 from rlserve.server.errors import APIError, bad_request
-from rlserve.server.serving import ServerState, json_body
+from rlserve.server.state import ServerState, json_body
 
 KEY_ENV, ADMIN_URL_ENV = "RLSERVE_DEPLOYMENT_KEY", "RLSERVE_DEPLOYMENT_ADMIN_URL"
 KEY_HEADER = b"x-rlserve-deployment-key"

@@ -17,7 +17,7 @@ import jinja2
 
 from rlserve.server.errors import bad_request
 from rlserve.server.protocol import ChatMessage, ChatTemplateFields
-from rlserve.server.template_limits import MAX_RENDERED_TOKENS, RenderLimitError, bounded_render
+from rlserve.server.openai.template_limits import MAX_RENDERED_TOKENS, RenderLimitError, bounded_render
 
 # apply_chat_template's own arguments: a template kwarg of the same name would clash with them
 _RESERVED = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",

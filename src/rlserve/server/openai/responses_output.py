@@ -7,10 +7,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlserve.engine.outputs import RequestOutput
-from rlserve.server.chat import Ctx
+from rlserve.server.openai.chat import Ctx
 from rlserve.server.chat_parsing import ParsedMessage
 from rlserve.server.protocol import ResponsesRequest
-from rlserve.server.serving import clamp, version_fields
+from rlserve.server.state import clamp, version_fields
 
 
 @dataclass

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from rlserve.server.chat_template import message_chars, render_chat
+from rlserve.server.openai.chat_template import message_chars, render_chat
 from rlserve.server.limits import check_text_fits
 from rlserve.server.errors import bad_request
 from rlserve.server.protocol import DetokenizeRequest, TokenizeRequest
-from rlserve.server.serving import ServerState
+from rlserve.server.state import ServerState
 
 router = APIRouter()
 
