@@ -30,7 +30,7 @@ TP2 = ("--parallel.tp", "2")
 def tp_pids(server: subprocess.Popen) -> tuple[int, list[int]]:
     """(engine core pid, its worker rank pids) of a server we started."""
     (core,) = [c for c in children(server.pid) if b"rlserve.runtime.core" in Path(f"/proc/{c}/cmdline").read_bytes()]
-    workers = [c for c in children(core) if b"rlserve.engine.tp.leader" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    workers = [c for c in children(core) if b"rlserve.engine.tp.worker" in Path(f"/proc/{c}/cmdline").read_bytes()]
     return core, workers
 
 
@@ -238,7 +238,7 @@ def test_step_inputs_cross_as_fixed_schema_msgspec_never_pickle():
 
     import msgspec
 
-    from rlserve.engine.tp import leader as parallel
+    from rlserve.engine.tp import comm as parallel
     from rlserve.model.llama import AttentionBatch, PrefillSeq
 
     attn = AttentionBatch(
@@ -247,7 +247,7 @@ def test_step_inputs_cross_as_fixed_schema_msgspec_never_pickle():
         prefills=[PrefillSeq(1, 2, 4, torch.tensor([0, 1, 2, 3]), torch.ones(2, 4, dtype=torch.bool).tril(2))],
     )
     raw = parallel.encode_step(torch.tensor([3, 4, 5]), torch.tensor([16, 2, 3]), attn, [(1, 2)])
-    step = parallel._to_worker.decode(raw)
+    step = parallel.to_worker.decode(raw)
     assert isinstance(step, parallel.Step) and step.block_copies == [(1, 2)] and not step.kernels
     cpu = torch.device("cpu")
     assert torch.equal(step.decode_mask.to(cpu), attn.decode_mask) and step.decode_mask.to(cpu).dtype == torch.bool
@@ -256,6 +256,6 @@ def test_step_inputs_cross_as_fixed_schema_msgspec_never_pickle():
     bf16 = torch.randn(3, 2).bfloat16()
     assert torch.equal(msgspec.msgpack.decode(msgspec.msgpack.encode(parallel.Tensor.of(bf16)), type=parallel.Tensor).to(cpu), bf16)
     with pytest.raises(msgspec.DecodeError):
-        parallel._to_worker.decode(pickle.dumps(step))
+        parallel.to_worker.decode(pickle.dumps(step))
     with pytest.raises(KeyError):  # only the dtypes a step uses
         parallel.Tensor("object", [1], b"x").to(cpu)

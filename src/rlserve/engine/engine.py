@@ -22,7 +22,8 @@ from rlserve.engine.kv.offload import KVOffload
 from rlserve.engine.kv.transfer import KVTransfer
 from rlserve.engine.memory import kv_budget, memory_at_start
 from rlserve.engine.outputs import RequestOutput
-from rlserve.engine.tp.leader import TensorParallelLeader, device_of_rank
+from rlserve.engine.tp.leader import TensorParallelLeader
+from rlserve.engine.tp.comm import device_of_rank
 from rlserve.engine.params import SamplingParams
 from rlserve.engine.routing import RoutedExpertsPool
 from rlserve.engine.runner import ModelRunner, kv_bytes_per_token

@@ -24,6 +24,7 @@ import msgspec
 import zmq
 
 from rlserve.config.schema import Config
+from rlserve.engine import child, error_kinds
 from rlserve.runtime import ipc
 from rlserve.engine.engine import Engine
 from rlserve.engine.sequence import Request
@@ -58,7 +59,7 @@ class EngineCore:
     # ---- the loop ---------------------------------------------------------------------------
 
     def run(self) -> None:
-        engine, parent = self.engine, ipc.parent_pid()
+        engine, parent = self.engine, child.parent_pid()
         while not self.stop:
             busy = engine.has_unfinished() and not self.paused
             if self.poller.poll(0 if busy else IDLE_POLL_MS):
@@ -174,7 +175,7 @@ class EngineCore:
             log.error("engine core: dropped a message it cannot read: %s", exc)
 
     def reply(self, call_id: int, value: Any, exc: BaseException | None = None) -> None:
-        kind, message = (ipc.error_kind(exc), str(exc)) if exc is not None else (None, None)
+        kind, message = (error_kinds.error_kind(exc), str(exc)) if exc is not None else (None, None)
         if isinstance(exc, KeyError):
             message = str(exc.args[0]) if exc.args else message
         self.outbox.send(ipc.encode(ipc.Reply(call_id, value, kind, message, self.state())))
@@ -336,10 +337,10 @@ def _run_in_thread(fn: Callable[[], None]) -> None:
 def main(argv: list[str]) -> int:
     in_addr, out_addr = argv
     # SIGTERM (the server going away) ends the loop at once (_serve); SIGINT is the server's to handle
-    config = ipc.start_child()
+    config = child.start_child()
     if config is None:
         return 1
-    inbox, outbox = ipc.connect_pair(zmq.Context(), in_addr, out_addr, 1000)
+    inbox, outbox = child.connect_pair(zmq.Context(), in_addr, out_addr, 1000)
     try:
         return _serve(config, inbox, outbox)
     finally:

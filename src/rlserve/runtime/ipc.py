@@ -7,23 +7,13 @@ to `RequestOutput`, `SamplingParams` or `EngineStats` crosses without edits here
 
 from __future__ import annotations
 
-import logging
-import os
-import signal
-import sys
 from typing import Any
 
 import msgspec
 import numpy as np
-import zmq
-
-from rlserve.config.schema import Config
 
 from rlserve.engine.outputs import RequestOutput
 from rlserve.engine.params import SamplingParams
-from rlserve.runtime.spawn import PARENT_ENV
-from rlserve.engine.weights import WeightUpdateError
-from rlserve.model.lora import AdapterError
 
 # ---- server -> engine -----------------------------------------------------------------------
 
@@ -99,24 +89,6 @@ class Failed(msgspec.Struct, tag=True, array_like=True):
 
 ToServer = Outputs | Rejected | Reply | Ready | Failed
 
-# the exception types that cross the boundary by name; anything else arrives as RuntimeError
-ERRORS: dict[str, type[Exception]] = {
-    cls.__name__: cls
-    for cls in (ValueError, WeightUpdateError, AdapterError, FileNotFoundError, PermissionError, KeyError,
-                RuntimeError, TimeoutError)
-}
-
-
-def error_kind(exc: BaseException) -> str:
-    for cls in type(exc).__mro__:
-        if cls.__name__ in ERRORS:
-            return cls.__name__
-    return "RuntimeError"
-
-
-def rebuild_error(kind: str | None, message: str | None) -> Exception:
-    return ERRORS.get(kind or "", RuntimeError)(message or "")
-
 
 def _encode_array(obj: Any) -> Any:
     # numpy fields (router replay's expert ids) cross as dtype, shape and raw bytes
@@ -137,40 +109,3 @@ def _decode_array(kind: type, obj: Any) -> Any:
 encode = msgspec.msgpack.Encoder(enc_hook=_encode_array).encode
 to_engine = msgspec.msgpack.Decoder(ToEngine, dec_hook=_decode_array)
 to_server = msgspec.msgpack.Decoder(ToServer, dec_hook=_decode_array)
-
-
-# ---- processes the engine side starts (the engine core, tensor-parallel workers) -------------
-
-
-def parent_pid() -> int:
-    """The process that started this one. Not os.getppid() read at start: a parent that died while this
-    process was still importing leaves it reparented already, and then getppid() names the new parent."""
-    return int(os.environ.get(PARENT_ENV) or os.getppid())
-
-
-def start_child() -> Config | None:
-    """Die with the parent (None when it is already gone), leave SIGINT to it, read the config it
-    writes as JSON on stdin, log as it asks."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != parent_pid():  # the parent died before prctl took effect
-        return None
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    config = Config.model_validate_json(sys.stdin.buffer.read())
-    logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return config
-
-
-def connect_pair(ctx: zmq.Context, in_addr: str, out_addr: str, linger_ms: int) -> tuple[zmq.Socket, zmq.Socket]:
-    """(inbox, outbox) to the parent's bound sockets, without high-water marks."""
-    inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    for sock in (inbox, outbox):
-        sock.setsockopt(zmq.LINGER, linger_ms)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-    inbox.connect(in_addr)
-    outbox.connect(out_addr)
-    return inbox, outbox

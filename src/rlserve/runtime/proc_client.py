@@ -22,6 +22,7 @@ import zmq.asyncio
 from transformers import AutoTokenizer
 
 from rlserve.config.schema import Config
+from rlserve.engine.error_kinds import rebuild_error
 from rlserve.runtime import ipc
 from rlserve.engine.engine import EngineStats
 from rlserve.runtime.face import EngineDeadError, EngineFace, check_pause_mode
@@ -127,7 +128,7 @@ class EngineClient(EngineFace):
                 if msg.error_kind is None:
                     fut.set_result(msg.value)
                 else:
-                    fut.set_exception(ipc.rebuild_error(msg.error_kind, msg.error))
+                    fut.set_exception(rebuild_error(msg.error_kind, msg.error))
         elif isinstance(msg, ipc.Rejected):
             queue = self._streams.get(msg.key)
             if queue is not None:

@@ -6,7 +6,6 @@ two processes import side by side: on 2 cores a server is up seconds sooner (rls
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -15,13 +14,7 @@ import tempfile
 import zmq
 
 from rlserve.config.schema import Config
-
-PARENT_ENV = "RLSERVE_PARENT_PID"
-
-
-def child_env() -> dict[str, str]:
-    """The environment for a child that calls ipc.start_child(): it names this process as the one to die with."""
-    return {**os.environ, PARENT_ENV: str(os.getpid())}
+from rlserve.engine.child import child_env
 
 
 class EngineProcess:
