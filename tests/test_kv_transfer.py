@@ -1,4 +1,4 @@
-"""engine/kv_transfer.py in process: two real engines (prefill and decode) with their block server and puller.
+"""engine/kv/transfer.py and engine/kv/wire.py in process: two real engines (prefill and decode) with their block server and puller.
 Mismatched or failed transfers prefill locally with the same output, pins end on pull, release, abort and
 timeout (twice is harmless), and the block server survives bad input."""
 
@@ -17,7 +17,7 @@ import torch
 from rlserve.config.schema import Config
 from rlserve.engine.engine import Engine
 from rlserve.engine.kv.format import KVBlock
-from rlserve.engine.kv.transfer import recv_frame, send_frame
+from rlserve.engine.kv.wire import recv_frame, send_frame
 from rlserve.engine.params import SamplingParams
 
 PROMPT = list(range(7, 7 + 70))
@@ -193,10 +193,10 @@ def test_a_remote_host_outside_peer_hosts_is_never_contacted(engines):
 def test_pulled_blocks_are_the_prefill_servers_bytes_in_d_s_own_pool(engines, one_block_per_receive, monkeypatch):
     """D receives a cache-sized group of blocks per call and checks their checksums there: the tiny model's
     blocks all fit one group, so the pull is also made one block per receive, as a larger model's are."""
-    from rlserve.engine.kv import transfer as kv_transfer
+    from rlserve.engine.kv import wire as kv_wire
 
     if one_block_per_receive:
-        monkeypatch.setattr(kv_transfer, "_CHECK_BYTES", 1)
+        monkeypatch.setattr(kv_wire, "_CHECK_BYTES", 1)
     p, d = engines
     kt = prefill(p)
     src = [p.runner.kv_cache[:, :, b * 16 : (b + 1) * 16].clone() for b in kt["remote_block_ids"]]

@@ -188,7 +188,8 @@ class Engine:
                 self._offload_routing(self.runner.routing, ec.block_size)
         self.kv_transfer: KVTransfer | None = None
         if config.kv_transfer is not None:
-            self.kv_transfer = KVTransfer(self, config.kv_transfer)
+            self.kv_transfer = KVTransfer(config.kv_transfer, self.pool, self.runner.kv_cache, self.scheduler,
+                                          self._cache_key, lambda: self.weight_generation, self.runner.routing is not None)
         self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
         self.detectors = Detectors(config.logits_processors, self.vocab_size)
         eos = getattr(self.hf_config, "eos_token_id", None)
