@@ -25,7 +25,7 @@ from _cpu import OtherLoad
 from rlserve.config.schema import Config, KVOffloadConfig
 from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams
-from rlserve.model.llama import ModelShape
+from rlserve.model.shape import ModelShape
 from rlserve.model.make import bench_cache_dir, make_model
 
 

@@ -201,7 +201,7 @@ def test_sigterm_of_the_server_stops_every_rank(base):
 
 def test_config_checks_say_what_to_change(base):
     from rlserve.runtime.data_parallel import check_parallel
-    from rlserve.model.llama import ModelShape
+    from rlserve.model.shape import ModelShape
     from rlserve.model.tensor_parallel import check_tp
     from transformers import AutoConfig
 
@@ -239,7 +239,7 @@ def test_step_inputs_cross_as_fixed_schema_msgspec_never_pickle():
     import msgspec
 
     from rlserve.engine.tp import comm as parallel
-    from rlserve.model.llama import AttentionBatch, PrefillSeq
+    from rlserve.model.batch import AttentionBatch, PrefillSeq
 
     attn = AttentionBatch(
         slot_mapping=torch.tensor([5, 6, 7]), num_decode=1, decode_blocks=torch.tensor([0, 1]),

@@ -32,7 +32,7 @@ from rlserve.engine.scheduler import Scheduler
 from rlserve.engine.weights import StagedWeights, commit
 from rlserve.engine.sequence import Request, Sequence, Status
 from rlserve.model.cpu_kernels import cpu_has_native_bf16, warn_slow_half_precision
-from rlserve.model.llama import ModelShape
+from rlserve.model.shape import ModelShape
 from rlserve.model.loader import load_model, resolve_model_dir
 from rlserve.model.lora import LoraAdapter
 from rlserve.model.tensor_parallel import check_tp

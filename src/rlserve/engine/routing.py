@@ -11,7 +11,7 @@ import base64
 import numpy as np
 import torch
 
-from rlserve.model.moe import MoeShape
+from rlserve.model.shape import MoeShape
 
 
 class RoutedExpertsPool:

@@ -14,7 +14,8 @@ import torch
 from safetensors import safe_open
 
 from rlserve.model import moe
-from rlserve.model.llama import CausalLM, ModelShape
+from rlserve.model.llama import CausalLM
+from rlserve.model.shape import ModelShape
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # HF suffix -> (our suffix, index of the slice inside the fused tensor)

@@ -29,7 +29,7 @@ from rlserve.runtime.face import EngineDeadError, EngineFace, check_pause_mode
 from rlserve.engine.outputs import RequestOutput
 from rlserve.engine.params import SamplingParams
 from rlserve.runtime.spawn import EngineProcess
-from rlserve.model.llama import ModelShape
+from rlserve.model.shape import ModelShape
 
 log = logging.getLogger(__name__)
 WATCH_INTERVAL_S = 0.2  # how often the process is checked for an exit no message announced

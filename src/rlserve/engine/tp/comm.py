@@ -11,7 +11,8 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from rlserve.model.llama import AttentionBatch, CausalLM
+from rlserve.model.batch import AttentionBatch
+from rlserve.model.llama import CausalLM
 from rlserve.model.tensor_parallel import shard, shard_dim
 
 COLLECTIVE_TIMEOUT_S = 120.0  # a rank waiting this long in one collective gives up (the other is gone or stuck)

@@ -29,7 +29,8 @@ import zmq
 
 from rlserve.config.schema import Config
 from rlserve.engine.child import child_env
-from rlserve.model.llama import AttentionBatch, CausalLM
+from rlserve.model.batch import AttentionBatch
+from rlserve.model.llama import CausalLM
 from rlserve.engine.tp.comm import Commit, Died, Discard, Loaded, POLL_MS, RemoveAdapter, START_TIMEOUT_S, Stage, Staged, Stop, encode, send_bytes, to_leader, attach, encode_step, make_group
 
 log = logging.getLogger("rlserve.engine.tp.leader")

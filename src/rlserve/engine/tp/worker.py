@@ -36,7 +36,7 @@ from rlserve.engine.tp.comm import (
     device_of_rank,
     make_group,
 )
-from rlserve.model.llama import AttentionBatch, CascadePlan, PrefillSeq
+from rlserve.model.batch import AttentionBatch, CascadePlan, PrefillSeq
 from rlserve.model.tensor_parallel import shard
 from rlserve.engine.child import connect_pair, parent_pid, start_child
 
@@ -52,7 +52,7 @@ class Worker:
         from rlserve.engine.engine import resolve_dtype
         from rlserve.engine.runner import ModelRunner
         from rlserve.engine.weights import StagingBuffers
-        from rlserve.model.llama import ModelShape
+        from rlserve.model.shape import ModelShape
         from rlserve.model.loader import load_model, resolve_model_dir
 
         self.rank, self.tp, self.config, self.device, self.replies = rank, tp, config, device, replies

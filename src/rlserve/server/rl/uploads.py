@@ -8,7 +8,7 @@ from pathlib import Path
 
 from fastapi import Request
 
-from rlserve.model.llama import ModelShape
+from rlserve.model.shape import ModelShape
 from rlserve.model.mlx_adapter import convert_mlx_adapter
 from rlserve.server.errors import APIError, bad_request
 
