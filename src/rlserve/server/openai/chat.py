@@ -23,26 +23,9 @@ from rlserve.server.openai.chat_template import message_chars, render_chat
 from rlserve.server.limits import check_text_fits
 from rlserve.server.errors import bad_request
 from rlserve.server.protocol import POLICY_FIELDS, ChatCompletionRequest, ChatTokensRequest
-from rlserve.server.state import (
-    ChoiceCursor,
-    ClientGone,
-    Run,
-    ServerState,
-    SSEResponse,
-    clamp,
-    prompt_logprobs_json,
-    request_id,
-    rid_header,
-    run_to_end,
-    sampled_first,
-    sampling_params,
-    sse,
-    sse_stream,
-    start_stream,
-    truncate,
-    usage,
-    version_fields,
-)
+from rlserve.server.state import ChoiceCursor, ServerState, clamp, prompt_logprobs_json, request_id, rid_header, sampled_first, usage, version_fields
+from rlserve.server.sampling import sampling_params, truncate
+from rlserve.server.streaming import ClientGone, Run, SSEResponse, run_to_end, sse, sse_stream, start_stream
 
 router = APIRouter()
 log = logging.getLogger(__name__)

@@ -17,16 +17,8 @@ from rlserve.server.protocol import ResponsesRequest
 from rlserve.server.openai.responses_input import to_chat_request
 from rlserve.server.openai.responses_output import Turn, new_id, output_items
 from rlserve.server.openai.responses_stream import stream_events
-from rlserve.server.state import (
-    ClientGone,
-    ServerState,
-    SSEResponse,
-    request_id,
-    rid_header,
-    run_to_end,
-    sse_stream,
-    start_stream,
-)
+from rlserve.server.streaming import ClientGone, SSEResponse, run_to_end, sse_stream, start_stream
+from rlserve.server.state import ServerState, request_id, rid_header
 
 router = APIRouter()
 

@@ -16,7 +16,7 @@ from rlserve.server.openai.responses_output import (
     output_text,
     reasoning_item,
 )
-from rlserve.server.state import Run, sse
+from rlserve.server.streaming import Run, sse
 
 
 class _Events:

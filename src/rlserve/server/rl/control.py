@@ -34,7 +34,8 @@ from rlserve.server.rl.protocol_control import (
     UpdateWeightsRequest,
     UpdateWeightVersionRequest,
 )
-from rlserve.server.state import ClientGone, ServerState, json_body, until_disconnected
+from rlserve.server.streaming import ClientGone, until_disconnected
+from rlserve.server.state import ServerState, json_body
 from rlserve.server.rl.uploads import capped, write_uploaded_adapter
 
 log = logging.getLogger(__name__)

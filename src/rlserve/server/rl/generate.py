@@ -24,27 +24,9 @@ from rlserve.server.rl.protocol_native import (
     TRLGenerateRequest,
     generate_body_model,
 )
-from rlserve.server.state import (
-    SAMPLING_FIELDS,
-    SSE_DONE,
-    Run,
-    ServerState,
-    SSEResponse,
-    clamp,
-    forced_token_ids,
-    json_body,
-    kv_transfer_params,
-    logit_bias,
-    prompt_logprobs_json,
-    sampled_first,
-    run_to_end,
-    sse,
-    sse_error,
-    start_stream,
-    usage,
-    validated,
-    version_fields,
-)
+from rlserve.server.state import SAMPLING_FIELDS, ServerState, clamp, json_body, prompt_logprobs_json, sampled_first, usage, validated, version_fields
+from rlserve.server.sampling import forced_token_ids, kv_transfer_params, logit_bias
+from rlserve.server.streaming import SSE_DONE, Run, SSEResponse, run_to_end, sse, sse_error, start_stream
 
 router = APIRouter()
 _PARAM_NAMES = frozenset(SamplingParams.__dataclass_fields__) - {"logprobs_mode", "detokenize"}
