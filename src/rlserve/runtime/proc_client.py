@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 from rlserve.config.schema import Config
 from rlserve.engine.error_kinds import rebuild_error
 from rlserve.runtime import ipc
-from rlserve.engine.engine import EngineStats
+from rlserve.engine.stats import EngineStats
 from rlserve.runtime.face import EngineDeadError, EngineFace, check_pause_mode
 from rlserve.engine.outputs import RequestOutput
 from rlserve.engine.params import SamplingParams

@@ -49,7 +49,7 @@ class Worker:
     def __init__(self, rank: int, tp: int, config: Config, num_blocks: int, device: torch.device, replies: zmq.Socket):
         from transformers import AutoConfig
 
-        from rlserve.engine.engine import resolve_dtype
+        from rlserve.engine.devices import resolve_dtype
         from rlserve.engine.runner import ModelRunner
         from rlserve.engine.weights import StagingBuffers
         from rlserve.model.shape import ModelShape
