@@ -1,4 +1,5 @@
-"""Deployment combinations that cannot work, rejected when the config loads (messages say what to change)."""
+"""Config combinations that cannot work, across sections, rejected whenever a Config is built (messages say
+what to change). The sections' own field checks stay beside their fields in schema.py."""
 
 from __future__ import annotations
 
@@ -7,6 +8,12 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from rlserve.config.schema import Config
+
+
+def check_combinations(config: "Config") -> None:
+    if config.model.max_model_len is not None and config.engine.max_num_batched_tokens < config.engine.block_size:
+        raise ValueError("engine.max_num_batched_tokens must be at least engine.block_size")
+    check_deployment(config)
 
 
 def check_deployment(config: "Config") -> None:

@@ -1,4 +1,5 @@
-"""The whole config tree. Loading from files and CLI overrides lives in `config_loader`."""
+"""The whole config tree. Loading from files, flags and env lives in config/load.py; the rules that span
+sections (checked whenever a Config is built) in config/checks.py."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import logging
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from rlserve.config.checks import check_combinations
 
 
 class Section(BaseModel):
@@ -294,11 +297,7 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "Config":
-        if self.model.max_model_len is not None and self.engine.max_num_batched_tokens < self.engine.block_size:
-            raise ValueError("engine.max_num_batched_tokens must be at least engine.block_size")
-        from rlserve.config.checks import check_deployment  # keeps config.py about shapes
-
-        check_deployment(self)
+        check_combinations(self)
         if (self.kv_cache_offload is not None or self.kv_transfer is not None) and not self.engine.enable_prefix_caching:
             self.engine.enable_prefix_caching = True  # the tiers and pulled KV sit behind the prefix cache
         return self
