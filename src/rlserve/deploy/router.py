@@ -1,4 +1,4 @@
-"""The `vllm-router` binary in front of the replicas, launched with the contract of wire-protocols §1.1."""
+"""The `vllm-router` binary in front of the replicas, launched with the contract of docs/protocols.md §1.1."""
 
 from __future__ import annotations
 

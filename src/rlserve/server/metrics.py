@@ -1,4 +1,4 @@
-"""Prometheus metrics under vLLM's names (wire-protocols §2.12), one registry per app.
+"""Prometheus metrics under vLLM's names (docs/protocols.md §2.12), one registry per app.
 
 Engine gauges and counters are read from `engine.stats` at scrape time; request histograms are
 observed by the server as outputs stream by.

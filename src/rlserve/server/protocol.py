@@ -59,7 +59,7 @@ class StreamOptions(Body):
 
 
 class GenerationFields(PolicyWindow):
-    """Fields shared by /v1/completions and /v1/chat/completions (wire-protocols §2.1)."""
+    """Fields shared by /v1/completions and /v1/chat/completions (docs/protocols.md §2.1)."""
 
     model: str | None = None
     n: int = bound(1, minimum=1)

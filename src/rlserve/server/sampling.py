@@ -40,7 +40,7 @@ def sampling_params(
 
 
 def kv_transfer_params(top: Any, extra_args: Any) -> dict[str, Any] | None:
-    """P/D (wire-protocols §1.2): top-level, or inside `extra_args` as prime-rl threads it; top-level wins."""
+    """P/D (docs/protocols.md §1.2): top-level, or inside `extra_args` as prime-rl threads it; top-level wins."""
     if top is None and isinstance(extra_args, dict):
         top = extra_args.get("kv_transfer_params")
     if top is not None and not isinstance(top, dict):

@@ -1,4 +1,4 @@
-"""What vllm-router asks of a worker (wire-protocols §1, §1.1): load for power_of_two, server info, a
+"""What vllm-router asks of a worker (docs/protocols.md §1, §1.1): load for power_of_two, server info, a
 generation-backed health check, and the render routes that let cache_aware see token ids."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`POST /v1/chat/completions` (wire-protocols §2.3): chat template in, message + token ids out."""
+"""`POST /v1/chat/completions` (docs/protocols.md §2.3): chat template in, message + token ids out."""
 
 from __future__ import annotations
 

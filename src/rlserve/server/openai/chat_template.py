@@ -1,4 +1,4 @@
-"""Messages -> prompt token ids through the model's HF chat template (wire-protocols §2.3 "Rendering").
+"""Messages -> prompt token ids through the model's HF chat template (docs/protocols.md §2.3 "Rendering").
 
 The ids must equal HF `apply_chat_template(..., tokenize=True)` for the same inputs: NexRL and
 verifiers rebuild prompts on the client and compare. An assistant message carrying its turn's exact

@@ -1,4 +1,4 @@
-"""`POST /v1/completions` (wire-protocols §2.2): text or token-id prompts, n, echo, logprobs, SSE."""
+"""`POST /v1/completions` (docs/protocols.md §2.2): text or token-id prompts, n, echo, logprobs, SSE."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`POST /v1/responses` (wire-protocols §2.9): converted to chat, run as chat, converted back.
+"""`POST /v1/responses` (docs/protocols.md §2.9): converted to chat, run as chat, converted back.
 
 Output items come in the order reasoning, message, function calls; with `return_token_ids` the
 last item carries the turn's token fields, which clients send back unchanged next turn (§2.3 splice).

@@ -1,4 +1,4 @@
-"""A `/v1/responses` request as a chat request (wire-protocols §2.9, NeMo Gym `vllm_model` rules)."""
+"""A `/v1/responses` request as a chat request (docs/protocols.md §2.9, NeMo Gym `vllm_model` rules)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Chat results as Responses output (wire-protocols §2.9 "Chat result -> Response")."""
+"""Chat results as Responses output (docs/protocols.md §2.9 "Chat result -> Response")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`POST /tokenize` and `/detokenize` (wire-protocols §2.5; also under `/v1/`).
+"""`POST /tokenize` and `/detokenize` (docs/protocols.md §2.5; also under `/v1/`).
 
 The messages form renders exactly like chat completions, so clients can rebuild prompts byte for byte.
 """

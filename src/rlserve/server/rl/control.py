@@ -1,4 +1,4 @@
-"""Control plane (wire-protocols §2.11): weight updates, pause/resume, aborts, prefix cache, LoRA adapters.
+"""Control plane (docs/protocols.md §2.11): weight updates, pause/resume, aborts, prefix cache, LoRA adapters.
 
 Every mutation is a named engine operation that runs between two engine steps (in the engine
 process, or the engine thread), so no forward pass mixes weights; each committed one bumps

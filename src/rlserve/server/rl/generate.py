@@ -1,5 +1,5 @@
 """Token-in/token-out generation routes: vLLM's /inference/v1/generate and the shared /generate path
-(TRL legacy, SGLang native, MLX-style RL server; dispatched on the body, wire-protocols §2.0)."""
+(TRL legacy, SGLang native, MLX-style RL server; dispatched on the body, docs/protocols.md §2.0)."""
 
 from __future__ import annotations
 
@@ -120,7 +120,7 @@ def _routed_experts_start(value: Any) -> int:
 
 
 def _routed_experts(c: CompletionOutput, start: int) -> dict | None:
-    """wire-protocols §2.14; None unless the server runs with enable_return_routed_experts."""
+    """docs/protocols.md §2.14; None unless the server runs with enable_return_routed_experts."""
     return None if c.routed_experts is None else encode_routed_experts(c.routed_experts, start)
 
 

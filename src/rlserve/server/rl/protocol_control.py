@@ -1,4 +1,4 @@
-"""Bodies of the control routes (wire-protocols §2.11). Fields the routes require are checked there,
+"""Bodies of the control routes (docs/protocols.md §2.11). Fields the routes require are checked there,
 so a missing one gets the route's own message; here they are typed and documented."""
 
 from __future__ import annotations

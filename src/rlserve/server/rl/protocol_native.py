@@ -1,5 +1,5 @@
 """Bodies of the token-in/token-out routes: /inference/v1/generate and the shared /generate path
-(TRL legacy, SGLang, MLX-style; wire-protocols §2.0 dispatch). Every sampling field defaults to null,
+(TRL legacy, SGLang, MLX-style; docs/protocols.md §2.0 dispatch). Every sampling field defaults to null,
 so a protocol's own defaults (TRL max_tokens 16, SGLang 128, MLX temperature 0) apply when it is absent."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""vLLM's weight-transfer routes as TRL's VLLMClient calls them (wire-protocols §2.11.5):
+"""vLLM's weight-transfer routes as TRL's VLLMClient calls them (docs/protocols.md §2.11.5):
 /server_info, /init_weight_transfer_engine, /start_weight_update, /update_weights {"update_info"},
 /finish_weight_update.
 
