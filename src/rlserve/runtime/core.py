@@ -26,6 +26,7 @@ import zmq
 from rlserve.config.schema import Config
 from rlserve.engine import child, error_kinds
 from rlserve.runtime import ipc
+from rlserve.runtime.pause import PauseState
 from rlserve.engine.engine import Engine
 from rlserve.engine.sequence import Request
 from rlserve.engine.weights import StagingBuffers, check_under_roots, stage, stage_from_dir
@@ -39,7 +40,7 @@ class EngineCore:
         self.engine, self.inbox, self.outbox = engine, inbox, outbox
         self.streams: dict[int, list] = {}  # key -> [request, every step wanted, first output sent]
         self.keys: dict[int, int] = {}  # id(request) -> key
-        self.paused = False
+        self.pause = PauseState()
         self.stop = False
         self.done: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()  # helper results, run between steps
         self.drains: list[int] = []  # call ids of pause(mode=wait) waiting for in-flight requests to finish
@@ -61,7 +62,7 @@ class EngineCore:
     def run(self) -> None:
         engine, parent = self.engine, child.parent_pid()
         while not self.stop:
-            busy = engine.has_unfinished() and not self.paused
+            busy = engine.has_unfinished() and not self.pause.paused
             if self.poller.poll(0 if busy else IDLE_POLL_MS):
                 if self.landed_r is not None:
                     try:
@@ -77,12 +78,11 @@ class EngineCore:
             while not self.done.empty():
                 self.done.get_nowait()()
             engine.poll_transfers()
-            if self.paused:
+            if self.pause.paused:
                 self.dispatch(engine.take_pending())
             elif engine.has_unfinished():
                 self.dispatch(engine.step_requests())
-            if self.drains and not engine.scheduler.num_in_flight():
-                self.paused = True
+            if self.drains and self.pause.drained(engine):
                 for call_id in self.drains:
                     self.reply(call_id, 0)
                 self.drains.clear()
@@ -153,7 +153,7 @@ class EngineCore:
     def state(self) -> ipc.State:
         e = self.engine
         return ipc.State(e.policy_version, e.weight_version, {n: a.path for n, a in e.adapters.items()},
-                         self.paused, dataclasses.asdict(e.stats))
+                         self.pause.paused, dataclasses.asdict(e.stats))
 
     def receive(self, raw: bytes) -> None:
         try:
@@ -205,21 +205,14 @@ class EngineCore:
     # ---- named operations (the only ones the server can ask for) ------------------------------
 
     def op_pause(self, call_id: int, mode: str) -> object:
-        if mode == "abort":
-            self.paused = True
-            return self.engine.abort_all()
-        if mode == "wait":
-            self.engine.scheduler.hold_new = True
+        aborted = self.pause.begin(self.engine, mode)
+        if aborted is None:  # wait: replied once nothing is in flight
             self.drains.append(call_id)
             return DEFERRED
-        if mode != "keep":
-            raise ValueError(f"mode must be keep, abort or wait, got {mode!r}")
-        self.paused = True
-        return 0
+        return aborted
 
     def op_resume(self, call_id: int) -> None:
-        self.engine.scheduler.hold_new = False
-        self.paused = False
+        self.pause.resume(self.engine)
 
     def on_ranks(self, call_id: int, kind: str, args: list[Any], local: Callable[[], Any]) -> Any:
         """`local()` on rank 0; under tensor parallelism the workers stage the same work meanwhile."""

@@ -17,7 +17,7 @@ from typing import Any
 
 from rlserve.config.schema import Config
 from rlserve.runtime.proc_client import EngineClient
-from rlserve.runtime.face import EngineFace
+from rlserve.runtime.face import FaceRules
 from rlserve.engine.outputs import RequestOutput
 from rlserve.engine.params import SamplingParams
 
@@ -63,7 +63,7 @@ def engine_config(config: Config, rank: int) -> Config:
     return config.model_copy(update=update)
 
 
-class DataParallelClient(EngineFace):
+class DataParallelClient(FaceRules):
     """`dead` is its engines'. Updates queue on this face's own lock before they fan out, so an update
     whose caller left while it waited is dropped here, as with one engine."""
 

@@ -15,7 +15,8 @@ from typing import Any, TypeVar
 
 from rlserve.config.schema import Config
 from rlserve.engine.engine import Engine
-from rlserve.runtime.face import EngineDeadError, EngineFace, check_pause_mode
+from rlserve.runtime.face import EngineDeadError, FaceRules, check_pause_mode
+from rlserve.runtime.pause import PauseState
 from rlserve.engine.outputs import RequestOutput
 from rlserve.engine.params import SamplingParams
 from rlserve.engine.sequence import Request
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class AsyncEngine(EngineFace):
+class AsyncEngine(FaceRules):
     def __init__(self, config: Config | None = None, engine: Engine | None = None):
         super().__init__()
         self.engine = engine or Engine(config)
@@ -36,7 +37,7 @@ class AsyncEngine(EngineFace):
         # id(request) -> (loop, queue, every step's output wanted, first output sent)
         self._streams: dict[int, list] = {}
         self._stop = False
-        self.paused = False
+        self._pause = PauseState()
         self._group: asyncio.Future | None = None  # torch.distributed group with a trainer
         self._staging = StagingBuffers()  # reused by every update; the lock keeps one in flight
         self._thread = threading.Thread(target=self._loop, name="rlserve-engine", daemon=True)
@@ -181,28 +182,20 @@ class AsyncEngine(EngineFace):
 
     # ---- control plane: every mutation lands between two engine steps ----------------------
 
+    @property
+    def paused(self) -> bool:
+        return self._pause.paused
+
     async def pause(self, mode: str = "keep") -> int:
-        """keep: freeze in-flight requests; abort: finish them now; wait: let them finish first.
-        New requests are queued in every mode. Returns how many requests were aborted."""
+        """The modes are runtime/pause.py's. Returns how many requests were aborted."""
         check_pause_mode(mode)
-        if mode == "abort":
-            return await self.call(lambda e: self._set_paused(True, e.abort_all()))
-        if mode == "wait":
-            await self.call(lambda e: setattr(e.scheduler, "hold_new", True))
-            while await self.call(lambda e: e.scheduler.num_in_flight()):
-                await asyncio.sleep(0.01)
-        return await self.call(lambda e: self._set_paused(True, 0))
+        aborted = await self.call(lambda e: self._pause.begin(e, mode))
+        while aborted is None and not await self.call(self._pause.drained):
+            await asyncio.sleep(0.01)
+        return aborted or 0
 
     async def resume(self) -> None:
-        def run(e: Engine) -> None:
-            e.scheduler.hold_new = False
-            self._set_paused(False, 0)
-
-        await self.call(run)
-
-    def _set_paused(self, paused: bool, result: int) -> int:
-        self.paused = paused
-        return result
+        await self.call(self._pause.resume)
 
     async def update_weights_from_dir(
         self, weight_dir: str, roots: list[str], weight_version: str | None = None, started: asyncio.Event | None = None
@@ -264,7 +257,7 @@ class AsyncEngine(EngineFace):
                         break
                 engine.poll_transfers()
                 idle_s = 0.05 if engine.kv_transfer is not None else 0.5  # pins time out between two looks
-                if self.paused:
+                if self._pause.paused:
                     self._dispatch(engine.take_pending())
                     self._wake.wait(timeout=idle_s)
                 elif engine.has_unfinished():

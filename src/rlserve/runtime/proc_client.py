@@ -25,7 +25,7 @@ from rlserve.config.schema import Config
 from rlserve.engine.error_kinds import rebuild_error
 from rlserve.runtime import ipc
 from rlserve.engine.stats import EngineStats
-from rlserve.runtime.face import EngineDeadError, EngineFace, check_pause_mode
+from rlserve.runtime.face import EngineDeadError, FaceRules, check_pause_mode
 from rlserve.engine.outputs import RequestOutput
 from rlserve.engine.params import SamplingParams
 from rlserve.runtime.spawn import EngineProcess
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 WATCH_INTERVAL_S = 0.2  # how often the process is checked for an exit no message announced
 
 
-class EngineClient(EngineFace):
+class EngineClient(FaceRules):
     def __init__(self, config: Config, wait: bool = True, process: EngineProcess | None = None):
         """Start the engine process, or adopt `process` started earlier for this config (rlserve.cli starts it
         before importing the server stack); with wait=False call `wait_ready()` before use (engines start

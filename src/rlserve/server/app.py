@@ -18,7 +18,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rlserve.config.schema import Config, warn_unapplied
-from rlserve.runtime.inproc import AsyncEngine, EngineDeadError
+from rlserve.runtime.face import EngineDeadError, EngineFace
+from rlserve.runtime.inproc import AsyncEngine
 from rlserve.runtime.proc_client import EngineClient
 from rlserve.runtime.data_parallel import DataParallelClient, check_parallel, routing_hint
 from rlserve.runtime.spawn import EngineProcess
@@ -47,7 +48,7 @@ def served_model_name(config: Config) -> str:
     return config.model.served_model_name or config.model.name or "rlserve-default"
 
 
-def build_app(engine: AsyncEngine | EngineClient, config: Config) -> FastAPI:
+def build_app(engine: EngineFace, config: Config) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await engine.start()  # the engine client reads its process's messages in this event loop
@@ -90,7 +91,7 @@ class RoutingHints:
         await self.app(scope, receive, send)
 
 
-def _schema_limits(engine: AsyncEngine, config: Config) -> dict[str, int]:
+def _schema_limits(engine: EngineFace, config: Config) -> dict[str, int]:
     """Caps of this configuration that /openapi.json states as maxima."""
     limits = {"n": config.engine.max_num_seqs}
     if config.engine.max_logprobs != -1:
@@ -215,7 +216,7 @@ def serve(config: Config, engine_process: EngineProcess | None = None) -> None:
         try:
             check_parallel(config)
             if config.parallel.dp > 1:
-                engine: AsyncEngine | EngineClient | DataParallelClient = DataParallelClient(config)
+                engine: EngineFace = DataParallelClient(config)
             elif config.engine.core_process:
                 engine, engine_process = EngineClient(config, process=engine_process), None
             else:

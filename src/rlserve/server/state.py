@@ -22,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from rlserve.config.schema import Config
-from rlserve.runtime.inproc import AsyncEngine, EngineDeadError
+from rlserve.runtime.face import EngineDeadError, EngineFace
 from rlserve.engine.outputs import CompletionOutput, RequestOutput
 from rlserve.engine.params import SamplingParams
 from rlserve.server.errors import APIError, bad_request, from_value_error
@@ -36,7 +36,7 @@ SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__) | {"prompt", "t
 
 @dataclass
 class ServerState:
-    engine: AsyncEngine
+    engine: EngineFace
     config: Config
     metrics: Metrics
     served_model_name: str

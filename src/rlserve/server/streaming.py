@@ -14,7 +14,7 @@ from starlette.responses import StreamingResponse
 
 from rlserve.engine.outputs import RequestOutput
 from rlserve.engine.params import SamplingParams
-from rlserve.runtime.inproc import EngineDeadError
+from rlserve.runtime.face import EngineDeadError
 from rlserve.server.errors import APIError
 from rlserve.server.limits import check_request_caps
 from rlserve.server.state import ServerState, engine_errors
