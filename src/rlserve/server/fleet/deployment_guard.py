@@ -13,7 +13,7 @@ import os
 from fastapi import APIRouter, FastAPI, Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from rlserve.server.listen import ADMIN_PATHS
+from rlserve.server.auth import ADMIN_PATHS
 from rlserve.server.errors import APIError, bad_request
 from rlserve.server.state import ServerState, json_body
 
