@@ -11,7 +11,7 @@ from pathlib import Path
 from rlserve.config.schema import Config, KVTransferConfig
 from rlserve.deploy.process import ServerChild
 
-# what the supervisor hands a replica (server/deployment_guard.py reads them)
+# what the supervisor hands a replica (server/fleet/deployment_guard.py reads them)
 KEY_ENV = "RLSERVE_DEPLOYMENT_KEY"
 ADMIN_URL_ENV = "RLSERVE_DEPLOYMENT_ADMIN_URL"
 

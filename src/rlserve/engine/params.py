@@ -36,7 +36,7 @@ class SamplingParams:
     # produce tool calls or reasoning tags on their own)
     forced_token_ids: list[int] | None = None
     # prefill/decode disaggregation (docs/protocols.md §1.2): do_remote_decode on the prefill side,
-    # do_remote_prefill plus where the KV is on the decode side; engine/kv_transfer.py reads it
+    # do_remote_prefill plus where the KV is on the decode side; engine/kv/transfer.py reads it
     kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:

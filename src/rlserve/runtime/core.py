@@ -1,4 +1,4 @@
-"""The engine core process: the step loop, alone with the model, fed over ZeroMQ (engine/ipc.py).
+"""The engine core process: the step loop, alone with the model, fed over ZeroMQ (runtime/ipc.py).
 
 Between two steps it takes new requests, aborts and named control operations off its inbox; after
 each step it sends the outputs of the requests the step touched, as one message. Slow control

@@ -3,7 +3,7 @@ shares (`FaceRules`): AsyncEngine (in-thread, runtime/inproc.py), EngineClient (
 runtime/proc_client.py) and DataParallelClient (k of them, runtime/data_parallel.py).
 
 Weight updates queue on one update lock per engine, so each is staged and committed whole;
-`started` tells the caller its update holds the lock (control.py drops an update whose caller
+`started` tells the caller its update holds the lock (server/rl/control.py drops an update whose caller
 left before then). Pause modes are checked here; what each mode does to the engine is runtime/pause.py.
 """
 

@@ -1,4 +1,4 @@
-"""The API server's handle on an engine core process (engine/core.py), with AsyncEngine's face.
+"""The API server's handle on an engine core process (runtime/core.py), with AsyncEngine's face.
 
 Requests and named control operations go out over one ZeroMQ socket; outputs, replies and the
 engine's state come back over another. Both are `ipc://` sockets in a private directory, never

@@ -1,4 +1,4 @@
-"""Starting an engine core process (engine/core.py) and stopping it, with light imports only.
+"""Starting an engine core process (runtime/core.py) and stopping it, with light imports only.
 
 The API server starts its engine before it imports torch and the server stack itself, so that the
 two processes import side by side: on 2 cores a server is up seconds sooner (rlserve.cli).

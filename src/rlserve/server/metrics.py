@@ -186,7 +186,7 @@ def _offload_metrics(s, names: list[str], values: list[str]):
 
 
 def _transfer_metrics(s, names: list[str], values: list[str]):
-    """Prefill/decode KV transfer (engine/kv_transfer.py); zeros without kv_transfer."""
+    """Prefill/decode KV transfer (engine/kv/transfer.py); zeros without kv_transfer."""
 
     def family(kind, name: str, doc: str, points: dict[str, float]):
         m = kind(name, doc, labels=names + ["direction"])

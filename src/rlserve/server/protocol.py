@@ -94,7 +94,7 @@ class GenerationFields(PolicyWindow):
 
 
 class CompletionRequest(GenerationFields):
-    # checked in completions.py for a clearer message than a union's
+    # checked in openai/completions.py for a clearer message than a union's
     prompt: Any = Field(None, json_schema_extra={"anyOf": [
         {"type": "string"}, {"type": "array", "items": {"type": "string"}},
         {"type": "array", "items": {"type": "integer"}},

@@ -1,4 +1,4 @@
-"""One KV block as bytes, for the disk tier and P/D transfer (engine/kv_transfer.py): never pickled.
+"""One KV block as bytes, for the disk tier and P/D transfer (engine/kv/transfer.py): never pickled.
 
     MAGIC (8) | header length (u32 LE) | header (JSON) | payload | xxh3-128 of everything before (16)
 
