@@ -127,12 +127,14 @@ class DataParallelClient(FaceRules):
             return zlib.crc32(session.encode()) % len(self.engines)
         return min(range(len(self.engines)), key=self.in_flight.__getitem__)
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                       **kwargs: Any) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
+                       cache_salt: str | None = None, adapter: str | None = None,
+                       stream: bool = True) -> AsyncIterator[RequestOutput]:
         index = self.pick()
         self.in_flight[index] += 1
         try:
-            async for out in self.engines[index].generate(prompt, params, request_id, **kwargs):
+            async for out in self.engines[index].generate(prompt, params, request_id, cache_salt=cache_salt,
+                                                          adapter=adapter, stream=stream):
                 yield out
         finally:
             self.in_flight[index] -= 1
