@@ -22,10 +22,10 @@ import torch
 from transformers import AutoConfig
 
 from _cpu import OtherLoad
-from rlserve.config import Config, KVOffloadConfig
+from rlserve.config.schema import Config, KVOffloadConfig
 from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams
-from rlserve.model.llama import ModelShape
+from rlserve.model.shape import ModelShape
 from rlserve.model.make import bench_cache_dir, make_model
 
 

@@ -25,7 +25,7 @@ import torch
 import transformers
 
 import throughput
-from rlserve.config import Config
+from rlserve.config.schema import Config
 from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams
 from rlserve.engine.routing import encode_routed_experts

@@ -50,7 +50,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from _cpu import OtherLoad
 from _server import add_workload_args, rlserve_server
-from rlserve.engine.kv_transfer import _recv_views, tune_socket
+from rlserve.engine.kv.wire import _recv_views, tune_socket
 from rlserve.model.make import cache_root, make_model
 
 LONE_PULLS = 7  # one pull is a noisy figure on a shared machine: the median of these is quoted
@@ -158,7 +158,7 @@ def _idle_write_rates(region: memoryview) -> tuple[float, float]:
 # and sends nbytes in chunk-sized writes to the one connection it accepts
 _RAW_SENDER = """
 import os, socket, sys
-from rlserve.engine.kv_transfer import _recv_views, tune_socket
+from rlserve.engine.kv.wire import _recv_views, tune_socket
 cores, nbytes, chunk = [int(c) for c in sys.argv[1].split(",")], int(sys.argv[2]), int(sys.argv[3])
 os.sched_setaffinity(0, cores)
 source = memoryview(bytearray(b"\\x01" * nbytes))

@@ -26,7 +26,7 @@ import torch
 
 from _cpu import OtherLoad
 from _server import add_workload_args, clients, rlserve_server, served, workload_args
-from rlserve.config import Config
+from rlserve.config.schema import Config
 from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams
 from rlserve.model.make import bench_cache_dir, make_model

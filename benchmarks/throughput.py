@@ -28,7 +28,7 @@ import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig  # noqa: E402
 
 from _cpu import OtherLoad, instruction_peaks  # noqa: E402
-from rlserve.config import Config  # noqa: E402
+from rlserve.config.schema import Config  # noqa: E402
 from rlserve.engine.engine import Engine  # noqa: E402
 from rlserve.engine.params import SamplingParams  # noqa: E402
 from rlserve.model.cpu_kernels import _cpu_id  # noqa: E402

@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 from _server import rlserve_server
 from rlserve import weight_transfer
-from rlserve.config import Config
+from rlserve.config.schema import Config
 from rlserve.deploy.process import free_port
 from rlserve.engine.engine import Engine
 from rlserve.engine.weights import StagingBuffers, stage_from_dir

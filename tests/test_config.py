@@ -14,8 +14,8 @@ import pytest
 from pydantic import BaseModel, Field
 
 from rlserve.cli import inference_main, main
-from rlserve.config import Config, Section
-from rlserve.config_loader import ConfigError, help_text, load_config
+from rlserve.config.schema import Config, Section
+from rlserve.config.load import ConfigError, help_text, load_config
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 

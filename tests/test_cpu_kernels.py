@@ -8,12 +8,13 @@ import logging
 import pytest
 import torch
 
-from rlserve.config import Config
+from rlserve.config.schema import Config
 from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams
 from rlserve.model import cpu_kernels as kernels_module
 from rlserve.model.cpu_kernels import CpuKernels, cpu_kernels, reference_paged_attention
-from rlserve.model.llama import apply_rope, rms_norm
+from rlserve.model.rope import apply_rope
+from rlserve.model.llama import rms_norm
 from test_engine import hf_logprobs, make_engine, random_prompts
 
 
@@ -155,7 +156,8 @@ def test_projections_take_the_gemv_up_to_its_row_limit_and_see_weight_updates(ke
     GEMM above; both equal F.linear, and an in-place weight update reaches the GEMV at once."""
     from transformers import AutoConfig
 
-    from rlserve.model.llama import ModelShape, Projection
+    from rlserve.model.shape import ModelShape
+    from rlserve.model.linear import Projection
     from rlserve.model.loader import load_model
 
     shape = ModelShape.from_hf(AutoConfig.from_pretrained(model_dir))

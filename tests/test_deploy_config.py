@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 
-from rlserve.config_loader import ConfigError, load_config
+from rlserve.config.load import ConfigError, load_config
 from rlserve.deploy.replica import replica_config, replica_cores
 from rlserve.deploy.router import router_argv
 
@@ -23,7 +23,7 @@ def test_toml_section(tmp_path):
     config = load_config(["@", str(path)])
     assert config.deployment.enabled and config.deployment.router.policy == "power_of_two"
     argv = router_argv(config, "127.0.0.1", 8100, ["http://127.0.0.1:8200", "http://127.0.0.1:8201"], 29100)
-    # the launch contract of wire-protocols §1.1, then the pass-through arguments
+    # the launch contract of docs/protocols.md §1.1, then the pass-through arguments
     for flag, value in [("--policy", "power_of_two"), ("--port", "8100"), ("--request-id-headers", "x-session-id"),
                         ("--worker-startup-timeout-secs", "4200"), ("--prometheus-port", "29100")]:
         assert argv[argv.index(flag) + 1] == value

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from rlserve.config import Config, GibberishDetectionConfig, RepetitionDetectionConfig
+from rlserve.config.schema import Config, GibberishDetectionConfig, RepetitionDetectionConfig
 from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams
 from test_engine import random_prompts

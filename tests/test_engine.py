@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from rlserve.config import Config
+from rlserve.config.schema import Config
 from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams
 
@@ -348,7 +348,7 @@ def test_penalties_and_logit_bias_shape_the_processed_distribution(engine, hf):
 
 @pytest.mark.parametrize("rows", [1, 4, 5, 16, 56, 57, 64])
 def test_projection_forms_agree(rows):
-    from rlserve.model.llama import SWAPPED_GEMM_ROWS, linear
+    from rlserve.model.linear import SWAPPED_GEMM_ROWS, linear
 
     gen = torch.Generator().manual_seed(rows)
     x, weight, bias = torch.randn(rows, 96, generator=gen), torch.randn(160, 96, generator=gen), torch.randn(160, generator=gen)
@@ -362,7 +362,7 @@ def test_projection_forms_agree(rows):
 
 @pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="packed projections need MKL")
 def test_packed_projection_matches_sgemm_and_follows_weight_changes():
-    from rlserve.model.llama import Projection
+    from rlserve.model.linear import Projection
 
     gen = torch.Generator().manual_seed(0)
     proj = Projection(96, 160, bias=True)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from rlserve.config import Config
+from rlserve.config.schema import Config
 from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams
 from test_engine import assert_matches_hf

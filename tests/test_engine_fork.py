@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rlserve.config import Config
+from rlserve.config.schema import Config
 from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams
 

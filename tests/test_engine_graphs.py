@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlserve.config import Config
+from rlserve.config.schema import Config
 from rlserve.engine.engine import Engine
 from rlserve.engine.graphs import MAX_GATHERED_TOKENS, DecodeGraphs, batch_bucket, width_bucket
 from rlserve.engine.params import SamplingParams

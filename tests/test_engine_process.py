@@ -17,8 +17,8 @@ import msgspec
 import pytest
 
 from conftest import start_server, stop_server
-from rlserve.config import Config
-from rlserve.engine import ipc
+from rlserve.config.schema import Config
+from rlserve.runtime import ipc
 from rlserve.engine.outputs import CompletionOutput, RequestOutput, VersionSpan
 from rlserve.engine.params import SamplingParams
 
@@ -34,7 +34,7 @@ def children(pid: int) -> list[int]:
 
 
 def engine_pids(server: subprocess.Popen) -> list[int]:
-    return [c for c in children(server.pid) if b"rlserve.engine.core" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    return [c for c in children(server.pid) if b"rlserve.runtime.core" in Path(f"/proc/{c}/cmdline").read_bytes()]
 
 
 def engine_pid(server: subprocess.Popen) -> int:
@@ -137,8 +137,8 @@ def test_an_engine_process_whose_server_died_before_it_looked_exits(model_dir, t
     config.model.name = str(model_dir)
     short_lived_server = textwrap.dedent(f"""
         import subprocess, sys
-        from rlserve.engine.spawn import child_env
-        proc = subprocess.Popen([sys.executable, "-m", "rlserve.engine.core", "ipc://{tmp_path}/in", "ipc://{tmp_path}/out"],
+        from rlserve.runtime.spawn import child_env
+        proc = subprocess.Popen([sys.executable, "-m", "rlserve.runtime.core", "ipc://{tmp_path}/in", "ipc://{tmp_path}/out"],
                                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 env=child_env())
         proc.stdin.write(sys.stdin.buffer.read())
@@ -176,8 +176,8 @@ def test_a_message_the_engine_refuses_rejects_that_request_and_the_engine_keeps_
     # found by the fuzzer: a value the engine's own checks refuse on decode killed the core
     import asyncio
 
-    from rlserve.config import Config
-    from rlserve.engine.client import EngineClient
+    from rlserve.config.schema import Config
+    from rlserve.runtime.proc_client import EngineClient
 
     config = Config()
     config.model.max_model_len = 128
@@ -237,8 +237,8 @@ def test_a_call_to_an_engine_process_that_is_gone_raises_engine_dead(model_dir):
     process too, and the server's drain then calls an engine that is gone before the watcher has noticed.
     That call must fail as EngineDeadError (the drain's cue to stop), not with ZeroMQ's EAGAIN, which left
     the drain hung and the server to be SIGKILLed with its socket directory behind."""
-    from rlserve.engine.client import EngineClient
-    from rlserve.engine.face import EngineDeadError
+    from rlserve.runtime.proc_client import EngineClient
+    from rlserve.runtime.face import EngineDeadError
 
     config = Config()
     config.model.name = str(model_dir)

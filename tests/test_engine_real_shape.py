@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlserve.config import Config
+from rlserve.config.schema import Config
 from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams
 from test_engine import assert_matches_hf
@@ -45,7 +45,7 @@ libc.mallinfo2.restype = Mallinfo2
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
 if sys.argv[1] == "engine":
-    from rlserve.config import Config
+    from rlserve.config.schema import Config
     from rlserve.engine.engine import Engine
     cfg = Config()
     cfg.model.max_model_len = 64

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from rlserve.engine.async_engine import AsyncEngine
+from rlserve.runtime.inproc import AsyncEngine
 from rlserve.engine.params import SamplingParams
 from rlserve.engine.weights import WeightUpdateError, check_under_roots, stage_from_dir
 from rlserve.model.lora import AdapterError, load_peft_adapter

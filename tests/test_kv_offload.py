@@ -19,10 +19,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlserve.config import Config, KVOffloadConfig
-from rlserve.engine import kv_format
+from rlserve.config.schema import Config, KVOffloadConfig
+from rlserve.engine.kv import format as kv_format
 from rlserve.engine.engine import Engine
-from rlserve.engine.kv_format import BlockFormatError, KVBlock
+from rlserve.engine.kv.format import BlockFormatError, KVBlock
 from rlserve.engine.params import SamplingParams
 from rlserve.engine.weights import stage_from_dir
 from rlserve.model.make import make_model

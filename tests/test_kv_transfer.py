@@ -1,4 +1,4 @@
-"""engine/kv_transfer.py in process: two real engines (prefill and decode) with their block server and puller.
+"""engine/kv/transfer.py and engine/kv/wire.py in process: two real engines (prefill and decode) with their block server and puller.
 Mismatched or failed transfers prefill locally with the same output, pins end on pull, release, abort and
 timeout (twice is harmless), and the block server survives bad input."""
 
@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from rlserve.config import Config
+from rlserve.config.schema import Config
 from rlserve.engine.engine import Engine
-from rlserve.engine.kv_format import KVBlock
-from rlserve.engine.kv_transfer import recv_frame, send_frame
+from rlserve.engine.kv.format import KVBlock
+from rlserve.engine.kv.wire import recv_frame, send_frame
 from rlserve.engine.params import SamplingParams
 
 PROMPT = list(range(7, 7 + 70))
@@ -153,7 +153,7 @@ def test_under_non_cached_tokens_d_prefills_itself(engines):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_a_block_is_sent_from_the_pool_itself_as_the_bytes_of_its_contiguous_copy(dtype):
-    from rlserve.engine import kv_format
+    from rlserve.engine.kv import format as kv_format
 
     pool = torch.randn(3, 2, 64 * 16, 2, 64).to(dtype)
     block = pool[:, :, 16 * 16 : 17 * 16]  # strided: one run per layer and k/v
@@ -193,10 +193,10 @@ def test_a_remote_host_outside_peer_hosts_is_never_contacted(engines):
 def test_pulled_blocks_are_the_prefill_servers_bytes_in_d_s_own_pool(engines, one_block_per_receive, monkeypatch):
     """D receives a cache-sized group of blocks per call and checks their checksums there: the tiny model's
     blocks all fit one group, so the pull is also made one block per receive, as a larger model's are."""
-    from rlserve.engine import kv_transfer
+    from rlserve.engine.kv import wire as kv_wire
 
     if one_block_per_receive:
-        monkeypatch.setattr(kv_transfer, "_CHECK_BYTES", 1)
+        monkeypatch.setattr(kv_wire, "_CHECK_BYTES", 1)
     p, d = engines
     kt = prefill(p)
     src = [p.runner.kv_cache[:, :, b * 16 : (b + 1) * 16].clone() for b in kt["remote_block_ids"]]
@@ -222,7 +222,7 @@ class FakePrefillServer:
         threading.Thread(target=self.serve, daemon=True).start()
 
     def serve(self) -> None:
-        from rlserve.engine import kv_format
+        from rlserve.engine.kv import format as kv_format
 
         conn, _ = self.sock.accept()
         with conn:
@@ -251,7 +251,7 @@ def test_a_spoiled_pull_frees_its_reserved_blocks_and_d_prefills_locally(engines
     """D receives straight into reserved pool blocks: a block that fails its checksum, never fully arrives
     or holds other tokens' KV (another hash in its header) frees them all, and the request prefills locally
     with the same output."""
-    caplog.set_level(logging.INFO, logger="rlserve.engine.kv_transfer")
+    caplog.set_level(logging.INFO, logger="rlserve.engine.kv.transfer")
     p, d = engines
     want = decode(d, None)
     kt = prefill(p)

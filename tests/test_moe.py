@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from rlserve.config import Config
+from rlserve.config.schema import Config
 from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams
 from rlserve.engine.routing import encode_routed_experts
@@ -109,7 +109,7 @@ def test_preempted_then_resumed_sequences_report_every_position(model_dir, hf):
 
 
 def test_blocks_back_from_the_offload_tier_bring_their_experts(model_dir, hf):
-    from rlserve.config import KVOffloadConfig
+    from rlserve.config.schema import KVOffloadConfig
 
     cfg = Config()
     cfg.model.name, cfg.model.max_model_len, cfg.engine.kv_cache_bytes = str(model_dir), 128, 8 * 16 * 2048

@@ -1,4 +1,4 @@
-"""Reasoning and tool-call parsers (wire-protocols §2.10): non-streaming results, and streaming
+"""Reasoning and tool-call parsers (docs/protocols.md §2.10): non-streaming results, and streaming
 that adds up to the same thing however the text is cut into deltas."""
 
 import json

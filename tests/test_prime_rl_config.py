@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 
 from conftest import server_log, start_server, stop_server
-from rlserve.config_loader import load_config
+from rlserve.config.load import load_config
 from rlserve.model.make import default_model_dir
 
 PRIME_RL_CONFIG = """\

@@ -1,5 +1,5 @@
 """Client mistakes: OpenAI-style JSON errors with a 4xx status, the same table as docs/errors.md,
-and a server that keeps serving afterwards. Plus the API key (wire-protocols §2.0, §2.13)."""
+and a server that keeps serving afterwards. Plus the API key (docs/protocols.md §2.0, §2.13)."""
 
 from __future__ import annotations
 

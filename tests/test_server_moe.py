@@ -1,4 +1,4 @@
-"""A real server with a Qwen3-MoE model: routed_experts exactly as wire-protocols §2.14 on the
+"""A real server with a Qwen3-MoE model: routed_experts exactly as docs/protocols.md §2.14 on the
 generate routes (never on chat, never in streams), and a detector ending rollouts over HTTP."""
 
 from __future__ import annotations

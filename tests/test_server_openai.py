@@ -1,4 +1,4 @@
-"""OpenAI routes of a real server, driven by the official SDK and httpx (wire-protocols §2.2-2.5).
+"""OpenAI routes of a real server, driven by the official SDK and httpx (docs/protocols.md §2.2-2.5).
 
 The tiny model has random weights: assertions are on shapes, token ids, logprobs and determinism.
 """

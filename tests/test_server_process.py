@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from conftest import SERVER_DEFAULTS, start_server, stop_server
-from rlserve.config import Config
+from rlserve.config.schema import Config
 from rlserve.server.listen import bind, check_admin_exposure
 
 

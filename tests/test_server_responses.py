@@ -1,4 +1,4 @@
-"""`POST /v1/responses` (wire-protocols §2.9) through the official SDK: items, usage, streaming
+"""`POST /v1/responses` (docs/protocols.md §2.9) through the official SDK: items, usage, streaming
 events, the context-length rule, and multi-turn tool use that reuses earlier tokens verbatim."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tool calls, reasoning and the token splice on /v1/chat/completions (wire-protocols §2.3, §2.10),
+"""Tool calls, reasoning and the token splice on /v1/chat/completions (docs/protocols.md §2.3, §2.10),
 through the official SDK against a server started with the hermes and qwen3 parsers.
 
 The tiny model has random weights, so tool calls and reasoning are forced tokens (test-only

@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import start_server, stop_server
-from rlserve.config import Config
+from rlserve.config.schema import Config
 from rlserve.model.make import make_model
 from test_engine_process import HANG_GUARD_S, children, gone, wait_until
 from test_server_rl import ADMIN, PROMPTS, generate, hf_check, trainer_push
@@ -29,8 +29,8 @@ TP2 = ("--parallel.tp", "2")
 
 def tp_pids(server: subprocess.Popen) -> tuple[int, list[int]]:
     """(engine core pid, its worker rank pids) of a server we started."""
-    (core,) = [c for c in children(server.pid) if b"rlserve.engine.core" in Path(f"/proc/{c}/cmdline").read_bytes()]
-    workers = [c for c in children(core) if b"rlserve.engine.parallel" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    (core,) = [c for c in children(server.pid) if b"rlserve.runtime.core" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    workers = [c for c in children(core) if b"rlserve.engine.tp.worker" in Path(f"/proc/{c}/cmdline").read_bytes()]
     return core, workers
 
 
@@ -200,8 +200,8 @@ def test_sigterm_of_the_server_stops_every_rank(base):
 
 
 def test_config_checks_say_what_to_change(base):
-    from rlserve.engine.data_parallel import check_parallel
-    from rlserve.model.llama import ModelShape
+    from rlserve.runtime.data_parallel import check_parallel
+    from rlserve.model.shape import ModelShape
     from rlserve.model.tensor_parallel import check_tp
     from transformers import AutoConfig
 
@@ -238,8 +238,8 @@ def test_step_inputs_cross_as_fixed_schema_msgspec_never_pickle():
 
     import msgspec
 
-    from rlserve.engine import parallel
-    from rlserve.model.llama import AttentionBatch, PrefillSeq
+    from rlserve.engine.tp import comm as parallel
+    from rlserve.model.batch import AttentionBatch, PrefillSeq
 
     attn = AttentionBatch(
         slot_mapping=torch.tensor([5, 6, 7]), num_decode=1, decode_blocks=torch.tensor([0, 1]),
@@ -247,7 +247,7 @@ def test_step_inputs_cross_as_fixed_schema_msgspec_never_pickle():
         prefills=[PrefillSeq(1, 2, 4, torch.tensor([0, 1, 2, 3]), torch.ones(2, 4, dtype=torch.bool).tril(2))],
     )
     raw = parallel.encode_step(torch.tensor([3, 4, 5]), torch.tensor([16, 2, 3]), attn, [(1, 2)])
-    step = parallel._to_worker.decode(raw)
+    step = parallel.to_worker.decode(raw)
     assert isinstance(step, parallel.Step) and step.block_copies == [(1, 2)] and not step.kernels
     cpu = torch.device("cpu")
     assert torch.equal(step.decode_mask.to(cpu), attn.decode_mask) and step.decode_mask.to(cpu).dtype == torch.bool
@@ -256,6 +256,6 @@ def test_step_inputs_cross_as_fixed_schema_msgspec_never_pickle():
     bf16 = torch.randn(3, 2).bfloat16()
     assert torch.equal(msgspec.msgpack.decode(msgspec.msgpack.encode(parallel.Tensor.of(bf16)), type=parallel.Tensor).to(cpu), bf16)
     with pytest.raises(msgspec.DecodeError):
-        parallel._to_worker.decode(pickle.dumps(step))
+        parallel.to_worker.decode(pickle.dumps(step))
     with pytest.raises(KeyError):  # only the dtypes a step uses
         parallel.Tensor("object", [1], b"x").to(cpu)

@@ -109,7 +109,7 @@ def receive(device: str = "cpu", buffer=None) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-# ---- vLLM's weight-transfer stream (TRL native; wire-protocols §2.11.5) ---------------------------
+# ---- vLLM's weight-transfer stream (TRL native; docs/protocols.md §2.11.5) ---------------------------
 
 VLLM_PACKED_BUFFER_BYTES = 1 << 30  # vLLM's DEFAULT_PACKED_BUFFER_SIZE_BYTES
 

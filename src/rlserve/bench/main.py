@@ -55,7 +55,7 @@ def main(argv: list[str]) -> int:
         meta, runs = run_serve(args)
         title = f"rlserve bench serve {args.base_url}"
     else:
-        from rlserve.config_loader import ConfigError, load_config
+        from rlserve.config.load import ConfigError, load_config
 
         try:
             config = load_config(rest)

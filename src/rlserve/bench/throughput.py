@@ -9,7 +9,7 @@ from tqdm import tqdm
 
 from rlserve.bench.metrics import RequestRecord, summarize
 from rlserve.bench.serve import random_prompts
-from rlserve.config import Config
+from rlserve.config.schema import Config
 from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams
 

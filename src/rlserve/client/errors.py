@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-# phrases the server and its peers use for an over-long prompt (wire-protocols §2.0, §1 verifiers)
+# phrases the server and its peers use for an over-long prompt (docs/protocols.md §2.0, §1 verifiers)
 _CONTEXT_PHRASES = ("maximum context length", "context length", "maximum model length", "prompt_too_long")
 
 

@@ -13,15 +13,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from rlserve.deploy.supervisor import Deployment, Slot
-from rlserve.server.listen import ADMIN_PATHS
+from rlserve.server.auth import ADMIN_PATHS, Gate
 from rlserve.server.errors import APIError, install_error_handlers
 
 _FORWARDED_HEADERS = ("authorization", "content-type")
 
 
 def build_admin_app(dep: Deployment) -> FastAPI:
-    from rlserve.server.app import Gate  # the replicas' own key rules: admin key on admin routes
-
     app = FastAPI(title="rlserve deployment admin", redirect_slashes=False)
     install_error_handlers(app)
 

@@ -16,7 +16,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rlserve.config import Config
+from rlserve.config.schema import Config
 from rlserve.deploy.process import ServerChild
 from rlserve.deploy.replica import ADMIN_URL_ENV, KEY_ENV, replica_config
 

@@ -8,10 +8,10 @@ import os
 import sys
 from pathlib import Path
 
-from rlserve.config import Config, KVTransferConfig
+from rlserve.config.schema import Config, KVTransferConfig
 from rlserve.deploy.process import ServerChild
 
-# what the supervisor hands a replica (server/deployment_guard.py reads them)
+# what the supervisor hands a replica (server/fleet/deployment_guard.py reads them)
 KEY_ENV = "RLSERVE_DEPLOYMENT_KEY"
 ADMIN_URL_ENV = "RLSERVE_DEPLOYMENT_ADMIN_URL"
 

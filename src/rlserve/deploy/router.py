@@ -1,4 +1,4 @@
-"""The `vllm-router` binary in front of the replicas, launched with the contract of wire-protocols §1.1."""
+"""The `vllm-router` binary in front of the replicas, launched with the contract of docs/protocols.md §1.1."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from rlserve.config import Config
+from rlserve.config.schema import Config
 from rlserve.deploy.process import Child, free_port
 
 log = logging.getLogger("rlserve.deploy")

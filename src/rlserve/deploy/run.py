@@ -12,7 +12,7 @@ import signal
 
 import uvicorn
 
-from rlserve.config import Config
+from rlserve.config.schema import Config
 from rlserve.deploy.supervisor import Deployment, Replica, new_key, private_dir
 
 log = logging.getLogger("rlserve.deploy")

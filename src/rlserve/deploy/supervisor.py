@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from rlserve.config import Config
+from rlserve.config.schema import Config
 from rlserve.deploy.router import Router
 
 log = logging.getLogger("rlserve.deploy")

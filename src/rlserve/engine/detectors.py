@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlserve.config import LogitsProcessorsConfig
+from rlserve.config.schema import LogitsProcessorsConfig
 from rlserve.engine.sampler import SamplingRow
 
 GIBBERISH, REPETITION = "gibberish_detection", "repetition_detection"

@@ -7,105 +7,39 @@ import logging
 import os
 import time
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from rlserve.config import Config
+from rlserve.config.schema import Config
 from rlserve.engine.allocator import keep_freed_memory
 from rlserve.engine.detectors import Detectors
 from rlserve.engine.detokenizer import IncrementalDetokenizer
-from rlserve.engine.kv_cache import BlockPool, extra_key
-from rlserve.engine.kv_offload import KVOffload
-from rlserve.engine.kv_transfer import KVTransfer
-from rlserve.engine.memory import kv_budget, memory_at_start
+from rlserve.engine.kv.pool import BlockPool, extra_key
+from rlserve.engine.kv.offload import KVOffload
+from rlserve.engine.kv.transfer import KVTransfer
+from rlserve.engine.memory import kv_budget, memory_at_start, num_kv_blocks
+from rlserve.engine.prompt_logprobs import record_prompt_logprobs
 from rlserve.engine.outputs import RequestOutput
-from rlserve.engine.parallel import TensorParallelLeader, device_of_rank
+from rlserve.engine.tp.leader import TensorParallelLeader
+from rlserve.engine.tp.comm import device_of_rank
 from rlserve.engine.params import SamplingParams
 from rlserve.engine.routing import RoutedExpertsPool
 from rlserve.engine.runner import ModelRunner, kv_bytes_per_token
-from rlserve.engine.sampler import Sampler, SamplingRow
+from rlserve.engine.sampler import Sampler, sampling_row
 from rlserve.engine.scheduler import Scheduler
 from rlserve.engine.weights import StagedWeights, commit
 from rlserve.engine.sequence import Request, Sequence, Status
-from rlserve.model.cpu_kernels import cpu_has_native_bf16, warn_slow_half_precision
-from rlserve.model.llama import ModelShape
-from rlserve.model.loader import load_model, resolve_model_dir
+from rlserve.model.shape import ModelShape
+from rlserve.model.loader import eos_token_ids, load_model, resolve_model_dir
 from rlserve.model.lora import LoraAdapter
 from rlserve.model.tensor_parallel import check_tp
+from rlserve.engine.stats import EngineStats
+from rlserve.engine.devices import resolve_device, resolve_dtype, resolve_head_dtype
 
 log = logging.getLogger(__name__)
-
-_DEFAULT_KV_CAP = 1 << 30  # bytes, when neither engine.kv_cache_bytes nor memory_budget_bytes is set
-
-
-@dataclass(slots=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_blocks: int
-    block_size: int
-    num_preemptions: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    prompt_tokens_computed: int
-    generation_tokens: int
-    policy_version: int
-    # KV offload tiers (0 without them); *_queries/*_hits count prompt tokens
-    kv_offload_cpu_queries: int = 0
-    kv_offload_cpu_hits: int = 0
-    kv_offload_disk_queries: int = 0
-    kv_offload_disk_hits: int = 0
-    kv_offload_disk_rejected: int = 0  # disk blocks that failed their checksum (recomputed)
-    kv_offload_bytes_to_cpu: int = 0
-    kv_offload_bytes_from_cpu: int = 0
-    kv_offload_bytes_to_disk: int = 0
-    kv_offload_bytes_from_disk: int = 0
-    kv_offload_cpu_used_bytes: int = 0
-    kv_offload_cpu_capacity_bytes: int = 0
-    kv_offload_disk_used_bytes: int = 0
-    # prefill/decode KV transfer (0 without kv_transfer); see engine/kv_transfer.py TransferStats
-    kv_transfer_pulls: int = 0
-    kv_transfer_pull_failures: int = 0
-    kv_transfer_fallbacks: int = 0
-    kv_transfer_skipped: int = 0
-    kv_transfer_bytes_in: int = 0
-    kv_transfer_seconds_in: float = 0.0
-    kv_transfer_tokens_in: int = 0
-    kv_transfer_serves: int = 0
-    kv_transfer_bytes_out: int = 0
-    kv_transfer_seconds_out: float = 0.0
-    kv_transfer_pinned: int = 0
-    kv_transfer_expired: int = 0
-    kv_transfer_pinned_blocks: int = 0
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        return torch.device("cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    dtype = getattr(torch, name)
-    if device.type == "cpu" and dtype != torch.float32 and not cpu_has_native_bf16():
-        warn_slow_half_precision(name)
-    return dtype
-
-
-def resolve_head_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The LM head's dtype: float32 (auto) or the model's own; a third dtype is a config error."""
-    dtype = torch.float32 if name == "auto" else getattr(torch, name)
-    if dtype not in (torch.float32, model_dtype):
-        raise ValueError(f"model.lm_head_dtype={name} must be float32, auto or the model dtype ({model_dtype})")
-    return dtype
 
 
 class Engine:
@@ -137,7 +71,7 @@ class Engine:
         if tp > 1 and self.device.type == "cuda":
             self.device = device_of_rank(self.device, 0)
         self.vocab_size = self.shape.vocab_size
-        self.eos_token_ids = self._eos_ids()
+        self.eos_token_ids = eos_token_ids(self.model_dir, self.hf_config, self.tokenizer)
         memory = memory_at_start(self.device) if config.gpu_memory_utilization else 0
         self.model = load_model(self.model_dir, self.shape, self.dtype, self.device, 0, tp)
         self.model.set_head_dtype(resolve_head_dtype(config.model.lm_head_dtype, self.dtype))
@@ -147,7 +81,12 @@ class Engine:
         if tp > 1 and self.device.type == "cpu":
             # the ranks share the host's memory: each takes 1/tp of it (its KV heads of every block)
             budget, memory = (budget and budget // tp), memory // tp
-        num_blocks = self._num_blocks(budget or self._utilization_budget(memory))
+        per_token = kv_bytes_per_token(self.model, self.dtype)
+        if not budget and config.gpu_memory_utilization:
+            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            useful = ec.max_num_seqs * self.max_model_len * per_token
+            budget = kv_budget(config.gpu_memory_utilization, memory, weights, useful)
+        num_blocks = num_kv_blocks(budget or None, per_token, ec.block_size, ec.max_num_seqs, self.max_model_len)
         if num_blocks * ec.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV cache holds {num_blocks * ec.block_size} tokens, fewer than max_model_len "
@@ -187,7 +126,8 @@ class Engine:
                 self._offload_routing(self.runner.routing, ec.block_size)
         self.kv_transfer: KVTransfer | None = None
         if config.kv_transfer is not None:
-            self.kv_transfer = KVTransfer(self, config.kv_transfer)
+            self.kv_transfer = KVTransfer(config.kv_transfer, self.pool, self.runner.kv_cache, self.scheduler,
+                                          self._cache_key, lambda: self.weight_generation, self.runner.routing is not None)
         self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
         self.detectors = Detectors(config.logits_processors, self.vocab_size)
         eos = getattr(self.hf_config, "eos_token_id", None)
@@ -383,7 +323,7 @@ class Engine:
         for seq in batch.decodes:
             self.scheduler.register_computed_blocks(seq)
         for seq, first, rows in logits.prompt_logits:
-            self._record_prompt_logprobs(seq.request, first, rows)
+            record_prompt_logprobs(seq.request, first, rows)
         if logits.sample_seqs:
             self._sample_and_append(logits.sample_logits, logits.sample_seqs, touched)
         for req in touched.values():
@@ -465,7 +405,8 @@ class Engine:
                 row_index.append(i)
         if len(row_index) != len(seqs):
             logits = logits.index_select(0, torch.tensor(row_index, device=logits.device))
-        sampling_rows = [self._sampling_row(s) for s in rows_seqs]
+        sampling_rows = [sampling_row(s, self.eos_token_ids, self.config.engine.logprobs_mode, self.detector_eos)
+                         for s in rows_seqs]
         probe = self.detectors.probe(logits, sampling_rows) if self.detectors.active else None
         result = self.sampler(logits, sampling_rows)
         now = time.monotonic()
@@ -489,35 +430,6 @@ class Engine:
                 seq.detected = self.detectors.check(probe, r, seq, token)
         for req in forking:
             req.forked = True
-
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
-        p = seq.params
-        banned = None
-        if seq.num_output_tokens < p.min_tokens:
-            banned = list(self.eos_token_ids) + list(p.stop_token_ids)
-        mode = p.logprobs_mode or self.config.engine.logprobs_mode
-        forced = p.forced_token_ids
-        forced_id = forced[seq.num_output_tokens] if forced and seq.num_output_tokens < len(forced) else None
-        if seq.detected is not None:  # a detector fired on the last token: EOS, one-hot, as prime-rl forces it
-            forced_id = self.detector_eos
-        return SamplingRow(
-            temperature=p.temperature,
-            top_k=p.top_k,
-            top_p=p.top_p,
-            min_p=p.min_p,
-            generator=seq.generator,
-            num_logprobs=p.logprobs,
-            raw_logprobs=mode == "raw",
-            banned_ids=banned,
-            forced_id=forced_id,
-            logit_bias=p.logit_bias,
-            penalties=(
-                (p.repetition_penalty, p.presence_penalty, p.frequency_penalty, seq.request.prompt_token_ids,
-                 seq.output_token_ids)
-                if p.penalized
-                else None
-            ),
-        )
 
     def _check_finish(self, seq: Sequence, token: int) -> None:
         p = seq.params
@@ -552,23 +464,6 @@ class Engine:
         if self.runner.routing is not None:
             seq.routed_experts = self.runner.routing.read(seq.block_table, seq.num_computed_tokens)
 
-    def _record_prompt_logprobs(self, req: Request, first: int, logits: torch.Tensor) -> None:
-        k = req.params.prompt_logprobs
-        lp = torch.log_softmax(logits, dim=-1)
-        actual = torch.tensor(req.prompt_token_ids[first : first + lp.shape[0]], device=lp.device)
-        actual_lp = lp.gather(1, actual.unsqueeze(1)).squeeze(1)
-        ranks = (lp > actual_lp.unsqueeze(1)).sum(dim=1) + 1
-        width = lp.shape[1] if k == -1 else k
-        top_v, top_i = lp.topk(width, dim=-1) if width else (lp[:, :0], lp[:, :0].long())
-        for j, (t, v, r) in enumerate(zip(actual.tolist(), actual_lp.tolist(), ranks.tolist())):
-            entry = {t: v}
-            entry_ranks = {t: r}
-            for rank, (i, val) in enumerate(zip(top_i[j].tolist(), top_v[j].tolist()), start=1):
-                entry.setdefault(i, val)
-                entry_ranks.setdefault(i, rank)
-            req.prompt_logprobs[first + j] = entry
-            req.prompt_logprob_ranks[first + j] = entry_ranks
-
     def _forget(self, req: Request) -> None:
         reqs = self.requests.get(req.request_id)
         if reqs is not None and req in reqs:
@@ -590,33 +485,3 @@ class Engine:
 
     def _cache_key(self, req: Request) -> bytes:
         return extra_key(self.weight_generation, req.adapter, self.adapter_generations.get(req.adapter or "", 0), req.cache_salt)
-
-    def _eos_ids(self) -> frozenset[int]:
-        ids = set()
-        gen_cfg = self.model_dir / "generation_config.json"
-        if gen_cfg.exists():
-            import json
-
-            eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
-            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        eos = getattr(self.hf_config, "eos_token_id", None)
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return frozenset(ids)
-
-    def _utilization_budget(self, memory: int) -> int | None:
-        fraction = self.config.gpu_memory_utilization
-        if not fraction:
-            return None
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        useful = self.config.engine.max_num_seqs * self.max_model_len * kv_bytes_per_token(self.model, self.dtype)
-        return kv_budget(fraction, memory, weights, useful)
-
-    def _num_blocks(self, budget: int | None) -> int:
-        ec = self.config.engine
-        per_block = kv_bytes_per_token(self.model, self.dtype) * ec.block_size
-        if budget is None:
-            wanted = ec.max_num_seqs * self.max_model_len * per_block // ec.block_size
-            budget = min(wanted, _DEFAULT_KV_CAP)
-        return max(1, budget // per_block)

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from rlserve.engine.kv_cache import padded_blocks
-from rlserve.model.llama import AttentionBatch, CausalLM
+from rlserve.engine.kv.pool import padded_blocks
+from rlserve.model.batch import AttentionBatch
+from rlserve.model.llama import CausalLM
 
 # Sequences per graph: every size up to 8, then steps of 16 (padding wastes at most 15 rows).
 SMALL_BATCHES = (1, 2, 4, 8)

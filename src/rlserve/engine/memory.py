@@ -1,10 +1,12 @@
-"""How much memory the KV cache may take when the user gives a fraction (gpu_memory_utilization)."""
+"""How much memory the KV cache may take: a byte budget, a fraction of memory (gpu_memory_utilization), or the default cap."""
 
 from __future__ import annotations
 
 import os
 
 import torch
+
+DEFAULT_KV_CAP = 1 << 30  # bytes, when neither engine.kv_cache_bytes nor memory_budget_bytes is set
 
 
 def memory_at_start(device: torch.device) -> int:
@@ -30,3 +32,12 @@ def kv_budget(fraction: float, memory: int, weight_bytes: int, useful_bytes: int
             f"({weight_bytes / 2**30:.2f} GiB) already fill: raise gpu_memory_utilization or set engine.kv_cache_bytes"
         )
     return min(budget, useful_bytes)
+
+
+def num_kv_blocks(budget: int | None, per_token: int, block_size: int, max_num_seqs: int, max_model_len: int) -> int:
+    """Blocks that fit `budget` bytes; without one, enough for every sequence at full length up to DEFAULT_KV_CAP."""
+    per_block = per_token * block_size
+    if budget is None:
+        wanted = max_num_seqs * max_model_len * per_block // block_size
+        budget = min(wanted, DEFAULT_KV_CAP)
+    return max(1, budget // per_block)

@@ -35,8 +35,8 @@ class SamplingParams:
     # (the server accepts it only with engine.allow_forced_tokens; random-weight models never
     # produce tool calls or reasoning tags on their own)
     forced_token_ids: list[int] | None = None
-    # prefill/decode disaggregation (wire-protocols §1.2): do_remote_decode on the prefill side,
-    # do_remote_prefill plus where the KV is on the decode side; engine/kv_transfer.py reads it
+    # prefill/decode disaggregation (docs/protocols.md §1.2): do_remote_decode on the prefill side,
+    # do_remote_prefill plus where the KV is on the decode side; engine/kv/transfer.py reads it
     kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:

@@ -11,7 +11,7 @@ import base64
 import numpy as np
 import torch
 
-from rlserve.model.moe import MoeShape
+from rlserve.model.shape import MoeShape
 
 
 class RoutedExpertsPool:
@@ -44,7 +44,7 @@ class RoutedExpertsPool:
 
 
 def encode_routed_experts(rows: np.ndarray, start: int) -> dict:
-    """wire-protocols §2.14: base64 of the raw little-endian C-order rows from `start` on."""
+    """docs/protocols.md §2.14: base64 of the raw little-endian C-order rows from `start` on."""
     part = rows[start:]
     dtype = np.dtype("<u1") if part.size == 0 or int(part.max()) <= 255 else np.dtype("<u2")
     part = np.ascontiguousarray(part, dtype=dtype)

@@ -10,16 +10,17 @@ import torch
 
 from rlserve.engine.allocator import available_memory_bytes
 from rlserve.engine.graphs import DecodeGraphs
-from rlserve.engine.kv_cache import padded_blocks
+from rlserve.engine.kv.pool import padded_blocks
 from rlserve.engine.routing import RoutedExpertsPool
 from rlserve.engine.scheduler import ScheduledBatch
 from rlserve.model.cpu_kernels import CpuKernels, cpu_kernels
-from rlserve.model.llama import AttentionBatch, CascadePlan, CausalLM, PrefillSeq
+from rlserve.model.batch import AttentionBatch, CascadePlan, PrefillSeq
+from rlserve.model.llama import CausalLM
 from rlserve.model.lora import LoraAdapter, LoraBatch
 from rlserve.model.moe import routed_experts
 
 if TYPE_CHECKING:
-    from rlserve.engine.parallel import TensorParallelLeader
+    from rlserve.engine.tp.leader import TensorParallelLeader
 
 log = logging.getLogger(__name__)
 

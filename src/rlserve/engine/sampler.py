@@ -8,8 +8,12 @@ generator, so a seeded request samples the same tokens whatever else is in the b
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from rlserve.engine.sequence import Sequence
 
 NEG_INF = float("-inf")
 # Below this many logits (two rows of a 50K vocabulary) the CPU ops run on one thread: each op
@@ -181,3 +185,34 @@ def _filter(scaled: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         min_p = torch.tensor([rows[i].min_p for i in m_rows], device=device).unsqueeze(1)
         scaled[m_rows] = sub.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, NEG_INF)
     return scaled
+
+
+def sampling_row(seq: Sequence, eos_token_ids: frozenset[int], logprobs_mode: str, detector_eos: int | None) -> SamplingRow:
+    """What the sampler needs for one sequence's next token: its params, bans (min_tokens), forced tokens."""
+    p = seq.params
+    banned = None
+    if seq.num_output_tokens < p.min_tokens:
+        banned = list(eos_token_ids) + list(p.stop_token_ids)
+    mode = p.logprobs_mode or logprobs_mode
+    forced = p.forced_token_ids
+    forced_id = forced[seq.num_output_tokens] if forced and seq.num_output_tokens < len(forced) else None
+    if seq.detected is not None:  # a detector fired on the last token: EOS, one-hot, as prime-rl forces it
+        forced_id = detector_eos
+    return SamplingRow(
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p,
+        min_p=p.min_p,
+        generator=seq.generator,
+        num_logprobs=p.logprobs,
+        raw_logprobs=mode == "raw",
+        banned_ids=banned,
+        forced_id=forced_id,
+        logit_bias=p.logit_bias,
+        penalties=(
+            (p.repetition_penalty, p.presence_penalty, p.frequency_penalty, seq.request.prompt_token_ids,
+             seq.output_token_ids)
+            if p.penalized
+            else None
+        ),
+    )

@@ -246,7 +246,7 @@ def cpu_kernels() -> CpuKernels | None:
 def _self_check(kernels: CpuKernels) -> None:
     """Each kernel against the PyTorch ops it replaces, once per process: a build that computes
     something else is never used. Attention goes through a generic and a special-cased head size."""
-    from rlserve.model.llama import apply_rope
+    from rlserve.model.rope import apply_rope
 
     gen = torch.Generator().manual_seed(0)
 

@@ -14,7 +14,8 @@ import torch
 from safetensors import safe_open
 
 from rlserve.model import moe
-from rlserve.model.llama import CausalLM, ModelShape
+from rlserve.model.llama import CausalLM
+from rlserve.model.shape import ModelShape
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # HF suffix -> (our suffix, index of the slice inside the fused tensor)
@@ -270,3 +271,17 @@ def load_model(
     if missing:
         raise ValueError(f"{model_dir}: missing tensors, e.g. {missing[:3]}")
     return model.eval()
+
+
+def eos_token_ids(model_dir: Path, hf_config, tokenizer) -> frozenset[int]:
+    """Every id that ends a sequence: generation_config.json's, config.json's and the tokenizer's."""
+    ids = set()
+    gen_cfg = model_dir / "generation_config.json"
+    if gen_cfg.exists():
+        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    eos = getattr(hf_config, "eos_token_id", None)
+    ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load
 
-from rlserve.model.llama import ModelShape
+from rlserve.model.shape import ModelShape
 from rlserve.model.loader import checked_file, read_regular
 
 # PEFT module name -> (our fused projection, index of the slice)

@@ -23,6 +23,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 # Bump whenever the generator's output changes; the default model's cache folder also carries a
 # hash of this file (default_model_dir), so an edit here never reuses a stale build.
+ASSETS = Path(__file__).parent / "assets"  # the chat template and the tokenizer corpus, as plain files
 FORMAT_VERSION = 2
 TOKENIZER_SIZE = 2048
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -105,97 +106,7 @@ PRESETS |= {
 ROUTER_GAIN = 4.0
 
 # Qwen3's own ChatML template (hermes-style tools, <think> for the latest assistant turn).
-CHAT_TEMPLATE = """\
-{%- if tools %}
-    {{- '<|im_start|>system\\n' }}
-    {%- if messages[0].role == 'system' %}
-        {{- messages[0].content + '\\n\\n' }}
-    {%- endif %}
-    {{- "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
-    {%- for tool in tools %}
-        {{- "\\n" }}
-        {{- tool | tojson }}
-    {%- endfor %}
-    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
-{%- else %}
-    {%- if messages[0].role == 'system' %}
-        {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
-    {%- endif %}
-{%- endif %}
-{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
-{%- for message in messages[::-1] %}
-    {%- set index = (messages|length - 1) - loop.index0 %}
-    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
-        {%- set ns.multi_step_tool = false %}
-        {%- set ns.last_query_index = index %}
-    {%- endif %}
-{%- endfor %}
-{%- for message in messages %}
-    {%- if message.content is string %}
-        {%- set content = message.content %}
-    {%- else %}
-        {%- set content = '' %}
-    {%- endif %}
-    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
-        {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}
-    {%- elif message.role == "assistant" %}
-        {%- set reasoning_content = '' %}
-        {%- if message.reasoning_content is string %}
-            {%- set reasoning_content = message.reasoning_content %}
-        {%- else %}
-            {%- if '</think>' in content %}
-                {%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
-                {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
-            {%- endif %}
-        {%- endif %}
-        {%- if loop.index0 > ns.last_query_index %}
-            {%- if loop.last or (not loop.last and reasoning_content) %}
-                {{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}
-            {%- else %}
-                {{- '<|im_start|>' + message.role + '\\n' + content }}
-            {%- endif %}
-        {%- else %}
-            {{- '<|im_start|>' + message.role + '\\n' + content }}
-        {%- endif %}
-        {%- if message.tool_calls %}
-            {%- for tool_call in message.tool_calls %}
-                {%- if (loop.first and content) or (not loop.first) %}
-                    {{- '\\n' }}
-                {%- endif %}
-                {%- if tool_call.function %}
-                    {%- set tool_call = tool_call.function %}
-                {%- endif %}
-                {{- '<tool_call>\\n{"name": "' }}
-                {{- tool_call.name }}
-                {{- '", "arguments": ' }}
-                {%- if tool_call.arguments is string %}
-                    {{- tool_call.arguments }}
-                {%- else %}
-                    {{- tool_call.arguments | tojson }}
-                {%- endif %}
-                {{- '}\\n</tool_call>' }}
-            {%- endfor %}
-        {%- endif %}
-        {{- '<|im_end|>\\n' }}
-    {%- elif message.role == "tool" %}
-        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
-            {{- '<|im_start|>user' }}
-        {%- endif %}
-        {{- '\\n<tool_response>\\n' }}
-        {{- content }}
-        {{- '\\n</tool_response>' }}
-        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
-            {{- '<|im_end|>\\n' }}
-        {%- endif %}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\\n' }}
-    {%- if enable_thinking is defined and enable_thinking is false %}
-        {{- '<think>\\n\\n</think>\\n\\n' }}
-    {%- endif %}
-{%- endif %}
-"""
+CHAT_TEMPLATE = (ASSETS / "chat_template.jinja").read_text()
 
 
 _ADDED_TOKENS = [(QWEN3_SPECIAL_TOKENS, True), (QWEN3_MARKUP_TOKENS, False), (SPECIAL_TOKENS, True),
@@ -400,7 +311,11 @@ def default_model_dir() -> Path:
 
 
 def generator_hash() -> str:
-    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
+    """Of this file and its assets: a change to either makes a new cache directory."""
+    h = hashlib.sha256(Path(__file__).read_bytes())
+    for asset in sorted(ASSETS.iterdir()):
+        h.update(asset.read_bytes())
+    return h.hexdigest()[:12]
 
 
 def make_model_main(argv: list[str] | None = None) -> int:
@@ -420,119 +335,4 @@ def make_model_main(argv: list[str] | None = None) -> int:
 
 
 # Varied plain English for the BPE merges; the tokenizer (and so every token id) depends on it.
-CORPUS = """\
-The morning train left the station a few minutes late, and most of the passengers did not seem to mind. A woman by the window was reading a thick paperback about the history of bridges, while two students argued quietly about whether their project would be finished before the weekend. Outside, the fields were still wet from the rain that had fallen through the night, and the light came in low and gold across the seats.
-
-When the conductor walked through the carriage, he checked each ticket with a small nod. "Change at the next stop for the coast," he said to an older man who had asked twice already. The man thanked him, folded the ticket into his coat pocket, and went back to looking at the hills.
-
-How to make a simple loaf of bread: mix five hundred grams of flour with ten grams of salt and seven grams of dried yeast. Add about three hundred and fifty millilitres of warm water and stir until there is no dry flour left. Knead the dough for ten minutes, until it feels smooth and springs back when you press it. Cover the bowl and leave it somewhere warm for an hour, or until the dough has doubled in size. Shape it, let it rise again for forty minutes, then bake at two hundred and twenty degrees for about thirty minutes. The loaf is done when it sounds hollow if you tap the bottom.
-
-Question: What is the capital of France?
-Answer: The capital of France is Paris.
-
-Question: If a train travels 120 kilometres in 2 hours, what is its average speed?
-Answer: Its average speed is 120 / 2 = 60 kilometres per hour.
-
-Question: What is 17 + 25?
-Answer: 17 + 25 = 42.
-
-Let's think step by step. First, we need to find the total number of apples. There are 3 baskets with 12 apples each, so 3 * 12 = 36 apples. Then 8 apples are eaten, which leaves 36 - 8 = 28 apples. So the answer is 28.
-
-We can check the result another way. If each of the 4 friends gets 7 apples, that is 4 * 7 = 28, which matches. Therefore the final answer is 28.
-
-The user wants to know the weather in Berlin, so I should call the weather tool with the city name. After the tool returns, I will summarise the forecast in one or two sentences.
-
-Scientists have long been interested in how birds find their way over thousands of kilometres. Some species seem to use the position of the sun during the day and the pattern of stars at night. Others appear to sense the magnetic field of the Earth, and many probably combine several cues at once. Young birds that migrate alone for the first time often follow a fixed direction for a fixed amount of time, which suggests that part of the route is inherited rather than learned.
-
-In the small town where I grew up, the library was open only three days a week. On those days it was full of children doing homework, retired teachers reading newspapers, and people who simply wanted a quiet place to sit. The librarian knew everyone by name. She remembered which books you had borrowed, which ones you had returned late, and which ones you had pretended to read.
-
-def fibonacci(n):
-    # Return the first n Fibonacci numbers.
-    numbers = [0, 1]
-    while len(numbers) < n:
-        numbers.append(numbers[-1] + numbers[-2])
-    return numbers[:n]
-
-
-for i, value in enumerate(fibonacci(10)):
-    print(f"{i}: {value}")
-
-import json
-
-with open("config.json") as f:
-    config = json.load(f)
-print(config["name"], config.get("version", "unknown"))
-
-class Counter:
-    def __init__(self):
-        self.count = 0
-
-    def increment(self, step=1):
-        self.count += step
-        return self.count
-
-{"name": "get_weather", "arguments": {"city": "Berlin", "unit": "celsius"}}
-{"name": "search", "arguments": {"query": "best hiking trails near the lake", "limit": 5}}
-{"temperature": 18, "condition": "partly cloudy", "humidity": 0.64}
-
-Dear team,
-
-Thank you all for your hard work this quarter. We shipped the new version on time, fixed more than two hundred bugs, and reduced the average response time by almost half. I know that the last few weeks were demanding, and I want you to take some time to rest before we start planning the next release. Please send me your notes about what went well and what we should change by Friday.
-
-Best regards,
-Maria
-
-Meeting notes, Tuesday:
-- Review the draft budget for next year.
-- Decide who will present the results at the conference in May.
-- Agree on a new schedule for the weekly status call.
-- Action items: Tom will update the document, Priya will contact the venue, and Alex will collect feedback from customers.
-
-The river was wider than it looked from the road. We stood on the bank for a long time, watching the water move around the stones, before anyone suggested that we should try to cross. In the end we walked another mile upstream to a wooden bridge that an old farmer had told us about. It was narrow and a little unsteady, but it held, and by the afternoon we had reached the village on the other side.
-
-There are many ways to learn a new language. Some people prefer classes with a teacher and a fixed plan, while others learn best by reading, listening to music, or talking with friends. Whatever method you choose, the most important thing is to practise a little every day. Even ten minutes of regular practice is better than a long session once a month.
-
-Here is a short summary of the article. The authors measured the effect of sleep on memory in a group of sixty volunteers. Participants who slept for at least seven hours remembered significantly more words the next morning than those who stayed awake. The effect was strongest for words that had been learned just before going to bed.
-
-A good answer is clear, correct, and no longer than it needs to be. If you are not sure about something, say so, and explain what would help you find out. When a question has several parts, answer each part in order. When a problem involves numbers, show the steps so that the reader can check them.
-
-Monday, January 6: cold and bright, with a light wind from the north.
-Wednesday, March 19: heavy rain in the morning, clearing in the evening.
-Saturday, July 12: hot and humid, with a chance of thunder after four o'clock.
-Thursday, October 30: foggy at first, then mild and sunny.
-
-The price of the ticket is $24.99, or $19.99 if you book online at least a week in advance. Children under 12 travel free with an adult. Please keep your receipt, as you may be asked to show it during the journey.
-
-She opened the door slowly. The room was exactly as she had left it ten years ago: the desk under the window, the shelves full of notebooks, the blue lamp with its crooked shade. Only the clock on the wall had stopped, at twenty past three, as if it had been waiting for her to come back.
-
-To install the package, run the following command in your terminal:
-
-    pip install example-package
-
-Then import it in your code and create a client. If you see an error about a missing dependency, upgrade pip and try again. The documentation contains more examples, a list of all the options, and answers to common questions.
-
-Error: file not found. Please check that the path is correct and that you have permission to read it.
-Warning: the value of timeout is very low; some requests may fail.
-Info: the server started on port 8000 and is ready to accept connections.
-
-The history of mathematics is full of problems that looked simple but took centuries to solve. Some were answered with new ideas that changed whole fields, and others are still open today. A famous example is the question of whether every even number greater than two is the sum of two prime numbers. It has been checked for enormous numbers, yet no one has found a proof.
-
-In the kitchen, the soup was almost ready. He tasted it, added a pinch of salt and some black pepper, and turned the heat down. The bread was still warm, the table was set for four, and through the window he could see his friends walking up the path, laughing about something he could not hear.
-
-Frequently asked questions about the service:
-Can I change my order after it has been placed? Yes, as long as it has not been shipped yet. Open your account, select the order, and choose the option to edit it.
-How long does delivery take? Most orders arrive within three to five working days. Remote areas may take a little longer.
-What happens if an item arrives damaged? Take a photograph of the damage, keep the packaging, and contact our support team. We will send a replacement or refund the full amount.
-
-The museum is organised chronologically. The ground floor covers the ancient world, with pottery, coins, tools and jewellery from several civilisations. The first floor is devoted to medieval art and manuscripts, and the top floor holds paintings and sculpture from the last two centuries. Guided tours start every hour, and an audio guide is available in eight languages.
-
-Photosynthesis is the process by which green plants use sunlight, water and carbon dioxide to produce glucose and oxygen. It takes place mainly in the leaves, inside structures called chloroplasts, which contain the pigment chlorophyll. The glucose provides energy for growth, while the oxygen is released into the air.
-
-Good morning! I hope you slept well. Today we're going to talk about three things: why the experiment failed, what we learned from it, and how we'll design the next one. Please stop me at any point if something isn't clear; questions are welcome, and there are no silly ones.
-
-Keyboard shortcuts: press Ctrl+S to save, Ctrl+Z to undo, and Ctrl+Shift+P to open the command palette. On a Mac, use Cmd instead of Ctrl.
-
-SELECT name, email FROM users WHERE created_at > '2024-01-01' ORDER BY name LIMIT 20;
-
-The orchestra tuned their instruments while the audience found their seats. Then the lights dimmed, the conductor raised his baton, and for a moment the whole hall was perfectly silent.
-"""
+CORPUS = (ASSETS / "corpus.txt").read_text()

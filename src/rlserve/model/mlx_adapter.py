@@ -8,7 +8,7 @@ from pathlib import Path
 
 from safetensors.torch import load, save_file
 
-from rlserve.model.llama import ModelShape
+from rlserve.model.shape import ModelShape
 from rlserve.model.lora import MODULES
 
 _NAME = re.compile(r"^(?:model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([ab])$")

@@ -7,38 +7,16 @@ renormalisation, per-expert contributions summed in expert order) so logprobs ma
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from rlserve.model.shape import MoeShape
 
 if TYPE_CHECKING:
     from rlserve.model.cpu_kernels import CpuKernels
     from rlserve.model.lora import LoraBatch
-
-
-@dataclass(frozen=True, slots=True)
-class MoeShape:
-    num_experts: int
-    top_k: int
-    norm_topk_prob: bool
-    intermediate_size: int  # of one expert
-    sparse_layers: tuple[int, ...]  # the layers whose MLP is the expert block
-
-    @classmethod
-    def from_hf(cls, cfg, num_layers: int) -> "MoeShape":
-        step = getattr(cfg, "decoder_sparse_step", 1) or 1
-        dense = set(getattr(cfg, "mlp_only_layers", None) or [])
-        sparse = tuple(i for i in range(num_layers) if i not in dense and cfg.num_experts > 0 and (i + 1) % step == 0)
-        if cfg.num_experts_per_tok > cfg.num_experts:
-            raise ValueError(f"num_experts_per_tok ({cfg.num_experts_per_tok}) exceeds num_experts ({cfg.num_experts})")
-        return cls(cfg.num_experts, cfg.num_experts_per_tok, bool(cfg.norm_topk_prob), cfg.moe_intermediate_size, sparse)
-
-    @property
-    def expert_id_dtype(self) -> torch.dtype:
-        return torch.uint8 if self.num_experts <= 256 else torch.int16
 
 
 def checkpoint_shapes(moe: MoeShape, hidden: int, layer: int) -> dict[str, tuple[int, ...]]:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from rlserve.model.llama import ModelShape
+    from rlserve.model.shape import ModelShape
     from rlserve.model.lora import LoraAdapter
 
 _COLUMN = re.compile(r"\.(self_attn\.(q_proj|k_proj|v_proj)|mlp\.(gate_proj|up_proj))\.(weight|bias)$")

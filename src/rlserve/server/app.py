@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import importlib.metadata
 import logging
 import signal
@@ -17,26 +16,27 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from rlserve.config import Config, warn_unapplied
-from rlserve.engine.async_engine import AsyncEngine, EngineDeadError
-from rlserve.engine.client import EngineClient
-from rlserve.engine.data_parallel import DataParallelClient, check_parallel, routing_hint
-from rlserve.engine.spawn import EngineProcess
-from rlserve.server import (chat, completions, control, deployment_guard, generate, responses, tokenization,
-                            vllm_weights, worker_routes)
-from rlserve.server.chat_template import load_template
+from rlserve.config.schema import Config, warn_unapplied
+from rlserve.runtime.face import EngineDeadError, EngineFace
+from rlserve.runtime.inproc import AsyncEngine
+from rlserve.runtime.proc_client import EngineClient
+from rlserve.runtime.data_parallel import DataParallelClient, check_parallel, routing_hint
+from rlserve.runtime.spawn import EngineProcess
+from rlserve.server.fleet import deployment_guard, worker_routes
+from rlserve.server.openai import chat, completions, responses, tokenization
+from rlserve.server.rl import control, generate
+from rlserve.server.rl import weights as vllm_weights
+from rlserve.server.openai.chat_template import load_template
 from rlserve.server.errors import APIError, install_error_handlers
-from rlserve.server.listen import ADMIN_PATHS, bind, check_admin_exposure
+from rlserve.server.listen import bind, check_admin_exposure
 from rlserve.server.limits import BodyGuard
 from rlserve.server.openapi import install_openapi
 from rlserve.server.metrics import Metrics
-from rlserve.server.serving import ServerState
+from rlserve.server.state import ServerState
+from rlserve.server.auth import Gate
 
 log = logging.getLogger("rlserve.server")
 
-# no key needed: router health probes and Prometheus scrapers carry none (§2.13)
-PUBLIC_PATHS = frozenset({"/health", "/liveness", "/ping", "/version", "/load", "/get_load", "/metrics", "/docs",
-                          "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 
 router = APIRouter()
 
@@ -45,7 +45,7 @@ def served_model_name(config: Config) -> str:
     return config.model.served_model_name or config.model.name or "rlserve-default"
 
 
-def build_app(engine: AsyncEngine | EngineClient, config: Config) -> FastAPI:
+def build_app(engine: EngineFace, config: Config) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await engine.start()  # the engine client reads its process's messages in this event loop
@@ -88,7 +88,7 @@ class RoutingHints:
         await self.app(scope, receive, send)
 
 
-def _schema_limits(engine: AsyncEngine, config: Config) -> dict[str, int]:
+def _schema_limits(engine: EngineFace, config: Config) -> dict[str, int]:
     """Caps of this configuration that /openapi.json states as maxima."""
     limits = {"n": config.engine.max_num_seqs}
     if config.engine.max_logprobs != -1:
@@ -96,48 +96,6 @@ def _schema_limits(engine: AsyncEngine, config: Config) -> dict[str, int]:
                                 config.engine.max_logprobs)
     vocab_max = engine.vocab_size - 1
     return limits | dict.fromkeys(("token_ids", "input_ids", "tokens", "stop_token_ids"), vocab_max)
-
-
-class Gate:
-    """Drops a trailing slash before routing (TRL legacy uses them; no redirects) and checks keys:
-    admin routes need admin_api_key when it is set; every other non-public route needs api_key
-    (the admin key is accepted there too). While shutting down, new work gets 503."""
-
-    def __init__(self, app: ASGIApp, api_key: str | None, admin_api_key: str | None = None,
-                 state: ServerState | None = None):
-        self.app, self.api_key, self.admin_api_key, self.state = app, api_key, admin_api_key, state
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            path = scope["path"]
-            if len(path) > 1 and path.endswith("/"):
-                path = path.rstrip("/") or "/"
-                scope = {**scope, "path": path, "raw_path": scope.get("raw_path", b"").rstrip(b"/")}
-            if path in ADMIN_PATHS and self.admin_api_key:
-                allowed = [self.admin_api_key]
-            elif path in PUBLIC_PATHS:
-                allowed = []
-            else:
-                allowed = [k for k in (self.api_key, self.admin_api_key if self.api_key else None) if k]
-            if allowed and not self._authorized(scope, allowed):
-                await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
-                return
-            # admin routes stay open so a trainer can still resume or abort what is held
-            if self.state is not None and self.state.draining and path not in ADMIN_PATHS | {"/metrics"}:
-                error = APIError(503, "the server is shutting down: send new requests to another replica")
-                await JSONResponse(error.body(), status_code=503, headers={"Retry-After": "1"})(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-    @staticmethod
-    def _authorized(scope: Scope, keys: list[str]) -> bool:
-        for key, value in scope.get("headers", ()):
-            if key == b"authorization":
-                scheme, _, token = value.decode("latin-1").partition(" ")
-                token = token.strip().encode()
-                matches = [hmac.compare_digest(token, k.encode()) for k in keys]  # no early exit: constant time
-                return scheme.lower() == "bearer" and any(matches)
-        return False
 
 
 def _state(request: Request) -> ServerState:
@@ -213,7 +171,7 @@ def serve(config: Config, engine_process: EngineProcess | None = None) -> None:
         try:
             check_parallel(config)
             if config.parallel.dp > 1:
-                engine: AsyncEngine | EngineClient | DataParallelClient = DataParallelClient(config)
+                engine: EngineFace = DataParallelClient(config)
             elif config.engine.core_process:
                 engine, engine_process = EngineClient(config, process=engine_process), None
             else:

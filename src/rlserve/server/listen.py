@@ -6,16 +6,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 
-from rlserve.config import Config
-
-# routes that change what every user is served: admin_api_key guards them, deployments own them
-ADMIN_PATHS = frozenset({
-    "/update_weights", "/init_broadcaster", "/pause", "/resume", "/abort_requests", "/reset_prefix_cache",
-    "/load_lora_adapter", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/load_adapter", "/upload_adapter",
-    "/update_weights_from_disk", "/pause_generation", "/continue_generation", "/flush_cache", "/abort_request",
-    "/update_weight_version",
-    "/init_weight_transfer_engine", "/start_weight_update", "/finish_weight_update",  # vLLM's (vllm_weights.py)
-})
+from rlserve.config.schema import Config
 
 
 def check_admin_exposure(config: Config) -> None:

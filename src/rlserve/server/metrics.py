@@ -1,4 +1,4 @@
-"""Prometheus metrics under vLLM's names (wire-protocols §2.12), one registry per app.
+"""Prometheus metrics under vLLM's names (docs/protocols.md §2.12), one registry per app.
 
 Engine gauges and counters are read from `engine.stats` at scrape time; request histograms are
 observed by the server as outputs stream by.
@@ -12,11 +12,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from rlserve.engine.async_engine import AsyncEngine
+from rlserve.runtime.face import EngineFace
 from rlserve.engine.outputs import RequestOutput
 
 
-def weight_version(engine: AsyncEngine) -> str:
+def weight_version(engine: EngineFace) -> str:
     """The trainer-owned label (§2.15); "default" until weight updates set one on the engine."""
     return engine.weight_version or "default"
 
@@ -41,7 +41,7 @@ def token_buckets(limit: int) -> list[float]:
 
 
 class Metrics:
-    def __init__(self, engine: AsyncEngine, model_name: str):
+    def __init__(self, engine: EngineFace, model_name: str):
         self.registry = CollectorRegistry(auto_describe=True)
         self.labels = {"model_name": model_name, "engine": "0"}
         reg, labels = self.registry, LABELS
@@ -112,7 +112,7 @@ class RequestTimer:
 
 
 class _EngineCollector(Collector):
-    def __init__(self, engine: AsyncEngine, labels: dict[str, str]):
+    def __init__(self, engine: EngineFace, labels: dict[str, str]):
         self.engine, self.labels = engine, labels
 
     def collect(self):
@@ -186,7 +186,7 @@ def _offload_metrics(s, names: list[str], values: list[str]):
 
 
 def _transfer_metrics(s, names: list[str], values: list[str]):
-    """Prefill/decode KV transfer (engine/kv_transfer.py); zeros without kv_transfer."""
+    """Prefill/decode KV transfer (engine/kv/transfer.py); zeros without kv_transfer."""
 
     def family(kind, name: str, doc: str, points: dict[str, float]):
         m = kind(name, doc, labels=names + ["direction"])

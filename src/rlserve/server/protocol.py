@@ -59,7 +59,7 @@ class StreamOptions(Body):
 
 
 class GenerationFields(PolicyWindow):
-    """Fields shared by /v1/completions and /v1/chat/completions (wire-protocols §2.1)."""
+    """Fields shared by /v1/completions and /v1/chat/completions (docs/protocols.md §2.1)."""
 
     model: str | None = None
     n: int = bound(1, minimum=1)
@@ -94,7 +94,7 @@ class GenerationFields(PolicyWindow):
 
 
 class CompletionRequest(GenerationFields):
-    # checked in completions.py for a clearer message than a union's
+    # checked in openai/completions.py for a clearer message than a union's
     prompt: Any = Field(None, json_schema_extra={"anyOf": [
         {"type": "string"}, {"type": "array", "items": {"type": "string"}},
         {"type": "array", "items": {"type": "integer"}},

@@ -1,0 +1,312 @@
+"""The whole config tree. Loading from files, flags and env lives in config/load.py; the rules that span
+sections (checked whenever a Config is built) in config/checks.py."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from rlserve.config.checks import check_combinations
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    name: str | None = Field(None, description="HF model directory or hub id; none = the embedded default model")
+    max_model_len: int | None = Field(None, ge=2, description="context length; none = the model's own")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="auto = float32 on CPU (exact against an fp32 trainer), bfloat16 on CUDA; bfloat16 on "
+        "CPU is the fast path where the CPU has native bf16 (AVX512_BF16 or AMX)",
+    )
+    lm_head_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="dtype of the LM head and the logits after it (log_softmax and sampling are always "
+        "float32); auto = float32, which for a bf16 model costs a float32 copy of the head weight and "
+        "keeps logprobs close to an fp32 forward; set it to the model dtype to run the head in that",
+    )
+    device: str = Field(
+        default_factory=lambda: os.environ.get("RLSERVE_DEVICE") or "auto",
+        description="auto, cpu, cuda, cuda:N or mps; its default is $RLSERVE_DEVICE when set, else auto "
+        "(cuda where torch sees a GPU)",
+    )
+    enforce_eager: bool = Field(False, description="never capture CUDA graphs")
+    trust_remote_code: bool = Field(False, description="allow custom code from the model directory")
+    chat_template: str | None = Field(None, description="a Jinja chat template (file path or inline) replacing the model's")
+    served_model_name: str | None = Field(None, description="the name clients use; default = model.name")
+    tool_call_parser: Literal["hermes", "llama3_json", "llama4_json", "mistral"] | None = Field(
+        None, description="parse tool calls out of chat output when a request has tools; none = raw text"
+    )
+    reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = Field(
+        None, description="split <think> reasoning from chat content; none = raw text"
+    )
+
+
+class ServerConfig(Section):
+    host: str = Field("127.0.0.1", description="interface to bind")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port (0 = any free port)")
+    api_key: str | None = Field(None, description="Bearer key required on every route but /health and /metrics")
+    admin_api_key: str | None = Field(None, description="Bearer key required on admin routes (updates, pause, adapters)")
+    log_level: str = Field("info", description="uvicorn log level")
+    allow_open_admin: bool = Field(
+        False, description="serve admin routes (weights, adapters, pause) without admin_api_key on a non-loopback host"
+    )
+    max_upload_bytes: int = Field(1 << 30, ge=1, description="largest /upload_adapter body")
+    shutdown_grace_s: float = Field(
+        30.0, ge=0, description="after SIGTERM: how long in-flight requests may run before they are aborted"
+    )
+    # request caps (over one: a 4xx naming the cap; docs/errors.md)
+    max_body_bytes: int = Field(8 << 20, ge=1024, description="largest request body; bigger ones get 413 before they are read")
+    max_waiting_requests: int = Field(
+        8192, ge=0, description="requests queued in the engine beyond which new ones get 429 with Retry-After (0 = no cap)"
+    )
+    max_stop_strings: int = Field(64, ge=0, description="most stop strings one request may send")
+    max_stop_string_chars: int = Field(1024, ge=1, description="longest stop string")
+    trust_request_chat_template: bool = Field(
+        False, description="accept a per-request chat_template (rendered sandboxed, bounded in time and size)"
+    )
+
+
+class EngineConfig(Section):
+    max_num_seqs: int = Field(256, ge=1, description="most sequences in one batch")
+    max_num_batched_tokens: int = Field(2048, ge=16, description="token budget of one engine step")
+    block_size: int = Field(16, ge=1, description="tokens per KV-cache block")
+    kv_cache_bytes: int | None = Field(
+        None, ge=1, description="KV-cache pool size in bytes; none = enough for max_num_seqs, capped by memory"
+    )
+    enable_prefix_caching: bool = Field(True, description="reuse KV of identical prompt prefixes")
+    cascade_attention: bool = Field(
+        True,
+        description="CPU, without the C kernels: decode attention over a prefix shared by "
+        "several sequences reads it once",
+    )
+    pack_weights: bool = Field(
+        True,
+        description="CPU: keep a second, packed copy of every projection's weight (fp32: MKL, 1.3-2.3x "
+        "faster decode matmuls; bf16: oneDNN, 1.2-2x; costs the weights' size again in memory, and is "
+        "skipped when that is more than half the available memory)",
+    )
+    cpu_kernels: bool = Field(
+        True,
+        description="CPU, fp32 or bf16: decode attention and the element-wise steps between matmuls run in C "
+        "kernels (decode attention reads K/V where they lie in the paged cache), built with the "
+        "machine's C compiler at first use; without one, PyTorch ops",
+    )
+    logprobs_mode: Literal["processed", "raw"] = Field(
+        "processed", description="processed = the distribution sampled from; raw = log_softmax of the logits"
+    )
+    max_logprobs: int = Field(20, ge=-1, description="most top logprobs a request may ask for (-1 = no cap)")
+    core_process: bool = Field(
+        True, description="run the step loop in its own process (false: a thread of the HTTP server's process)"
+    )
+    allow_forced_tokens: bool = Field(
+        False, description="testing only: accept vllm_xargs.forced_token_ids (the first completion tokens)"
+    )
+
+
+class RouterConfig(Section):
+    type: Literal["vllm-router"] = Field("vllm-router", description="the router in front of several replicas")
+    policy: Literal["consistent_hash", "round_robin", "power_of_two", "cache_aware"] = Field(
+        "consistent_hash", description="consistent_hash keeps an X-Session-ID on one replica"
+    )
+    extra_args: list[str] = Field(default_factory=list, description="more vllm-router arguments, passed as given")
+    allow_open_worker_routes: bool = Field(
+        False, description="run the router on a non-loopback server.host although its worker routes "
+        "(/add_worker, /remove_worker) take no key (behind a firewall that admits only your clients)"
+    )
+
+
+class DeploymentConfig(Section):
+    type: Literal["single_node", "multi_node", "disaggregated"] = Field(
+        "single_node", description="single_node: replicas on this machine; multi_node: one replica per Ray node; "
+        "disaggregated: prefill and decode replicas behind vllm-router's P/D mode, KV moved between them"
+    )
+    replicas: int = Field(1, ge=1, description="engine servers on this machine (single_node); 1 = no router")
+    num_nodes: int = Field(1, ge=1, description="multi_node: Ray nodes, one replica each")
+    backend_port: int | None = Field(
+        None, ge=0, le=65535, description="first replica port (replica i: +i); none = free ports"
+    )
+    admin_port: int | None = Field(
+        None, ge=0, le=65535, description="admin fan-out address of every replica; none = server.port + 1"
+    )
+    ray_address: str = Field("auto", description="multi_node, disaggregated on Ray: the Ray cluster to join")
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    num_prefill_replicas: int = Field(1, ge=1, description="disaggregated: prefill servers on this machine")
+    num_decode_replicas: int = Field(1, ge=1, description="disaggregated: decode servers on this machine")
+    num_prefill_nodes: int | None = Field(
+        None, ge=1, description="disaggregated on Ray: Ray nodes with one prefill server each; setting it (or "
+        "num_decode_nodes) places the servers on the cluster at ray_address instead of this machine"
+    )
+    num_decode_nodes: int | None = Field(
+        None, ge=1, description="disaggregated on Ray: Ray nodes with one decode server each (default 1 on Ray)"
+    )
+    prefill_env_vars: dict[str, str] = Field(default_factory=dict, description="disaggregated: extra environment "
+                                             "of every prefill server")
+    decode_env_vars: dict[str, str] = Field(default_factory=dict, description="disaggregated: extra environment "
+                                            "of every decode server")
+    non_cached_tokens: int = Field(
+        0, ge=0, description="disaggregated: a request with fewer prompt tokens missing from the decode server's "
+        "prefix cache is prefilled there instead of pulling KV (kv_transfer.non_cached_tokens)"
+    )
+    bind_cores: bool = Field(
+        True, description="replicas on this machine: give each its own CPU cores (sched_setaffinity, inherited by its "
+        "threads and engine processes) when their threads fit the cores this process may use; false = the OS "
+        "places them. Unbound, the scheduler puts a KV pull's sender and receiver on one core"
+    )
+
+    @property
+    def on_ray(self) -> bool:
+        """multi_node, or disaggregated with num_prefill_nodes / num_decode_nodes: one server per Ray node."""
+        return self.type == "multi_node" or (
+            self.type == "disaggregated" and (self.num_prefill_nodes, self.num_decode_nodes) != (None, None))
+
+    @property
+    def prefill_servers(self) -> int:
+        if self.type != "disaggregated":
+            return 0
+        return (self.num_prefill_nodes or 1) if self.on_ray else self.num_prefill_replicas
+
+    @property
+    def decode_servers(self) -> int:
+        if self.type != "disaggregated":
+            return 0
+        return (self.num_decode_nodes or 1) if self.on_ray else self.num_decode_replicas
+
+    @property
+    def size(self) -> int:
+        if self.type == "disaggregated":
+            return self.prefill_servers + self.decode_servers
+        return self.num_nodes if self.type == "multi_node" else self.replicas
+
+    def role(self, index: int) -> str | None:
+        """disaggregated: replica `index` is "prefill" (the first prefill_servers) or "decode"."""
+        if self.type != "disaggregated":
+            return None
+        return "prefill" if index < self.prefill_servers else "decode"
+
+    @property
+    def enabled(self) -> bool:
+        return self.type != "single_node" or self.replicas > 1
+
+
+class ParallelConfig(Section):
+    tp: int = Field(1, ge=1, description="tensor-parallel ranks per engine")
+    dp: int = Field(1, ge=1, description="data-parallel engines behind the one API server")
+
+
+class GibberishDetectionConfig(Section):
+    token_id_threshold: int = Field(100_000, ge=0, description="a sampled token is rare when its id is above this")
+    logprob_offset: float = Field(
+        2.0, description="... and gibberish when, also, its logprob is below -log(vocab_size) - logprob_offset"
+    )
+
+
+class RepetitionDetectionConfig(Section):
+    window: int = Field(3000, ge=1, description="fire after this many consecutive confident tokens")
+    prob_threshold: float = Field(0.99, gt=0, lt=1, description="a token is confident when the top probability exceeds this")
+
+
+class LogitsProcessorsConfig(Section):
+    """prime-rl's rollout detectors (engine/detectors.py): a present section turns one on; when it
+    fires the sequence ends with EOS, finish_reason "stop" and stop_reason naming it."""
+
+    gibberish_detection: GibberishDetectionConfig | None = Field(
+        None, description="end sequences that draw a rare token at high entropy"
+    )
+    repetition_detection: RepetitionDetectionConfig | None = Field(
+        None, description="end sequences stuck in a confident repetition loop"
+    )
+
+
+class KVOffloadCPUConfig(Section):
+    num_bytes: int = Field(..., ge=1, description="host memory for KV blocks evicted from the engine's pool")
+
+
+class KVOffloadDiskConfig(Section):
+    path: str = Field(..., description="an existing, writable directory; blocks the CPU tier spills go to files under it")
+    num_bytes: int | None = Field(None, ge=1, description="cap on the disk tier's files; none = until the disk is full")
+
+
+class KVOffloadConfig(Section):
+    type: Literal["native"] = Field("native", description="the offload implementation (rlserve's own)")
+    cpu: KVOffloadCPUConfig | None = Field(None, description="the CPU tier (required)")
+    disk: KVOffloadDiskConfig | None = Field(None, description="an optional disk tier behind the CPU tier")
+
+    @model_validator(mode="after")
+    def _needs_cpu(self) -> "KVOffloadConfig":
+        if self.cpu is None:
+            what = "a disk tier alone is not supported: " if self.disk is not None else ""
+            raise ValueError(f"{what}kv_cache_offload needs a CPU tier: set kv_cache_offload.cpu.num_bytes")
+        return self
+
+
+class KVTransferConfig(Section):
+    """Prefill/decode disaggregation (docs/disaggregation.md): this server serves the KV of requests it
+    prefilled for a decode server (kv_transfer_params.do_remote_decode) and pulls KV from a prefill
+    server (do_remote_prefill)."""
+
+    host: str = Field("127.0.0.1", description="address the KV block server listens on and tells decode servers")
+    port: int = Field(0, ge=0, le=65535, description="KV block server port; 0 = a free port")
+    pin_timeout_s: float = Field(
+        120.0, gt=0, description="a prefilled request's KV stays pinned this long for its decode server, at most"
+    )
+    pull_timeout_s: float = Field(60.0, gt=0, description="socket timeout of a decode server's pull; then it prefills itself")
+    non_cached_tokens: int = Field(
+        0, ge=0, description="decode side: below this many prompt tokens missing from its own prefix cache, "
+        "prefill locally instead of pulling"
+    )
+    peer_hosts: list[str] = Field(
+        ["127.0.0.1", "::1", "localhost"],
+        description="decode side: the prefill servers' hosts it may pull from; a request naming another "
+        "remote_host is prefilled locally (a client cannot make this server connect elsewhere)",
+    )
+
+
+class Config(Section):
+    seed: int = Field(0, description="seed of the engine's generator for unseeded requests")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1,
+        description="fraction of the device's memory (CPU: of the memory available at start) that weights plus "
+        "the KV cache may use; sizes the KV pool when engine.kv_cache_bytes and memory_budget_bytes are not set",
+    )
+    memory_budget_bytes: int | None = Field(
+        None, ge=1, description="cap on the KV-cache pool when engine.kv_cache_bytes is not set"
+    )
+    num_threads: int | None = Field(None, ge=1, description="torch CPU threads; none = all cores")
+    weight_version: str = Field("default", description="initial label of the served weights (trainer-owned)")
+    weight_roots: list[str] = Field(
+        default_factory=lambda: ["."],
+        description="directories under which weight and adapter directories may be read (symlinks resolved)",
+    )
+    enable_return_routed_experts: bool = Field(
+        False, description="MoE models: return each token's routed experts (routed_experts) on the generate routes"
+    )
+    logits_processors: LogitsProcessorsConfig = Field(default_factory=LogitsProcessorsConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    deployment: DeploymentConfig = Field(default_factory=DeploymentConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    kv_cache_offload: KVOffloadConfig | None = Field(
+        None, description="keep KV blocks evicted from the pool in CPU memory (and on disk); enables prefix caching"
+    )
+    kv_transfer: KVTransferConfig | None = Field(
+        None, description="serve and pull KV blocks for prefill/decode disaggregation (set by deployment.type = "
+        "'disaggregated'); enables prefix caching"
+    )
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> "Config":
+        check_combinations(self)
+        if (self.kv_cache_offload is not None or self.kv_transfer is not None) and not self.engine.enable_prefix_caching:
+            self.engine.enable_prefix_caching = True  # the tiers and pulled KV sit behind the prefix cache
+        return self
+
+
+def warn_unapplied(config: Config, log: logging.Logger) -> None:
+    """Settings read from prime-rl configs that this build accepts but does not act on yet (none today)."""

@@ -1,0 +1,211 @@
+"""Tensor-parallel ranks of one engine core: rank 0 (the engine core process) and its workers.
+
+Rank 0 schedules, samples and answers the server; ranks 1..tp-1 are worker processes it starts
+(`python -m rlserve.engine.tp.worker`, the config as JSON on stdin) and stops. Each step rank 0
+sends the step's inputs (token ids, positions, the attention batch as fixed-schema msgspec over
+ZeroMQ, never pickle), then every rank runs its shard (model/tensor_parallel.py) and the layers
+sum their partial outputs with an all-reduce on the step group (gloo on CPU, NCCL on CUDA).
+Weight updates and adapters are staged on every rank and committed at the same step boundary:
+rank 0 sends Commit before the next Step, and each worker reads its inbox in order.
+
+A worker that dies fails the engine: rank 0 checks its workers' processes every loop turn and
+its collectives time out; the worker that raises reports why before it exits. Workers die with
+rank 0 (PR_SET_PDEATHSIG) and leave when their parent process changes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from rlserve.config.schema import Config
+from rlserve.engine.child import child_env
+from rlserve.model.batch import AttentionBatch
+from rlserve.model.llama import CausalLM
+from rlserve.engine.tp.comm import Commit, Died, Discard, Loaded, POLL_MS, RemoveAdapter, START_TIMEOUT_S, Stage, Staged, Stop, encode, send_bytes, to_leader, attach, encode_step, make_group
+
+log = logging.getLogger("rlserve.engine.tp.leader")
+
+
+class TensorParallelLeader:
+    """Rank 0's view of its workers: starts them, feeds them steps and staged work, stops them."""
+
+    def __init__(self, config: Config, num_blocks: int, device: torch.device):
+        self.tp = config.parallel.tp
+        self.device = device
+        self.backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # NCCL binds rank 0 to the current device
+        self.store = dist.TCPStore("127.0.0.1", 0, self.tp, True, timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
+                                   wait_for_workers=False)
+        self.ctx = zmq.Context()
+        self.replies = self._socket(zmq.PULL)
+        reply_port = self.replies.bind_to_random_port("tcp://127.0.0.1")
+        self.inboxes: list[zmq.Socket] = []
+        self.procs: list[subprocess.Popen] = []
+        self.send_lock = threading.Lock()  # steps from the loop thread, staged work from the helper
+        self.failure: str | None = None
+        try:
+            payload = config.model_dump_json().encode()
+            for rank in range(1, self.tp):
+                inbox = self._socket(zmq.PUSH)
+                port = inbox.bind_to_random_port("tcp://127.0.0.1")
+                self.inboxes.append(inbox)
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "rlserve.engine.tp.worker", str(rank), str(self.tp), str(self.store.port),
+                     f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{reply_port}", str(num_blocks), str(device)],
+                    stdin=subprocess.PIPE, env=child_env())
+                proc.stdin.write(payload)
+                proc.stdin.close()
+                self.procs.append(proc)
+            self._wait_loaded()
+            # every worker is up and creating these same groups now
+            self.step_group = make_group(self.store, "step", 0, self.tp, self.backend)
+            self.weights_group = make_group(self.store, "weights", 0, self.tp, "gloo")
+        except BaseException:
+            self.close()
+            raise
+        log.info("tensor parallel: %d ranks (%s), workers %s", self.tp, self.backend, [p.pid for p in self.procs])
+
+    def _socket(self, kind: int) -> zmq.Socket:
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        return sock
+
+    def _wait_loaded(self) -> None:
+        waiting = set(range(1, self.tp))
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while waiting:
+            msg = self._next_reply(deadline)
+            if isinstance(msg, Loaded):
+                waiting.discard(msg.rank)
+
+    def _next_reply(self, deadline: float) -> Loaded | Staged:
+        """The next worker message; raises when a worker died or reported a failure, or at the deadline."""
+        while True:
+            if self.replies.poll(POLL_MS):
+                msg = to_leader.decode(self.replies.recv())
+                if isinstance(msg, Died):
+                    self.failure = f"tensor-parallel rank {msg.rank} failed: {msg.message}"
+                    raise RuntimeError(self.failure)
+                return msg
+            self.check()
+            if time.monotonic() > deadline:
+                raise TimeoutError("tensor-parallel workers did not answer in time")
+
+    def check(self) -> None:
+        """Raises when a worker process has exited: the engine cannot step without it."""
+        for rank, proc in enumerate(self.procs, start=1):
+            code = proc.poll()
+            if code is not None:
+                self.failure = self.failure or f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {code}"
+                raise RuntimeError(self.failure)
+
+    def explain(self, exc: BaseException) -> str:
+        """Why a step failed: a collective error usually means a rank died; name it when one did."""
+        deadline = time.monotonic() + 2  # a killed rank's peers notice before its parent can reap it
+        while True:
+            try:
+                self.check()
+            except RuntimeError as dead:
+                return f"{dead} ({exc!r})"
+            if time.monotonic() > deadline:
+                return repr(exc)
+            time.sleep(0.05)
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def attach(self, model: CausalLM) -> None:
+        attach(model, self.step_group)
+
+    def _broadcast(self, raw: bytes) -> None:
+        with self.send_lock:
+            for inbox in self.inboxes:
+                inbox.send(raw)
+
+    def send_step(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch,
+                  block_copies: list[tuple[int, int]]) -> None:
+        self._broadcast(encode_step(input_ids, positions, attn, block_copies))
+
+    # ---- staged work: every worker stages, then all commit at one step boundary ---------------
+
+    def stage(self, call_id: int, kind: str, args: list[Any]) -> None:
+        self._broadcast(encode(Stage(call_id, kind, args)))
+
+    def wait_staged(self, call_id: int) -> None:
+        """Every worker's answer to Stage(call_id); on any failure all workers drop it and this raises."""
+        from rlserve.engine.error_kinds import rebuild_error
+
+        waiting, errors = set(range(1, self.tp)), []
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while waiting:
+            msg = self._next_reply(deadline)
+            if isinstance(msg, Staged) and msg.call_id == call_id:
+                waiting.discard(msg.rank)
+                if msg.error is not None:
+                    errors.append(rebuild_error(msg.error_kind, f"tensor-parallel rank {msg.rank}: {msg.error}"))
+        if errors:
+            self.discard(call_id)
+            raise errors[0]
+
+    def staged(self, call_id: int, kind: str, args: list[Any], local: Any) -> Any:
+        """Stage on the workers and run `local()` (rank 0's staging) meanwhile; its result, once all succeeded."""
+        self.stage(call_id, kind, args)
+        try:
+            result = local()
+        except BaseException:
+            try:
+                self.wait_staged(call_id)
+            finally:
+                self.discard(call_id)
+            raise
+        self.wait_staged(call_id)
+        return result
+
+    def push(self, call_id: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Scatter a validated trainer push: each worker gets its slices over the weights group."""
+        entries = [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in tensors.items()]
+        self.stage(call_id, "push", entries)
+        for name, tensor in tensors.items():
+            send_bytes(self.weights_group, tensor.cpu(), 0, self.tp, name)
+        self.wait_staged(call_id)
+
+    def commit(self, call_id: int) -> None:
+        self._broadcast(encode(Commit(call_id)))
+
+    def discard(self, call_id: int) -> None:
+        self._broadcast(encode(Discard(call_id)))
+
+    def remove_adapter(self, name: str) -> None:
+        self._broadcast(encode(RemoveAdapter(name)))
+
+    def close(self) -> None:
+        """Stop every worker: ask, wait a little, then kill; no process is left behind."""
+        try:
+            self._broadcast(encode(Stop()))
+        except zmq.ZMQError:
+            pass
+        deadline = time.monotonic() + 10
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for sock in [*self.inboxes, self.replies]:
+            sock.close(linger=0)
+        self.ctx.term()
+
+

@@ -1,0 +1,212 @@
+"""A tensor-parallel worker process (ranks 1..tp-1): `python -m rlserve.engine.tp.worker`, started and stopped by
+rank 0 (leader.py) with the config as JSON on stdin. It loads its shard, joins the step group, then runs each step,
+stage, commit and discard rank 0 sends, in order. It dies with rank 0 (PR_SET_PDEATHSIG)."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from rlserve.config.schema import Config
+from rlserve.engine.tp.comm import (
+    DTYPES,
+    START_TIMEOUT_S,
+    Commit,
+    Died,
+    Discard,
+    Loaded,
+    RemoveAdapter,
+    Stage,
+    Staged,
+    Step,
+    encode,
+    send_bytes,
+    as_tensor,
+    to_worker,
+    attach,
+    device_of_rank,
+    make_group,
+)
+from rlserve.model.batch import AttentionBatch, CascadePlan, PrefillSeq
+from rlserve.model.tensor_parallel import shard
+from rlserve.engine.child import connect_pair, parent_pid, start_child
+
+# ---- workers -------------------------------------------------------------------------------
+
+log = logging.getLogger("rlserve.engine.tp.worker")
+
+
+class Worker:
+    def __init__(self, rank: int, tp: int, config: Config, num_blocks: int, device: torch.device, replies: zmq.Socket):
+        from transformers import AutoConfig
+
+        from rlserve.engine.devices import resolve_dtype
+        from rlserve.engine.runner import ModelRunner
+        from rlserve.engine.weights import StagingBuffers
+        from rlserve.model.shape import ModelShape
+        from rlserve.model.loader import load_model, resolve_model_dir
+
+        self.rank, self.tp, self.config, self.device, self.replies = rank, tp, config, device, replies
+        self.dtype = resolve_dtype(config.model.dtype, device)
+        model_dir = resolve_model_dir(config.model.name)
+        self.shape = ModelShape.from_hf(AutoConfig.from_pretrained(model_dir,
+                                                                   trust_remote_code=config.model.trust_remote_code))
+        self.model = load_model(model_dir, self.shape, self.dtype, device, rank, tp)
+        ec = config.engine
+        self.runner = ModelRunner(self.model, num_blocks, ec.block_size, self.dtype, device,
+                                  cascade_attention=ec.cascade_attention, pack_weights=ec.pack_weights,
+                                  use_cpu_kernels=ec.cpu_kernels)
+        self.adapters: dict = {}
+        self.staged: dict[int, Any] = {}  # call id -> ("weights", StagedWeights) | ("adapter", LoraAdapter)
+        self.staged_lock = threading.Lock()
+        self.helper = ThreadPoolExecutor(1, thread_name_prefix="rlserve-tp-stage")
+        self.buffers = StagingBuffers()
+        self.reply_lock = threading.Lock()
+
+    def join_groups(self, store: dist.Store) -> None:
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.step_group = make_group(store, "step", self.rank, self.tp, backend)
+        self.weights_group = make_group(store, "weights", self.rank, self.tp, "gloo")
+        attach(self.model, self.step_group)
+
+    def reply(self, msg: Any) -> None:
+        with self.reply_lock:
+            self.replies.send(encode(msg))
+
+    @torch.inference_mode()
+    def run_step(self, msg: Step) -> None:
+        dev = self.device
+        if msg.block_copies:
+            self.runner._copy_blocks(msg.block_copies)
+        c = msg.cascade
+        cascade = None if c is None else CascadePlan(
+            c.prefix_blocks.to(dev), as_tensor(c.prefix_mask, dev), c.group_width, c.num_grouped,
+            as_tensor(c.query_rows, dev), c.suffix_blocks.to(dev), c.suffix_mask.to(dev))
+        lora = None
+        if msg.lora:
+            from rlserve.model.lora import LoraBatch
+
+            lora = LoraBatch([(self.adapters[name], rows.to(dev)) for name, rows in msg.lora], self.model.shape)
+        kernels = self.runner.kernels if msg.kernels else None
+        if msg.kernels and kernels is None:
+            raise RuntimeError("rank 0 runs the C kernels and this rank cannot load them")
+        attn = AttentionBatch(
+            slot_mapping=msg.slot_mapping.to(dev), num_decode=msg.num_decode, decode_blocks=as_tensor(msg.decode_blocks, dev),
+            decode_mask=as_tensor(msg.decode_mask, dev), decode_lens=as_tensor(msg.decode_lens, dev), cascade=cascade,
+            prefills=[PrefillSeq(p.q_start, p.q_len, p.ctx_len, as_tensor(p.ctx_slots, dev), as_tensor(p.mask, dev))
+                      for p in msg.prefills],
+            block_size=msg.block_size, lora=lora, kernels=kernels)
+        self.model(msg.input_ids.to(dev), msg.positions.to(dev), attn, self.runner.kv_cache)
+
+    # staged work runs in the helper thread, so steps go on meanwhile
+    def stage(self, msg: Stage) -> None:
+        from rlserve.engine.error_kinds import error_kind
+
+        try:
+            staged = self._stage(msg)
+        except Exception as exc:
+            self.reply(Staged(self.rank, msg.call_id, error_kind(exc), str(exc)))
+            return
+        with self.staged_lock:
+            self.staged[msg.call_id] = staged
+        self.reply(Staged(self.rank, msg.call_id, None, None))
+
+    def _stage(self, msg: Stage) -> Any:
+        from rlserve.engine.weights import StagedWeights, check_under_roots, stage_from_dir
+
+        if msg.kind == "dir":
+            weight_dir, roots = msg.args
+            return "weights", stage_from_dir(self.model, check_under_roots(weight_dir, roots), self.buffers, roots)
+        if msg.kind == "adapter":
+            from rlserve.model.lora import load_peft_adapter
+            from rlserve.model.tensor_parallel import shard_adapter
+
+            name, path, roots = msg.args
+            adapter = load_peft_adapter(name, check_under_roots(path, roots), self.shape, self.dtype, self.device, roots)
+            return "adapter", shard_adapter(adapter, self.rank, self.tp)
+        if msg.kind == "push":
+            tensors = {}
+            for name, dtype, full in msg.args:
+                dt = DTYPES[dtype]
+                part = torch.empty(shard(name, torch.empty(full, dtype=dt, device="meta"), self.rank, self.tp).shape, dtype=dt)
+                raw = send_bytes(self.weights_group, part, self.rank, self.tp, name)
+                tensors[name] = raw.view(dt).view(part.shape).to(self.device)
+            # rank 0 validated the full tensors already; these are this rank's slices
+            return "weights", StagedWeights(tensors, "broadcast", sharded=True)
+        raise ValueError(f"unknown staged work {msg.kind!r}")
+
+    def commit(self, call_id: int) -> None:
+        from rlserve.engine.weights import commit
+
+        with self.staged_lock:
+            kind, staged = self.staged.pop(call_id)
+        if kind == "weights":
+            commit(self.model, staged)
+        else:
+            self.adapters[staged.name] = staged
+
+    def serve(self, inbox: zmq.Socket) -> None:
+        parent = parent_pid()
+        while True:
+            if not inbox.poll(1000):
+                if os.getppid() != parent:
+                    return
+                continue
+            msg = to_worker.decode(inbox.recv())
+            if isinstance(msg, Step):
+                self.run_step(msg)
+            elif isinstance(msg, Stage):
+                self.helper.submit(self.stage, msg)
+            elif isinstance(msg, Commit):
+                self.commit(msg.call_id)
+            elif isinstance(msg, Discard):
+                with self.staged_lock:
+                    self.staged.pop(msg.call_id, None)
+            elif isinstance(msg, RemoveAdapter):
+                self.adapters.pop(msg.name, None)
+            else:
+                return
+
+
+def worker_main(argv: list[str]) -> int:
+    rank, tp, store_port, inbox_addr, reply_addr, num_blocks, device = argv
+    config = start_child()
+    if config is None:
+        return 1
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    rank_i, tp_i = int(rank), int(tp)
+    dev = device_of_rank(torch.device(device), rank_i)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    inbox, replies = connect_pair(zmq.Context(), inbox_addr, reply_addr, 2000)
+    try:
+        worker = Worker(rank_i, tp_i, config, int(num_blocks), dev, replies)
+        store = dist.TCPStore("127.0.0.1", int(store_port), tp_i, False,
+                              timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
+        replies.send(encode(Loaded(rank_i)))
+        worker.join_groups(store)
+        worker.serve(inbox)
+    except BaseException as exc:
+        log.exception("tensor-parallel rank %s died", rank)
+        replies.send(encode(Died(rank_i, repr(exc))))
+        return 1
+    finally:
+        inbox.close(linger=0)
+        replies.close(linger=2000)
+    return 0
+
+
+if __name__ == "__main__":
+    code = worker_main(sys.argv[1:])
+    sys.stdout.flush()
+    os._exit(code)  # without waiting for the helper thread

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible routes: completions, chat, tokenization, responses."""

@@ -1,0 +1,219 @@
+"""`POST /v1/chat/completions` (docs/protocols.md §2.3): chat template in, message + token ids out."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from rlserve.engine.outputs import CompletionOutput, RequestOutput
+from rlserve.engine.params import SamplingParams
+from rlserve.server.chat_parsing import (
+    MessageStreamer,
+    OutputParser,
+    ParsedMessage,
+    output_parser,
+)
+from rlserve.server.openai.chat_template import message_chars, render_chat
+from rlserve.server.limits import check_text_fits
+from rlserve.server.errors import bad_request
+from rlserve.server.protocol import POLICY_FIELDS, ChatCompletionRequest, ChatTokensRequest
+from rlserve.server.state import ChoiceCursor, ServerState, clamp, prompt_logprobs_json, request_id, rid_header, sampled_first, usage, version_fields
+from rlserve.server.sampling import sampling_params, truncate
+from rlserve.server.streaming import ClientGone, Run, SSEResponse, run_to_end, sse, sse_stream, start_stream
+
+router = APIRouter()
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Ctx:
+    """One chat request, rendered and checked, ready to run (shared with /v1/responses)."""
+
+    state: ServerState
+    body: ChatCompletionRequest
+    id: str
+    model: str
+    created: int
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    parser: OutputParser
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    state: ServerState = request.app.state.rlserve
+    return await _respond(request, await prepare(state, body, request_id(request, body)))
+
+
+@router.post("/v1/chat/completions/tokens")
+async def create_chat_completion_from_tokens(body: ChatTokensRequest, request: Request) -> Response:
+    """verifiers' TITO client (§2.7): messages still render (parsers need their context), but the
+    prompt is `tokens`, verbatim."""
+    state: ServerState = request.app.state.rlserve
+    tokens = body.tokens
+    if not tokens or not all(isinstance(t, int) for t in tokens):
+        raise bad_request("tokens must be a non-empty list of token ids", "tokens")
+    state.check_token_ids(tokens, "tokens")
+    if len(tokens) >= state.max_model_len:
+        raise bad_request(f"tokens has {len(tokens)} tokens; this model's maximum context length is "
+                          f"{state.max_model_len} tokens", "tokens")
+    return await _respond(request, await prepare(state, body, request_id(request, body), prompt=tokens))
+
+
+async def _respond(request: Request, ctx: Ctx) -> Response:
+    body = ctx.body
+    run = launch(ctx)
+    headers = rid_header(ctx.rid)
+    try:
+        if body.stream:
+            await start_stream(request, run)
+            return SSEResponse(sse_stream(_stream(ctx, run), run), headers=headers)
+        (final,) = await run_to_end(request, run)
+    except ClientGone:
+        return Response(status_code=499)
+    return JSONResponse(_response(ctx, final), headers=headers)
+
+
+async def prepare(state: ServerState, body: ChatCompletionRequest, rid: str, prompt: list[int] | None = None) -> Ctx:
+    model = state.check_model(body.model)
+    state.check_policy_version(body.model_dump(include=POLICY_FIELDS))
+    if body.truncate_prompt_tokens is None and prompt is None:
+        check_text_fits(state, message_chars(body), "messages")
+    rendered = await state.off_loop(render_chat, state.tokenizer, body, state.chat_template,
+                                    state.config.server.trust_request_chat_template)
+    if prompt is None:
+        prompt = truncate(rendered, body.truncate_prompt_tokens, state.max_model_len)
+    elif prompt[: len(rendered)] != rendered:
+        log.info("request %s: tokens differ from the rendered messages; using tokens as sent", rid)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    params = sampling_params(state, body, max_tokens=max_tokens, logprobs=_top_logprobs(state, body),
+                             prompt_logprobs=body.prompt_logprobs)
+    parser = output_parser(state.config.model, state.tokenizer, body, params, prompt)
+    return Ctx(state, body, f"chatcmpl-{rid}", model, int(time.time()), rid, prompt, params, parser)
+
+
+def launch(ctx: Ctx, stream: bool | None = None) -> Run:
+    stream = bool(ctx.body.stream) if stream is None else stream
+    return Run(ctx.state, [ctx.prompt], ctx.params, ctx.rid, ctx.body.cache_salt,
+               adapter=ctx.state.adapter_for(ctx.body.model), stream=stream)
+
+
+def _top_logprobs(state: ServerState, body: ChatCompletionRequest) -> int | None:
+    if not body.logprobs:
+        if body.top_logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        return None
+    k = body.top_logprobs or 0
+    cap = state.config.engine.max_logprobs
+    if k < 0 or (cap != -1 and k > cap):
+        limit = "an integer >= 0" if cap == -1 else f"between 0 and {cap} (engine.max_logprobs)"
+        raise bad_request(f"top_logprobs must be {limit}, got {k}", "top_logprobs")
+    return k
+
+
+def _logprob_entry(state: ServerState, token_id: int, logprob: float, as_ids: bool) -> dict[str, Any]:
+    return {"token": state.token_label(token_id, as_ids), "logprob": clamp(logprob),
+            "bytes": list(state.token_text(token_id).encode("utf-8"))}
+
+
+def _logprobs(ctx: Ctx, o: CompletionOutput, start: int) -> dict[str, list] | None:
+    if o.logprobs is None:
+        return None
+    state, as_ids = ctx.state, ctx.body.return_tokens_as_token_ids
+    content = []
+    for j in range(start, len(o.token_ids)):
+        entry = _logprob_entry(state, o.token_ids[j], o.logprobs[j], as_ids)
+        top = o.top_logprobs[j] if o.top_logprobs else {}
+        pairs = sampled_first(o.token_ids[j], o.logprobs[j], top)
+        entry["top_logprobs"] = [_logprob_entry(state, t, lp, as_ids) for t, lp in pairs]
+        content.append(entry)
+    return {"content": content}
+
+
+def finish_reason(o: CompletionOutput, has_tool_calls: bool) -> str | None:
+    # vLLM parity: parsed tool calls win over "length" too; len(token_ids) reveals truncation
+    return "tool_calls" if has_tool_calls and o.finish_reason != "abort" else o.finish_reason
+
+
+def message_json(parsed: ParsedMessage) -> dict[str, Any]:
+    return {"role": "assistant", "content": parsed.content, "reasoning": parsed.reasoning,
+            "reasoning_content": parsed.reasoning, "tool_calls": parsed.tool_calls}
+
+
+def _response(ctx: Ctx, out: RequestOutput) -> dict[str, Any]:
+    body, choices = ctx.body, []
+    for o in sorted(out.outputs, key=lambda o: o.index):
+        parsed = ctx.parser.parse(o)
+        choice = {"index": o.index, "message": message_json(parsed), "logprobs": _logprobs(ctx, o, 0),
+                  "finish_reason": finish_reason(o, bool(parsed.tool_calls)), "stop_reason": o.stop_reason}
+        if body.return_token_ids:
+            choice["token_ids"] = o.token_ids
+        choice.update(version_fields(ctx.state, o))
+        choices.append(choice)
+    response = {"id": ctx.id, "object": "chat.completion", "created": ctx.created, "model": ctx.model}
+    if body.return_token_ids:
+        response["prompt_token_ids"] = out.prompt_token_ids
+    return {**response, "choices": choices, "usage": _usage(ctx, out),
+            "prompt_logprobs": prompt_logprobs_json(ctx.state, out, body.prompt_logprobs,
+                                                    body.return_tokens_as_token_ids),
+            "kv_transfer_params": out.kv_transfer_params}
+
+
+def _delta_choice(ctx: Ctx, o: CompletionOutput, cur: ChoiceCursor, streamer: MessageStreamer) -> dict[str, Any] | None:
+    """Every new token rides in exactly one chunk, even when the parser holds its text back."""
+    finishing = o.finished and not cur.finished
+    new_ids = o.token_ids[cur.tokens:]
+    delta = streamer.feed(o)
+    if not (finishing or new_ids or delta):
+        return None
+    choice: dict[str, Any] = {"index": o.index, "delta": delta, "logprobs": _logprobs(ctx, o, cur.tokens),
+                              "finish_reason": finish_reason(o, streamer.has_tool_calls) if finishing else None}
+    if ctx.body.return_token_ids:
+        choice["token_ids"] = new_ids
+    if finishing:
+        choice["stop_reason"] = o.stop_reason
+        choice.update(version_fields(ctx.state, o))
+    cur.tokens, cur.finished = len(o.token_ids), o.finished
+    return choice
+
+
+async def _stream(ctx: Ctx, run: Run) -> AsyncIterator[str]:
+    body = ctx.body
+    head = {"id": ctx.id, "object": "chat.completion.chunk", "created": ctx.created, "model": ctx.model}
+    options = body.stream_options
+    cursors = [ChoiceCursor() for _ in range(body.n)]
+    streamers = [ctx.parser.streamer() for _ in range(body.n)]
+    latest: RequestOutput | None = None
+    async for _, out in run.events():
+        if latest is None:
+            for i in range(body.n):  # the role goes first and alone, one chunk per choice
+                chunk = {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                              "logprobs": None, "finish_reason": None}]}
+                if i == 0 and body.return_token_ids:
+                    chunk["prompt_token_ids"] = out.prompt_token_ids
+                yield sse(chunk)
+        latest = out
+        for o in out.outputs:
+            choice = _delta_choice(ctx, o, cursors[o.index], streamers[o.index])
+            if choice is not None:
+                chunk = {**head, "choices": [choice]}
+                if options and options.continuous_usage_stats:
+                    chunk["usage"] = _usage(ctx, out)
+                yield sse(chunk)
+    if options and options.include_usage and latest is not None:
+        yield sse({**head, "choices": [], "usage": _usage(ctx, latest)})
+
+
+def _usage(ctx: Ctx, out: RequestOutput) -> dict[str, Any]:
+    result = usage(len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs), out.num_cached_tokens)
+    if ctx.parser.reasoning_parser is not None:
+        reasoning = sum(ctx.parser.reasoning_tokens(o.token_ids) for o in out.outputs)
+        result["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+    return result

@@ -1,0 +1,73 @@
+"""Bodies of the control routes (docs/protocols.md §2.11). Fields the routes require are checked there,
+so a missing one gets the route's own message; here they are typed and documented."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+from rlserve.server.protocol import Body
+
+Label = str | int  # weight_version labels: trainers send step numbers too
+
+
+class UpdateWeightsRequest(Body):
+    """prime-rl `{"weight_dir"}` (null = receive a trainer push), NexRL `{"weight_path"}`, vLLM `update_info`."""
+
+    weight_dir: str | None = None
+    weight_path: str | None = None
+    model_name: str | None = None
+    weight_type: str | None = None
+    weight_version: Label | None = None
+    update_info: dict[str, Any] | None = None
+
+
+class InitBroadcasterRequest(Body):
+    host: str | None = None
+    port: int | None = Field(None, ge=0, le=65535)
+    rank_offset: int = Field(0, ge=0)
+    inference_world_size: int = Field(1, ge=1)
+    timeout: float = Field(300.0, gt=0)
+    quantize_in_weight_transfer: bool = False
+    session_id: str = "default"
+
+
+class AbortRequestsRequest(Body):
+    request_ids: list[str | int] | None = None
+
+
+class LoraAdapterRequest(Body):
+    lora_name: str | None = None
+    lora_path: str | None = None
+    load_inplace: bool = False
+
+
+class UnloadLoraAdapterRequest(Body):
+    lora_name: str | None = None
+
+
+class LoadAdapterRequest(Body):
+    adapter_path: str | None = None
+
+
+class UpdateWeightVersionRequest(Body):
+    new_version: Label | None = None
+    weight_version: Label | None = None
+    abort_all_requests: bool = False
+
+
+class UpdateWeightsFromDiskRequest(Body):
+    model_path: str | None = None
+    weight_version: Label | None = None
+    abort_all_requests: bool = False
+    load_format: str | None = None
+
+
+class AbortRequest(Body):
+    rid: str | int | None = None
+    abort_all: bool = False
+
+
+class PauseGenerationRequest(Body):
+    mode: str | None = None

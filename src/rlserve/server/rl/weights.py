@@ -1,0 +1,160 @@
+"""vLLM's weight-transfer routes as TRL's VLLMClient calls them (docs/protocols.md §2.11.5):
+/server_info, /init_weight_transfer_engine, /start_weight_update, /update_weights {"update_info"},
+/finish_weight_update.
+
+The trainer is rank 0 of a torch.distributed group (gloo on CPU, NCCL on CUDA) that it hosts at
+master_address:master_port; this server joins as rank rank_offset. Tensors arrive in vLLM's
+stream layout (packed chunks or one broadcast per tensor) and are described by the HTTP call,
+never by pickled bytes. vLLM's own trainer helper rendezvouses through a StatelessProcessGroup
+instead, so a trainer on rlserve joins with torch.distributed (rlserve.weight_transfer.init_group).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import torch
+from fastapi import APIRouter, Request
+
+from rlserve import weight_transfer
+from rlserve.engine.weights import StagedWeights, WeightUpdateError, stage
+from rlserve.server.errors import APIError, bad_request
+from rlserve.server.state import ServerState, json_body
+
+router = APIRouter()
+
+
+@dataclass
+class Transfer:
+    """One server's side of the group and of the update being received."""
+
+    joined: bool = False
+    open: bool = False  # between /start_weight_update and /finish_weight_update
+    staged: dict[str, torch.Tensor] = field(default_factory=dict)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.rlserve
+
+
+def _transfer(request: Request) -> Transfer:
+    if not hasattr(request.app.state, "vllm_transfer"):
+        request.app.state.vllm_transfer = Transfer()
+    return request.app.state.vllm_transfer
+
+
+def _local_engine(state: ServerState):
+    """The in-thread engine: vLLM's transfer receives into this process, so it needs the engine here."""
+    engine = getattr(state.engine, "engine", None)
+    if engine is None:
+        raise APIError(400, "vLLM's update_info weight transfer needs the in-thread engine: start the server with "
+                            "--engine.core_process false, or push weights with /init_broadcaster and WeightBroadcaster",
+                       param="update_info")
+    return engine
+
+
+def _backend(state: ServerState) -> str:
+    return "nccl" if _local_engine(state).device.type == "cuda" else "gloo"
+
+
+@router.get("/server_info")
+async def server_info(request: Request) -> dict:
+    """The subset of vLLM's resolved config that clients read (TRL: weight_transfer_config)."""
+    state = _state(request)
+    return {"vllm_config": {
+        "model_config": {"model": state.served_model_name, "max_model_len": state.max_model_len,
+                         "dtype": str(getattr(getattr(state.engine, "engine", None), "dtype", state.config.model.dtype)).removeprefix("torch.")},
+        "parallel_config": {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1},
+        "weight_transfer_config": {"backend": _backend(state), "rendezvous": "torch.distributed"},
+    }}
+
+
+@router.post("/init_weight_transfer_engine")
+async def init_weight_transfer_engine(request: Request) -> dict:
+    """Join the trainer's group; returns once the rendezvous is complete."""
+    body, transfer = await json_body(request), _transfer(request)
+    info = body.get("init_info")
+    if not isinstance(info, dict):
+        raise bad_request("init_weight_transfer_engine needs init_info {master_address, master_port, rank_offset, "
+                          "world_size}", "init_info")
+    missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size") if k not in info]
+    if missing:
+        raise bad_request(f"init_info is missing {', '.join(missing)}", "init_info")
+    try:
+        host, port = str(info["master_address"]), int(info["master_port"])
+        rank, world = int(info["rank_offset"]), int(info["world_size"])
+        timeout = float(info.get("timeout", 300))
+    except (TypeError, ValueError) as exc:
+        raise bad_request(f"init_info has a field of the wrong type: {exc}", "init_info") from None
+    if not 0 < rank < world:
+        raise bad_request(f"rank_offset {rank} must lie in [1, world_size {world}): the trainer is rank 0",
+                          "init_info")
+    if transfer.joined or torch.distributed.is_initialized():
+        raise APIError(409, "this server already joined a weight-transfer group; restart it to join another")
+    try:
+        await asyncio.to_thread(weight_transfer.init_group, host, port, rank, world, timeout)
+    except (RuntimeError, ValueError) as exc:
+        raise APIError(504, f"the weight-transfer rendezvous at {host}:{port} failed: {exc}") from None
+    transfer.joined = True
+    return {"message": "Weight transfer initialized"}
+
+
+@router.post("/start_weight_update")
+async def start_weight_update(request: Request) -> dict:
+    transfer = _transfer(request)
+    transfer.open, transfer.staged = True, {}
+    return {"message": "Weight update started"}
+
+
+async def receive_update(request: Request, info: dict, label: str | None) -> dict:
+    """/update_weights {"update_info"}: receive the listed tensors; without an open update, also commit."""
+    state, transfer = _state(request), _transfer(request)
+    if not transfer.joined:
+        raise APIError(409, "no weight-transfer group: call /init_weight_transfer_engine first")
+    names, dtype_names, shapes = info.get("names"), info.get("dtype_names"), info.get("shapes")
+    if not (isinstance(names, list) and isinstance(dtype_names, list) and isinstance(shapes, list)
+            and len(names) == len(dtype_names) == len(shapes) and names):
+        raise bad_request("update_info needs names, dtype_names and shapes: lists of one equal, non-zero length",
+                          "update_info")
+    dtypes = []
+    for d in dtype_names:
+        dtype = getattr(torch, str(d).removeprefix("torch."), None)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise bad_request(f"dtype {d!r} cannot carry weights; use float32, bfloat16 or float16", "update_info")
+        dtypes.append(dtype)
+    packed = bool(info.get("packed", True))
+    buffer_bytes = int(info.get("packed_buffer_size_bytes") or weight_transfer.VLLM_PACKED_BUFFER_BYTES)
+    device = "cuda" if _local_engine(state).device.type == "cuda" else "cpu"
+    async with transfer.lock:
+        # receive everything first so the group stays in step with the trainer, then validate
+        received = await asyncio.to_thread(weight_transfer.receive_vllm, [str(n) for n in names], dtypes,
+                                           [list(s) for s in shapes], packed, buffer_bytes, device)
+        try:
+            staged = stage(_local_engine(state).model, received, "update_info", require_all=False)
+        except WeightUpdateError as exc:
+            raise bad_request(f"{exc}; the previous weights keep serving", "update_info") from None
+        transfer.staged.update(staged.tensors)
+        if transfer.open:
+            return {"message": "Weights updated"}
+        version = await _commit(state, transfer, label)
+    return {"message": "Weights updated", "policy_version": version}
+
+
+@router.post("/finish_weight_update")
+async def finish_weight_update(request: Request) -> dict:
+    """The commit point: every tensor received since /start_weight_update goes live at once."""
+    state, transfer, body = _state(request), _transfer(request), await json_body(request)
+    label = body.get("weight_version")
+    async with transfer.lock:
+        transfer.open = False
+        if not transfer.staged:
+            return {"message": "Weight update finished", "policy_version": state.engine.policy_version}
+        version = await _commit(state, transfer, None if label is None else str(label))
+    return {"message": "Weight update finished", "policy_version": version}
+
+
+async def _commit(state: ServerState, transfer: Transfer, label: str | None) -> int:
+    staged, transfer.staged = StagedWeights(transfer.staged, "update_info"), {}
+    return await state.engine.call(lambda e: e.commit_weights(staged, label))

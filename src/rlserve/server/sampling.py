@@ -1,0 +1,94 @@
+"""A request's sampling fields (OpenAI, vLLM and rlserve extras) checked and turned into SamplingParams."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from rlserve.engine.params import SamplingParams
+from rlserve.server.errors import bad_request, from_value_error
+from rlserve.server.protocol import GenerationFields
+from rlserve.server.state import SAMPLING_FIELDS, ServerState
+
+LOGIT_BIAS_LIMIT = 100.0
+
+
+def sampling_params(
+    state: ServerState, body: GenerationFields, *, max_tokens: int | None, logprobs: int | None,
+    prompt_logprobs: int | None = None,
+) -> SamplingParams:
+    _reject_unsupported(body)
+    cap = state.config.engine.max_num_seqs
+    if body.n > cap:
+        raise bad_request(f"n must be at most {cap} (engine.max_num_seqs), got {body.n}", "n")
+    if body.prompt_logprobs is not None and body.stream:
+        raise bad_request("prompt_logprobs is not available with stream=true", "prompt_logprobs")
+    try:
+        return SamplingParams(
+            n=body.n, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+            seed=body.seed, max_tokens=max_tokens, min_tokens=body.min_tokens, stop=body.stop or [],
+            stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs, skip_special_tokens=body.skip_special_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output or body.no_stop_trim,
+            forced_token_ids=forced_token_ids(state, body.model_extra or {}),
+            repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty, logit_bias=logit_bias(body.logit_bias),
+            kv_transfer_params=kv_transfer_params(body.kv_transfer_params, (body.model_extra or {}).get("extra_args")),
+        )
+    except ValueError as e:
+        raise from_value_error(e, SAMPLING_FIELDS) from None
+
+
+def kv_transfer_params(top: Any, extra_args: Any) -> dict[str, Any] | None:
+    """P/D (docs/protocols.md §1.2): top-level, or inside `extra_args` as prime-rl threads it; top-level wins."""
+    if top is None and isinstance(extra_args, dict):
+        top = extra_args.get("kv_transfer_params")
+    if top is not None and not isinstance(top, dict):
+        raise bad_request("kv_transfer_params must be an object or null", "kv_transfer_params")
+    return top
+
+
+def logit_bias(bias: dict | None) -> dict[int, float] | None:
+    """OpenAI sends token ids as JSON object keys (strings); biases are clamped to [-100, 100] (vLLM)."""
+    if not bias:
+        return None
+    try:
+        parsed = {int(k): float(v) for k, v in bias.items()}
+    except (AttributeError, TypeError, ValueError):
+        raise bad_request("logit_bias must map token ids to numbers", "logit_bias") from None
+    if not all(math.isfinite(v) for v in parsed.values()):
+        raise bad_request("logit_bias values must be finite numbers", "logit_bias")
+    return {k: min(max(v, -LOGIT_BIAS_LIMIT), LOGIT_BIAS_LIMIT) for k, v in parsed.items()}
+
+
+def forced_token_ids(state: ServerState, extra: dict[str, Any]) -> list[int] | None:
+    """Test-only `vllm_xargs.forced_token_ids`, honoured when the server allows it."""
+    forced = (extra.get("vllm_xargs") or {}).get("forced_token_ids") if isinstance(extra.get("vllm_xargs"), dict) else None
+    if forced is None:
+        return None
+    if not state.config.engine.allow_forced_tokens:
+        raise bad_request("forced_token_ids needs a server started with --engine.allow-forced-tokens", "vllm_xargs")
+    return forced
+
+
+def _reject_unsupported(body: GenerationFields) -> None:
+    """Known fields the engine cannot honour yet: refuse rather than silently sample differently."""
+    extra = body.model_extra or {}
+    for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                 "allowed_token_ids", "bad_words"):
+        if extra.get(name):
+            raise bad_request(f"{name} is not supported yet; omit it", name)
+    fmt = extra.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
+        raise bad_request("response_format other than {\"type\": \"text\"} is not supported yet", "response_format")
+
+
+def truncate(ids: list[int], k: int | None, max_model_len: int) -> list[int]:
+    """`truncate_prompt_tokens`: keep the last k tokens (-1 = the context length)."""
+    if k is None:
+        return ids
+    if k == -1:
+        k = max_model_len
+    if k < 1:
+        raise bad_request(f"truncate_prompt_tokens must be -1 or >= 1, got {k}", "truncate_prompt_tokens")
+    return ids[-k:]
