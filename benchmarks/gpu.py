@@ -24,7 +24,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
 
-from rlserve.config import Config
+from rlserve.config.schema import Config
 from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams
 from rlserve.model.make import bench_cache_dir, make_model
