@@ -17,7 +17,6 @@ import statistics
 import time
 
 import httpx
-
 from _server import rlserve_server
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 
 import httpx
-
 from conftest import start_server, stop_server
+
 from rlserve.config import Config
 from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams

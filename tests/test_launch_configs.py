@@ -8,8 +8,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from conftest import start_server, stop_server
+
 from rlserve.config_loader import ConfigError, load_config
 from rlserve.dialects import translate_launch_line
 from rlserve.model.make import default_model_dir

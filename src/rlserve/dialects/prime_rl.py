@@ -53,9 +53,8 @@ def _aliases(data: dict[str, Any]) -> None:
     if isinstance(data.get("model"), str):
         data["model"] = {"name": data["model"]}
     for key, why in _UNSUPPORTED.items():
-        if key in data:
-            if data.pop(key) not in (False, None):
-                raise ConfigError(f"{key} = true: {why}; remove it or set it false (it is a separate issue)")
+        if key in data and data.pop(key) not in (False, None):
+            raise ConfigError(f"{key} = true: {why}; remove it or set it false (it is a separate issue)")
     deployment = data.get("deployment")
     if isinstance(deployment, dict):
         deployment = data["deployment"] = dict(deployment)
@@ -110,7 +109,7 @@ def _read_rl_deployment(rl: dict[str, Any], data: dict[str, Any]) -> None:
                           "inference.deployment.num_replicas")
     nodes = rl.get("num_infer_nodes")
     deployment = data.setdefault("deployment", {})
-    if nodes is not None and deployment.get("type") == "multi_node":
-        if deployment.setdefault("num_nodes", nodes) != nodes:
-            raise ConfigError(f"deployment.num_infer_nodes = {nodes} but inference.deployment.num_nodes = "
-                              f"{deployment['num_nodes']}; make them agree")
+    if nodes is not None and deployment.get("type") == "multi_node" and deployment.setdefault(
+            "num_nodes", nodes) != nodes:
+        raise ConfigError(f"deployment.num_infer_nodes = {nodes} but inference.deployment.num_nodes = "
+                          f"{deployment['num_nodes']}; make them agree")
