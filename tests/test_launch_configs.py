@@ -142,15 +142,60 @@ def test_every_shipped_config_loads(path):
     load_config(["@", str(path)])
 
 
-@pytest.mark.parametrize("name, extra", [
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory) -> Path:
+    from rlserve.model.make import make_model
+
+    return make_model("tiny-moe", tmp_path_factory.mktemp("models") / "tiny-moe")
+
+
+DOC = "../tests/fixtures/prime_rl_docs/"
+# (file under configs/, local changes: only what this machine needs) for everything one machine can run
+RUNNABLE = [
     ("debug/infer.toml", ()),
     ("offload.toml", ()),
-    ("../tests/fixtures/prime_rl_docs/00_deployment_type.toml", ()),
-])
-def test_runnable_configs_serve(name, extra):
+    ("replay.toml", ("--model.name", "MOE")),
+    (DOC + "00_deployment_type.toml", ()),
+    (DOC + "02_single_node.toml", ()),
+    (DOC + "10_routing_headers.toml", ()),
+    (DOC + "11_offload_native_cpu.toml", ("--kv_cache_offload.cpu.num_bytes", str(64 << 20))),  # not 128 GB
+    (DOC + "14_router_replay.toml", ("--model.name", "MOE")),
+]
+
+
+@pytest.mark.parametrize("name, extra", RUNNABLE, ids=[Path(n).stem for n, _ in RUNNABLE])
+def test_runnable_configs_serve(name, extra, moe_dir):
+    extra = tuple(str(moe_dir) if x == "MOE" else x for x in extra)
     url, proc = start_server("@", str(ROOT / "configs" / name), *extra, "--server.port", "0")
     try:
         resp = httpx.post(f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 3}, timeout=300)
         assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3
+        if "replay" in name:
+            gen = httpx.post(f"{url}/inference/v1/generate", timeout=300,
+                             json={"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2}}).json()
+            assert gen["choices"][0]["routed_experts"] is not None
     finally:
         stop_server(proc)
+
+
+@pytest.mark.parametrize("name", ["single_node.toml", "disaggregated.toml", DOC + "12_pd_env_vars.toml"],
+                         ids=["single_node", "disaggregated", "12_pd_env_vars"])
+def test_runnable_deployments_serve_and_share_env_vars(name):
+    from deploy_helpers import descendants, start_deployment, stop_deployment
+
+    public, _, proc = start_deployment("@", str(ROOT / "configs" / name), "--env_vars", '{"RLSERVE_ENV_MARK": "on"}')
+    try:
+        resp = httpx.post(f"{public}/v1/completions", json={"prompt": "hello", "max_tokens": 3}, timeout=300)
+        assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3
+        servers = [pid for pid in descendants(proc.pid) if b"rlserve" in _read(f"/proc/{pid}/cmdline")]
+        assert len(servers) >= 2
+        assert all(b"RLSERVE_ENV_MARK=on" in _read(f"/proc/{pid}/environ") for pid in servers)
+    finally:
+        stop_deployment(proc)
+
+
+def _read(path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError:
+        return b""
