@@ -75,6 +75,9 @@ def test_vllm_launch_line_serves():
                           json={"model": "served", "prompt": "hi", "max_tokens": 3})
         assert resp.status_code == 200 and resp.json()["model"] == "served"
         assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}, timeout=60).status_code == 401
+        # --enable-scale-out changes nothing: the dev-mode routes are served, and a key still gates them
+        assert httpx.post(f"{url}/reset_prefix_cache", timeout=60).status_code == 401
+        assert httpx.post(f"{url}/reset_prefix_cache", headers=headers, timeout=60).status_code == 200
     finally:
         stop_server(proc)
 

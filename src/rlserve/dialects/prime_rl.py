@@ -34,7 +34,7 @@ def from_prime_rl(data: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError("inference must be a table")
         rl_deployment = data.get("deployment") if _is_rl_deployment(data.get("deployment")) else None
         if ignored:
-            log.info("prime-rl config: serving its [inference] table; ignored the other components' tables: %s",
+            log.warning("prime-rl config: serving its [inference] table; ignored the other components' tables: %s",
                      ", ".join(ignored))
         data = dict(inference)
     else:
@@ -101,7 +101,7 @@ def _read_rl_deployment(rl: dict[str, Any], data: dict[str, Any]) -> None:
     """RL-level [deployment]: the inference side is read, the trainer side ignored in one log line."""
     trainer_side = sorted(k for k in rl if k not in ("num_infer_nodes", "num_infer_replicas"))
     if trainer_side:
-        log.info("prime-rl config: RL-level [deployment] fields for the trainer ignored: %s", ", ".join(trainer_side))
+        log.warning("prime-rl config: RL-level [deployment] fields for the trainer ignored: %s", ", ".join(trainer_side))
     replicas = rl.get("num_infer_replicas", 1)
     if replicas != 1:
         raise ConfigError(f"deployment.num_infer_replicas = {replicas}: k copies of the inference deployment "
