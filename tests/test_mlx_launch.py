@@ -127,3 +127,33 @@ def test_mlx_adapter_matches_peft_at_start_load_and_upload(adapters, root):
 def test_dora_adapter_path_at_start_is_refused(adapters, root):
     with pytest.raises(RuntimeError, match="fine_tune_type"):
         start_server("--model", str(adapters["base"]), "--adapter-path", str(adapters["dora"]), timeout=300)
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"fine_tune_type": "full"}, "fine_tune_type"),
+    ({"fine_tune_type": "dora"}, "fine_tune_type"),
+    ({"quantization": {"bits": 4, "group_size": 64}}, "quantization"),
+    ({"lora_parameters": {"rank": 4, "scale": 4.0, "keys": ["self_attn.rotary"]}}, "lora_parameters.keys"),
+    ({"num_layers": 99}, "num_layers"),
+    ({"extra_tensor": "model.layers.0.self_attn.q_proj.scales"}, "quantized"),
+    ({"extra_tensor": "model.layers.0.self_attn.q_proj.m"}, "DoRA"),
+    ({"extra_tensor": "model.layers.0.self_attn.rotary.lora_a"}, "rotary"),
+])
+def test_what_plain_lora_cannot_honour_is_refused_by_name(adapters, tmp_path, change, named):
+    import torch
+    from transformers import AutoConfig
+
+    from rlserve.model.llama import ModelShape
+    from rlserve.model.lora import AdapterError, load_peft_adapter
+
+    out = tmp_path / "adapter"
+    write_mlx_adapter(adapters["peft"], out)
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    tensor = change.pop("extra_tensor", None)
+    if tensor is not None:
+        tensors = load_file(out / "adapters.safetensors") | {tensor: torch.zeros(4, 4)}
+        save_file(tensors, str(out / "adapters.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps(cfg | change))
+    shape = ModelShape.from_hf(AutoConfig.from_pretrained(adapters["base"]))
+    with pytest.raises(AdapterError, match=named):
+        load_peft_adapter("a", out, shape, torch.float32, torch.device("cpu"))
