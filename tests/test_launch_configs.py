@@ -45,6 +45,7 @@ def test_vllm_flags_set_rlserve_keys():
     (["--speculative-config", "{}"], "--speculative-config"),
     (["--served-model-name", "a", "b"], "--served-model-name"),
     (["--swap-space", "4"], "--swap-space"),
+    (["infer.toml"], "@ infer.toml"),
 ])
 def test_inapplicable_vllm_flags_are_refused_by_name(argv, named):
     with pytest.raises(ConfigError, match=named):

@@ -33,6 +33,8 @@ def translate_launch_line(argv: list[str]) -> list[str]:
     out: list[str] = []
     i = 0
     if argv and not argv[0].startswith(("-", "@")):  # `vllm serve MODEL ...`
+        if argv[0].endswith((".toml", ".yaml", ".yml", ".json")):
+            raise ConfigError(f"{argv[0]!r} looks like a config file, not a model: pass it as @ {argv[0]}")
         out += ["--model.name", argv[0]]
         i = 1
     seen: set[str] = set()
