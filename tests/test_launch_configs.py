@@ -46,6 +46,8 @@ def test_vllm_flags_set_rlserve_keys():
     (["--served-model-name", "a", "b"], "--served-model-name"),
     (["--swap-space", "4"], "--swap-space"),
     (["infer.toml"], "@ infer.toml"),
+    (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size"),
+    (["--generation-config", "/models/gen"], "--generation-config"),
 ])
 def test_inapplicable_vllm_flags_are_refused_by_name(argv, named):
     with pytest.raises(ConfigError, match=named):

@@ -67,8 +67,9 @@ def translate_launch_line(argv: list[str]) -> list[str]:
                 i += 1
             if extra:
                 raise ConfigError(f"--served-model-name: rlserve serves one name, got {[value, *extra]}")
+        value = flag.convert(value) if flag.convert else value  # checks even what is then ignored
         if flag.target is not None:
-            out += [f"--{flag.target}", flag.convert(value) if flag.convert else value]
+            out += [f"--{flag.target}", value]
     if seen & MLX_ONLY and "--metrics-format" not in seen:
         out += ["--server.metrics_format", "json"]  # the MLX server's clients read /metrics as JSON
     return out
