@@ -9,7 +9,7 @@ import httpx
 import pytest
 from conftest import start_server, stop_server
 
-from rlserve.config import Config
+from rlserve.config.schema import Config
 from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams
 

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from conftest import start_server, stop_server
 
-from rlserve.config_loader import ConfigError, load_config
+from rlserve.config.load import ConfigError, load_config
 from rlserve.dialects import translate_launch_line
 from rlserve.model.make import default_model_dir
 
@@ -128,7 +128,7 @@ def test_prime_rl_layout_reads_inference_and_logs_what_it_ignores(tmp_path, capl
                     '[inference.deployment]\ntype = "multi_node"\nnum_replicas = 1\n'
                     '[inference.deployment.router]\ntype = "vllm-router"\n'
                     '[inference.vllm_extra]\nmax_num_seqs = 7\nenforce_eager = true\n')
-    with caplog.at_level(logging.INFO, logger="rlserve.config"):
+    with caplog.at_level(logging.INFO, logger="rlserve.config.schema"):
         c = load_config(["@", str(path)])
     assert (c.model.name, c.env_vars, c.deployment.num_nodes, c.engine.max_num_seqs) == ("m", {"A": "1"}, 2, 7)
     assert c.model.enforce_eager

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rlserve.config_loader import ConfigError
+from rlserve.config.load import ConfigError
 
 
 @dataclass(frozen=True, slots=True)

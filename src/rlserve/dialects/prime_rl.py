@@ -9,9 +9,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from rlserve.config_loader import ConfigError
+from rlserve.config.load import ConfigError
 
-log = logging.getLogger("rlserve.config")
+log = logging.getLogger("rlserve.config.schema")
 
 RL_COMPONENTS = ("inference", "trainer", "orchestrator")  # top-level tables that make a file an RL config
 RL_DEPLOYMENT_KEYS = {"num_train_nodes", "num_infer_nodes", "num_infer_replicas", "num_train_gpus",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from rlserve.config_loader import ConfigError
+from rlserve.config.load import ConfigError
 from rlserve.dialects import Flag
 
 _DTYPES = {"auto": "auto", "half": "float16", "float16": "float16", "bfloat16": "bfloat16", "float": "float32",

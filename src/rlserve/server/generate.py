@@ -17,14 +17,14 @@ from rlserve.engine.routing import encode_routed_experts
 from rlserve.server.errors import bad_request, from_value_error
 from rlserve.server.limits import check_text_fits
 from rlserve.server.openapi import documented
-from rlserve.server.protocol_native import (
+from rlserve.server.rl.protocol_native import (
     GENERATE_BODIES,
     InferenceGenerateRequest,
     SGLangGenerateRequest,
     TRLGenerateRequest,
     generate_body_model,
 )
-from rlserve.server.serving import (
+from rlserve.server.state import (
     SAMPLING_FIELDS,
     SSE_DONE,
     Run,
