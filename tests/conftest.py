@@ -24,15 +24,16 @@ _URL_LINE = re.compile(r"rlserve: serving \S+ on (http://\S+)")
 
 
 def start_server(*args: str, timeout: float = 180.0, defaults: tuple[str, ...] = SERVER_DEFAULTS,
-                 command: str = "serve") -> tuple[str, subprocess.Popen]:
+                 command: str = "serve", head: tuple[str, ...] = ()) -> tuple[str, subprocess.Popen]:
     """Start `python -m rlserve.cli serve` on a free port; return (base_url, process) once /health is 200.
 
-    `args` are config overrides (`--section.key value`); they win over SERVER_DEFAULTS.
+    `args` are config overrides (`--section.key value`); they win over SERVER_DEFAULTS. `head` goes right
+    after the command (a vLLM launch line's positional model).
     The caller owns the process: stop it with `stop_server`.
     """
     fd, log_path = tempfile.mkstemp(prefix="rlserve-test-server-", suffix=".log")
     env = {k: v for k, v in os.environ.items() if k not in ("RLSERVE_API_KEY", "VLLM_API_KEY")}
-    cmd = [sys.executable, "-m", "rlserve.cli", command, "--server.host", "127.0.0.1", "--server.port", "0",
+    cmd = [sys.executable, "-m", "rlserve.cli", command, *head, "--server.host", "127.0.0.1", "--server.port", "0",
            *defaults, *args]
     with os.fdopen(fd, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)

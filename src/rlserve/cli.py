@@ -11,6 +11,7 @@ from typing import NoReturn
 from rlserve.config.load import ConfigError, help_text, load_config
 
 USAGE = """usage: rlserve serve [@ FILE ...] [--section.key VALUE ...]
+       rlserve serve MODEL [vLLM flags]  |  rlserve serve --model M [MLX server flags]   (docs/launch.md)
        rlserve make-model [--help] ...
        rlserve bench throughput|serve [--help] ...
        inference [@ FILE ...] [--section.key VALUE ...]   (same as rlserve serve)
@@ -46,13 +47,18 @@ def inference_main(argv: list[str] | None = None) -> int:
 
 def _serve(argv: list[str], prog: str) -> int:
     if "-h" in argv or "--help" in argv:
-        print(f"usage: {prog} [@ FILE ...] [--section.key VALUE ...]\n\n{help_text()}", end="")
+        print(f"usage: {prog} [@ FILE ...] [--section.key VALUE ...]\n"
+              f"       {prog} MODEL [vLLM flags]  |  {prog} --model M [MLX server flags]   (docs/launch.md)\n\n"
+              f"{help_text()}", end="")
         return 0
+    from rlserve.dialects import translate_launch_line
+
     try:
-        config = load_config(argv)
+        config = load_config(translate_launch_line(argv))
     except ConfigError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
+    os.environ.update(config.env_vars)  # every process started from here on inherits them
     if config.deployment.enabled:
         from rlserve.deploy.run import serve_deployment
 

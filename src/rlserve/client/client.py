@@ -94,11 +94,15 @@ class InferenceClient:
         min_policy_version: int | None = None,
         allow_mixed_versions: bool | None = None,
         on_overflow: str | None = None,
+        policy_version: int | None = None,
+        step_id: Any = None,
     ) -> Sample:
         """Token in, token out through /inference/v1/generate. A string prompt is tokenized by the
         server (/tokenize), so ids and template always agree. max_tokens=None lets the completion run
         to the end of the context. `sampling_params` adds or overrides any §2.1 field.
-        min_policy_version: a server still on an older policy answers 409 (ConflictError)."""
+        min_policy_version: a server still on an older policy answers 409 (ConflictError).
+        policy_version / step_id (the MLX client's): the trainer's bookkeeping, sent along; Sample.step_id
+        echoes step_id, while Sample.policy_version stays the version that produced the sample."""
         (sample,) = await self.generate_group(**_arguments(locals()), n=1)
         return sample
 
@@ -125,6 +129,8 @@ class InferenceClient:
         min_policy_version: int | None = None,
         allow_mixed_versions: bool | None = None,
         on_overflow: str | None = None,
+        policy_version: int | None = None,
+        step_id: Any = None,
     ) -> list[Sample]:
         """`generate` with n samples of one prompt (a GRPO group) in one request: they share the
         prompt's KV cache and come back in order, each a Sample (overflow: n empty ones)."""
@@ -136,7 +142,8 @@ class InferenceClient:
                   "max_tokens": max_tokens, "stop": stop, "stop_token_ids": stop_token_ids, "seed": seed, "n": n}
         params = {k: v for k, v in params.items() if v is not None} | (sampling_params or {})
         body = _compact({"token_ids": list(token_ids), "sampling_params": params, "model": self.model,
-                         "request_id": request_id, "cache_salt": cache_salt, "min_policy_version": min_policy_version})
+                         "request_id": request_id, "cache_salt": cache_salt, "min_policy_version": min_policy_version,
+                         "policy_version": policy_version, "step_id": step_id})
         try:
             data, ep = await self._generation("/inference/v1/generate", body, session_id, allow_mixed_versions)
         except ContextLengthExceeded as exc:
@@ -146,6 +153,8 @@ class InferenceClient:
             ids = choice.get("token_ids") or []
             text = await self.detokenize(ids, session_id=session_id) if return_text and ids else ""
             samples.append(Sample.from_choice(choice, token_ids, text, ep.url))
+            samples[-1].step_id = data.get("step_id", step_id)
+            samples[-1].request_id = data.get("request_id", request_id)
         return samples
 
     async def _chat(
@@ -251,8 +260,16 @@ class InferenceClient:
         return await self._mutate("/update_weights", _compact({"weight_dir": weight_dir,
                                                                  "weight_version": weight_version}), pause_mode)
 
-    async def load_adapter(self, name: str, path: str, *, pause_mode: str | None = "wait") -> dict[str, int]:
-        """Load (or reload in place) a PEFT LoRA adapter on every endpoint; select it with model=name."""
+    async def load_adapter(self, name: str, path: str | None = None, *,
+                           pause_mode: str | None = "wait") -> dict[str, Any]:
+        """Load (or reload in place) a LoRA adapter (PEFT or mlx-lm layout) on every endpoint; select it with
+        model=name; returns each endpoint's new policy_version. With the path alone (`load_adapter(path)`,
+        the MLX client's call): every request of the base model uses it from now on, and the answer is
+        {"status", "policy_version", "message", "policy_versions": {endpoint: version}}."""
+        if path is None:
+            versions = await self._mutate("/load_adapter", {"adapter_path": name}, pause_mode)
+            return {"status": "success", "policy_version": max(versions.values()),
+                    "message": f"Loaded adapter from {name}", "policy_versions": versions}
         return await self._mutate("/load_lora_adapter", {"lora_name": name, "lora_path": path}, pause_mode)
 
     async def unload_adapter(self, name: str) -> dict[str, Any]:

@@ -27,6 +27,14 @@ class Sample:
     weight_versions: list[dict[str, Any]] = field(default_factory=list)
     message: dict[str, Any] | None = None
     endpoint: str = ""  # the base URL that served it
+    step_id: Any = None  # the caller's step_id, echoed (MLX client)
+    request_id: str | None = None
+
+    def __getitem__(self, key: str) -> Any:
+        """result["text"], as the MLX client's dict answers are read."""
+        if key not in self.__dataclass_fields__:
+            raise KeyError(key)
+        return getattr(self, key)
 
     @property
     def mixed_versions(self) -> bool:

@@ -71,7 +71,7 @@ class SyncInferenceClient:
     def update_weights(self, *args: Any, **kwargs: Any) -> dict[str, int]:
         return self._run(self.aio.update_weights(*args, **kwargs))
 
-    def load_adapter(self, *args: Any, **kwargs: Any) -> dict[str, int]:
+    def load_adapter(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         return self._run(self.aio.load_adapter(*args, **kwargs))
 
     def unload_adapter(self, *args: Any, **kwargs: Any) -> dict[str, Any]:

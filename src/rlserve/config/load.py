@@ -40,7 +40,7 @@ def load_config(argv: list[str], base: type[Config] = Config) -> Config:
     _merge(data, _env_layer(base), base)
     for path in files:
         try:
-            _merge(data, _normalize(_read_file(path), base, [], repr, root=base), base)
+            _merge(data, _normalize(_file_layer(path), base, [], repr, root=base), base)
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from None
     for layer in _parse_overrides(overrides, base):
@@ -150,6 +150,12 @@ def _read_file(path: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"a config file must hold a mapping of keys, not {type(data).__name__}")
     return data
+
+
+def _file_layer(path: str) -> dict[str, Any]:
+    from rlserve.dialects.prime_rl import from_prime_rl  # prime-rl's layouts and names, as rlserve's
+
+    return from_prime_rl(_read_file(path))
 
 
 def _env_layer(base: type[BaseModel]) -> dict[str, Any]:

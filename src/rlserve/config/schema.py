@@ -45,6 +45,10 @@ class ModelConfig(Section):
     reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = Field(
         None, description="split <think> reasoning from chat content; none = raw text"
     )
+    adapter_path: str | None = Field(
+        None, description="a LoRA adapter (PEFT or mlx-lm layout) loaded at start as policy version 1; every "
+        "request of the base model uses it, as after an MLX-style /load_adapter"
+    )
 
 
 class ServerConfig(Section):
@@ -67,6 +71,13 @@ class ServerConfig(Section):
     )
     max_stop_strings: int = Field(64, ge=0, description="most stop strings one request may send")
     max_stop_string_chars: int = Field(1024, ge=1, description="longest stop string")
+    generate_max_tokens: int = Field(
+        128, ge=1, description="max_tokens of an MLX-style /generate request that omits it (the MLX --max-tokens)"
+    )
+    metrics_format: Literal["prometheus", "json"] = Field(
+        "prometheus", description="what a plain GET /metrics returns; an Accept header (Prometheus/OpenMetrics "
+        "text or application/json) or ?format=json still picks per request. The MLX-style launch sets json"
+    )
     trust_request_chat_template: bool = Field(
         False, description="accept a per-request chat_template (rendered sandboxed, bounded in time and size)"
     )
@@ -75,6 +86,11 @@ class ServerConfig(Section):
 class EngineConfig(Section):
     max_num_seqs: int = Field(256, ge=1, description="most sequences in one batch")
     max_num_batched_tokens: int = Field(2048, ge=16, description="token budget of one engine step")
+    batch_window_ms: float = Field(
+        0.0, ge=0, description="batch-forming window: when the engine is idle and a request arrives, admission "
+        "waits up to this long (or until max_num_seqs sequences wait) before the first step; never while busy; "
+        "0 = off (the MLX --flush-interval-ms)"
+    )
     block_size: int = Field(16, ge=1, description="tokens per KV-cache block")
     kv_cache_bytes: int | None = Field(
         None, ge=1, description="KV-cache pool size in bytes; none = enough for max_num_seqs, capped by memory"
@@ -285,6 +301,9 @@ class Config(Section):
     )
     enable_return_routed_experts: bool = Field(
         False, description="MoE models: return each token's routed experts (routed_experts) on the generate routes"
+    )
+    env_vars: dict[str, str] = Field(
+        default_factory=dict, description="environment variables set for every inference process (prime-rl's env_vars)"
     )
     logits_processors: LogitsProcessorsConfig = Field(default_factory=LogitsProcessorsConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)

@@ -94,6 +94,7 @@ class Engine:
             )
         self.pool = BlockPool(num_blocks, ec.block_size, ec.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, ec.max_num_seqs, ec.max_num_batched_tokens, self._cache_key)
+        self.scheduler.batch_window_s = ec.batch_window_ms / 1000
         self.runner = ModelRunner(
             self.model,
             num_blocks,
@@ -309,6 +310,10 @@ class Engine:
             return touched_list
         if self.offload is not None:
             self.offload.before_run()
+        self.scheduler.stats.num_steps += 1
+        batch_size = len(batch.decodes) + len(batch.prefills)
+        for seq in itertools.chain(batch.decodes, (s for s, _ in batch.prefills)):
+            seq.request.max_batch_size = max(seq.request.max_batch_size, batch_size)
         logits = self.runner.run(batch, self.adapters)
         touched: dict[int, Request] = {}
         for seq, n in batch.prefills:
@@ -363,6 +368,7 @@ class Engine:
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,
             prompt_tokens_computed=s.prompt_tokens_computed,
+            num_steps=s.num_steps,
             generation_tokens=self.generation_tokens,
             policy_version=self.policy_version,
             **(self._offload_stats() if self.offload is not None else {}),

@@ -64,3 +64,4 @@ class RequestOutput:
     prompt_logprob_ranks: list[dict[int, int] | None] | None = None
     # prefill side of P/D: where the decode server finds this request's KV (echoed top-level)
     kv_transfer_params: dict | None = None
+    max_batch_size: int = 0  # most sequences in any engine step that ran this request (MLX metadata.batch_size)

@@ -8,6 +8,7 @@ later (its cached prefix blocks usually survive in the prefix cache).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of which served from cache
     prompt_tokens_computed: int = 0  # tokens actually run through the model while prefilling
+    num_steps: int = 0  # engine steps that ran a batch
 
 
 class Scheduler:
@@ -58,6 +60,8 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.hold_new = False  # set while draining for a `wait` pause
         self.offload: KVOffload | None = None  # tiers a prefix falls through to after missing the pool
+        self.batch_window_s = 0.0  # engine.batch_window_ms
+        self.clock: Callable[[], float] = time.monotonic  # the clock of Request.arrival_time
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -65,8 +69,20 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def admission_delay(self) -> float:
+        """Seconds the batch-forming window still holds the waiting requests back (0 = admit now). It only
+        holds an idle engine: nothing running, and fewer than max_num_seqs sequences waiting."""
+        if self.batch_window_s <= 0 or self.running or not self.waiting or len(self.waiting) >= self.max_num_seqs:
+            return 0.0
+        first = self.waiting[0].request
+        if first.started:  # preempted work waits for nobody
+            return 0.0
+        return max(0.0, first.arrival_time + self.batch_window_s - self.clock())
+
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
+        if self.admission_delay() > 0:
+            return batch
         budget = self.max_num_batched_tokens
         for seq in list(self.running):
             if seq.status is not Status.RUNNING or budget == 0:

@@ -37,6 +37,7 @@ class Request:
     first_token_time: float | None = None
     kv_transfer_out: dict | None = None  # prefill side of P/D: where its pinned KV is served
     held_blocks: list[int] = field(default_factory=list)  # pulled KV blocks referenced until admission
+    max_batch_size: int = 0  # most sequences in any engine step that ran this request
 
     @property
     def live_seqs(self) -> list["Sequence"]:
@@ -57,6 +58,7 @@ class Request:
             num_cached_tokens=self.num_cached_tokens,
             finished=self.finished,
             kv_transfer_params=self.kv_transfer_out,
+            max_batch_size=self.max_batch_size,
         )
 
 

@@ -19,6 +19,7 @@ class EngineStats:
     prompt_tokens_computed: int
     generation_tokens: int
     policy_version: int
+    num_steps: int = 0  # engine steps that ran a batch
     # KV offload tiers (0 without them); *_queries/*_hits count prompt tokens
     kv_offload_cpu_queries: int = 0
     kv_offload_cpu_hits: int = 0

@@ -65,26 +65,53 @@ def load_peft_adapter(
 ) -> LoraAdapter:
     """Both files must be regular files resolving under `roots` (PermissionError otherwise)."""
     config_file, weights_file = path / "adapter_config.json", path / "adapter_model.safetensors"
+    mlx_weights = path / "adapters.safetensors"  # mlx_lm.lora's layout
+    if not os.path.lexists(weights_file) and os.path.lexists(mlx_weights):
+        weights_file = mlx_weights
     if not os.path.lexists(config_file) or not os.path.lexists(weights_file):
-        raise FileNotFoundError(f"{path} needs adapter_config.json and adapter_model.safetensors (PEFT layout)")
+        raise FileNotFoundError(f"{path} needs adapter_config.json and adapter_model.safetensors (PEFT layout) "
+                                "or adapters.safetensors (mlx-lm layout)")
     try:
         cfg = json.loads(read_regular(checked_file(config_file, roots)))
-        r, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
+        if weights_file != mlx_weights:
+            r, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
+        elif not isinstance(cfg, dict):
+            raise TypeError("adapter_config.json must hold an object")
     except (ValueError, KeyError, TypeError) as exc:
         raise AdapterError(f"{config_file}: not a LoRA adapter config ({exc})") from None
+    if weights_file == mlx_weights:
+        return _load_mlx(name, path, cfg, config_file, mlx_weights, shape, dtype, device, roots)
     if r < 1 or not math.isfinite(alpha):
         raise AdapterError(
             f"{config_file}: r must be a positive integer and lora_alpha a finite number, got r={r}, lora_alpha={alpha}"
         )
     if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
         raise AdapterError(f"{config_file}: rank_pattern / alpha_pattern are not supported")
-    scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+    return _from_peft(name, path, cfg, config_file, _read_tensors(weights_file, roots), weights_file, shape, dtype,
+                      device)
+
+
+def _load_mlx(name: str, path: Path, cfg: dict, config_file: Path, weights_file: Path, shape: ModelShape,
+              dtype: torch.dtype, device: torch.device, roots: list[str] | None) -> LoraAdapter:
+    from rlserve.model.mlx_adapter import mlx_to_peft
+
+    peft, tensors = mlx_to_peft(cfg, _read_tensors(weights_file, roots), shape, str(config_file))
+    return _from_peft(name, path, peft, config_file, tensors, weights_file, shape, dtype, device)
+
+
+def _read_tensors(weights_file: Path, roots: list[str] | None) -> dict[str, torch.Tensor]:
     try:
-        tensors = load(read_regular(checked_file(weights_file, roots)))
+        return load(read_regular(checked_file(weights_file, roots)))
     except PermissionError:
         raise
     except Exception as exc:
         raise AdapterError(f"cannot read {weights_file}: {exc}") from None
+
+
+def _from_peft(name: str, path: Path, cfg: dict, config_file: Path, tensors: dict[str, torch.Tensor],
+               weights_file: Path, shape: ModelShape, dtype: torch.dtype, device: torch.device) -> LoraAdapter:
+    r, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
+    scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
     dims = module_dims(shape)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():

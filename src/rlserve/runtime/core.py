@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import queue
 import signal
@@ -63,7 +64,9 @@ class EngineCore:
         engine, parent = self.engine, child.parent_pid()
         while not self.stop:
             busy = engine.has_unfinished() and not self.pause.paused
-            if self.poller.poll(0 if busy else IDLE_POLL_MS):
+            # a batch-forming window holding an idle engine's first requests: sleep on the inbox until it ends
+            hold_ms = math.ceil(engine.scheduler.admission_delay() * 1000) if busy else 0
+            if self.poller.poll(hold_ms if busy else IDLE_POLL_MS):
                 if self.landed_r is not None:
                     try:
                         os.read(self.landed_r, 4096)

@@ -262,6 +262,9 @@ class AsyncEngine(FaceRules):
                     self._wake.wait(timeout=idle_s)
                 elif engine.has_unfinished():
                     self._dispatch(engine.step_requests())
+                    hold_s = engine.scheduler.admission_delay()  # a batch-forming window: wait for more
+                    if hold_s > 0:
+                        self._wake.wait(timeout=hold_s)
                 else:
                     self._wake.wait(timeout=idle_s)
         except BaseException as exc:

@@ -31,7 +31,7 @@ from rlserve.server.errors import APIError, install_error_handlers
 from rlserve.server.listen import bind, check_admin_exposure
 from rlserve.server.limits import BodyGuard
 from rlserve.server.openapi import install_openapi
-from rlserve.server.metrics import Metrics
+from rlserve.server.metrics import Metrics, wants_json_metrics
 from rlserve.server.state import ServerState
 from rlserve.server.auth import Gate
 
@@ -49,6 +49,8 @@ def build_app(engine: EngineFace, config: Config) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await engine.start()  # the engine client reads its process's messages in this event loop
+        if config.model.adapter_path:
+            await control.activate_startup_adapter(app.state.rlserve, config.model.adapter_path)
         yield
 
     app = FastAPI(title="rlserve", redirect_slashes=False, lifespan=lifespan)
@@ -146,17 +148,21 @@ async def version() -> dict:
 async def metrics(request: Request) -> Response:
     """Prometheus text, or the MLX-style JSON status when JSON is asked for (§2.0 dispatch)."""
     state = _state(request)
-    accept = request.headers.get("accept", "").split(",")[0].strip().lower()
-    if request.query_params.get("format") == "json" or accept == "application/json":
+    if wants_json_metrics(request, state.config.server.metrics_format):
         await state.engine.refresh()
         stats = state.engine.stats
         return JSONResponse({
             "current_policy_version": stats.policy_version, "queue_depth": stats.num_waiting,
             "num_running": stats.num_running, "max_batch_size": state.config.engine.max_num_seqs,
-            "flush_interval_ms": 0, "is_paused": state.engine.paused, "weight_version": state.engine.weight_version,
+            "flush_interval_ms": _number(state.config.engine.batch_window_ms), "is_paused": state.engine.paused,
+            "weight_version": state.engine.weight_version, "num_steps": stats.num_steps,
         })
     await state.engine.refresh()
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _number(x: float) -> float | int:
+    return int(x) if float(x).is_integer() else x
 
 
 def serve(config: Config, engine_process: EngineProcess | None = None) -> None:

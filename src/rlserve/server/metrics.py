@@ -20,6 +20,18 @@ def weight_version(engine: EngineFace) -> str:
     """The trainer-owned label (§2.15); "default" until weight updates set one on the engine."""
     return engine.weight_version or "default"
 
+def wants_json_metrics(request, default_format: str) -> bool:
+    """GET /metrics: ?format=json|prometheus, else the Accept header (Prometheus/OpenMetrics text for scrapers,
+    application/json for the MLX-style JSON), else server.metrics_format (a plain GET, Accept */*)."""
+    fmt = request.query_params.get("format")
+    if fmt in ("json", "prometheus"):
+        return fmt == "json"
+    accept = request.headers.get("accept", "").lower()
+    if "openmetrics-text" in accept or "text/plain" in accept:
+        return False
+    return "application/json" in accept or default_format == "json"
+
+
 LABELS = ("model_name", "engine")
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0, 2560.0)

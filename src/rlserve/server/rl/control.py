@@ -286,6 +286,17 @@ async def _activate(state: ServerState, path: str) -> int:
 MLX_ADAPTER = "mlx-adapter"
 
 
+async def activate_startup_adapter(state: ServerState, path: str) -> int:
+    """model.adapter_path (the MLX --adapter-path): the operator's adapter, read wherever it lies."""
+    resolved = Path(path).expanduser().resolve()
+    try:
+        version = await _add_adapter(state, MLX_ADAPTER, resolved, "model.adapter_path", [str(resolved)])
+    except APIError as exc:
+        raise SystemExit(f"rlserve: error: model.adapter_path (--adapter-path): {exc.message}") from None
+    state.default_adapter = MLX_ADAPTER
+    return version
+
+
 @router.post("/upload_adapter")
 async def upload_adapter(request: Request) -> dict:
     """Multipart `adapter_weights` (safetensors) + `adapter_config` (JSON): MLX layout (lora_a [in, r],

@@ -200,13 +200,14 @@ async def _run_all(request: Request, state: ServerState, prompts, params, rid, s
 
 async def _mlx_generate(request: Request, state: ServerState, body: dict):
     prompts = await state.off_loop(_prompt_list, state, body["prompt"], "prompt")
-    fields = {"temperature": 0.0, "max_tokens": 128, **body}
+    fields = {"temperature": 0.0, "max_tokens": state.config.server.generate_max_tokens, **body}
     params = make_params(fields, logprobs=0)
     rid = body.get("request_id") or uuid.uuid4().hex
     started = time.monotonic()
     outs = await _run_all(request, state, prompts, params, rid, adapter=state.adapter_for(None))
     latency = (time.monotonic() - started) * 1000
     current = state.engine.policy_version
+    batch_size = max((out.max_batch_size for out in outs), default=0)  # the batch the engine formed
     results = []
     for out in outs:
         for c in out.outputs:
@@ -214,7 +215,7 @@ async def _mlx_generate(request: Request, state: ServerState, body: dict):
                 "request_id": rid, "policy_version": c.policy_version if c.policy_version is not None else current,
                 "step_id": body.get("step_id"), "prompt_ids": out.prompt_token_ids, "completion_ids": c.token_ids,
                 "text": c.text, "logprobs": [clamp(x) for x in c.logprobs or []], "finish_reason": c.finish_reason,
-                "metadata": {"batch_size": len(prompts) * params.n, "latency_ms": round(latency, 3),
+                "metadata": {"batch_size": batch_size, "latency_ms": round(latency, 3),
                              "current_policy_version": current},
             })
     if len(results) == 1 and not isinstance(body["prompt"], list):

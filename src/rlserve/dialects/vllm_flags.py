@@ -1,0 +1,108 @@
+"""`vllm serve MODEL --flag ...` as rlserve flags (docs/launch.md lists every flag and what it sets)."""
+
+from __future__ import annotations
+
+import re
+
+from rlserve.config.load import ConfigError
+from rlserve.dialects import Flag
+
+_DTYPES = {"auto": "auto", "half": "float16", "float16": "float16", "bfloat16": "bfloat16", "float": "float32",
+           "float32": "float32"}
+_LOGPROBS_MODES = {"raw_logprobs": "raw", "processed_logprobs": "processed"}
+
+
+def _dtype(value: str) -> str:
+    if value not in _DTYPES:
+        raise ConfigError(f"--dtype {value!r}: rlserve runs {', '.join(_DTYPES)}")
+    return _DTYPES[value]
+
+
+def _logprobs_mode(value: str) -> str:
+    if value not in _LOGPROBS_MODES:
+        raise ConfigError(f"--logprobs-mode {value!r}: rlserve returns logprobs, not logits: use raw_logprobs "
+                          "or processed_logprobs")
+    return _LOGPROBS_MODES[value]
+
+
+def _length(value: str) -> str:
+    """vLLM's 32k / 1M / 32768 spellings."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmM]?)", value.strip())
+    if m is None:
+        raise ConfigError(f"--max-model-len {value!r}: give a number of tokens (e.g. 4096, 32k)")
+    scale = {"": 1, "k": 1000, "K": 1024, "m": 1_000_000, "M": 1 << 20}[m.group(2)]
+    return str(int(float(m.group(1)) * scale))
+
+
+def _generation_config(value: str) -> str:
+    if value not in ("auto", "vllm"):
+        raise ConfigError(f"--generation-config {value!r}: rlserve reads generation_config.json from the model "
+                          "directory only (pass auto or vllm)")
+    return value
+
+
+def _one(value: str) -> str:
+    if value.strip() not in ("1", ""):
+        raise ConfigError(f"--pipeline-parallel-size {value}: rlserve has no pipeline parallelism; use "
+                          "--tensor-parallel-size or --data-parallel-size")
+    return value
+
+
+VLLM_FLAGS: dict[str, Flag] = {
+    "--model": Flag("model.name"),
+    "--host": Flag("server.host"),
+    "--port": Flag("server.port"),
+    "--api-key": Flag("server.api_key"),
+    "--served-model-name": Flag("model.served_model_name"),
+    "--max-model-len": Flag("model.max_model_len", convert=_length),
+    "--dtype": Flag("model.dtype", convert=_dtype),
+    "--seed": Flag("seed"),
+    "--tensor-parallel-size": Flag("parallel.tp"),
+    "-tp": Flag("parallel.tp"),
+    "--data-parallel-size": Flag("parallel.dp"),
+    "-dp": Flag("parallel.dp"),
+    "--tool-call-parser": Flag("model.tool_call_parser"),
+    "--reasoning-parser": Flag("model.reasoning_parser"),
+    "--gpu-memory-utilization": Flag("gpu_memory_utilization"),
+    "--logprobs-mode": Flag("engine.logprobs_mode", convert=_logprobs_mode),
+    "--chat-template": Flag("model.chat_template"),
+    "--max-num-seqs": Flag("engine.max_num_seqs"),
+    "--max-num-batched-tokens": Flag("engine.max_num_batched_tokens"),
+    "--block-size": Flag("engine.block_size"),
+    "--max-logprobs": Flag("engine.max_logprobs"),
+    "--device": Flag("model.device"),
+    "--uvicorn-log-level": Flag("server.log_level"),
+    "--enable-prefix-caching": Flag("engine.enable_prefix_caching", switch=True),
+    "--no-enable-prefix-caching": Flag("engine.enable_prefix_caching", switch=True, const="false"),
+    "--enforce-eager": Flag("model.enforce_eager", switch=True),
+    "--trust-remote-code": Flag("model.trust_remote_code", switch=True),
+    "--enable-return-routed-experts": Flag("enable_return_routed_experts", switch=True),
+    # accepted and ignored: rlserve already behaves as the flag asks, or has no such limit
+    "--enable-auto-tool-choice": Flag(None, switch=True, note="tool calls are parsed whenever --tool-call-parser "
+                                      "is set and a request has tools"),
+    "--enable-lora": Flag(None, switch=True, note="LoRA adapters are always served"),
+    "--max-lora-rank": Flag(None, note="any rank loads"),
+    "--max-loras": Flag(None, note="adapters stay loaded until unloaded; requests of any mix share a batch"),
+    "--max-cpu-loras": Flag(None, note="as --max-loras"),
+    "--enable-scale-out": Flag(None, switch=True, note="the scale-out and dev-mode routes are always served, "
+                               "behind server.admin_api_key (VLLM_SERVER_DEV_MODE is not needed either)"),
+    "--generation-config": Flag(None, convert=_generation_config, note="eos ids come from the model's "
+                                "generation_config.json; sampling defaults are vLLM's neutral ones"),
+    "--disable-log-requests": Flag(None, switch=True, note="requests are not logged"),
+    "--enable-log-requests": Flag(None, switch=True, note="requests are not logged"),
+    "--disable-log-stats": Flag(None, switch=True, note="stats are on /metrics only"),
+    "--disable-uvicorn-access-log": Flag(None, switch=True, note="no access log"),
+    "--pipeline-parallel-size": Flag(None, convert=_one, note="1 only"),
+}
+
+# vLLM flags with nothing behind them in rlserve: refused by name rather than half-honoured
+REFUSED = {
+    "--enable-expert-parallel": "rlserve has no expert parallelism yet (mixture-of-experts layers run whole on "
+    "every tensor-parallel rank); drop the flag",
+    "--enable-eplb": "rlserve has no expert load balancer (no expert parallelism yet); drop the flag",
+    "--enable-dbo": "rlserve has no dual-batch overlap; drop the flag",
+    "--quantization": "rlserve serves unquantized checkpoints only; drop the flag",
+    "--speculative-config": "rlserve has no speculative decoding; drop the flag",
+    "--kv-transfer-config": "rlserve moves KV between its own servers: use deployment.type = \"disaggregated\"",
+    "--headless": "rlserve has no headless engine ranks; a server always serves HTTP",
+}
