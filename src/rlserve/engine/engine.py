@@ -18,6 +18,7 @@ from rlserve.engine.allocator import keep_freed_memory
 from rlserve.engine.detectors import Detectors
 from rlserve.engine.detokenizer import IncrementalDetokenizer
 from rlserve.engine.kv_cache import BlockPool, extra_key
+from rlserve.engine.kv_mooncake import KVMooncake
 from rlserve.engine.kv_offload import KVOffload
 from rlserve.engine.kv_transfer import KVTransfer
 from rlserve.engine.memory import kv_budget, memory_at_start
@@ -67,6 +68,14 @@ class EngineStats:
     kv_offload_cpu_used_bytes: int = 0
     kv_offload_cpu_capacity_bytes: int = 0
     kv_offload_disk_used_bytes: int = 0
+    # kv_cache_offload.type = "mooncake" (engine/kv_mooncake.py MooncakeStats)
+    kv_offload_mooncake_queries: int = 0
+    kv_offload_mooncake_hits: int = 0
+    kv_offload_mooncake_rejected: int = 0
+    kv_offload_mooncake_put_skipped: int = 0
+    kv_offload_bytes_to_mooncake: int = 0
+    kv_offload_bytes_from_mooncake: int = 0
+    kv_offload_mooncake_load_seconds: float = 0.0
     # prefill/decode KV transfer (0 without kv_transfer); see engine/kv_transfer.py TransferStats
     kv_transfer_pulls: int = 0
     kv_transfer_pull_failures: int = 0
@@ -178,9 +187,13 @@ class Engine:
         # decode graphs do not capture the tensor-parallel step broadcast: eager under tp
         if self.device.type == "cuda" and not config.model.enforce_eager and self.shape.moe is None and tp == 1:
             self.runner.use_decode_graphs(ec.max_num_seqs, self.max_model_len)
-        self.offload: KVOffload | None = None
+        self.offload: KVOffload | KVMooncake | None = None
         if config.kv_cache_offload is not None:
-            self.offload = KVOffload(config.kv_cache_offload, self.runner.kv_cache, ec.block_size)
+            if config.kv_cache_offload.type == "mooncake":  # one store shared by every replica
+                self.offload = KVMooncake(config.kv_cache_offload, self.runner.kv_cache, ec.block_size,
+                                          str(config.model.name), lambda: self.weight_version)
+            else:
+                self.offload = KVOffload(config.kv_cache_offload, self.runner.kv_cache, ec.block_size)
             self.scheduler.offload = self.offload
             self.pool.on_evict = self.offload.save
             if self.runner.routing is not None:
