@@ -198,7 +198,7 @@ def test_serve_starts_its_master_and_sigterm_stops_it(tmp_path):
     from conftest import start_server, stop_server
 
     config = tmp_path / "mooncake.toml"
-    config.write_text('[kv_cache_offload]\ntype = "mooncake"\n[kv_cache_offload.cpu]\nnum_bytes = 16_000_000\n')
+    config.write_text('[kv_cache_offload]\ntype = "mooncake"\n[kv_cache_offload.cpu]\nnum_bytes = 32_000_000\n')
     url, proc = start_server("@", str(config), "--engine.kv_cache_bytes", str(32 * BLOCK * 2048),
                              "--model.max_model_len", "256", "--engine.block_size", str(BLOCK))
     try:
@@ -212,10 +212,12 @@ def test_serve_starts_its_master_and_sigterm_stops_it(tmp_path):
         for p in [prompt, *prompts(12, 3, 200), prompt]:  # the fillers evict the prompt into the store
             r = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": p, "max_tokens": 2}, timeout=120)
             assert r.status_code == 200, r.text
-        metrics = httpx.get(f"{url}/metrics", timeout=30).text
-        assert 'rlserve:kv_offload_hits_total{tier="mooncake"}' in metrics
-        hits = next(line for line in metrics.splitlines() if line.startswith('rlserve:kv_offload_hits_total{tier="mooncake"}'))
-        assert float(hits.split()[-1]) == 6 * BLOCK  # the prompt's 6 full blocks came back from the store
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+        hits = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == "rlserve:kv_offload_hits_total" and s.labels.get("tier") == "mooncake"]
+        assert sum(hits) == 6 * BLOCK  # the prompt's 6 full blocks came back from the store
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=60)

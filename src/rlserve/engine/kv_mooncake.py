@@ -29,6 +29,7 @@ from rlserve.engine.kv_format import BlockFormatError, KVBlock
 log = logging.getLogger(__name__)
 
 TIER = "mooncake"
+MIN_SEGMENT_BYTES = 16 << 20  # the store refuses smaller segments
 _LOCAL_BUFFER_BYTES = 16 << 20  # the client's staging buffer for put/get (the library's default)
 _RPC_FAIL = -900  # the store's code when its master cannot be reached
 
@@ -80,9 +81,10 @@ class KVMooncake:
         layers, _, _, kv_heads, head_dim = kv_cache.shape
         self.block_shape = (layers, 2, block_size, kv_heads, head_dim)
         self.block_bytes = kv_cache[:, :, :block_size].numel() * kv_cache.element_size()
-        if config.cpu.num_bytes < self.block_bytes:
-            raise ValueError(f"kv_cache_offload.cpu.num_bytes ({config.cpu.num_bytes}) holds no KV block of "
-                             f"{self.block_bytes} bytes: raise it")
+        if config.cpu.num_bytes < max(MIN_SEGMENT_BYTES, self.block_bytes):
+            raise ValueError(f"kv_cache_offload.cpu.num_bytes ({config.cpu.num_bytes}) is below what a replica can "
+                             f"contribute to the Mooncake store (16 MiB, and at least one {self.block_bytes}-byte "
+                             "KV block): raise it")
         dtype = str(kv_cache.dtype).removeprefix("torch.")
         self._prefix = f"rlserve-kv/{model_name}/{dtype}x{'x'.join(map(str, self.block_shape))}"
         self._weights, self.rank = weights, rank
