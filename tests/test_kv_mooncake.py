@@ -229,3 +229,50 @@ def test_serve_starts_its_master_and_sigterm_stops_it(tmp_path):
     assert not _alive(masters[0]), "the Mooncake master outlived its server"
     assert not logdir.exists()
     assert not os.path.exists(f"/proc/{masters[0]}") or not _alive(masters[0])
+
+
+def _metric(url: str, name: str, **labels: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name and labels.items() <= s.labels.items())
+
+
+def test_deployment_replicas_share_one_master_and_reuse_each_others_prefixes(tmp_path):
+    """The supervisor starts one master for both replicas; replica 1 serves a prompt replica 0 computed,
+    computing its last partial block only, with the same tokens; SIGTERM leaves no process."""
+    _mooncake_or_skip()
+    from deploy_helpers import alive, descendants, replicas, start_deployment, stop_deployment, wait_for
+
+    config = tmp_path / "mooncake.toml"
+    config.write_text('[kv_cache_offload]\ntype = "mooncake"\n[kv_cache_offload.cpu]\nnum_bytes = 32_000_000\n')
+    public, admin, proc = start_deployment("--deployment.replicas", "2", "@", str(config), "--engine.kv_cache_bytes",
+                                           str(32 * BLOCK * 2048), "--model.max_model_len", "256",
+                                           "--engine.block_size", str(BLOCK))
+    try:
+        tree = descendants(proc.pid)
+        masters = [p for p in tree if "mooncake_master" in Path(f"/proc/{p}/cmdline").read_text()]
+        assert len(masters) == 1
+        urls = [r["url"] for r in replicas(admin)]
+        model = httpx.get(f"{urls[0]}/v1/models", timeout=30).json()["data"][0]["id"]
+
+        def complete(url: str, prompt: list[int]) -> dict:
+            r = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 4,
+                                                          "temperature": 0, "logprobs": 1}, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]
+
+        prompt = prompts(21, 1, 6 * BLOCK + 4)[0]
+        first = complete(urls[0], prompt)
+        for filler in prompts(22, 3, 200):  # evict the prompt from replica 0's pool into the store
+            complete(urls[0], filler)
+        before = _metric(urls[1], "rlserve:prompt_tokens_computed_total")
+        second = complete(urls[1], prompt)
+        assert _metric(urls[1], "rlserve:prompt_tokens_computed_total") - before == 4  # of 100 prompt tokens
+        assert _metric(urls[1], "rlserve:kv_offload_hits_total", tier="mooncake") == 6 * BLOCK
+        assert second["text"] == first["text"]
+        assert second["logprobs"]["tokens"] == first["logprobs"]["tokens"]
+    finally:
+        stop_deployment(proc)
+    wait_for(lambda: not any(alive(pid) for pid in tree), 30, "every child to exit")
