@@ -247,7 +247,7 @@ def test_deployment_replicas_share_one_master_and_reuse_each_others_prefixes(tmp
 
     config = tmp_path / "mooncake.toml"
     config.write_text('[kv_cache_offload]\ntype = "mooncake"\n[kv_cache_offload.cpu]\nnum_bytes = 32_000_000\n')
-    public, admin, proc = start_deployment("--deployment.replicas", "2", "@", str(config), "--engine.kv_cache_bytes",
+    _, admin, proc = start_deployment("--deployment.replicas", "2", "@", str(config), "--engine.kv_cache_bytes",
                                            str(32 * BLOCK * 2048), "--model.max_model_len", "256",
                                            "--engine.block_size", str(BLOCK))
     try:

@@ -64,8 +64,8 @@ def find_binary() -> str:
 class MooncakeMaster:
     """One mooncake_master process with its HTTP metadata server, on free ports of `host`."""
 
-    def __init__(self, host: str = "127.0.0.1", start_timeout_s: float = 30.0):
-        self.host = host
+    def __init__(self, host: str = "127.0.0.1", start_timeout_s: float = 30.0, disk: bool = False):
+        self.host, self.disk = host, disk
         self.proc: subprocess.Popen | None = None
         self.logdir = Path(tempfile.mkdtemp(prefix="rlserve-mooncake-master-"))
         binary = find_binary()
@@ -98,9 +98,11 @@ class MooncakeMaster:
                 "--enable_http_metadata_server=true", f"--http_metadata_server_host={self.host}",
                 f"--http_metadata_server_port={self.http_port}", f"--metrics_port={_free_port(self.host)}",
                 f"--log_dir={self.logdir}"]
+        if self.disk:  # the replicas' kv_cache_offload.disk: blocks the memory evicts go to their local disks
+            argv += ["--enable_offload=true", "--offload_on_evict=true", "--promotion_on_hit=true"]
         with open(self.logdir / "master.log", "ab") as out:
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                         preexec_fn=_child_setup)
+                                         preexec_fn=_child_setup)  # noqa: PLW1509 - setsid and prctl only
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -140,6 +142,6 @@ def start_master_if_needed(config: Config) -> Config:
     at exit (the server's and the supervisor's exits run atexit), and return the config pointing at it."""
     if not needs_master(config):
         return config
-    master = MooncakeMaster()
+    master = MooncakeMaster(disk=config.kv_cache_offload.disk is not None)
     atexit.register(master.stop)
     return master.configure(config)
