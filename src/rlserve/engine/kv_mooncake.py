@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 TIER = "mooncake"
 MIN_SEGMENT_BYTES = 16 << 20  # the store refuses smaller segments
 _LOCAL_BUFFER_BYTES = 16 << 20  # the client's staging buffer for put/get (the library's default)
+_FETCHED_BLOCKS = 256  # blocks fetched by lookups and not yet loaded (an admission that waits drops them)
 _RPC_FAIL = -900  # the store's code when its master cannot be reached
 
 
@@ -95,7 +97,11 @@ class KVMooncake:
         self.restore_metadata: Callable[[int, dict[str, torch.Tensor]], None] | None = None
         self.required_metadata: frozenset[str] = frozenset()
         self.disk = None  # the store's own SSD offload, when configured, is accounted by the master
-        self._saved: set[bytes] = set()  # put by this replica under the current weights
+        # put by this replica under the current weights (not put again), as many as its own share holds
+        self._saved: OrderedDict[bytes, None] = OrderedDict()
+        self._saved_cap = config.cpu.num_bytes // self.block_bytes
+        # a lookup fetches the block (one round trip, not two): the load that follows it takes it from here
+        self._fetched: OrderedDict[bytes, bytes] = OrderedDict()
         self._ssd_dir: str | None = None
         store_class = import_store()
         self.store = store_class()
@@ -149,22 +155,35 @@ class KVMooncake:
         if rc != 0:  # no room (nothing evictable yet) or already there: the block is simply not kept
             self.stats.mooncake_put_skipped += 1
             return
-        self._saved.add(h)
+        self._saved[h] = None
+        if len(self._saved) > self._saved_cap:
+            self._saved.popitem(last=False)
         self.stats.bytes_to_mooncake += sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in parts)
 
     def where(self, h: bytes) -> str | None:
         if not self.enabled:
             return None
-        try:
-            found = self.store.is_exist(self.key(h))
-        except Exception as e:  # noqa: BLE001
-            self._failed("lookup", e)
+        start = time.perf_counter()
+        data = self._get(h)
+        if not data:
             return None
-        if found == 1:
-            return TIER
-        if found < 0:
-            self._failed("lookup", found)
-        return None
+        self._fetched[h] = data
+        if len(self._fetched) > _FETCHED_BLOCKS:
+            self._fetched.popitem(last=False)
+        self.stats.mooncake_load_seconds += time.perf_counter() - start
+        return TIER
+
+    def _get(self, h: bytes) -> bytes:
+        """The stored block's bytes; empty when the store has none (or failed: offload then turns off)."""
+        try:
+            data = self.store.get(self.key(h))
+            missing = self.store.is_exist(self.key(h)) if not data else 1  # a miss, or is the master gone?
+        except Exception as e:  # noqa: BLE001
+            self._failed("get", e)
+            return b""
+        if missing < 0:
+            self._failed("get", missing)
+        return data
 
     def count_queries(self, found: list[str | None]) -> None:
         self.stats.mooncake_queries += len(found) * self.block_size
@@ -174,11 +193,7 @@ class KVMooncake:
         if not self.enabled:
             return False
         start = time.perf_counter()
-        try:
-            data = self.store.get(self.key(h))
-        except Exception as e:  # noqa: BLE001
-            self._failed("get", e)
-            return False
+        data = self._fetched.pop(h, None) or self._get(h)
         if not data:  # evicted since the lookup, or the store is gone
             return False
         try:
@@ -208,6 +223,7 @@ class KVMooncake:
         if weight_generation is not None:
             self.weight_generation = weight_generation
         self._saved.clear()
+        self._fetched.clear()
 
     def _remove_ssd_dir(self) -> None:
         if self._ssd_dir is not None:
