@@ -238,7 +238,7 @@ class KVMooncakeConfig(Section):
     )
     metadata_server: str | None = Field(
         None, description="the transfer engine's metadata URL; none = the master's own HTTP metadata server "
-        "(http://<master host>:<port>/metadata, started with it)"
+        "(rlserve's master: filled in; a master of yours: http://<master host>:8080/metadata)"
     )
     local_hostname: str = Field("127.0.0.1", description="the address other replicas reach this one's memory on")
     protocol: Literal["tcp", "rdma"] = Field("tcp", description="the transfer engine's transport")
