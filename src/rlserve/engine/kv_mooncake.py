@@ -45,7 +45,7 @@ def import_store() -> type:
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as e:  # the wheel links libibverbs and libnuma even for TCP
-        hint = ("pip install 'rlserve[mooncake]'" if "mooncake" in str(e) and "No module" in str(e)
+        hint = ("pip install 'rlserve[mooncake]'" if isinstance(e, ModuleNotFoundError)
                 else "apt-get install -y libibverbs1 librdmacm1 libnuma1")
         raise MooncakeUnavailable(f"kv_cache_offload.type = 'mooncake' cannot load the Mooncake store ({e}): {hint}") from None
     return MooncakeDistributedStore
