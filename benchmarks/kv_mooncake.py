@@ -20,7 +20,7 @@ import time
 import torch
 from transformers import AutoConfig
 
-from rlserve.config import Config, KVOffloadConfig
+from rlserve.config.schema import Config, KVOffloadConfig
 from rlserve.deploy.mooncake import MooncakeMaster
 from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams

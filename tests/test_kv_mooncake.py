@@ -20,7 +20,7 @@ import httpx
 import pytest
 import torch
 
-from rlserve.config import Config, KVOffloadConfig
+from rlserve.config.schema import Config, KVOffloadConfig
 from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams
 from rlserve.engine.weights import stage_from_dir

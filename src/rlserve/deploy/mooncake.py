@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rlserve.config import Config, KVMooncakeConfig
+from rlserve.config.schema import Config, KVMooncakeConfig
 
 log = logging.getLogger("rlserve.mooncake")
 _PR_SET_PDEATHSIG = 1

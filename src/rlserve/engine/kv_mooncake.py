@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from rlserve.config import KVMooncakeConfig, KVOffloadConfig
-from rlserve.engine import kv_format
-from rlserve.engine.kv_format import BlockFormatError, KVBlock
+from rlserve.config.schema import KVMooncakeConfig, KVOffloadConfig
+from rlserve.engine.kv import format as kv_format
+from rlserve.engine.kv.format import BlockFormatError, KVBlock
 
 log = logging.getLogger(__name__)
 

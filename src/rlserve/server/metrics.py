@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from rlserve.engine.async_engine import AsyncEngine
+from rlserve.runtime.inproc import AsyncEngine
 from rlserve.engine.outputs import RequestOutput
 
 
