@@ -82,6 +82,14 @@ def test_kv_offload_quick(tmp_path):
     assert "same tokens: True" in out and re.search(r"^offload\s+[\d.]+", out, re.M)
 
 
+def test_kv_mooncake_quick(tmp_path):
+    from test_kv_mooncake import _mooncake_or_skip
+
+    _mooncake_or_skip()
+    out = run(tmp_path, "kv_mooncake.py", "--quick")
+    assert "same tokens: True" in out and re.search(r"^B with the store\s+\d+", out, re.M)
+
+
 def test_llamacpp_comparison_skips_the_peer_when_it_is_not_built(tmp_path):
     out = run(tmp_path, "llamacpp.py", "--preset", "tiny", "--clients", "2", "--prompt-len", "8", "--new-tokens", "4",
               "--single-new-tokens", "4", "--dtype", "bfloat16")  # fmt: skip

@@ -59,6 +59,14 @@ def _serve(argv: list[str], prog: str) -> int:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     os.environ.update(config.env_vars)  # every process started from here on inherits them
+    if config.kv_cache_offload is not None and config.kv_cache_offload.type == "mooncake":
+        from rlserve.deploy.mooncake import start_master_if_needed
+
+        try:  # one for the deployment's replicas or this server; stopped at exit
+            config = start_master_if_needed(config)
+        except RuntimeError as e:
+            print(f"{prog}: error: {e}", file=sys.stderr)
+            return 2
     if config.deployment.enabled:
         from rlserve.deploy.run import serve_deployment
 

@@ -248,16 +248,41 @@ class KVOffloadDiskConfig(Section):
     num_bytes: int | None = Field(None, ge=1, description="cap on the disk tier's files; none = until the disk is full")
 
 
+class KVMooncakeConfig(Section):
+    """type = "mooncake" (docs/kv-mooncake.md): where the shared Mooncake store is."""
+
+    master_address: str | None = Field(
+        None, description="host:port of a running mooncake_master; none = rlserve starts one (a deployment: one "
+        "for all its replicas) and stops it on exit"
+    )
+    metadata_server: str | None = Field(
+        None, description="the transfer engine's metadata URL; none = the master's own HTTP metadata server "
+        "(rlserve's master: filled in; a master of yours: http://<master host>:8080/metadata)"
+    )
+    local_hostname: str = Field("127.0.0.1", description="the address other replicas reach this one's memory on")
+    protocol: Literal["tcp", "rdma"] = Field("tcp", description="the transfer engine's transport")
+
+
 class KVOffloadConfig(Section):
-    type: Literal["native"] = Field("native", description="the offload implementation (rlserve's own)")
+    type: Literal["native", "mooncake"] = Field(
+        "native", description="the offload implementation: rlserve's own tiers, or one Mooncake store shared by "
+        "every replica (cpu.num_bytes: the DRAM each replica contributes to it)"
+    )
     cpu: KVOffloadCPUConfig | None = Field(None, description="the CPU tier (required)")
     disk: KVOffloadDiskConfig | None = Field(None, description="an optional disk tier behind the CPU tier")
+    mooncake: KVMooncakeConfig | None = Field(None, description="type = 'mooncake': the store's addresses")
 
     @model_validator(mode="after")
     def _needs_cpu(self) -> "KVOffloadConfig":
         if self.cpu is None:
             what = "a disk tier alone is not supported: " if self.disk is not None else ""
             raise ValueError(f"{what}kv_cache_offload needs a CPU tier: set kv_cache_offload.cpu.num_bytes")
+        if self.mooncake is not None and self.type != "mooncake":
+            raise ValueError("kv_cache_offload.mooncake is set but kv_cache_offload.type is "
+                             f"{self.type!r}: set type = 'mooncake' or drop [kv_cache_offload.mooncake]")
+        if self.mooncake is not None and self.mooncake.metadata_server and not self.mooncake.master_address:
+            raise ValueError("kv_cache_offload.mooncake.metadata_server needs master_address too (rlserve starts "
+                             "its own master with its own metadata server)")
         return self
 
 

@@ -18,6 +18,7 @@ from rlserve.engine.allocator import keep_freed_memory
 from rlserve.engine.detectors import Detectors
 from rlserve.engine.detokenizer import IncrementalDetokenizer
 from rlserve.engine.kv.pool import BlockPool, extra_key
+from rlserve.engine.kv.mooncake import KVMooncake
 from rlserve.engine.kv.offload import KVOffload
 from rlserve.engine.kv.transfer import KVTransfer
 from rlserve.engine.memory import kv_budget, memory_at_start, num_kv_blocks
@@ -118,9 +119,13 @@ class Engine:
         # decode graphs do not capture the tensor-parallel step broadcast: eager under tp
         if self.device.type == "cuda" and not config.model.enforce_eager and self.shape.moe is None and tp == 1:
             self.runner.use_decode_graphs(ec.max_num_seqs, self.max_model_len)
-        self.offload: KVOffload | None = None
+        self.offload: KVOffload | KVMooncake | None = None
         if config.kv_cache_offload is not None:
-            self.offload = KVOffload(config.kv_cache_offload, self.runner.kv_cache, ec.block_size)
+            if config.kv_cache_offload.type == "mooncake":  # one store shared by every replica
+                self.offload = KVMooncake(config.kv_cache_offload, self.runner.kv_cache, ec.block_size,
+                                          str(config.model.name), lambda: self.weight_version)
+            else:
+                self.offload = KVOffload(config.kv_cache_offload, self.runner.kv_cache, ec.block_size)
             self.scheduler.offload = self.offload
             self.pool.on_evict = self.offload.save
             if self.runner.routing is not None:

@@ -33,6 +33,14 @@ class EngineStats:
     kv_offload_cpu_used_bytes: int = 0
     kv_offload_cpu_capacity_bytes: int = 0
     kv_offload_disk_used_bytes: int = 0
+    # kv_cache_offload.type = "mooncake" (engine/kv/mooncake.py MooncakeStats)
+    kv_offload_mooncake_queries: int = 0
+    kv_offload_mooncake_hits: int = 0
+    kv_offload_mooncake_rejected: int = 0
+    kv_offload_mooncake_put_skipped: int = 0
+    kv_offload_bytes_to_mooncake: int = 0
+    kv_offload_bytes_from_mooncake: int = 0
+    kv_offload_mooncake_load_seconds: float = 0.0
     # prefill/decode KV transfer (0 without kv_transfer); see engine/kv/transfer.py TransferStats
     kv_transfer_pulls: int = 0
     kv_transfer_pull_failures: int = 0

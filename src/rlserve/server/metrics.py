@@ -181,12 +181,16 @@ def _offload_metrics(s, names: list[str], values: list[str]):
         return m
 
     yield family(CounterMetricFamily, "rlserve:kv_offload_queries", "Prompt tokens looked up in an offload tier.",
-                 "tier", {"cpu": s.kv_offload_cpu_queries, "disk": s.kv_offload_disk_queries})
+                 "tier", {"cpu": s.kv_offload_cpu_queries, "disk": s.kv_offload_disk_queries,
+                          "mooncake": s.kv_offload_mooncake_queries})
     yield family(CounterMetricFamily, "rlserve:kv_offload_hits", "Prompt tokens loaded from an offload tier.",
-                 "tier", {"cpu": s.kv_offload_cpu_hits, "disk": s.kv_offload_disk_hits})
+                 "tier", {"cpu": s.kv_offload_cpu_hits, "disk": s.kv_offload_disk_hits,
+                          "mooncake": s.kv_offload_mooncake_hits})
     yield family(CounterMetricFamily, "rlserve:kv_offload_bytes", "KV bytes moved between the pool and the tiers.",
                  "direction", {"pool_to_cpu": s.kv_offload_bytes_to_cpu, "cpu_to_pool": s.kv_offload_bytes_from_cpu,
-                               "cpu_to_disk": s.kv_offload_bytes_to_disk, "disk_to_pool": s.kv_offload_bytes_from_disk})
+                               "cpu_to_disk": s.kv_offload_bytes_to_disk, "disk_to_pool": s.kv_offload_bytes_from_disk,
+                               "pool_to_mooncake": s.kv_offload_bytes_to_mooncake,
+                               "mooncake_to_pool": s.kv_offload_bytes_from_mooncake})
     yield family(GaugeMetricFamily, "rlserve:kv_offload_usage_bytes", "Bytes of KV held by an offload tier.",
                  "tier", {"cpu": s.kv_offload_cpu_used_bytes, "disk": s.kv_offload_disk_used_bytes})
     yield family(GaugeMetricFamily, "rlserve:kv_offload_capacity_bytes", "Size of the CPU offload tier.",

@@ -1,0 +1,278 @@
+"""kv_cache_offload.type = "mooncake": KV blocks in one Mooncake store (the real mooncake_master on 127.0.0.1)
+shared by several engines, as by the replicas of a deployment.
+
+Engine A computes a prompt and evicts it (its pool is too small to keep it past the fillers that follow);
+engine B, which never saw the prompt, then serves it from the store: it computes one block of it, and its
+outputs are those of an engine without the store. No block crosses a weight update, and a store whose
+master dies turns offload off and leaves the outputs as they were.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from rlserve.config.schema import Config, KVOffloadConfig
+from rlserve.engine.engine import Engine
+from rlserve.engine.params import SamplingParams
+from rlserve.engine.weights import stage_from_dir
+from rlserve.model.make import make_model
+
+BLOCK = 16
+POOL_BLOCKS = 24
+PROMPT_TOKENS = 8 * BLOCK + 5  # 8 full blocks, a partial one
+TAIL = PROMPT_TOKENS - 8 * BLOCK  # what is computed of a prompt whose full blocks are cached
+
+
+def _mooncake_or_skip() -> None:
+    from rlserve.deploy.mooncake import find_binary
+    from rlserve.engine.kv.mooncake import MooncakeUnavailable, import_store
+
+    try:
+        import_store()
+        find_binary()
+    except (MooncakeUnavailable, RuntimeError) as e:
+        pytest.skip(f"the Mooncake store cannot run here: {e}")
+
+
+@pytest.fixture(scope="module")
+def master():
+    _mooncake_or_skip()
+    from rlserve.deploy.mooncake import MooncakeMaster
+
+    m = MooncakeMaster()
+    yield m
+    m.stop()
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return make_model("tiny", root / "base", seed=0), make_model("tiny", root / "next", seed=1)
+
+
+def make_engine(model_dir, master=None) -> Engine:
+    cfg = Config()
+    cfg.model.name = str(model_dir)
+    cfg.model.max_model_len = POOL_BLOCKS * BLOCK
+    cfg.engine.block_size = BLOCK
+    cfg.engine.kv_cache_bytes = POOL_BLOCKS * BLOCK * 2048  # the tiny model: 2 KiB of KV a token
+    cfg.engine.enable_prefix_caching = True
+    if master is not None:
+        cfg.kv_cache_offload = KVOffloadConfig.model_validate({
+            "type": "mooncake", "cpu": {"num_bytes": 16 << 20},
+            "mooncake": {"master_address": master.master_address, "metadata_server": master.metadata_server}})
+    return Engine(cfg)
+
+
+def prompts(seed: int, n: int, length: int = PROMPT_TOKENS) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(250) for _ in range(length)] for _ in range(n)]
+
+
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2),
+          SamplingParams(temperature=0.9, seed=7, max_tokens=6, ignore_eos=True, logprobs=2)]
+
+
+def serve(engine: Engine, prompt: list[int]) -> tuple[list, int]:
+    """The outputs of PARAMS on `prompt` (one request each, one after the other) and the prompt tokens computed."""
+    before = engine.stats.prompt_tokens_computed
+    outs = [engine.generate([prompt], p)[0] for p in PARAMS]
+    return outs, engine.stats.prompt_tokens_computed - before
+
+
+def evict_everything(engine: Engine, seed: int) -> None:
+    """Fillers that take every pool block, so each cached block is handed out again (and saved to the store)."""
+    for p in prompts(seed, 3, (POOL_BLOCKS - 2) * BLOCK):
+        engine.generate([p], SamplingParams(max_tokens=1))
+
+
+def assert_same(a: list, b: list) -> None:
+    """Same tokens; logprobs equal to the engine's exactness (a recomputed prefix sums in another order)."""
+    for x, y in zip(a, b, strict=True):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        assert [t.keys() for t in x.outputs[0].top_logprobs] == [t.keys() for t in y.outputs[0].top_logprobs]
+        assert torch.allclose(torch.tensor(x.outputs[0].logprobs), torch.tensor(y.outputs[0].logprobs), atol=1e-5)
+
+
+def test_replica_b_serves_the_prefix_replica_a_computed(dirs, master):
+    reference = make_engine(dirs[0])
+    a, b = make_engine(dirs[0], master), make_engine(dirs[0], master)
+    try:
+        prompt = prompts(1, 1)[0]
+        want, computed_alone = serve(reference, prompt)
+        assert computed_alone == PROMPT_TOKENS + TAIL  # the second request hits the pool
+        got_a, _ = serve(a, prompt)
+        evict_everything(a, seed=2)
+        assert a.stats.kv_offload_bytes_to_mooncake > 0
+        got_b, computed_b = serve(b, prompt)
+        # B loads the 8 full blocks and computes the partial one: 5 tokens of 133 (then hits its pool)
+        assert computed_b == 2 * TAIL
+        assert b.stats.kv_offload_mooncake_hits == 8 * BLOCK
+        assert b.stats.kv_offload_mooncake_rejected == 0
+        assert_same(got_a, want)
+        assert_same(got_b, want)
+    finally:
+        for e in (reference, a, b):
+            e.close()
+
+
+def test_no_block_crosses_a_weight_update(dirs, master):
+    base, nxt = dirs
+    a, b = make_engine(base, master), make_engine(base, master)
+    reference = make_engine(nxt)
+    try:
+        prompt = prompts(3, 1)[0]
+        serve(a, prompt)
+        evict_everything(a, seed=4)  # the prompt's blocks are in the store, under the base weights
+        b.commit_weights(stage_from_dir(b.model, nxt), "v1")
+        got_b, computed_b = serve(b, prompt)
+        assert b.stats.kv_offload_mooncake_queries > 0 and b.stats.kv_offload_mooncake_hits == 0
+        assert computed_b == PROMPT_TOKENS + TAIL
+        want, _ = serve(reference, prompt)
+        assert_same(got_b, want)
+        # once A has the same new weights, its blocks are B's again
+        a.commit_weights(stage_from_dir(a.model, nxt), "v1")
+        other = prompts(5, 1)[0]
+        serve(a, other)
+        evict_everything(a, seed=6)
+        got, computed = serve(b, other)
+        assert computed == 2 * TAIL
+        assert_same(got, serve(reference, other)[0])
+    finally:
+        for e in (a, b, reference):
+            e.close()
+
+
+def test_master_killed_serving_continues_without_offload(dirs, caplog):
+    _mooncake_or_skip()
+    from rlserve.deploy.mooncake import MooncakeMaster
+
+    master = MooncakeMaster()
+    a, b = make_engine(dirs[0], master), make_engine(dirs[0], master)
+    reference = make_engine(dirs[0])
+    try:
+        prompt = prompts(7, 1)[0]
+        serve(a, prompt)
+        evict_everything(a, seed=8)
+        master.proc.kill()
+        master.proc.wait()
+        with caplog.at_level(logging.WARNING, logger="rlserve.engine.kv.mooncake"):
+            got, computed = serve(b, prompt)
+            assert computed == PROMPT_TOKENS + TAIL
+            assert not b.offload.enabled
+            assert any("Mooncake store is off" in r.getMessage() for r in caplog.records)
+        assert_same(got, serve(reference, prompt)[0])
+        evict_everything(b, seed=9)  # saves are skipped now, quietly
+        assert_same(serve(b, prompt)[0], serve(reference, prompt)[0])
+    finally:
+        for e in (a, b, reference):
+            e.close()
+        master.stop()
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_serve_starts_its_master_and_sigterm_stops_it(tmp_path):
+    _mooncake_or_skip()
+    from conftest import start_server, stop_server
+
+    config = tmp_path / "mooncake.toml"
+    config.write_text('[kv_cache_offload]\ntype = "mooncake"\n[kv_cache_offload.cpu]\nnum_bytes = 32_000_000\n')
+    url, proc = start_server("@", str(config), "--engine.kv_cache_bytes", str(32 * BLOCK * 2048),
+                             "--model.max_model_len", "256", "--engine.block_size", str(BLOCK))
+    try:
+        masters = [p for p in _children(proc.pid) if "mooncake_master" in Path(f"/proc/{p}/cmdline").read_text()]
+        assert len(masters) == 1
+        logdir = next(a for a in Path(f"/proc/{masters[0]}/cmdline").read_text().split("\0") if "log_dir" in a)
+        logdir = Path(logdir.split("=", 1)[1])
+        assert logdir.is_dir()
+        model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+        prompt = prompts(11, 1, 100)[0]
+        for p in [prompt, *prompts(12, 3, 200), prompt]:  # the fillers evict the prompt into the store
+            r = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": p, "max_tokens": 2}, timeout=120)
+            assert r.status_code == 200, r.text
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+        hits = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == "rlserve:kv_offload_hits_total" and s.labels.get("tier") == "mooncake"]
+        assert sum(hits) == 6 * BLOCK  # the prompt's 6 full blocks came back from the store
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+        stop_server(proc)
+    assert code == 0
+    deadline = time.monotonic() + 30
+    while _alive(masters[0]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(masters[0]), "the Mooncake master outlived its server"
+    assert not logdir.exists()
+    assert not os.path.exists(f"/proc/{masters[0]}") or not _alive(masters[0])
+
+
+def _metric(url: str, name: str, **labels: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name and labels.items() <= s.labels.items())
+
+
+def test_deployment_replicas_share_one_master_and_reuse_each_others_prefixes(tmp_path):
+    """The supervisor starts one master for both replicas; replica 1 serves a prompt replica 0 computed,
+    computing its last partial block only, with the same tokens; SIGTERM leaves no process."""
+    _mooncake_or_skip()
+    from deploy_helpers import alive, descendants, replicas, start_deployment, stop_deployment, wait_for
+
+    config = tmp_path / "mooncake.toml"
+    config.write_text('[kv_cache_offload]\ntype = "mooncake"\n[kv_cache_offload.cpu]\nnum_bytes = 32_000_000\n')
+    _, admin, proc = start_deployment("--deployment.replicas", "2", "@", str(config), "--engine.kv_cache_bytes",
+                                           str(32 * BLOCK * 2048), "--model.max_model_len", "256",
+                                           "--engine.block_size", str(BLOCK))
+    try:
+        tree = descendants(proc.pid)
+        masters = [p for p in tree if "mooncake_master" in Path(f"/proc/{p}/cmdline").read_text()]
+        assert len(masters) == 1
+        urls = [r["url"] for r in replicas(admin)]
+        model = httpx.get(f"{urls[0]}/v1/models", timeout=30).json()["data"][0]["id"]
+
+        def complete(url: str, prompt: list[int]) -> dict:
+            r = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 4,
+                                                          "temperature": 0, "logprobs": 1}, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]
+
+        prompt = prompts(21, 1, 6 * BLOCK + 4)[0]
+        first = complete(urls[0], prompt)
+        for filler in prompts(22, 3, 200):  # evict the prompt from replica 0's pool into the store
+            complete(urls[0], filler)
+        before = _metric(urls[1], "rlserve:prompt_tokens_computed_total")
+        second = complete(urls[1], prompt)
+        assert _metric(urls[1], "rlserve:prompt_tokens_computed_total") - before == 4  # of 100 prompt tokens
+        assert _metric(urls[1], "rlserve:kv_offload_hits_total", tier="mooncake") == 6 * BLOCK
+        assert second["text"] == first["text"]
+        assert second["logprobs"]["tokens"] == first["logprobs"]["tokens"]
+    finally:
+        stop_deployment(proc)
+    wait_for(lambda: not any(alive(pid) for pid in tree), 30, "every child to exit")
