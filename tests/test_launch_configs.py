@@ -11,7 +11,7 @@ import pytest
 from conftest import start_server, stop_server
 
 from rlserve.config.load import ConfigError, load_config
-from rlserve.dialects import translate_launch_line
+from rlserve.config.dialects import translate_launch_line
 from rlserve.model.make import default_model_dir
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -51,7 +51,7 @@ def _serve(argv: list[str], prog: str) -> int:
               f"       {prog} MODEL [vLLM flags]  |  {prog} --model M [MLX server flags]   (docs/launch.md)\n\n"
               f"{help_text()}", end="")
         return 0
-    from rlserve.dialects import translate_launch_line
+    from rlserve.config.dialects import translate_launch_line
 
     try:
         config = load_config(translate_launch_line(argv))

@@ -21,6 +21,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
+from rlserve.config.errors import ConfigError
 from rlserve.config.schema import Config
 
 _TRUE = {"true", "yes", "on", "1"}
@@ -28,10 +29,6 @@ _FALSE = {"false", "no", "off", "0"}
 _NONE = {"null", "none"}
 # Lowest-precedence defaults: the first variable that is set wins.
 _ENV_DEFAULTS = {("server", "api_key"): ("RLSERVE_API_KEY", "VLLM_API_KEY")}
-
-
-class ConfigError(ValueError):
-    """A mistake in config files, command-line arguments or values; the message says what to change."""
 
 
 def load_config(argv: list[str], base: type[Config] = Config) -> Config:
@@ -153,7 +150,7 @@ def _read_file(path: str) -> dict[str, Any]:
 
 
 def _file_layer(path: str) -> dict[str, Any]:
-    from rlserve.dialects.prime_rl import from_prime_rl  # prime-rl's layouts and names, as rlserve's
+    from rlserve.config.dialects.prime_rl import from_prime_rl  # prime-rl's layouts and names, as rlserve's
 
     return from_prime_rl(_read_file(path))
 

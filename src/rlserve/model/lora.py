@@ -12,25 +12,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load
 
+from rlserve.model.lora_targets import MODULES, AdapterError
 from rlserve.model.shape import ModelShape
 from rlserve.model.loader import checked_file, read_regular
 
-# PEFT module name -> (our fused projection, index of the slice)
-MODULES = {
-    "q_proj": ("qkv", 0),
-    "k_proj": ("qkv", 1),
-    "v_proj": ("qkv", 2),
-    "o_proj": ("o", 0),
-    "gate_proj": ("gate_up", 0),
-    "up_proj": ("gate_up", 1),
-    "down_proj": ("down", 0),
-}
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _NAME = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
-
-
-class AdapterError(ValueError):
-    pass
 
 
 @dataclass(slots=True)

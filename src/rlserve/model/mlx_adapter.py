@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load, save_file
 
 from rlserve.model.shape import ModelShape
-from rlserve.model.lora import MODULES, AdapterError
+from rlserve.model.lora_targets import MODULES, AdapterError
 
 _NAME = re.compile(r"^(?:language_model\.)?(?:model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([ab])$")
 

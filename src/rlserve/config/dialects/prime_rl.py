@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from rlserve.config.load import ConfigError
+from rlserve.config.errors import ConfigError
 
 log = logging.getLogger("rlserve.config.schema")
 
@@ -75,7 +75,7 @@ def _aliases(data: dict[str, Any]) -> None:
 
 def _apply_vllm_extra(extra: dict[str, Any], data: dict[str, Any]) -> None:
     """vLLM engine arguments under vLLM's names: the ones rlserve has set its own key; any other is an error."""
-    from rlserve.dialects.vllm_flags import REFUSED, VLLM_FLAGS
+    from rlserve.config.dialects.vllm_flags import REFUSED, VLLM_FLAGS
 
     if not isinstance(extra, dict):
         raise ConfigError("vllm_extra must be a table of vLLM engine arguments")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import re
 
-from rlserve.config.load import ConfigError
-from rlserve.dialects import Flag
+from rlserve.config.errors import ConfigError
+from rlserve.config.dialects import Flag
 
 _DTYPES = {"auto": "auto", "half": "float16", "float16": "float16", "bfloat16": "bfloat16", "float": "float32",
            "float32": "float32"}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rlserve.dialects import Flag
+from rlserve.config.dialects import Flag
 
 
 def _log_level(value: str) -> str:

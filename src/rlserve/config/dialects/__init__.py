@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rlserve.config.load import ConfigError
+from rlserve.config.errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,8 +26,8 @@ class Flag:
 
 def translate_launch_line(argv: list[str]) -> list[str]:
     """vLLM's and the MLX RL server's flags (positional model included) as rlserve's own; others pass through."""
-    from rlserve.dialects.mlx_flags import MLX_FLAGS, MLX_ONLY
-    from rlserve.dialects.vllm_flags import REFUSED, VLLM_FLAGS
+    from rlserve.config.dialects.mlx_flags import MLX_FLAGS, MLX_ONLY
+    from rlserve.config.dialects.vllm_flags import REFUSED, VLLM_FLAGS
 
     flags = VLLM_FLAGS | MLX_FLAGS
     out: list[str] = []
