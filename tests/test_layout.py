@@ -187,6 +187,10 @@ def test_the_graph_sees_lazy_imports_and_skips_type_checking_ones():
     assert "rlserve.server.app" in graph["rlserve.cli"]  # imported inside main(), to keep --help fast
     assert "rlserve.engine.engine" not in graph["rlserve.engine.kv.transfer"]  # never imported, even for types
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert layer_violations({"rlserve.engine.x": {"rlserve.server.y"}, "rlserve.server.y": {"rlserve.engine.x"}}) == [
+        "rlserve.engine.x (engine) -> rlserve.server.y (server): imports go down " + " < ".join(LAYERS)
+    ]
+    assert layer_violations({"rlserve.client.c": {"rlserve.server.y"}, "rlserve.deploy.d": {"rlserve.client.c"}})
 
 
 def test_no_module_over_500_lines():
