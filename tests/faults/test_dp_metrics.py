@@ -27,12 +27,12 @@ def dp_server():
 
 def strict_families(text: str) -> dict[str, list]:
     """Each family's samples; fails on a repeated HELP/TYPE line or a family whose lines are not together."""
-    helps = Counter(re.findall(r"^# HELP (\S+)", text, re.M))
-    types = Counter(re.findall(r"^# TYPE (\S+)", text, re.M))
+    helps = Counter(re.findall(r"^# HELP (\S+)", text, re.MULTILINE))
+    types = Counter(re.findall(r"^# TYPE (\S+)", text, re.MULTILINE))
     repeated = sorted(name for name in helps | types if helps[name] > 1 or types[name] > 1)
     assert not repeated, f"HELP/TYPE repeated for {repeated}"
     families = {f.name: f.samples for f in text_string_to_metric_families(text)}
-    order = [m.group(1) for m in re.finditer(r"^# TYPE (\S+)", text, re.M)]
+    order = [m.group(1) for m in re.finditer(r"^# TYPE (\S+)", text, re.MULTILINE)]
     assert len(order) == len(set(order)) == len(families)
     return families
 

@@ -15,7 +15,7 @@ from conftest import start_server, stop_server
 def test_max_model_len_past_the_position_table_is_refused_at_start() -> None:
     # the tiny model has 4096 positions; before, this started and the first sequence past 4096 killed the engine
     with pytest.raises(RuntimeError) as info:
-        url, proc = start_server("--model.max_model_len", "8192", "--engine.kv_cache_bytes", str(256 << 20))
+        _url, proc = start_server("--model.max_model_len", "8192", "--engine.kv_cache_bytes", str(256 << 20))
         stop_server(proc)
     message = str(info.value)
     assert "server exited with code" in message
