@@ -77,8 +77,7 @@ def _serve(argv: list[str], prog: str) -> int:
         if engine_process is not None:
             engine_process.stop()
         raise
-    serve(config, engine_process)
-    _exit_without_teardown(0)
+    _exit_without_teardown(serve(config, engine_process))
 
 
 def _raise_exit(signum: int, frame) -> NoReturn:

@@ -26,6 +26,7 @@ from rlserve.server import (chat, completions, control, deployment_guard, genera
                             vllm_weights, worker_routes)
 from rlserve.server.chat_template import load_template
 from rlserve.server.errors import APIError, install_error_handlers
+from rlserve.server.engine_death import engine_died
 from rlserve.server.listen import ADMIN_PATHS, bind, check_admin_exposure
 from rlserve.server.limits import BodyGuard
 from rlserve.server.openapi import install_openapi
@@ -201,10 +202,11 @@ async def metrics(request: Request) -> Response:
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-def serve(config: Config, engine_process: EngineProcess | None = None) -> None:
+def serve(config: Config, engine_process: EngineProcess | None = None) -> int:
     """Load the engine, bind host:port (0 = any free port), log the URL, and serve until SIGTERM/SIGINT,
     then drain (see DrainingServer). `engine_process`: the engine core process started for this config
-    before this module was imported (rlserve.cli); adopted, or stopped when the server does not start."""
+    before this module was imported (rlserve.cli); adopted, or stopped when the server does not start.
+    Returns the exit code: 0, or ENGINE_DIED_EXIT_CODE when the engine died under it (docs/faults.md)."""
     try:
         check_admin_exposure(config)
         logging.basicConfig(level=config.server.log_level.upper(),
@@ -238,9 +240,11 @@ def serve(config: Config, engine_process: EngineProcess | None = None) -> None:
         grace = config.server.shutdown_grace_s
         # uvicorn's own grace covers writing the responses of requests aborted at the end of ours
         uv_config = uvicorn.Config(app, log_level=config.server.log_level, timeout_graceful_shutdown=int(grace) + 5)
-        DrainingServer(uv_config, app.state.rlserve, grace).run(sockets=[sock])
+        server = DrainingServer(uv_config, app.state.rlserve, grace)
+        server.run(sockets=[sock])
     finally:
         engine.shutdown()
+    return server.exit_code
 
 
 class DrainingServer(uvicorn.Server):
@@ -252,6 +256,7 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.state, self.grace_s = state, grace_s
         self._drain: asyncio.Task | None = None
+        self.exit_code = 0
 
     def handle_exit(self, sig: int, frame) -> None:  # no re-raise of the signal afterwards: exit 0
         if self.state.draining:
@@ -260,6 +265,8 @@ class DrainingServer(uvicorn.Server):
         self.state.draining = True
 
     async def on_tick(self, counter: int) -> bool:
+        if self.exit_code == 0 and self.state.engine.dead is not None:
+            self.exit_code = await engine_died(self.state)
         if self.state.draining and self._drain is None:
             log.info("shutting down: refusing new requests, %.0f s for in-flight ones", self.grace_s)
             self._drain = asyncio.ensure_future(self._drain_engine())
