@@ -63,7 +63,9 @@ def _serve(argv: list[str], prog: str) -> int:
     check_admin_exposure(config)
     # until the server takes SIGTERM over (its drain), SIGTERM unwinds like Ctrl-C would: an engine process
     # already started is stopped and its socket directory removed, not left to die with this process
-    signal.signal(signal.SIGTERM, _raise_exit)
+    from rlserve.server import early_stop
+
+    signal.signal(signal.SIGTERM, early_stop.on_signal)
     engine_process = None
     if config.engine.core_process and config.parallel.dp == 1:
         from rlserve.engine.spawn import EngineProcess
@@ -78,10 +80,6 @@ def _serve(argv: list[str], prog: str) -> int:
             engine_process.stop()
         raise
     _exit_without_teardown(serve(config, engine_process))
-
-
-def _raise_exit(signum: int, frame) -> NoReturn:
-    raise SystemExit(128 + signum)
 
 
 def _exit_without_teardown(code: int) -> NoReturn:

@@ -22,6 +22,7 @@ from rlserve.engine.async_engine import AsyncEngine, EngineDeadError
 from rlserve.engine.client import EngineClient
 from rlserve.engine.data_parallel import DataParallelClient, check_parallel, routing_hint
 from rlserve.engine.spawn import EngineProcess
+from rlserve.server import early_stop
 from rlserve.server import (chat, completions, control, deployment_guard, generate, responses, tokenization,
                             vllm_weights, worker_routes)
 from rlserve.server.chat_template import load_template
@@ -241,6 +242,7 @@ def serve(config: Config, engine_process: EngineProcess | None = None) -> int:
         # uvicorn's own grace covers writing the responses of requests aborted at the end of ours
         uv_config = uvicorn.Config(app, log_level=config.server.log_level, timeout_graceful_shutdown=int(grace) + 5)
         server = DrainingServer(uv_config, app.state.rlserve, grace)
+        early_stop.check()
         server.run(sockets=[sock])
     finally:
         engine.shutdown()
@@ -265,6 +267,8 @@ class DrainingServer(uvicorn.Server):
         self.state.draining = True
 
     async def on_tick(self, counter: int) -> bool:
+        if early_stop.requested is not None:  # a SIGTERM from before uvicorn took the signal over
+            self.state.draining = True
         if self.exit_code == 0 and self.state.engine.dead is not None:
             self.exit_code = await engine_died(self.state)
         if self.state.draining and self._drain is None:
