@@ -22,9 +22,8 @@ from rlserve.engine.async_engine import AsyncEngine, EngineDeadError
 from rlserve.engine.client import EngineClient
 from rlserve.engine.data_parallel import DataParallelClient, check_parallel, routing_hint
 from rlserve.engine.spawn import EngineProcess
-from rlserve.server import early_stop
-from rlserve.server import (chat, completions, control, deployment_guard, generate, responses, tokenization,
-                            vllm_weights, worker_routes)
+from rlserve.server import (chat, completions, control, deployment_guard, early_stop, generate, responses,
+                            tokenization, vllm_weights, worker_routes)
 from rlserve.server.chat_template import load_template
 from rlserve.server.errors import APIError, install_error_handlers
 from rlserve.server.engine_death import engine_died
