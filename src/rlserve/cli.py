@@ -8,7 +8,7 @@ import signal
 import sys
 from typing import NoReturn
 
-from rlserve.config_loader import ConfigError, help_text, load_config
+from rlserve.config.load import ConfigError, help_text, load_config
 
 USAGE = """usage: rlserve serve [@ FILE ...] [--section.key VALUE ...]
        rlserve make-model [--help] ...
@@ -68,7 +68,7 @@ def _serve(argv: list[str], prog: str) -> int:
     signal.signal(signal.SIGTERM, early_stop.on_signal)
     engine_process = None
     if config.engine.core_process and config.parallel.dp == 1:
-        from rlserve.engine.spawn import EngineProcess
+        from rlserve.runtime.spawn import EngineProcess
 
         # the engine process imports torch and loads the model while this one imports the server stack: on
         # 2 cores the server is up seconds sooner than with the two one after the other

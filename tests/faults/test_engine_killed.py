@@ -17,7 +17,7 @@ STREAMS = 3
 
 
 def engine_core_pid(server_pid: int) -> int:
-    cores = [p for p in psutil.Process(server_pid).children() if "rlserve.engine.core" in " ".join(p.cmdline())]
+    cores = [p for p in psutil.Process(server_pid).children() if "rlserve.runtime.core" in " ".join(p.cmdline())]
     assert len(cores) == 1, cores
     return cores[0].pid
 

@@ -13,9 +13,9 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
-from rlserve.config import Config
+from rlserve.config.schema import Config
 from rlserve.engine.engine import Engine
-from rlserve.engine.face import EngineDeadError, EngineFace, check_pause_mode
+from rlserve.runtime.face import EngineDeadError, EngineFace, check_pause_mode
 from rlserve.engine.outputs import RequestOutput
 from rlserve.engine.params import SamplingParams
 from rlserve.engine.sequence import Request

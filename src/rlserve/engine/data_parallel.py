@@ -15,9 +15,9 @@ from collections.abc import AsyncIterator
 from contextvars import ContextVar
 from typing import Any
 
-from rlserve.config import Config
-from rlserve.engine.client import EngineClient
-from rlserve.engine.face import EngineFace
+from rlserve.config.schema import Config
+from rlserve.runtime.proc_client import EngineClient
+from rlserve.runtime.face import EngineFace
 from rlserve.engine.outputs import RequestOutput
 from rlserve.engine.params import SamplingParams
 

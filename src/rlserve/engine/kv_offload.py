@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from rlserve.config import KVOffloadConfig
-from rlserve.engine import kv_format
-from rlserve.engine.kv_format import BlockFormatError, KVBlock
+from rlserve.config.schema import KVOffloadConfig
+from rlserve.engine.kv import format as kv_format
+from rlserve.engine.kv.format import BlockFormatError, KVBlock
 
 log = logging.getLogger(__name__)
 

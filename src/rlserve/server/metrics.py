@@ -14,8 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from rlserve.engine.async_engine import AsyncEngine
-from rlserve.engine.data_parallel import served_by
+from rlserve.runtime.inproc import AsyncEngine
+from rlserve.runtime.data_parallel import served_by
 from rlserve.engine.outputs import RequestOutput
 
 
