@@ -217,6 +217,7 @@ def train(args) -> list[StepMetrics]:
     task = VowelTask(tokenizer, args.max_tokens)
     out = Path(args.out) if args.out else None
     if out:
+        require_matplotlib()  # before training, not after it: the plot is written at the end
         out.mkdir(parents=True, exist_ok=True)
         (out / "metrics.jsonl").write_text("")
 
@@ -303,6 +304,14 @@ def train(args) -> list[StepMetrics]:
     if out and history:
         plot(history, out / "plot.png")
     return history
+
+
+def require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise SystemExit("grpo.py: --out draws plot.png with matplotlib, which is not installed: "
+                         "pip install -e .[examples] (or pip install matplotlib), or drop --out") from None
 
 
 def plot(history: list[StepMetrics], path: Path) -> None:

@@ -77,7 +77,9 @@ def _serve(argv: list[str], prog: str) -> int:
     check_admin_exposure(config)
     # until the server takes SIGTERM over (its drain), SIGTERM unwinds like Ctrl-C would: an engine process
     # already started is stopped and its socket directory removed, not left to die with this process
-    signal.signal(signal.SIGTERM, _raise_exit)
+    from rlserve.server import early_stop
+
+    signal.signal(signal.SIGTERM, early_stop.on_signal)
     engine_process = None
     if config.engine.core_process and config.parallel.dp == 1:
         from rlserve.runtime.spawn import EngineProcess
@@ -91,12 +93,7 @@ def _serve(argv: list[str], prog: str) -> int:
         if engine_process is not None:
             engine_process.stop()
         raise
-    serve(config, engine_process)
-    _exit_without_teardown(0)
-
-
-def _raise_exit(signum: int, frame) -> NoReturn:
-    raise SystemExit(128 + signum)
+    _exit_without_teardown(serve(config, engine_process))
 
 
 def _exit_without_teardown(code: int) -> NoReturn:

@@ -60,6 +60,10 @@ class Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, trust_remote_code=config.model.trust_remote_code)
         self.shape = ModelShape.from_hf(self.hf_config)
         self.max_model_len = config.model.max_model_len or self.shape.max_position_embeddings
+        if self.max_model_len > self.shape.max_position_embeddings:  # the rope table ends there (as vLLM refuses)
+            raise ValueError(f"model.max_model_len={self.max_model_len} is longer than this model's context: its "
+                             f"config.json has max_position_embeddings={self.shape.max_position_embeddings}; set "
+                             f"model.max_model_len to {self.shape.max_position_embeddings} or less")
         tp = config.parallel.tp
         check_tp(self.shape, tp)
         # each rank holds its heads' slice of every block: offload and transfer would move rank 0's alone

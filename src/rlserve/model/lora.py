@@ -20,6 +20,32 @@ _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _NAME = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
 
 
+# PEFT initialisations that rewrite the base model's weights: the adapter alone is not the policy
+_BASE_REWRITING_INITS = ("pissa", "olora", "corda", "loftq")
+
+
+def check_plain_lora(cfg: dict, config_file: Path) -> None:
+    """Refuse what PEFT saves for a policy other than base + B @ A: serving it as plain LoRA would be wrong."""
+    unsupported = {
+        "use_dora": "DoRA adapters are not supported: train without use_dora",
+        "modules_to_save": "full copies of modules (modules_to_save) are not supported: train without them",
+        "lora_bias": "LoRA biases are not supported: train with lora_bias=false",
+        "layer_replication": "layer_replication is not supported",
+        "trainable_token_indices": "trainable_token_indices is not supported",
+    }
+    for name, why in unsupported.items():
+        if cfg.get(name):
+            raise AdapterError(f"{config_file}: {name}={cfg[name]!r}: {why}")
+    init = cfg.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(_BASE_REWRITING_INITS):
+        raise AdapterError(
+            f"{config_file}: init_lora_weights={init!r} changes the base model's weights too, which this server does "
+            "not have; save the adapter converted to plain LoRA (PEFT's path_initial_model_for_weight_conversion)"
+        )
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"{config_file}: peft_type={cfg['peft_type']!r}: only LORA adapters are supported")
+
+
 @dataclass(slots=True)
 class LoraAdapter:
     name: str
@@ -60,14 +86,17 @@ def load_peft_adapter(
                                 "or adapters.safetensors (mlx-lm layout)")
     try:
         cfg = json.loads(read_regular(checked_file(config_file, roots)))
-        if weights_file != mlx_weights:
-            r, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
-        elif not isinstance(cfg, dict):
-            raise TypeError("adapter_config.json must hold an object")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise AdapterError(f"{config_file} is not JSON ({exc}): write the adapter with PEFT's save_pretrained") from None
+    if weights_file == mlx_weights:
+        if not isinstance(cfg, dict):
+            raise AdapterError(f"{config_file}: not a LoRA adapter config (adapter_config.json must hold an object)")
+        return _load_mlx(name, path, cfg, config_file, mlx_weights, shape, dtype, device, roots)
+    try:
+        r, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
     except (ValueError, KeyError, TypeError) as exc:
         raise AdapterError(f"{config_file}: not a LoRA adapter config ({exc})") from None
-    if weights_file == mlx_weights:
-        return _load_mlx(name, path, cfg, config_file, mlx_weights, shape, dtype, device, roots)
+    check_plain_lora(cfg, config_file)
     if r < 1 or not math.isfinite(alpha):
         raise AdapterError(
             f"{config_file}: r must be a positive integer and lora_alpha a finite number, got r={r}, lora_alpha={alpha}"

@@ -47,6 +47,7 @@ class EngineCore:
         self.drains: list[int] = []  # call ids of pause(mode=wait) waiting for in-flight requests to finish
         self.helper = ThreadPoolExecutor(1, thread_name_prefix="rlserve-stage")  # one update at a time
         self.group: Future | None = None  # torch.distributed group with a trainer, being joined
+        self.group_peer: str | None = None  # that trainer's host:port
         self.staging = StagingBuffers()
         self.poller = zmq.Poller()
         self.poller.register(inbox, zmq.POLLIN)
@@ -236,16 +237,20 @@ class EngineCore:
                 model, check_under_roots(weight_dir, roots), self.staging, roots)),
             lambda staged: self.commit_on_ranks(call_id, lambda: self.engine.commit_weights(staged, label)))
 
-    def op_init_broadcaster(self, call_id: int, host: str, port: int, rank: int, world: int, timeout: float) -> None:
+    def op_init_broadcaster(self, call_id: int, host: str, port: int, rank: int, world: int, timeout: float) -> object:
         from rlserve import weight_transfer
+        from rlserve.engine.broadcast_group import leave_earlier_group
 
-        if self.group is not None and not self.group.done():
-            raise RuntimeError("a broadcaster is already being set up")
-        self.group = ThreadPoolExecutor(1, thread_name_prefix="rlserve-group").submit(
-            weight_transfer.init_group, host, port, rank, world, timeout)
+        earlier, peer = self.group, self.group_peer
+
+        def join(_: None) -> None:
+            self.group, self.group_peer = ThreadPoolExecutor(1, thread_name_prefix="rlserve-group").submit(
+                weight_transfer.init_group, host, port, rank, world, timeout), f"{host}:{port}"
+
+        return self.off_loop(call_id, lambda: leave_earlier_group(earlier, peer), join)
 
     def op_update_from_broadcast(self, call_id: int, label: str | None) -> object:
-        from rlserve import weight_transfer
+        from rlserve.engine.broadcast_group import receive_push
 
         if self.group is None:
             raise RuntimeError("no broadcaster: call /init_broadcaster first")
@@ -254,7 +259,7 @@ class EngineCore:
 
         def receive():
             group.result()
-            staged = stage(model, weight_transfer.receive(device, self.staging), "broadcast", require_all=False)
+            staged = stage(model, receive_push(device, self.staging), "broadcast", require_all=False)
             if self.engine.tp is not None:  # each worker gets its slices of the validated tensors
                 self.engine.tp.push(call_id, staged.tensors)
             return staged

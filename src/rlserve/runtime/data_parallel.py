@@ -23,6 +23,8 @@ from rlserve.engine.params import SamplingParams
 
 # (X-data-parallel-rank, X-Session-ID) of the HTTP request being served; set by the server's middleware
 routing_hint: ContextVar[tuple[str | None, str | None]] = ContextVar("routing_hint", default=(None, None))
+# the engine serving the current task's request, set once it is picked (the server's metrics label it so)
+served_by: ContextVar[int] = ContextVar("served_by", default=0)
 
 
 def check_parallel(config: Config) -> None:
@@ -131,6 +133,7 @@ class DataParallelClient(FaceRules):
                        cache_salt: str | None = None, adapter: str | None = None,
                        stream: bool = True) -> AsyncIterator[RequestOutput]:
         index = self.pick()
+        served_by.set(index)  # an async generator shares its caller's context: the caller reads it
         self.in_flight[index] += 1
         try:
             async for out in self.engines[index].generate(prompt, params, request_id, cache_salt=cache_salt,

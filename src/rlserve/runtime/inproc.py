@@ -39,6 +39,7 @@ class AsyncEngine(FaceRules):
         self._stop = False
         self._pause = PauseState()
         self._group: asyncio.Future | None = None  # torch.distributed group with a trainer
+        self._group_peer: str | None = None  # that trainer's host:port
         self._staging = StagingBuffers()  # reused by every update; the lock keeps one in flight
         self._thread = threading.Thread(target=self._loop, name="rlserve-engine", daemon=True)
         self._thread.start()
@@ -209,9 +210,10 @@ class AsyncEngine(FaceRules):
     async def init_broadcaster(self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 300.0) -> None:
         """Join the trainer's group in the background: the trainer joins whenever it is ready."""
         from rlserve import weight_transfer
+        from rlserve.engine.broadcast_group import leave_earlier_group
 
-        if self._group is not None and not self._group.done():
-            raise RuntimeError("a broadcaster is already being set up")
+        await asyncio.to_thread(leave_earlier_group, self._group, self._group_peer)
+        self._group_peer = f"{host}:{port}"
         self._group = asyncio.ensure_future(
             asyncio.to_thread(weight_transfer.init_group, host, port, rank, world_size, timeout_s)
         )
@@ -221,14 +223,14 @@ class AsyncEngine(FaceRules):
     ) -> int:
         """Receive one push from the trainer (all of it, even if invalid, so the group stays in
         step), validate, then swap between two steps. Returns the new version."""
-        from rlserve import weight_transfer
+        from rlserve.engine.broadcast_group import receive_push
 
         if self._group is None:
             raise RuntimeError("no broadcaster: call /init_broadcaster first")
         await self._group
         device = "cuda" if self.engine.device.type == "cuda" else "cpu"
         async with self._update_turn(started):
-            received = await asyncio.to_thread(weight_transfer.receive, device, self._staging)
+            received = await asyncio.to_thread(receive_push, device, self._staging)
             staged = stage(self.engine.model, received, "broadcast", require_all=False)
             return await self.call(lambda e: e.commit_weights(staged, weight_version))
 

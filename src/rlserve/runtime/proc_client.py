@@ -29,6 +29,7 @@ from rlserve.runtime.face import EngineDeadError, FaceRules, check_pause_mode
 from rlserve.engine.outputs import RequestOutput
 from rlserve.engine.params import SamplingParams
 from rlserve.runtime.spawn import EngineProcess
+from rlserve.engine.wire_ints import wire_safe
 from rlserve.model.shape import ModelShape
 
 log = logging.getLogger(__name__)
@@ -184,6 +185,7 @@ class EngineClient(FaceRules):
     ) -> AsyncIterator[RequestOutput]:
         """As AsyncEngine.generate: cumulative outputs, the last finished; ValueError for bad input."""
         self._check_alive()
+        params = wire_safe(prompt, params, self.vocab_size, self.config.engine.max_logprobs)
         key = next(self._keys)
         self._send(ipc.Add(key, request_id, prompt, params, cache_salt, adapter, stream))
         outputs: asyncio.Queue = asyncio.Queue()

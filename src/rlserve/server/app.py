@@ -22,12 +22,14 @@ from rlserve.runtime.inproc import AsyncEngine
 from rlserve.runtime.proc_client import EngineClient
 from rlserve.runtime.data_parallel import DataParallelClient, check_parallel, routing_hint
 from rlserve.runtime.spawn import EngineProcess
+from rlserve.server import early_stop
 from rlserve.server.fleet import deployment_guard, worker_routes
 from rlserve.server.openai import chat, completions, responses, tokenization
 from rlserve.server.rl import control, generate
 from rlserve.server.rl import weights as vllm_weights
 from rlserve.server.openai.chat_template import load_template
 from rlserve.server.errors import APIError, install_error_handlers
+from rlserve.server.engine_death import engine_died
 from rlserve.server.listen import bind, check_admin_exposure
 from rlserve.server.limits import BodyGuard
 from rlserve.server.openapi import install_openapi
@@ -165,10 +167,11 @@ def _number(x: float) -> float | int:
     return int(x) if float(x).is_integer() else x
 
 
-def serve(config: Config, engine_process: EngineProcess | None = None) -> None:
+def serve(config: Config, engine_process: EngineProcess | None = None) -> int:
     """Load the engine, bind host:port (0 = any free port), log the URL, and serve until SIGTERM/SIGINT,
     then drain (see DrainingServer). `engine_process`: the engine core process started for this config
-    before this module was imported (rlserve.cli); adopted, or stopped when the server does not start."""
+    before this module was imported (rlserve.cli); adopted, or stopped when the server does not start.
+    Returns the exit code: 0, or ENGINE_DIED_EXIT_CODE when the engine died under it (docs/faults.md)."""
     try:
         check_admin_exposure(config)
         logging.basicConfig(level=config.server.log_level.upper(),
@@ -202,9 +205,12 @@ def serve(config: Config, engine_process: EngineProcess | None = None) -> None:
         grace = config.server.shutdown_grace_s
         # uvicorn's own grace covers writing the responses of requests aborted at the end of ours
         uv_config = uvicorn.Config(app, log_level=config.server.log_level, timeout_graceful_shutdown=int(grace) + 5)
-        DrainingServer(uv_config, app.state.rlserve, grace).run(sockets=[sock])
+        server = DrainingServer(uv_config, app.state.rlserve, grace)
+        early_stop.check()
+        server.run(sockets=[sock])
     finally:
         engine.shutdown()
+    return server.exit_code
 
 
 class DrainingServer(uvicorn.Server):
@@ -216,6 +222,7 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.state, self.grace_s = state, grace_s
         self._drain: asyncio.Task | None = None
+        self.exit_code = 0
 
     def handle_exit(self, sig: int, frame) -> None:  # no re-raise of the signal afterwards: exit 0
         if self.state.draining:
@@ -224,6 +231,10 @@ class DrainingServer(uvicorn.Server):
         self.state.draining = True
 
     async def on_tick(self, counter: int) -> bool:
+        if early_stop.requested is not None:  # a SIGTERM from before uvicorn took the signal over
+            self.state.draining = True
+        if self.exit_code == 0 and self.state.engine.dead is not None:
+            self.exit_code = await engine_died(self.state)
         if self.state.draining and self._drain is None:
             log.info("shutting down: refusing new requests, %.0f s for in-flight ones", self.grace_s)
             self._drain = asyncio.ensure_future(self._drain_engine())

@@ -7,11 +7,14 @@ observed by the server as outputs stream by.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from rlserve.runtime.data_parallel import served_by
 from rlserve.runtime.face import EngineFace
 from rlserve.engine.outputs import RequestOutput
 
@@ -53,31 +56,49 @@ def token_buckets(limit: int) -> list[float]:
 
 
 class Metrics:
+    """Per-request series carry the `engine` label of the engine core that served the request (parallel.dp)."""
+
     def __init__(self, engine: EngineFace, model_name: str):
         self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
         self.labels = {"model_name": model_name, "engine": "0"}
         reg, labels = self.registry, LABELS
         limit = engine.max_model_len
         self.request_success = Counter(
             "vllm:request_success", "Finished requests by finish reason.", (*labels, "finished_reason"), registry=reg
         )
-        for reason in ("stop", "length", "abort"):  # present from the start, as in vLLM
-            self.request_success.labels(**self.labels, finished_reason=reason)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of requests (cached ones included).",
-                                     labels, registry=reg).labels(**self.labels)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", labels,
-                              buckets=TTFT_BUCKETS, registry=reg).labels(**self.labels)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between two output steps.", labels,
-                             buckets=ITL_BUCKETS, registry=reg).labels(**self.labels)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to last token.", labels,
-                             buckets=E2E_BUCKETS, registry=reg).labels(**self.labels)
-        self.request_prompt_tokens = Histogram("vllm:request_prompt_tokens", "Prompt length per request.", labels,
-                                               buckets=token_buckets(limit), registry=reg).labels(**self.labels)
-        self.request_generation_tokens = Histogram(
+        self._prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of requests (cached ones included).",
+                                      labels, registry=reg)
+        self._ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", labels,
+                               buckets=TTFT_BUCKETS, registry=reg)
+        self._itl = Histogram("vllm:inter_token_latency_seconds", "Time between two output steps.", labels,
+                              buckets=ITL_BUCKETS, registry=reg)
+        self._e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to last token.", labels,
+                              buckets=E2E_BUCKETS, registry=reg)
+        self._request_prompt_tokens = Histogram("vllm:request_prompt_tokens", "Prompt length per request.", labels,
+                                                buckets=token_buckets(limit), registry=reg)
+        self._request_generation_tokens = Histogram(
             "vllm:request_generation_tokens", "Generated tokens per sample.", labels,
             buckets=token_buckets(limit), registry=reg,
-        ).labels(**self.labels)
+        )
+        self._series: dict[int, EngineSeries] = {}
+        for index in range(len(getattr(engine, "engines", [engine]))):
+            self.series(index)  # every engine's series present from the start, as in vLLM
         reg.register(_EngineCollector(engine, self.labels))
+
+    def series(self, index: int) -> EngineSeries:
+        """The per-request series of engine `index`."""
+        found = self._series.get(index)
+        if found is None:
+            labels = {"model_name": self.model_name, "engine": str(index)}
+            for reason in ("stop", "length", "abort"):
+                self.request_success.labels(**labels, finished_reason=reason)
+            found = self._series[index] = EngineSeries(
+                labels, self._prompt_tokens.labels(**labels), self._ttft.labels(**labels), self._itl.labels(**labels),
+                self._e2e.labels(**labels), self._request_prompt_tokens.labels(**labels),
+                self._request_generation_tokens.labels(**labels),
+            )
+        return found
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -86,14 +107,30 @@ class Metrics:
         return RequestTimer(self)
 
 
+@dataclass(slots=True)
+class EngineSeries:
+    labels: dict[str, str]
+    prompt_tokens: Any
+    ttft: Any
+    itl: Any
+    e2e: Any
+    request_prompt_tokens: Any
+    request_generation_tokens: Any
+
+
 class RequestTimer:
-    """Latency and length observations of one engine request, fed its cumulative outputs."""
+    """Latency and length observations of one engine request, fed its cumulative outputs; observed under the
+    engine that served it (data_parallel.served_by, set in the timer's task once the engine is picked)."""
 
     def __init__(self, metrics: Metrics):
-        self.m = metrics
+        self.metrics = metrics
         self.start = time.monotonic()
         self.last_token_time: float | None = None
         self.num_tokens = 0
+
+    @property
+    def m(self) -> EngineSeries:
+        return self.metrics.series(served_by.get())
 
     def step(self, out: RequestOutput) -> None:
         tokens = sum(len(o.token_ids) for o in out.outputs)
@@ -112,15 +149,16 @@ class RequestTimer:
 
     def end(self, out: RequestOutput | None, n: int) -> None:
         """`out` is the last output seen (None if none arrived); unfinished samples count as aborts."""
-        self.m.e2e.observe(time.monotonic() - self.start)
+        m = self.m
+        m.e2e.observe(time.monotonic() - self.start)
         if out is not None:
-            self.m.request_prompt_tokens.observe(len(out.prompt_token_ids))
+            m.request_prompt_tokens.observe(len(out.prompt_token_ids))
         outputs = out.outputs if out is not None else []
         for i in range(n):
             o = outputs[i] if i < len(outputs) else None
-            self.m.request_generation_tokens.observe(len(o.token_ids) if o else 0)
+            m.request_generation_tokens.observe(len(o.token_ids) if o else 0)
             reason = (o.finish_reason if o else None) or "abort"
-            self.m.request_success.labels(**self.m.labels, finished_reason=reason).inc()
+            self.metrics.request_success.labels(**m.labels, finished_reason=reason).inc()
 
 
 class _EngineCollector(Collector):
@@ -128,10 +166,16 @@ class _EngineCollector(Collector):
         self.engine, self.labels = engine, labels
 
     def collect(self):
-        # one sample per engine core (parallel.dp), labelled engine="i"
-        engines = getattr(self.engine, "engines", [self.engine])
-        for i, engine in enumerate(engines):
-            yield from self._collect(engine, {**self.labels, "engine": str(i)})
+        # one family per name, with one sample per engine core (parallel.dp) labelled engine="i": the text
+        # format allows a family's HELP and TYPE once
+        families: dict[str, Any] = {}
+        for i, engine in enumerate(getattr(self.engine, "engines", [self.engine])):
+            for family in self._collect(engine, {**self.labels, "engine": str(i)}):
+                if family.name in families:
+                    families[family.name].samples.extend(family.samples)
+                else:
+                    families[family.name] = family
+        yield from families.values()
 
     def _collect(self, engine, labels: dict[str, str]):
         s = engine.stats
