@@ -276,3 +276,24 @@ def test_deployment_replicas_share_one_master_and_reuse_each_others_prefixes(tmp
     finally:
         stop_deployment(proc)
     wait_for(lambda: not any(alive(pid) for pid in tree), 30, "every child to exit")
+
+
+def test_config_errors_name_what_to_change(dirs, master):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="set type = 'mooncake'"):
+        KVOffloadConfig.model_validate({"cpu": {"num_bytes": 1 << 30}, "mooncake": {"master_address": "h:1"}})
+    with pytest.raises(ValidationError, match="metadata_server needs master_address"):
+        KVOffloadConfig.model_validate({"type": "mooncake", "cpu": {"num_bytes": 1 << 30},
+                                        "mooncake": {"metadata_server": "http://h:2/metadata"}})
+    cfg = Config()
+    cfg.model.name = str(dirs[0])
+    cfg.model.max_model_len = 64
+    cfg.engine.kv_cache_bytes = 8 * BLOCK * 2048
+    cfg.kv_cache_offload = KVOffloadConfig.model_validate({"type": "mooncake", "cpu": {"num_bytes": 1 << 20}})
+    with pytest.raises(ValueError, match="no store address"):
+        Engine(cfg)
+    cfg.kv_cache_offload = KVOffloadConfig.model_validate({
+        "type": "mooncake", "cpu": {"num_bytes": 1 << 20}, "mooncake": {"master_address": master.master_address}})
+    with pytest.raises(ValueError, match="16 MiB"):
+        Engine(cfg)
