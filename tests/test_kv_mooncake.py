@@ -10,7 +10,6 @@ master dies turns offload off and leaves the outputs as they were.
 from __future__ import annotations
 
 import logging
-import os
 import random
 import signal
 import time
@@ -204,9 +203,6 @@ def test_serve_starts_its_master_and_sigterm_stops_it(tmp_path):
     try:
         masters = [p for p in _children(proc.pid) if "mooncake_master" in Path(f"/proc/{p}/cmdline").read_text()]
         assert len(masters) == 1
-        logdir = next(a for a in Path(f"/proc/{masters[0]}/cmdline").read_text().split("\0") if "log_dir" in a)
-        logdir = Path(logdir.split("=", 1)[1])
-        assert logdir.is_dir()
         model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
         prompt = prompts(11, 1, 100)[0]
         for p in [prompt, *prompts(12, 3, 200), prompt]:  # the fillers evict the prompt into the store
@@ -227,8 +223,6 @@ def test_serve_starts_its_master_and_sigterm_stops_it(tmp_path):
     while _alive(masters[0]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(masters[0]), "the Mooncake master outlived its server"
-    assert not logdir.exists()
-    assert not os.path.exists(f"/proc/{masters[0]}") or not _alive(masters[0])
 
 
 def _metric(url: str, name: str, **labels: str) -> float:
