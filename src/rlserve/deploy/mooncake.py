@@ -1,7 +1,7 @@
 """The Mooncake master (with its HTTP metadata server) that kv_cache_offload.type = "mooncake" needs, started by
 rlserve when no master_address is configured: once per deployment (its replicas get the addresses) or by a
 single `rlserve serve`. It runs in its own session, dies with its parent (Linux), and stops with it: SIGTERM,
-then SIGKILL, its log directory removed."""
+then SIGKILL. Its warnings and errors go to rlserve's stderr; it writes no files."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -67,7 +66,6 @@ class MooncakeMaster:
     def __init__(self, host: str = "127.0.0.1", start_timeout_s: float = 30.0, disk: bool = False):
         self.host, self.disk = host, disk
         self.proc: subprocess.Popen | None = None
-        self.logdir = Path(tempfile.mkdtemp(prefix="rlserve-mooncake-master-"))
         binary = find_binary()
         try:
             for _ in range(3):  # a port taken between choosing and binding: choose again
@@ -75,7 +73,7 @@ class MooncakeMaster:
                 if self._start(binary, start_timeout_s):
                     break
             else:
-                raise RuntimeError(f"{MASTER_BINARY} did not start: {self._log_tail()}")
+                raise RuntimeError(f"{MASTER_BINARY} did not start (its errors are above, exit code {self.proc.returncode})")
         except BaseException:
             self.stop()
             raise
@@ -97,12 +95,11 @@ class MooncakeMaster:
         argv = [binary, f"--rpc_address={self.host}", f"--rpc_port={self.rpc_port}",
                 "--enable_http_metadata_server=true", f"--http_metadata_server_host={self.host}",
                 f"--http_metadata_server_port={self.http_port}", f"--metrics_port={_free_port(self.host)}",
-                f"--log_dir={self.logdir}"]
+                "--logtostderr=true", "--minloglevel=1"]
         if self.disk:  # the replicas' kv_cache_offload.disk: blocks the memory evicts go to their local disks
             argv += ["--enable_offload=true", "--offload_on_evict=true", "--promotion_on_hit=true"]
-        with open(self.logdir / "master.log", "ab") as out:
-            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                         preexec_fn=_child_setup)  # noqa: PLW1509 - setsid and prctl only
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     preexec_fn=_child_setup)  # noqa: PLW1509 - setsid and prctl only
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -110,13 +107,7 @@ class MooncakeMaster:
             if _accepts(self.host, self.rpc_port) and _accepts(self.host, self.http_port):
                 return True
             time.sleep(0.05)
-        raise RuntimeError(f"{MASTER_BINARY} did not listen within {timeout_s:.0f} s: {self._log_tail()}")
-
-    def _log_tail(self) -> str:
-        try:
-            return (self.logdir / "master.log").read_text(errors="replace")[-2000:].strip() or "(no output)"
-        except OSError:
-            return "(no log)"
+        raise RuntimeError(f"{MASTER_BINARY} did not listen on {self.host} within {timeout_s:.0f} s")
 
     def stop(self, timeout_s: float = 10.0) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -126,7 +117,6 @@ class MooncakeMaster:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        shutil.rmtree(self.logdir, ignore_errors=True)
 
     def configure(self, config: Config) -> Config:
         """The config with this master's addresses filled in (for the engines and replicas that use it)."""
