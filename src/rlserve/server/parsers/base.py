@@ -173,6 +173,8 @@ class CallFormat:
         return [self.read_call(span)]
 
     def content_before(self, text: str) -> str:
+        if not text.strip():
+            return ""
         return text.rstrip() if self.trim_content else text
 
     # -- shared machinery --
@@ -238,7 +240,7 @@ class FormatStreamer:
             self.region = self.fmt.region_start(self.text)
             if self.region < 0:
                 upto = len(self.text) if final else len(self.text) - held_suffix_len(self.text, self.fmt.START)
-                if self.fmt.trim_content and not final:
+                if not final and (self.fmt.trim_content or not self.text[:upto].strip()):
                     upto = len(self.text[:upto].rstrip())
                 out.content = self.text[self.content_sent:upto]
                 self.content_sent = max(self.content_sent, upto)

@@ -24,8 +24,9 @@ class ThinkTags:
     # Without the start tag: False = everything is content (mistral); True = text before `end` is reasoning.
     start_optional: bool = True
     always_content: bool = False  # deepseek_v3 without thinking: an identity parser
+    strip_implicit: bool = False  # reasoning ended by a tool-call marker loses its trailing whitespace
 
-    def split(self, text: str, thinking: bool) -> tuple[str, str]:
+    def split(self, text: str, thinking: bool, final: bool = True) -> tuple[str, str]:
         if self.always_content or not thinking:
             if not thinking and not self.always_content:
                 end = text.find(self.end)
@@ -43,7 +44,8 @@ class ThinkTags:
             return text[:end], text[end + len(self.end):]
         implicit = [i for m in self.implicit_ends if (i := text.find(m)) >= 0]
         if implicit:
-            return text[:min(implicit)], text[min(implicit):]
+            reasoning = text[:min(implicit)]
+            return reasoning.rstrip() if self.strip_implicit else reasoning, text[min(implicit):]
         return text, ""
 
     def markers(self) -> tuple[str, ...]:
@@ -55,8 +57,10 @@ class GraniteTags:
     THOUGHT = "Here is my thought process:"
     RESPONSE = "Here is my response:"
 
-    def split(self, text: str, thinking: bool) -> tuple[str, str]:
+    def split(self, text: str, thinking: bool, final: bool = True) -> tuple[str, str]:
         t, r = text.find(self.THOUGHT), text.find(self.RESPONSE)
+        if not final and r < 0 and (t == 0 or self.THOUGHT.startswith(text)):
+            return text[len(self.THOUGHT):], ""  # vLLM streams an unfinished thought as reasoning
         if t < 0 or r < 0 or r < t:
             return "", text
         return text[t + len(self.THOUGHT):r], text[r + len(self.RESPONSE):]
@@ -70,9 +74,9 @@ REASONING_PARSERS: dict[str, ThinkTags | GraniteTags | None] = {
     "qwen3": ThinkTags(implicit_ends=QWEN_TOOL),
     "deepseek_r1": ThinkTags(),
     "deepseek_v3": ThinkTags(always_content=True),
-    "glm45": ThinkTags(implicit_ends=QWEN_TOOL),
+    "glm45": ThinkTags(implicit_ends=QWEN_TOOL, strip_implicit=True),
     "kimi_k2": ThinkTags(implicit_ends=("<|tool_calls_section_begin|>",)),
-    "minimax_m2": ThinkTags(implicit_ends=("<minimax:tool_call>",)),
+    "minimax_m2": ThinkTags(implicit_ends=("<minimax:tool_call>",), strip_implicit=True),
     "seed_oss": ThinkTags("<seed:think>", "</seed:think>", implicit_ends=("<seed:tool_call>",)),
     "mistral": ThinkTags("[THINK]", "[/THINK]", start_optional=False),
     "granite": GraniteTags(),
@@ -127,7 +131,9 @@ class ReasoningStreamer:
     def _emit(self, final: bool) -> tuple[str, str]:
         decided = self._text if final else self._text[:len(self._text) - held_suffix_len(
             self._text, self._tags.markers())]
-        reasoning, content = self._tags.split(decided, self._thinking)
+        if not final and getattr(self._tags, "strip_implicit", False):
+            decided = decided.rstrip()
+        reasoning, content = self._tags.split(decided, self._thinking, final)
         r, c = reasoning[self._sent_reasoning:], content[self._sent_content:]
         self._sent_reasoning = max(self._sent_reasoning, len(reasoning))
         self._sent_content = max(self._sent_content, len(content))
