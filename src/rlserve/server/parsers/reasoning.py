@@ -133,7 +133,8 @@ class ReasoningStreamer:
             self._text, self._tags.markers())]
         if not final and getattr(self._tags, "strip_implicit", False):
             decided = decided.rstrip()
-        reasoning, content = self._tags.split(decided, self._thinking, final)
+        # granite: a thought already streamed as reasoning stays reasoning (vLLM streams it so too).
+        reasoning, content = self._tags.split(decided, self._thinking, final and not isinstance(self._tags, GraniteTags))
         r, c = reasoning[self._sent_reasoning:], content[self._sent_content:]
         self._sent_reasoning = max(self._sent_reasoning, len(reasoning))
         self._sent_content = max(self._sent_content, len(content))
