@@ -294,7 +294,7 @@ def run_case(parser_cls, tok, text: str, tools, ids: list[int], request_kwargs: 
         p = parser_cls(tok, tools)
         reasoning, content, calls = p.parse(text, req, enable_auto_tools=bool(tools), model_output_token_ids=ids)
         out["whole"] = {"reasoning": reasoning, "content": content, "calls": _calls(calls)}
-    except Exception as e:  # recorded: what vLLM does on this input is part of the oracle
+    except Exception as e:  # noqa: BLE001 - recorded: what vLLM does on this input is part of the oracle
         out["whole"] = {"error": f"{type(e).__name__}: {e}"}
     out["streamed"] = {}
     for label, how in CHUNKINGS.items():
@@ -317,7 +317,7 @@ def run_case(parser_cls, tok, text: str, tools, ids: list[int], request_kwargs: 
                         c["arguments"] += tc.function.arguments or ""
             out["streamed"][label] = {"reasoning": reasoning or None, "content": content or None,
                                       "calls": [calls[k] for k in sorted(calls)]}
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - recorded as vLLM's answer
             out["streamed"][label] = {"error": f"{type(e).__name__}: {e}"}
     return out
 
@@ -359,7 +359,7 @@ def main() -> None:
             if paired is not None:
                 data["reasoning_parser"] = paired
                 data["runs"]["with_reasoning"] = record(tok, fmt, paired, corpus_for(fmt), TOOLS)
-        except Exception:
+        except Exception:  # noqa: BLE001 - reported, the other formats still record
             traceback.print_exc()
             continue
         (OUT / f"tool_{fmt}.json").write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
@@ -370,7 +370,7 @@ def main() -> None:
         try:
             data = {"reasoning_parser": name, "runs": {"reasoning_only": record(tok, None, name,
                                                                                reasoning_corpus(name), None)}}
-        except Exception:
+        except Exception:  # noqa: BLE001 - reported, the other formats still record
             traceback.print_exc()
             continue
         (OUT / f"reasoning_{name}.json").write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")

@@ -31,7 +31,7 @@ def _harmony_available() -> bool:
 
         _encoding()
         return True
-    except Exception:  # openai-harmony fetches its vocabulary once; this machine has no copy
+    except Exception:  # noqa: BLE001 - openai-harmony fetches its vocabulary once; this machine has no copy
         return False
 
 

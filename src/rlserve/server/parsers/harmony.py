@@ -43,7 +43,7 @@ def parse_harmony(text: str, tools: Tools, final: bool = True) -> HarmonyParse:
     try:
         for token in enc.encode(text, allowed_special="all"):
             parser.process(token)
-    except Exception as e:  # a broken message structure: what was read stays, the rest is content
+    except Exception as e:  # noqa: BLE001 - a broken message structure: what was read stays, the rest is content
         out = _collect(parser, tools, final=False)
         out.errors.append(CallError("invalid_syntax", f"not valid Harmony: {e}", text))
         return out
