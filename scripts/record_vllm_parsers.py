@@ -347,8 +347,22 @@ def record(tok, tool: str | None, reasoning: str | None, corpus: dict[str, str],
     return cases
 
 
+def write_harmony_vocab() -> None:
+    """gpt-oss's o200k vocabulary in tiktoken's file format, read back from the Harmony encoding vLLM uses
+    (openai-harmony checks its sha256 when it loads it), so the tests need no download."""
+    import base64
+    import gzip
+
+    from openai_harmony import HarmonyEncodingName, load_harmony_encoding
+
+    enc = load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
+    lines = [f"{base64.b64encode(bytes(enc._inner.decode_bytes([i]))).decode()} {i}\n" for i in range(199998)]
+    (OUT / "o200k_base.tiktoken.gz").write_bytes(gzip.compress("".join(lines).encode(), 9, mtime=0))
+
+
 def main() -> None:
     tok = build_tokenizer_fixture()
+    write_harmony_vocab()
     only = set(sys.argv[1:])
     for fmt, paired in TOOL_FORMATS.items():
         if only and fmt not in only:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from harmony_vocab import use_harmony_vocab
 from rlserve.server.parsers import HARMONY, get_tool_parser
 from rlserve.server.parsers.base import Tools
 from rlserve.server.parsers.harmony import HarmonyStreamer, parse_harmony
@@ -26,6 +27,7 @@ VLLM_STREAMS_DIFFERENTLY = {("granite", "unfinished")}
 
 
 def _harmony_available() -> bool:
+    use_harmony_vocab()
     try:
         from rlserve.server.parsers.harmony import _encoding
 

@@ -18,7 +18,8 @@ from rlserve.engine.params import SamplingParams
 from rlserve.server.errors import bad_request
 from rlserve.server.protocol import ChatCompletionRequest
 from rlserve.server.parsers import HARMONY, TOOL_PARSER_NAMES, get_tool_parser
-from rlserve.server.parsers.base import CallFormat, CallError
+from rlserve.server.parsers.base import CallError, CallFormat, Tools
+from rlserve.server.parsers.harmony import HarmonyStreamer, parse_harmony
 from rlserve.server.parsers.reasoning import (
     END_TAGS,
     ReasoningStreamer,
@@ -47,15 +48,24 @@ class OutputParser:
     enable_thinking: bool | None = None
     include_reasoning: bool = True
     tool_parser: CallFormat | None = None
+    # gpt-oss: Harmony is read whole (reasoning, content and calls at once); `harmony_tools` None = no calls.
+    harmony: bool = False
+    harmony_tools: Tools | None = None
 
     @property
     def raw(self) -> bool:
-        return self.reasoning_parser is None and self.tool_parser is None
+        return self.reasoning_parser is None and self.tool_parser is None and not self.harmony
 
     def parse(self, o: CompletionOutput) -> ParsedMessage:
         if self.raw:
             return ParsedMessage(o.text)
         text = SpecialText(self).feed(o)
+        if self.harmony:
+            h = parse_harmony(text, self.harmony_tools)
+            calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                     for c in h.calls]
+            return ParsedMessage(h.content or None, (h.reasoning or None) if self.include_reasoning else None,
+                                 calls, h.errors)
         reasoning, content = None, text or None
         if self.reasoning_parser is not None:
             reasoning, content = extract_reasoning(text, parser=self.reasoning_parser,
@@ -125,6 +135,7 @@ class MessageStreamer:
         self._reasoning = None if parser.reasoning_parser is None else ReasoningStreamer(
             parser=parser.reasoning_parser, enable_thinking=parser.enable_thinking)
         self._tools = None if parser.tool_parser is None else parser.tool_parser.streamer()
+        self._harmony = HarmonyStreamer(parser.harmony_tools) if parser.harmony else None
         self._sent = 0  # raw: characters of `text` sent
         self._done = False
 
@@ -136,12 +147,15 @@ class MessageStreamer:
             new, self._sent = o.text[self._sent:], len(o.text)
             return {"content": new} if new else {}
         reasoning, content = "", self._text.feed(o)
-        if self._reasoning is not None:
+        calls: list[dict[str, Any]] = []
+        if self._harmony is not None:
+            reasoning, content, calls, errors = self._harmony.feed(content, final=o.finished)
+            self.tool_call_errors += errors
+        elif self._reasoning is not None:
             reasoning, content = self._reasoning.feed(content)
             if o.finished:
                 more_reasoning, more_content = self._reasoning.finish()
                 reasoning, content = reasoning + more_reasoning, content + more_content
-        calls: list[dict[str, Any]] = []
         if self._tools is not None:
             step = self._tools.feed(content)
             content, calls = step.content, step.tool_calls
@@ -166,17 +180,17 @@ def output_parser(config_model, tokenizer, body: ChatCompletionRequest, params: 
     """The parsers configured on the server (config.model) that apply to this request."""
     tool_parser_name = config_model.tool_call_parser
     _check_tool_choice(body, tool_parser_name)
-    if HARMONY in (tool_parser_name, "openai" if config_model.reasoning_parser == "openai_gptoss" else None):
-        raise bad_request("the gpt-oss Harmony parsers (openai, openai_gptoss) are not served over HTTP yet; "
-                          "start the server without them", "model")
     parse_tools = tool_parser_name is not None and bool(body.tools) and body.tool_choice != "none"
+    tools = [t.model_dump() for t in body.tools or []]
+    if HARMONY in (tool_parser_name, "openai" if config_model.reasoning_parser == "openai_gptoss" else None):
+        return OutputParser(tokenizer, params, prompt_ids, include_reasoning=body.include_reasoning, harmony=True,
+                            harmony_tools=Tools(tools) if parse_tools else None)
     return OutputParser(
         tokenizer, params, prompt_ids,
         reasoning_parser=config_model.reasoning_parser,
         enable_thinking=(body.chat_template_kwargs or {}).get("enable_thinking"),
         include_reasoning=body.include_reasoning,
-        tool_parser=get_tool_parser(tool_parser_name, [t.model_dump() for t in body.tools or []])
-        if parse_tools else None,
+        tool_parser=get_tool_parser(tool_parser_name, tools) if parse_tools else None,
     )
 
 

@@ -37,7 +37,8 @@ class HarmonyParse:
     errors: list[CallError] = field(default_factory=list)
 
 
-def parse_harmony(text: str, tools: Tools, final: bool = True) -> HarmonyParse:
+def parse_harmony(text: str, tools: Tools | None, final: bool = True) -> HarmonyParse:
+    """`tools` None: the request parses no calls (no tools, tool_choice none); call messages stay content."""
     enc = _encoding()
     parser = StreamableParser(enc, role=Role.ASSISTANT)
     try:
@@ -50,12 +51,14 @@ def parse_harmony(text: str, tools: Tools, final: bool = True) -> HarmonyParse:
     return _collect(parser, tools, final)
 
 
-def _collect(parser: StreamableParser, tools: Tools, final: bool) -> HarmonyParse:
+def _collect(parser: StreamableParser, tools: Tools | None, final: bool) -> HarmonyParse:
     out = HarmonyParse()
     for msg in parser.messages:
         body = "".join(c.text for c in msg.content if hasattr(c, "text"))
         recipient = msg.recipient or ""
-        if recipient.startswith("functions."):
+        if recipient.startswith("functions.") and tools is None:
+            out.content += body
+        elif recipient.startswith("functions."):
             name = recipient.removeprefix("functions.")
             try:
                 tools.check(name, body)
@@ -69,7 +72,7 @@ def _collect(parser: StreamableParser, tools: Tools, final: bool) -> HarmonyPars
             out.content += body
     current = parser.current_content or ""
     recipient = parser.current_recipient or ""
-    if recipient.startswith("functions."):
+    if recipient.startswith("functions.") and tools is not None:
         if final:
             name = recipient.removeprefix("functions.")
             out.errors.append(CallError(UNCLOSED_CALL, "the tool call message was not ended with <|call|>",
@@ -85,18 +88,22 @@ def _collect(parser: StreamableParser, tools: Tools, final: bool) -> HarmonyPars
 class HarmonyStreamer:
     """Reasoning, content and calls as they grow; returns (reasoning, content, tool call deltas, errors)."""
 
-    def __init__(self, tools: Tools):
+    def __init__(self, tools: Tools | None):
         self.tools = tools
         self.text = ""
-        self.sent_reasoning = self.sent_content = self.sent_calls = self.sent_errors = 0
+        self.sent_reasoning = self.sent_content = self.sent_calls = 0
 
     def feed(self, delta_text: str, final: bool = False) -> tuple[str, str, list[dict], list[CallError]]:
         self.text += delta_text
-        now = parse_harmony(self.text, self.tools, final)
+        decided = self.text
+        if not final:  # a special token may still be arriving: `<|end` is not yet `<|end|>`
+            cut = decided.rfind("<")
+            if cut >= 0 and ">" not in decided[cut:]:
+                decided = decided[:cut]
+        now = parse_harmony(decided, self.tools, final)
         reasoning, content = now.reasoning[self.sent_reasoning:], now.content[self.sent_content:]
         self.sent_reasoning, self.sent_content = len(now.reasoning), len(now.content)
         deltas = call_deltas(self.sent_calls, now.calls[self.sent_calls:])
         self.sent_calls = len(now.calls)
-        errors = now.errors[self.sent_errors:]
-        self.sent_errors = len(now.errors)
+        errors = now.errors if final else []  # text cut mid-stream is not yet an error
         return reasoning, content, deltas, errors
