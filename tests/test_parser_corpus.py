@@ -10,8 +10,8 @@ import random
 from pathlib import Path
 
 import pytest
-
 from harmony_vocab import use_harmony_vocab
+
 from rlserve.server.parsers import HARMONY, get_tool_parser
 from rlserve.server.parsers.base import Tools
 from rlserve.server.parsers.harmony import HarmonyStreamer, parse_harmony
