@@ -38,7 +38,8 @@ def family(request) -> Iterator[tuple[str, str]]:
     reasoning, template = FAMILIES[request.param]
     url, proc = start_server("--engine.allow-forced-tokens", "--model.tool_call_parser", request.param,
                              "--model.reasoning_parser", reasoning,
-                             "--model.chat_template", str(DATA / "templates" / template))
+                             "--model.chat_template", str(DATA / "templates" / template),
+                             "--model.max_model_len", "2048")  # three tool turns of byte-level text
     try:
         yield request.param, url
     finally:
@@ -135,13 +136,15 @@ def test_agent_loop_chat_sdk(family, tok) -> None:
     messages: list = [{"role": "user", "content": "Weather and time in Paris?"}]
     for turn in range(3):
         text = TURN_TEXTS[name](*STEPS[turn]) if turn < 2 else FINAL_TEXTS[name]
-        r = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=200,
-                                           extra_body={"vllm_xargs": {"forced_token_ids": _forced(tok, text)}})
+        forced = _forced(tok, text)
+        r = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=len(forced) + 4,
+                                           extra_body={"vllm_xargs": {"forced_token_ids": forced}})
         msg = r.choices[0].message
         if turn == 2:
-            assert r.choices[0].finish_reason == "stop" and msg.content == "Paris: sunny, 12:00 UTC."
+            # vLLM's qwen3 keeps the newlines after </think> in the content
+            assert r.choices[0].finish_reason == "stop" and msg.content.strip() == "Paris: sunny, 12:00 UTC."
             break
-        assert r.choices[0].finish_reason == "tool_calls"
+        assert r.choices[0].finish_reason == "tool_calls", (turn, r.usage, msg)
         (call,) = msg.tool_calls
         assert (call.function.name, json.loads(call.function.arguments)) == STEPS[turn]
         messages.append(msg.model_dump(exclude_none=True))
@@ -156,12 +159,13 @@ def test_agent_loop_responses_api(family, tok) -> None:
     items: list = [{"role": "user", "content": "Weather and time in Paris?"}]
     for turn in range(3):
         text = TURN_TEXTS[name](*STEPS[turn]) if turn < 2 else FINAL_TEXTS[name]
-        r = client.responses.create(model=MODEL, input=items, tools=tools, max_output_tokens=200,
-                                    extra_body={"vllm_xargs": {"forced_token_ids": _forced(tok, text)}})
+        forced = _forced(tok, text)
+        r = client.responses.create(model=MODEL, input=items, tools=tools, max_output_tokens=len(forced) + 4,
+                                    extra_body={"vllm_xargs": {"forced_token_ids": forced}})
         assert r.status == "completed"
         calls = [o for o in r.output if o.type == "function_call"]
         if turn == 2:
-            assert calls == [] and r.output_text == "Paris: sunny, 12:00 UTC."
+            assert calls == [] and r.output_text.strip() == "Paris: sunny, 12:00 UTC."
             break
         (call,) = calls
         assert (call.name, json.loads(call.arguments)) == STEPS[turn]
