@@ -146,3 +146,23 @@ def test_matches_vllm(data, run, name, case):
         assert reasoning == _norm(want["reasoning"]), where
         assert content == _norm(want["content"]), where
         assert calls == [(c["name"], c["arguments"]) for c in want["calls"]], where
+
+
+def test_registry_and_config_know_every_name():
+    import subprocess
+    import sys
+
+    from rlserve.config import ModelConfig
+    from rlserve.server.parsers import REASONING_PARSER_NAMES, TOOL_PARSER_NAMES
+
+    fields = ModelConfig.model_fields
+    assert set(fields["tool_call_parser"].annotation.__args__[0].__args__) == set(TOOL_PARSER_NAMES)
+    assert set(fields["reasoning_parser"].annotation.__args__[0].__args__) == set(REASONING_PARSER_NAMES)
+    assert len(TOOL_PARSER_NAMES) == 21 and len(REASONING_PARSER_NAMES) == 10
+    for flag, names in (("tool_call_parser", TOOL_PARSER_NAMES), ("reasoning_parser", REASONING_PARSER_NAMES)):
+        refused = subprocess.run([sys.executable, "-m", "rlserve.cli", "serve", f"--model.{flag}", "nope"],
+                                 capture_output=True, text=True, timeout=120)
+        assert all(f"'{n}'" in refused.stderr + refused.stdout for n in names)
+        helped = subprocess.run([sys.executable, "-m", "rlserve.cli", "serve", "--help"], capture_output=True,
+                                text=True, timeout=120)
+        assert all(n in helped.stdout for n in names)

@@ -116,6 +116,26 @@ def test_malformed_call_is_flagged_not_dropped(family, tok) -> None:
         assert got["calls"] == [] and got["token_ids"] == forced
         assert [e["type"] for e in got["errors"]] == ["unclosed_call"]
         assert got["errors"][0]["text"] in got["content"]
+    r = httpx.post(f"{url}/v1/responses", timeout=120, json={
+        "model": MODEL, "input": "weather?", "max_output_tokens": len(forced) + 4,
+        "tools": [{"type": "function", **t["function"]} for t in data["tools"]],
+        "vllm_xargs": {"forced_token_ids": forced}})
+    assert r.status_code == 200 and [e["type"] for e in r.json()["tool_call_errors"]] == ["unclosed_call"]
+
+
+def test_tool_choice_modes(family, tok) -> None:
+    name, url = family
+    tools = json.loads((DATA / f"tool_{name}.json").read_text())["tools"]
+    forced = _forced(tok, TURN_TEXTS[name](*STEPS[0]))
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in ("auto", "required", named):
+        for stream in (False, True):
+            got = _chat(url, [{"role": "user", "content": "weather?"}], tools, forced, stream, tool_choice=choice)
+            assert got["calls"] == [("get_weather", json.dumps(STEPS[0][1]))], (choice, stream, got)
+            assert got["finish_reason"] == "tool_calls"
+    for stream in (False, True):  # none: the tools are rendered, nothing is parsed as a call
+        got = _chat(url, [{"role": "user", "content": "weather?"}], tools, forced, stream, tool_choice="none")
+        assert got["calls"] == [] and got["finish_reason"] == "stop" and "Paris" in (got["content"] or ""), got
 
 
 TURN_TEXTS = {
