@@ -13,10 +13,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from transformers import AutoTokenizer
-
 from conftest import start_server, stop_server
 from harmony_vocab import use_harmony_vocab
+from transformers import AutoTokenizer
+
 from rlserve.model.make import default_model_dir
 
 DATA = Path(__file__).parent / "data" / "parsers"
