@@ -152,7 +152,7 @@ def test_registry_and_config_know_every_name():
     import subprocess
     import sys
 
-    from rlserve.config import ModelConfig
+    from rlserve.config.schema import ModelConfig
     from rlserve.server.parsers import REASONING_PARSER_NAMES, TOOL_PARSER_NAMES
 
     fields = ModelConfig.model_fields

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from rlserve.engine.outputs import RequestOutput
-from rlserve.server.responses_output import (
+from rlserve.server.openai.responses_output import (
     Turn,
     function_call_item,
     message_item,
@@ -16,7 +16,7 @@ from rlserve.server.responses_output import (
     output_text,
     reasoning_item,
 )
-from rlserve.server.serving import Run, sse
+from rlserve.server.state import Run, sse
 
 
 class _Events:
