@@ -39,12 +39,16 @@ class ModelConfig(Section):
     trust_remote_code: bool = Field(False, description="allow custom code from the model directory")
     chat_template: str | None = Field(None, description="a Jinja chat template (file path or inline) replacing the model's")
     served_model_name: str | None = Field(None, description="the name clients use; default = model.name")
-    tool_call_parser: Literal["hermes", "llama3_json", "llama4_json", "mistral"] | None = Field(
-        None, description="parse tool calls out of chat output when a request has tools; none = raw text"
-    )
-    reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = Field(
-        None, description="split <think> reasoning from chat content; none = raw text"
-    )
+    # vLLM's names; rlserve.server.parsers holds one parser per name (docs/parsers.md).
+    tool_call_parser: Literal[
+        "hermes", "qwen3_json", "qwen3_coder", "qwen3_xml", "glm45", "glm47", "deepseek_v3", "deepseek_v31",
+        "kimi_k2", "openai", "llama3_json", "llama4_json", "llama4_pythonic", "pythonic", "mistral", "granite",
+        "internlm", "minimax_m2", "seed_oss", "xlam", "phi4_mini_json",
+    ] | None = Field(None, description="parse tool calls out of chat output when a request has tools; none = raw text")
+    reasoning_parser: Literal[
+        "qwen3", "deepseek_r1", "deepseek_v3", "glm45", "kimi_k2", "openai_gptoss", "granite", "minimax_m2",
+        "seed_oss", "mistral",
+    ] | None = Field(None, description="split reasoning from chat content; none = raw text")
     adapter_path: str | None = Field(
         None, description="a LoRA adapter (PEFT or mlx-lm layout) loaded at start as policy version 1; every "
         "request of the base model uses it, as after an MLX-style /load_adapter"

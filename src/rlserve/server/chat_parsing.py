@@ -17,17 +17,14 @@ from rlserve.engine.outputs import CompletionOutput
 from rlserve.engine.params import SamplingParams
 from rlserve.server.errors import bad_request
 from rlserve.server.protocol import ChatCompletionRequest
-from rlserve.server.reasoning import (
-    END,
+from rlserve.server.parsers import HARMONY, TOOL_PARSER_NAMES, get_tool_parser
+from rlserve.server.parsers.base import CallError, CallFormat, Tools
+from rlserve.server.parsers.harmony import HarmonyStreamer, parse_harmony
+from rlserve.server.parsers.reasoning import (
+    END_TAGS,
     ReasoningStreamer,
     count_reasoning_tokens,
     extract_reasoning,
-)
-from rlserve.server.tool_parsers import (
-    HermesParser,
-    Llama3JsonParser,
-    MistralParser,
-    get_tool_parser,
 )
 
 
@@ -36,6 +33,8 @@ class ParsedMessage:
     content: str | None
     reasoning: str | None = None
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    # Malformed tool calls, kept as content and named here for reward functions (docs/parsers.md).
+    tool_call_errors: list[CallError] = field(default_factory=list)
 
 
 @dataclass
@@ -48,35 +47,47 @@ class OutputParser:
     reasoning_parser: str | None = None
     enable_thinking: bool | None = None
     include_reasoning: bool = True
-    tool_parser: HermesParser | Llama3JsonParser | MistralParser | None = None
+    tool_parser: CallFormat | None = None
+    # gpt-oss: Harmony is read whole (reasoning, content and calls at once); `harmony_tools` None = no calls.
+    harmony: bool = False
+    harmony_tools: Tools | None = None
 
     @property
     def raw(self) -> bool:
-        return self.reasoning_parser is None and self.tool_parser is None
+        return self.reasoning_parser is None and self.tool_parser is None and not self.harmony
 
     def parse(self, o: CompletionOutput) -> ParsedMessage:
         if self.raw:
             return ParsedMessage(o.text)
         text = SpecialText(self).feed(o)
+        if self.harmony:
+            h = parse_harmony(text, self.harmony_tools)
+            calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                     for c in h.calls]
+            return ParsedMessage(h.content or None, (h.reasoning or None) if self.include_reasoning else None,
+                                 calls, h.errors)
         reasoning, content = None, text or None
         if self.reasoning_parser is not None:
             reasoning, content = extract_reasoning(text, parser=self.reasoning_parser,
                                                    enable_thinking=self.enable_thinking)
         calls: list[dict[str, Any]] = []
+        errors: list[CallError] = []
         if self.tool_parser is not None and content is not None:
             found = self.tool_parser.extract(content)
+            errors = found.errors
+            content = found.content
             if found.tools_called:
-                content = found.content
                 calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                          for c in found.tool_calls]
-        return ParsedMessage(content, reasoning if self.include_reasoning else None, calls)
+        return ParsedMessage(content, reasoning if self.include_reasoning else None, calls, errors)
 
     def reasoning_tokens(self, token_ids: list[int]) -> int:
         """usage.completion_tokens_details.reasoning_tokens: up to and including `</think>`."""
         if self.reasoning_parser is None:
             return 0
-        end_id = self.tokenizer.convert_tokens_to_ids(END)
-        if not isinstance(end_id, int) or self.tokenizer.convert_ids_to_tokens(end_id) != END:
+        end = END_TAGS.get(self.reasoning_parser, "</think>")
+        end_id = self.tokenizer.convert_tokens_to_ids(end)
+        if not isinstance(end_id, int) or self.tokenizer.convert_ids_to_tokens(end_id) != end:
             end_id = -1  # `</think>` is not one token here (convert_tokens_to_ids gave the unknown token)
         return count_reasoning_tokens(token_ids, end_id, parser=self.reasoning_parser,
                                       enable_thinking=self.enable_thinking)
@@ -118,11 +129,13 @@ class MessageStreamer:
 
     def __init__(self, parser: OutputParser):
         self.has_tool_calls = False  # the last chunk then says finish_reason "tool_calls"
+        self.tool_call_errors: list[CallError] = []
         self._include_reasoning = parser.include_reasoning
         self._text = None if parser.raw else SpecialText(parser)
         self._reasoning = None if parser.reasoning_parser is None else ReasoningStreamer(
             parser=parser.reasoning_parser, enable_thinking=parser.enable_thinking)
         self._tools = None if parser.tool_parser is None else parser.tool_parser.streamer()
+        self._harmony = HarmonyStreamer(parser.harmony_tools) if parser.harmony else None
         self._sent = 0  # raw: characters of `text` sent
         self._done = False
 
@@ -134,18 +147,23 @@ class MessageStreamer:
             new, self._sent = o.text[self._sent:], len(o.text)
             return {"content": new} if new else {}
         reasoning, content = "", self._text.feed(o)
-        if self._reasoning is not None:
+        calls: list[dict[str, Any]] = []
+        if self._harmony is not None:
+            reasoning, content, calls, errors = self._harmony.feed(content, final=o.finished)
+            self.tool_call_errors += errors
+        elif self._reasoning is not None:
             reasoning, content = self._reasoning.feed(content)
             if o.finished:
                 more_reasoning, more_content = self._reasoning.finish()
                 reasoning, content = reasoning + more_reasoning, content + more_content
-        calls: list[dict[str, Any]] = []
         if self._tools is not None:
             step = self._tools.feed(content)
             content, calls = step.content, step.tool_calls
+            self.tool_call_errors += step.errors
             if o.finished:
                 last = self._tools.finish()
                 content, calls = content + last.content, calls + last.tool_calls
+                self.tool_call_errors += last.errors
         self.has_tool_calls = self.has_tool_calls or bool(calls)
         delta: dict[str, Any] = {}
         if reasoning and self._include_reasoning:
@@ -163,12 +181,16 @@ def output_parser(config_model, tokenizer, body: ChatCompletionRequest, params: 
     tool_parser_name = config_model.tool_call_parser
     _check_tool_choice(body, tool_parser_name)
     parse_tools = tool_parser_name is not None and bool(body.tools) and body.tool_choice != "none"
+    tools = [t.model_dump() for t in body.tools or []]
+    if HARMONY in (tool_parser_name, "openai" if config_model.reasoning_parser == "openai_gptoss" else None):
+        return OutputParser(tokenizer, params, prompt_ids, include_reasoning=body.include_reasoning, harmony=True,
+                            harmony_tools=Tools(tools) if parse_tools else None)
     return OutputParser(
         tokenizer, params, prompt_ids,
         reasoning_parser=config_model.reasoning_parser,
         enable_thinking=(body.chat_template_kwargs or {}).get("enable_thinking"),
         include_reasoning=body.include_reasoning,
-        tool_parser=get_tool_parser(tool_parser_name) if parse_tools else None,
+        tool_parser=get_tool_parser(tool_parser_name, tools) if parse_tools else None,
     )
 
 
@@ -191,4 +213,4 @@ def _check_tool_choice(body: ChatCompletionRequest, tool_parser_name: str | None
                               f"{names}", "tool_choice")
     if tool_parser_name is None:
         raise bad_request(f"{what} needs a server started with --model.tool_call_parser "
-                          "(hermes, llama3_json or mistral)", "tool_choice")
+                          f"({', '.join(TOOL_PARSER_NAMES)})", "tool_choice")

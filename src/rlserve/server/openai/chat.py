@@ -153,6 +153,8 @@ def _response(ctx: Ctx, out: RequestOutput) -> dict[str, Any]:
         parsed = ctx.parser.parse(o)
         choice = {"index": o.index, "message": message_json(parsed), "logprobs": _logprobs(ctx, o, 0),
                   "finish_reason": finish_reason(o, bool(parsed.tool_calls)), "stop_reason": o.stop_reason}
+        if parsed.tool_call_errors:
+            choice["tool_call_errors"] = [e.to_json() for e in parsed.tool_call_errors]
         if body.return_token_ids:
             choice["token_ids"] = o.token_ids
         choice.update(version_fields(ctx.state, o))
@@ -179,6 +181,8 @@ def _delta_choice(ctx: Ctx, o: CompletionOutput, cur: ChoiceCursor, streamer: Me
         choice["token_ids"] = new_ids
     if finishing:
         choice["stop_reason"] = o.stop_reason
+        if streamer.tool_call_errors:
+            choice["tool_call_errors"] = [e.to_json() for e in streamer.tool_call_errors]
         choice.update(version_fields(ctx.state, o))
     cur.tokens, cur.finished = len(o.token_ids), o.finished
     return choice

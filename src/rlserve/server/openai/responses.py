@@ -43,6 +43,10 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     except ClientGone:
         return Response(status_code=499)
     o = final.outputs[0]
-    items = output_items(ctx.parser.parse(o))
+    parsed = ctx.parser.parse(o)
+    items = output_items(parsed)
     items[-1].update(turn.token_fields(final))
-    return JSONResponse(turn.finished(items, final), headers=headers)
+    response = turn.finished(items, final)
+    if parsed.tool_call_errors:  # malformed calls, kept as text (docs/parsers.md)
+        response["tool_call_errors"] = [e.to_json() for e in parsed.tool_call_errors]
+    return JSONResponse(response, headers=headers)

@@ -125,12 +125,17 @@ async def stream_events(turn: Turn, run: Run | None) -> AsyncIterator[str]:
     yield event("response.created", response=turn.envelope())
     yield event("response.in_progress", response=turn.envelope())
     final: RequestOutput | None = None
+    errors: list = []
     if run is not None:
         streamer = turn.ctx.parser.streamer()
+        errors = streamer.tool_call_errors
         async for _, out in run.events():
             final = out
             for chunk in output.apply(streamer.feed(out.outputs[0])):
                 yield chunk
     for chunk in output.finish(turn.token_fields(final)):
         yield chunk
-    yield event("response.completed", response=turn.finished(output.items, final))
+    response = turn.finished(output.items, final)
+    if errors:  # malformed calls, kept as text (docs/parsers.md)
+        response["tool_call_errors"] = [e.to_json() for e in errors]
+    yield event("response.completed", response=response)
