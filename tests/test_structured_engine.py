@@ -12,10 +12,10 @@ import llguidance.hf
 import llguidance.torch as lt
 import pytest
 import torch
+from test_engine import hf_logprobs, make_engine, random_prompts
 
 from rlserve.engine.params import SamplingParams
 from rlserve.engine.structured import DEAD_END
-from test_engine import hf_logprobs, make_engine, random_prompts
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0, "maximum": 150}},
           "required": ["name", "age"], "additionalProperties": False}

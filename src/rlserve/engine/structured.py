@@ -119,14 +119,14 @@ class StructuredOutputs:
         if spec is None:
             return None
         if not isinstance(spec, dict):
-            raise ValueError("structured_outputs must be an object")
+            raise ValueError("structured_outputs must be an object")  # noqa: TRY004 - a 400 like every params error
         import llguidance
 
         try:
             grammar = grammar_text(spec)
         except ValueError:
             raise
-        except Exception as e:  # llguidance raises plain exceptions on malformed input
+        except Exception as e:  # noqa: BLE001 - llguidance raises plain exceptions on bad input
             raise ValueError(f"structured_outputs: {e}") from None
         if grammar not in self._compiled:
             error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer())

@@ -26,6 +26,7 @@ from rlserve.config import Config
 from rlserve.engine.async_engine import AsyncEngine, EngineDeadError
 from rlserve.engine.outputs import CompletionOutput, RequestOutput
 from rlserve.engine.params import SamplingParams
+from rlserve.server.structured_request import allowed_token_ids, constraint
 from rlserve.server.errors import APIError, bad_request, from_value_error
 from rlserve.server.limits import check_request_caps
 from rlserve.server.metrics import Metrics, weight_version
@@ -180,6 +181,8 @@ def sampling_params(
             repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, logit_bias=logit_bias(body.logit_bias),
             kv_transfer_params=kv_transfer_params(body.kv_transfer_params, (body.model_extra or {}).get("extra_args")),
+            structured_outputs=constraint(body.model_extra or {}),
+            allowed_token_ids=allowed_token_ids(body.model_extra or {}),
         )
     except ValueError as e:
         raise from_value_error(e, SAMPLING_FIELDS) from None
@@ -220,13 +223,8 @@ def forced_token_ids(state: ServerState, extra: dict[str, Any]) -> list[int] | N
 def _reject_unsupported(body: GenerationFields) -> None:
     """Known fields the engine cannot honour yet: refuse rather than silently sample differently."""
     extra = body.model_extra or {}
-    for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                 "allowed_token_ids", "bad_words"):
-        if extra.get(name):
-            raise bad_request(f"{name} is not supported yet; omit it", name)
-    fmt = extra.get("response_format")
-    if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
-        raise bad_request("response_format other than {\"type\": \"text\"} is not supported yet", "response_format")
+    if extra.get("bad_words"):
+        raise bad_request("bad_words is not supported yet; omit it", "bad_words")
 
 
 def truncate(ids: list[int], k: int | None, max_model_len: int) -> list[int]:
