@@ -56,8 +56,9 @@ def grammar_text(spec: dict[str, Any]) -> str:
         return matcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in value))
     if kind == "grammar":
         _require_str(kind, value)
-        lark = value if "::=" not in value else llguidance.gbnf_to_lark(value)
-        return matcher.grammar_from_lark(lark)
+        from llguidance.gbnf_to_lark import any_to_lark  # GBNF (llama.cpp, xgrammar EBNF) or Lark as is
+
+        return matcher.grammar_from_lark(any_to_lark(value))
     return _structural_tag(value)
 
 

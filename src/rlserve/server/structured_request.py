@@ -95,10 +95,10 @@ def logprobs_header(params: SamplingParams, server_mode: str) -> dict[str, str]:
     return {LOGPROBS_HEADER: "processed-masked-renormalized" if constrained else "processed"}
 
 
-def enforce_tool_choice(parser: str | None, body: Any, params: SamplingParams) -> None:
+def enforce_tool_choice(parser: str | None, tokenizer: Any, body: Any, params: SamplingParams) -> None:
     """tool_choice "required" / named: constrain decoding to the parser's call format (after its checks)."""
     tools = [t.model_dump() for t in body.tools] if body.tools else None
-    spec = tool_call_constraint(parser, tools, body.tool_choice)
+    spec = tool_call_constraint(parser, tools, body.tool_choice, set(tokenizer.get_added_vocab()) if tools else set())
     if spec is None:
         return
     if params.structured_outputs is not None:

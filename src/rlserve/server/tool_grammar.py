@@ -28,21 +28,29 @@ def _calls_schema(tools: list[dict[str, Any]], arguments_key: str) -> dict[str, 
     return {**schema, "x-guidance": _COMPACT}
 
 
-def hermes(tools: list[dict[str, Any]]) -> dict[str, Any]:
+def _marker(tag: str, added_tokens: set[str]) -> str:
+    """A tag that is one added token must be matched as that token (llguidance's `<tag>`), else as text."""
+    return tag if tag in added_tokens else json.dumps(tag)
+
+
+def hermes(tools: list[dict[str, Any]], added_tokens: set[str]) -> dict[str, Any]:
     """`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one or more."""
-    body = f'"<tool_call>\\n" %json {json.dumps(_calls_schema(tools, "arguments"))} "\\n</tool_call>"'
+    schema = json.dumps(_calls_schema(tools, "arguments"))
+    body = (f'{_marker("<tool_call>", added_tokens)} "\\n" %json {schema} "\\n" '
+            f'{_marker("</tool_call>", added_tokens)}')
     return {"grammar": f'start: call ("\\n" call)*\ncall: {body}\n'}
 
 
-def llama3_json(tools: list[dict[str, Any]]) -> dict[str, Any]:
+def llama3_json(tools: list[dict[str, Any]], added_tokens: set[str]) -> dict[str, Any]:
     """`{"name": ..., "parameters": {...}}`."""
     return {"json": _calls_schema(tools, "parameters")}
 
 
-BUILDERS: dict[str, Callable[[list[dict[str, Any]]], dict[str, Any]]] = {"hermes": hermes, "llama3_json": llama3_json}
+BUILDERS: dict[str, Callable[[list[dict[str, Any]], set[str]], dict[str, Any]]] = {"hermes": hermes, "llama3_json": llama3_json}
 
 
-def tool_call_constraint(parser: str | None, tools: list[dict[str, Any]] | None, tool_choice: Any) -> dict[str, Any] | None:
+def tool_call_constraint(parser: str | None, tools: list[dict[str, Any]] | None, tool_choice: Any,
+                         added_tokens: set[str]) -> dict[str, Any] | None:
     """The structured_outputs spec enforcing tool_choice, or None when nothing is to be enforced."""
     if not tools or parser not in BUILDERS or tool_choice in (None, "auto", "none"):
         return None
@@ -51,4 +59,4 @@ def tool_call_constraint(parser: str | None, tools: list[dict[str, Any]] | None,
         tools = [t for t in tools if t["function"]["name"] == name]
     elif tool_choice != "required":
         return None
-    return BUILDERS[parser](tools) if tools else None
+    return BUILDERS[parser](tools, added_tokens) if tools else None
