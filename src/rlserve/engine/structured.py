@@ -21,6 +21,9 @@ from typing import Any
 import torch
 
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+# a spec the API server already turned into llguidance's grammar text and validated (GrammarChecker):
+# the engine compiles it on its pool without checking it again on the step loop
+CHECKED = "llguidance"
 # stop_reason of a sequence whose grammar left no token it could take (finish_reason "stop")
 DEAD_END = "structured_outputs: no token can continue the grammar"
 _CACHE_SIZE = 256
@@ -87,20 +90,15 @@ def _structural_tag(value: Any) -> str:
     return grammar if grammar.startswith("{") else LLMatcher.grammar_from_lark(grammar)
 
 
-class StructuredOutputs:
-    """Compiled grammars (cached by text), one matcher per constrained sequence, masks per step."""
+class GrammarChecker:
+    """Spec -> validated llguidance grammar text (any thread; remembers what it has validated)."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int], workers: int = 2):
+    def __init__(self, tokenizer, vocab_size: int):
         self.vocab_size = vocab_size
-        self.eos_token_ids = eos_token_ids
         self._hf_tokenizer = tokenizer
         self._tokenizer = None
         self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
-        self._workers = workers
-        self._compiled: OrderedDict[str, Future] = OrderedDict()
-        self.compile_seconds = 0.0  # total time spent compiling (off the step loop)
-        self.compiled = 0
+        self._valid: OrderedDict[str, None] = OrderedDict()
 
     def tokenizer(self):
         with self._lock:
@@ -110,15 +108,15 @@ class StructuredOutputs:
                 self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size)
             return self._tokenizer
 
-    def check(self, spec: dict[str, Any] | None, allowed_token_ids: list[int] | None) -> str | None:
-        """Validate (any thread); starts compiling and returns the grammar text, None if unconstrained."""
+    def check_ids(self, allowed_token_ids: list[int] | None) -> None:
         if allowed_token_ids is not None:
             bad = [t for t in allowed_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
             if bad or not allowed_token_ids:
                 raise ValueError(f"allowed_token_ids must be a non-empty list of ids in [0, {self.vocab_size}), "
                                  f"got {bad or allowed_token_ids}")
-        if spec is None:
-            return None
+
+    def grammar(self, spec: dict[str, Any]) -> str:
+        """The validated grammar text of a spec; ValueError says what is wrong with it."""
         if not isinstance(spec, dict):
             raise ValueError("structured_outputs must be an object")  # noqa: TRY004 - a 400 like every params error
         import llguidance
@@ -129,10 +127,42 @@ class StructuredOutputs:
             raise
         except Exception as e:  # noqa: BLE001 - llguidance raises plain exceptions on bad input
             raise ValueError(f"structured_outputs: {e}") from None
-        if grammar not in self._compiled:
-            error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer())
-            if error:
-                raise ValueError(f"structured_outputs: {error.strip()}")
+        if grammar in self._valid:
+            return grammar
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer())
+        if error:
+            raise ValueError(f"structured_outputs: {error.strip()}")
+        with self._lock:
+            self._valid[grammar] = None
+            if len(self._valid) > _CACHE_SIZE:
+                self._valid.popitem(last=False)
+        return grammar
+
+
+class StructuredOutputs:
+    """Compiled grammars (cached by text), one matcher per constrained sequence, masks per step."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int], workers: int = 2):
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.checker = GrammarChecker(tokenizer, vocab_size)
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._workers = workers
+        self._compiled: OrderedDict[str, Future] = OrderedDict()
+        self.compile_seconds = 0.0  # total time spent compiling (off the step loop)
+        self.compiled = 0
+
+    def check(self, spec: dict[str, Any] | None, allowed_token_ids: list[int] | None) -> str | None:
+        """Validate; starts compiling and returns the grammar text, None if unconstrained. A spec the
+        API server checked (CHECKED) is not validated again here, on the step loop."""
+        self.checker.check_ids(allowed_token_ids)
+        if spec is None:
+            return None
+        if isinstance(spec, dict) and set(spec) == {CHECKED} and isinstance(spec[CHECKED], str):
+            grammar = spec[CHECKED]
+        else:
+            grammar = self.checker.grammar(spec)
         self._compile(grammar)
         return grammar
 
@@ -156,7 +186,7 @@ class StructuredOutputs:
         import llguidance
 
         t0 = time.perf_counter()
-        matcher = llguidance.LLMatcher(self.tokenizer(), grammar)
+        matcher = llguidance.LLMatcher(self.checker.tokenizer(), grammar)
         with self._lock:
             self.compile_seconds += time.perf_counter() - t0
             self.compiled += 1
@@ -182,6 +212,9 @@ class StructuredOutputs:
                 seq = seqs[rows[j]]
                 if seq.matcher is None:
                     seq.matcher = self.matcher_for(seq.grammar)
+                if seq.matcher.is_error():  # a grammar that failed to compile allows nothing: a dead end
+                    bitmask[k] = 0
+                    continue
                 lt.fill_next_token_bitmask(seq.matcher, bitmask, k)
             allowed[matched] = ((bitmask.unsqueeze(-1) >> _BIT) & 1).bool().flatten(1)[:, : self.vocab_size]
             eos = list(self.eos_token_ids)

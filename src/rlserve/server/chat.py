@@ -114,7 +114,7 @@ async def prepare(state: ServerState, body: ChatCompletionRequest, rid: str, pro
     params = sampling_params(state, body, max_tokens=max_tokens, logprobs=_top_logprobs(state, body),
                              prompt_logprobs=body.prompt_logprobs)
     parser = output_parser(state.config.model, state.tokenizer, body, params, prompt)
-    enforce_tool_choice(state.config.model.tool_call_parser, state.tokenizer, body, params)
+    enforce_tool_choice(state.config.model.tool_call_parser, state.engine, body, params)
     return Ctx(state, body, f"chatcmpl-{rid}", model, int(time.time()), rid, prompt, params, parser)
 
 

@@ -26,7 +26,7 @@ from rlserve.config import Config
 from rlserve.engine.async_engine import AsyncEngine, EngineDeadError
 from rlserve.engine.outputs import CompletionOutput, RequestOutput
 from rlserve.engine.params import SamplingParams
-from rlserve.server.structured_request import allowed_token_ids, constraint
+from rlserve.server.structured_request import allowed_token_ids, checked, constraint
 from rlserve.server.errors import APIError, bad_request, from_value_error
 from rlserve.server.limits import check_request_caps
 from rlserve.server.metrics import Metrics, weight_version
@@ -181,7 +181,7 @@ def sampling_params(
             repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, logit_bias=logit_bias(body.logit_bias),
             kv_transfer_params=kv_transfer_params(body.kv_transfer_params, (body.model_extra or {}).get("extra_args")),
-            structured_outputs=constraint(body.model_extra or {}),
+            structured_outputs=checked(state.engine, constraint(body.model_extra or {})),
             allowed_token_ids=allowed_token_ids(body.model_extra or {}),
         )
     except ValueError as e:

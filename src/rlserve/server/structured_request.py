@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 from rlserve.engine.params import SamplingParams
+from rlserve.engine.structured import CHECKED, GrammarChecker
 from rlserve.server.errors import bad_request
 from rlserve.server.tool_grammar import tool_call_constraint
 
@@ -20,6 +21,20 @@ GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice"
 SPEC_KEYS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 # which distribution a response's logprobs come from, named in this header on every response
 LOGPROBS_HEADER = "X-Logprobs-Distribution"
+
+
+_CHECKERS: dict[int, GrammarChecker] = {}
+
+
+def checked(engine: Any, spec: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Validated here, in the API process, so the engine compiles it off its step loop unchecked;
+    ValueError (a 400) names the problem."""
+    if spec is None:
+        return None
+    checker = _CHECKERS.get(id(engine))
+    if checker is None:
+        checker = _CHECKERS[id(engine)] = GrammarChecker(engine.tokenizer, engine.vocab_size)
+    return {CHECKED: checker.grammar(spec)}
 
 
 def constraint(extra: dict[str, Any]) -> dict[str, Any] | None:
@@ -95,13 +110,16 @@ def logprobs_header(params: SamplingParams, server_mode: str) -> dict[str, str]:
     return {LOGPROBS_HEADER: "processed-masked-renormalized" if constrained else "processed"}
 
 
-def enforce_tool_choice(parser: str | None, tokenizer: Any, body: Any, params: SamplingParams) -> None:
+def enforce_tool_choice(parser: str | None, engine: Any, body: Any, params: SamplingParams) -> None:
     """tool_choice "required" / named: constrain decoding to the parser's call format (after its checks)."""
     tools = [t.model_dump() for t in body.tools] if body.tools else None
-    spec = tool_call_constraint(parser, tools, body.tool_choice, set(tokenizer.get_added_vocab()) if tools else set())
+    spec = tool_call_constraint(parser, tools, body.tool_choice, set(engine.tokenizer.get_added_vocab()) if tools else set())
     if spec is None:
         return
     if params.structured_outputs is not None:
         raise bad_request("tool_choice \"required\" or a named function cannot be combined with another output "
                           "constraint; drop response_format / structured_outputs", "tool_choice")
-    params.structured_outputs = spec
+    try:
+        params.structured_outputs = checked(engine, spec)
+    except ValueError as e:
+        raise bad_request(f"tool_choice: the tools' parameters do not make a valid grammar: {e}", "tools") from None
