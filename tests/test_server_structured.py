@@ -159,3 +159,17 @@ def test_bad_constraints_are_400s(base_url, body, param, needle):
         assert needle in err["message"]
         if param is not None:
             assert err["param"] == param
+
+
+def test_constraints_cross_to_data_parallel_engine_cores():
+    url, proc = start_server("--parallel.dp", "2", "--model.tool_call_parser", "hermes")
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+        for seed in (1, 2):  # two requests, so both cores are likely to take one; each must hold either way
+            for text in chat_text(client, False, n=2, seed=seed, extra_body={"guided_json": SCHEMA}):
+                jsonschema.validate(json.loads(text), SCHEMA)
+        r = client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, tool_choice="required",
+                                           max_tokens=80, seed=3)
+        assert r.choices[0].message.tool_calls and r.choices[0].finish_reason == "tool_calls"
+    finally:
+        stop_server(proc)

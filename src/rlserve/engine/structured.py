@@ -27,6 +27,9 @@ CHECKED = "llguidance"
 # stop_reason of a sequence whose grammar left no token it could take (finish_reason "stop")
 DEAD_END = "structured_outputs: no token can continue the grammar"
 _CACHE_SIZE = 256
+# at most one space between JSON tokens: compact and json.dumps' ", " / ": " both pass, while a weak
+# model cannot spend its budget on whitespace (free whitespace would let it)
+JSON_WHITESPACE = {"whitespace_pattern": "[ ]?"}
 _BIT = torch.arange(32, dtype=torch.int32)
 
 
@@ -48,8 +51,7 @@ def grammar_text(spec: dict[str, Any]) -> str:
                 raise ValueError(f"structured_outputs json is not valid JSON: {e}") from None
         if not isinstance(schema, (dict, bool)):
             raise ValueError("structured_outputs json must be a JSON schema object")
-        # compact JSON: a free-whitespace grammar lets a weak model spend its budget on spaces
-        return matcher.grammar_from_json_schema(json.dumps(schema), overrides={"whitespace_flexible": False})
+        return matcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_WHITESPACE)
     if kind == "regex":
         _require_str(kind, value)
         return matcher.grammar_from_regex(value)
@@ -193,8 +195,11 @@ class StructuredOutputs:
         return matcher
 
     def matcher_for(self, grammar: str):
-        """A fresh matcher for one sequence (waits only if its compile is still running)."""
-        return self._compile(grammar).result().deep_copy()
+        """A fresh matcher for one sequence (waits only if its compile is still running); None if it failed."""
+        try:
+            return self._compile(grammar).result().deep_copy()
+        except Exception:  # noqa: BLE001 - an unchecked grammar that llguidance refused ends its sequence, not the engine
+            return None
 
     def masks(self, seqs: list) -> list[torch.Tensor | None]:
         """Per sequence, the bool [vocab] mask of tokens it may take next (None: unconstrained)."""
@@ -212,14 +217,15 @@ class StructuredOutputs:
                 seq = seqs[rows[j]]
                 if seq.matcher is None:
                     seq.matcher = self.matcher_for(seq.grammar)
-                if seq.matcher.is_error():  # a grammar that failed to compile allows nothing: a dead end
+                if seq.matcher is None or seq.matcher.is_error():  # failed to compile: allows nothing, a dead end
                     bitmask[k] = 0
                     continue
                 lt.fill_next_token_bitmask(seq.matcher, bitmask, k)
             allowed[matched] = ((bitmask.unsqueeze(-1) >> _BIT) & 1).bool().flatten(1)[:, : self.vocab_size]
             eos = list(self.eos_token_ids)
             for j in matched:  # any of the engine's EOS ids ends an accepted grammar
-                if eos and seqs[rows[j]].matcher.is_accepting():
+                matcher = seqs[rows[j]].matcher
+                if eos and matcher is not None and not matcher.is_error() and matcher.is_accepting():
                     allowed[j, eos] = True
         for j, i in enumerate(rows):
             ids = seqs[i].params.allowed_token_ids

@@ -11,8 +11,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-# compact JSON: a free-whitespace grammar lets a weak model spend its budget on spaces
-_COMPACT = {"whitespace_flexible": False}
+from rlserve.engine.structured import JSON_WHITESPACE
 
 
 def _call_schema(tool: dict[str, Any], arguments_key: str) -> dict[str, Any]:
@@ -25,7 +24,7 @@ def _call_schema(tool: dict[str, Any], arguments_key: str) -> dict[str, Any]:
 def _calls_schema(tools: list[dict[str, Any]], arguments_key: str) -> dict[str, Any]:
     calls = [_call_schema(t, arguments_key) for t in tools]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    return {**schema, "x-guidance": _COMPACT}
+    return {**schema, "x-guidance": JSON_WHITESPACE}
 
 
 def _marker(tag: str, added_tokens: set[str]) -> str:
