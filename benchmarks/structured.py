@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from _cpu import OtherLoad
 
-from rlserve.config import Config
+from rlserve.config.schema import Config
 from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams
 from rlserve.engine.structured import CHECKED, StructuredOutputs

@@ -22,8 +22,8 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.responses import StreamingResponse
 
-from rlserve.config import Config
-from rlserve.engine.async_engine import AsyncEngine, EngineDeadError
+from rlserve.config.schema import Config
+from rlserve.runtime.inproc import AsyncEngine, EngineDeadError
 from rlserve.engine.outputs import CompletionOutput, RequestOutput
 from rlserve.engine.params import SamplingParams
 from rlserve.server.structured_request import allowed_token_ids, checked, constraint
