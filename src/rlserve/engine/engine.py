@@ -30,6 +30,7 @@ from rlserve.engine.params import SamplingParams
 from rlserve.engine.routing import RoutedExpertsPool
 from rlserve.engine.runner import ModelRunner, kv_bytes_per_token
 from rlserve.engine.sampler import Sampler, sampling_row
+from rlserve.engine.structured import DEAD_END, StructuredOutputs
 from rlserve.engine.scheduler import Scheduler
 from rlserve.engine.weights import StagedWeights, commit
 from rlserve.engine.sequence import Request, Sequence, Status
@@ -140,6 +141,7 @@ class Engine:
                                           self._cache_key, lambda: self.weight_generation, self.runner.routing is not None)
         self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
         self.detectors = Detectors(config.logits_processors, self.vocab_size)
+        self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids)
         eos = getattr(self.hf_config, "eos_token_id", None)
         self.detector_eos = (eos[0] if isinstance(eos, list) else eos) if eos is not None else self.tokenizer.eos_token_id
         self.policy_version = 0
@@ -195,6 +197,7 @@ class Engine:
                 raise ValueError(f"{name}={k} exceeds the server's max_logprobs ({cap})")
         if adapter is not None and adapter not in self.adapters:
             raise ValueError(f"adapter {adapter!r} is not loaded")
+        grammar = self.structured.check(params.structured_outputs, params.allowed_token_ids)
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         req = Request(request_id, ids, params, max_tokens, cache_salt=cache_salt, adapter=adapter)
@@ -207,6 +210,7 @@ class Engine:
                 generator = torch.Generator().manual_seed((params.seed + j * 0x9E3779B1) % (1 << 63))
             detok = IncrementalDetokenizer.create(self.tokenizer, ids, params) if params.detokenize else None
             req.seqs.append(Sequence(req, j, generator, detok))
+            req.seqs[-1].grammar = grammar
         return req
 
     def submit(self, req: Request) -> None:
@@ -297,6 +301,7 @@ class Engine:
             self.tp.close()
         if self.kv_transfer is not None:
             self.kv_transfer.close()
+        self.structured.close()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending)
@@ -420,8 +425,14 @@ class Engine:
                 row_index.append(i)
         if len(row_index) != len(seqs):
             logits = logits.index_select(0, torch.tensor(row_index, device=logits.device))
+        masks = self.structured.masks(rows_seqs)
+        for seq, mask in zip(rows_seqs, masks):
+            if mask is not None and seq.detected is None and not bool(mask.any()):
+                seq.detected = DEAD_END  # nothing may follow: EOS comes next, one-hot, as after a detection
         sampling_rows = [sampling_row(s, self.eos_token_ids, self.config.engine.logprobs_mode, self.detector_eos)
                          for s in rows_seqs]
+        for row, mask in zip(sampling_rows, masks):
+            row.allowed = mask if row.forced_id is None else None
         probe = self.detectors.probe(logits, sampling_rows) if self.detectors.active else None
         result = self.sampler(logits, sampling_rows)
         now = time.monotonic()
@@ -440,6 +451,8 @@ class Engine:
                 seq.top_logprobs.append(dict(result.top_logprobs[r]))
             req.first_token_time = req.first_token_time or now
             seq.last_token_time = now
+            if seq.matcher is not None and seq.detected is None and not self.structured.advance(seq, token):
+                seq.detected = DEAD_END
             self._check_finish(seq, token)  # before detecting: a detection ends the sequence one token later
             if probe is not None and seq.detected is None and seq.status is not Status.FINISHED:
                 seq.detected = self.detectors.check(probe, r, seq, token)

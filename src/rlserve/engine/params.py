@@ -38,6 +38,10 @@ class SamplingParams:
     # prefill/decode disaggregation (docs/protocols.md §1.2): do_remote_decode on the prefill side,
     # do_remote_prefill plus where the KV is on the decode side; engine/kv/transfer.py reads it
     kv_transfer_params: dict[str, Any] | None = None
+    # constrained decoding (engine/structured.py): vLLM's StructuredOutputsParams as a dict, one of
+    # json, json_object, regex, choice, grammar, structural_tag; and a whitelist of token ids
+    structured_outputs: dict[str, Any] | None = None
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -37,6 +37,7 @@ class SamplingRow:
     logit_bias: dict[int, float] | None = None
     # (repetition, presence, frequency, prompt ids, output ids) when any penalty is active
     penalties: tuple[float, float, float, list[int], list[int]] | None = None
+    allowed: torch.Tensor | None = None  # bool [vocab]: structured outputs' mask of the tokens it may take
 
 
 @dataclass(slots=True)
@@ -73,6 +74,8 @@ class Sampler:
                 _penalize(logits[i], *r.penalties)
             if r.banned_ids:
                 logits[i, r.banned_ids] = NEG_INF
+            if r.allowed is not None:
+                logits[i].masked_fill_(~r.allowed.to(device), NEG_INF)
 
         greedy = [r.temperature == 0 for r in rows]
         temps = [1.0 if g else r.temperature for g, r in zip(greedy, rows)]

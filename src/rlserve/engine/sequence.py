@@ -85,6 +85,8 @@ class Sequence:
         self.confident_run = 0  # consecutive confident tokens (repetition detection)
         self.detected: str | None = None  # the detector that fired; EOS comes next
         self.routed_experts = None  # [positions, sparse layers, top_k] ids, read when it finishes
+        self.grammar: str | None = None  # structured_outputs' compiled grammar key (engine/structured.py)
+        self.matcher = None  # this sequence's grammar state, made at its first sampled token
 
     @property
     def num_output_tokens(self) -> int:

@@ -9,6 +9,7 @@ from rlserve.engine.params import SamplingParams
 from rlserve.server.errors import bad_request, from_value_error
 from rlserve.server.protocol import GenerationFields
 from rlserve.server.state import SAMPLING_FIELDS, ServerState
+from rlserve.server.structured_request import allowed_token_ids, checked, constraint
 
 LOGIT_BIAS_LIMIT = 100.0
 
@@ -34,6 +35,8 @@ def sampling_params(
             repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, logit_bias=logit_bias(body.logit_bias),
             kv_transfer_params=kv_transfer_params(body.kv_transfer_params, (body.model_extra or {}).get("extra_args")),
+            structured_outputs=checked(state.engine, constraint(body.model_extra or {})),
+            allowed_token_ids=allowed_token_ids(body.model_extra or {}),
         )
     except ValueError as e:
         raise from_value_error(e, SAMPLING_FIELDS) from None
@@ -74,13 +77,8 @@ def forced_token_ids(state: ServerState, extra: dict[str, Any]) -> list[int] | N
 def _reject_unsupported(body: GenerationFields) -> None:
     """Known fields the engine cannot honour yet: refuse rather than silently sample differently."""
     extra = body.model_extra or {}
-    for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                 "allowed_token_ids", "bad_words"):
-        if extra.get(name):
-            raise bad_request(f"{name} is not supported yet; omit it", name)
-    fmt = extra.get("response_format")
-    if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
-        raise bad_request("response_format other than {\"type\": \"text\"} is not supported yet", "response_format")
+    if extra.get("bad_words"):
+        raise bad_request("bad_words is not supported yet; omit it", "bad_words")
 
 
 def truncate(ids: list[int], k: int | None, max_model_len: int) -> list[int]:

@@ -22,6 +22,7 @@ from rlserve.server.chat_parsing import (
 from rlserve.server.openai.chat_template import message_chars, render_chat
 from rlserve.server.limits import check_text_fits
 from rlserve.server.errors import bad_request
+from rlserve.server.structured_request import enforce_tool_choice, logprobs_header
 from rlserve.server.protocol import POLICY_FIELDS, ChatCompletionRequest, ChatTokensRequest
 from rlserve.server.state import ChoiceCursor, ServerState, clamp, prompt_logprobs_json, request_id, rid_header, sampled_first, usage, version_fields
 from rlserve.server.sampling import sampling_params, truncate
@@ -70,7 +71,7 @@ async def create_chat_completion_from_tokens(body: ChatTokensRequest, request: R
 async def _respond(request: Request, ctx: Ctx) -> Response:
     body = ctx.body
     run = launch(ctx)
-    headers = rid_header(ctx.rid)
+    headers = rid_header(ctx.rid) | logprobs_header(ctx.params, ctx.state.config.engine.logprobs_mode)
     try:
         if body.stream:
             await start_stream(request, run)
@@ -96,6 +97,7 @@ async def prepare(state: ServerState, body: ChatCompletionRequest, rid: str, pro
     params = sampling_params(state, body, max_tokens=max_tokens, logprobs=_top_logprobs(state, body),
                              prompt_logprobs=body.prompt_logprobs)
     parser = output_parser(state.config.model, state.tokenizer, body, params, prompt)
+    enforce_tool_choice(state.config.model.tool_call_parser, state.engine, body, params)
     return Ctx(state, body, f"chatcmpl-{rid}", model, int(time.time()), rid, prompt, params, parser)
 
 

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from rlserve.engine.outputs import CompletionOutput, RequestOutput
 from rlserve.server.errors import bad_request
 from rlserve.server.limits import check_text_fits
+from rlserve.server.structured_request import logprobs_header
 from rlserve.server.protocol import POLICY_FIELDS, CompletionRequest
 from rlserve.server.state import ChoiceCursor, ServerState, clamp, prompt_logprobs_json, request_id, rid_header, usage, version_fields
 from rlserve.server.sampling import sampling_params, truncate
@@ -51,7 +52,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     rid = request_id(request, body)
     ctx = Ctx(state, body, f"cmpl-{rid}", model, int(time.time()), k, texts, score_only)
     run = Run(state, prompts, params, rid, body.cache_salt, adapter=state.adapter_for(body.model), stream=body.stream)
-    headers = rid_header(rid)
+    headers = rid_header(rid) | logprobs_header(params, state.config.engine.logprobs_mode)
     try:
         if body.stream:
             await start_stream(request, run)
