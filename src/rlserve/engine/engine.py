@@ -26,6 +26,7 @@ from rlserve.engine.parallel import TensorParallelLeader, device_of_rank
 from rlserve.engine.params import SamplingParams
 from rlserve.engine.routing import RoutedExpertsPool
 from rlserve.engine.runner import ModelRunner, kv_bytes_per_token
+from rlserve.engine.invariant import InvariantSampler, check_supported, row_log_softmax
 from rlserve.engine.sampler import Sampler, SamplingRow
 from rlserve.engine.scheduler import Scheduler
 from rlserve.engine.weights import StagedWeights, commit
@@ -153,6 +154,8 @@ class Engine:
                 f"the KV cache holds {num_blocks * ec.block_size} tokens, fewer than max_model_len "
                 f"({self.max_model_len}): raise engine.kv_cache_bytes or lower model.max_model_len"
             )
+        if ec.batch_invariant:
+            check_supported(config, self.shape, self.device)
         self.pool = BlockPool(num_blocks, ec.block_size, ec.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, ec.max_num_seqs, ec.max_num_batched_tokens, self._cache_key)
         self.runner = ModelRunner(
@@ -164,6 +167,7 @@ class Engine:
             cascade_attention=ec.cascade_attention,
             pack_weights=ec.pack_weights,
             use_cpu_kernels=ec.cpu_kernels,
+            batch_invariant=ec.batch_invariant,
         )
         if config.enable_return_routed_experts:
             if self.shape.moe is None:
@@ -188,7 +192,7 @@ class Engine:
         self.kv_transfer: KVTransfer | None = None
         if config.kv_transfer is not None:
             self.kv_transfer = KVTransfer(self, config.kv_transfer)
-        self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
+        self.sampler = (InvariantSampler if ec.batch_invariant else Sampler)(torch.Generator().manual_seed(config.seed))
         self.detectors = Detectors(config.logits_processors, self.vocab_size)
         eos = getattr(self.hf_config, "eos_token_id", None)
         self.detector_eos = (eos[0] if isinstance(eos, list) else eos) if eos is not None else self.tokenizer.eos_token_id
@@ -317,6 +321,9 @@ class Engine:
     def add_adapter(self, adapter: LoraAdapter) -> int:
         """Load or reload (in place, same name) an adapter; requests already using the name go on
         with the new weights from the next step, like a weight update."""
+        if self.config.engine.batch_invariant:
+            raise ValueError("LoRA adapters are not batch-invariant yet (their matmuls follow the step's rows); "
+                             "load adapters on a server without engine.batch_invariant")
         self.adapters[adapter.name] = adapter
         self.adapter_generations[adapter.name] = self.adapter_generations.get(adapter.name, 0) + 1
         return self._bump_version(None)
@@ -554,7 +561,7 @@ class Engine:
 
     def _record_prompt_logprobs(self, req: Request, first: int, logits: torch.Tensor) -> None:
         k = req.params.prompt_logprobs
-        lp = torch.log_softmax(logits, dim=-1)
+        lp = row_log_softmax(logits) if self.config.engine.batch_invariant else torch.log_softmax(logits, dim=-1)
         actual = torch.tensor(req.prompt_token_ids[first : first + lp.shape[0]], device=lp.device)
         actual_lp = lp.gather(1, actual.unsqueeze(1)).squeeze(1)
         ranks = (lp > actual_lp.unsqueeze(1)).sum(dim=1) + 1
