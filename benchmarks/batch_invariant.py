@@ -25,13 +25,13 @@ from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torch  # noqa: E402
+import torch
 
-from rlserve.config import Config  # noqa: E402
-from rlserve.engine.engine import Engine  # noqa: E402
-from rlserve.engine.params import SamplingParams  # noqa: E402
-from rlserve.model.cpu_kernels import _cpu_id  # noqa: E402
-from rlserve.model.make import bench_cache_dir, make_model  # noqa: E402
+from rlserve.config import Config
+from rlserve.engine.engine import Engine
+from rlserve.engine.params import SamplingParams
+from rlserve.model.cpu_kernels import _cpu_id
+from rlserve.model.make import bench_cache_dir, make_model
 
 WORKLOADS = {  # name: (prompts, prompt length, n, new tokens)
     "batch": (8, 64, 8, 64),

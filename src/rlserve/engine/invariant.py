@@ -13,7 +13,14 @@ from __future__ import annotations
 import torch
 
 from rlserve.engine.kv_cache import padded_blocks
-from rlserve.engine.sampler import NEG_INF, SampleResult, Sampler, SamplingRow, _filter, _penalize
+from rlserve.engine.sampler import (
+    NEG_INF,
+    Sampler,
+    SampleResult,
+    SamplingRow,
+    _filter,
+    _penalize,
+)
 from rlserve.model.invariant_ops import BatchInvarianceUnavailable
 from rlserve.model.llama import AttentionBatch
 
