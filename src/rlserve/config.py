@@ -99,6 +99,11 @@ class EngineConfig(Section):
     allow_forced_tokens: bool = Field(
         False, description="testing only: accept vllm_xargs.forced_token_ids (the first completion tokens)"
     )
+    inflight_update_policy: str = Field(
+        "keep", pattern=r"^(keep|recompute|abort|recompute_if_older_than:\d+)$",
+        description="sequences in flight at a weight update: keep (go on over the old KV), recompute (their KV "
+        "recomputed with the new weights first), abort (end with their tokens), recompute_if_older_than:N",
+    )
     batch_invariant: bool = Field(
         False, description="a request's tokens and logprobs are bitwise the same alone or in any batch, chunked or "
         "prefix-cached (CPU, dense models, tp=1; also VLLM_BATCH_INVARIANT=1 or --batch-invariant); "

@@ -26,6 +26,8 @@ from rlserve.engine.parallel import TensorParallelLeader, device_of_rank
 from rlserve.engine.params import SamplingParams
 from rlserve.engine.routing import RoutedExpertsPool
 from rlserve.engine.runner import ModelRunner, kv_bytes_per_token
+from rlserve.engine.inflight import InflightPolicy, mark_kv_version
+from rlserve.engine.inflight import apply as apply_inflight_policy
 from rlserve.engine.invariant import InvariantSampler, check_supported, row_log_softmax
 from rlserve.engine.sampler import Sampler, SamplingRow
 from rlserve.engine.scheduler import Scheduler
@@ -313,10 +315,15 @@ class Engine:
         pending, self._pending = self._pending, []
         return pending
 
-    def commit_weights(self, staged: StagedWeights, weight_version: str | None = None) -> int:
-        """Swap in validated weights between steps; every later token carries the new version."""
+    def commit_weights(self, staged: StagedWeights, weight_version: str | None = None, inflight: str | None = None) -> int:
+        """Swap in validated weights between steps; every later token carries the new version.
+        `inflight` (engine/inflight.py; default engine.inflight_update_policy): what the sequences
+        in flight do."""
+        policy = InflightPolicy.parse(inflight or self.config.engine.inflight_update_policy)
         commit(self.model, staged)
-        return self._bump_version(weight_version)
+        version = self._bump_version(weight_version)
+        apply_inflight_policy(self, policy)
+        return version
 
     def add_adapter(self, adapter: LoraAdapter) -> int:
         """Load or reload (in place, same name) an adapter; requests already using the name go on
@@ -377,6 +384,7 @@ class Engine:
         if self.offload is not None:
             self.offload.before_run()
         logits = self.runner.run(batch, self.adapters)
+        mark_kv_version(batch, self.policy_version)
         touched: dict[int, Request] = {}
         for seq, n in batch.prefills:
             seq.num_computed_tokens += n
