@@ -44,6 +44,14 @@ class ServerConfig(Section):
     port: int = Field(8000, ge=0, le=65535, description="TCP port (0 = any free port)")
     api_key: str | None = Field(None, description="Bearer key required on every route but /health and /metrics")
     admin_api_key: str | None = Field(None, description="Bearer key required on admin routes (updates, pause, adapters)")
+    policy_wait_s: float = Field(
+        0.0, ge=0, description="how long a request whose min_policy_version (or policy_version - max_off_policy_steps) "
+        "is ahead of the server waits for an update before 409; per request: policy_wait_s",
+    )
+    max_off_policy_steps: int | None = Field(
+        None, ge=0, description="a request carrying the trainer's policy_version starts only when the server is at most "
+        "this many versions behind it (held for policy_wait_s, then 409)",
+    )
     log_level: str = Field("info", description="uvicorn log level")
     allow_open_admin: bool = Field(
         False, description="serve admin routes (weights, adapters, pause) without admin_api_key on a non-loopback host"
