@@ -69,7 +69,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=5, help="alternating default/invariant pairs per workload")
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--quick", action="store_true", help="tiny model, 2 rounds")
+    p.add_argument("--small", action="store_true", help="each workload at a quarter of its sequences and half its tokens")
     args = p.parse_args(argv)
+    if args.small:
+        for name, (prompts, length, n, new) in WORKLOADS.items():
+            WORKLOADS[name] = (max(1, prompts // 2), length // 2, max(1, n // 2), new // 2)
     if args.quick:
         args.preset, args.rounds = "tiny", 2
     model_dir = make_model(args.preset, bench_cache_dir() / args.preset)
