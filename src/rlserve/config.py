@@ -314,7 +314,7 @@ class Config(Section):
     def _check_combinations(self) -> "Config":
         if self.model.max_model_len is not None and self.engine.max_num_batched_tokens < self.engine.block_size:
             raise ValueError("engine.max_num_batched_tokens must be at least engine.block_size")
-        from rlserve.deploy.checks import check_deployment  # keeps config.py about shapes
+        from rlserve.config.checks import check_deployment  # keeps config.py about shapes
 
         check_deployment(self)
         if (self.kv_cache_offload is not None or self.kv_transfer is not None) and not self.engine.enable_prefix_caching:

@@ -13,16 +13,16 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from rlserve.config import Config
+from rlserve.config.schema import Config
 from rlserve.engine.allocator import keep_freed_memory
 from rlserve.engine.detectors import Detectors
 from rlserve.engine.detokenizer import IncrementalDetokenizer
-from rlserve.engine.kv_cache import BlockPool, extra_key
-from rlserve.engine.kv_offload import KVOffload
-from rlserve.engine.kv_transfer import KVTransfer
+from rlserve.engine.kv.pool import BlockPool, extra_key
+from rlserve.engine.kv.offload import KVOffload
+from rlserve.engine.kv.transfer import KVTransfer
 from rlserve.engine.memory import kv_budget, memory_at_start
 from rlserve.engine.outputs import RequestOutput
-from rlserve.engine.parallel import TensorParallelLeader, device_of_rank
+from rlserve.engine.tp.leader import TensorParallelLeader, device_of_rank
 from rlserve.engine.params import SamplingParams
 from rlserve.engine.routing import RoutedExpertsPool
 from rlserve.engine.runner import ModelRunner, kv_bytes_per_token

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from rlserve.engine.kv_cache import padded_blocks
+from rlserve.engine.kv.pool import padded_blocks
 from rlserve.engine.sampler import (
     NEG_INF,
     Sampler,

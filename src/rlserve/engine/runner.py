@@ -11,7 +11,7 @@ import torch
 from rlserve.engine.allocator import available_memory_bytes
 from rlserve.engine.graphs import DecodeGraphs
 from rlserve.engine.invariant import token_rows
-from rlserve.engine.kv_cache import padded_blocks
+from rlserve.engine.kv.pool import padded_blocks
 from rlserve.engine.routing import RoutedExpertsPool
 from rlserve.engine.scheduler import ScheduledBatch
 from rlserve.model.cpu_kernels import CpuKernels, cpu_kernels
@@ -21,7 +21,7 @@ from rlserve.model.lora import LoraAdapter, LoraBatch
 from rlserve.model.moe import routed_experts
 
 if TYPE_CHECKING:
-    from rlserve.engine.parallel import TensorParallelLeader
+    from rlserve.engine.tp.leader import TensorParallelLeader
 
 log = logging.getLogger(__name__)
 

@@ -19,12 +19,12 @@ from rlserve.server.chat_parsing import (
     ParsedMessage,
     output_parser,
 )
-from rlserve.server.chat_template import message_chars, render_chat
+from rlserve.server.openai.chat_template import message_chars, render_chat
 from rlserve.server.limits import check_text_fits
 from rlserve.server.errors import bad_request
 from rlserve.server.protocol import POLICY_FIELDS, ChatCompletionRequest, ChatTokensRequest
 from rlserve.server.staleness import hold_for_policy_version
-from rlserve.server.serving import (
+from rlserve.server.state import (
     ChoiceCursor,
     ClientGone,
     Run,

@@ -15,7 +15,7 @@ from rlserve.server.errors import bad_request
 from rlserve.server.limits import check_text_fits
 from rlserve.server.protocol import POLICY_FIELDS, CompletionRequest
 from rlserve.server.staleness import hold_for_policy_version
-from rlserve.server.serving import (
+from rlserve.server.state import (
     ChoiceCursor,
     ClientGone,
     Run,

@@ -17,7 +17,7 @@ from rlserve.engine.routing import encode_routed_experts
 from rlserve.server.errors import bad_request, from_value_error
 from rlserve.server.limits import check_text_fits
 from rlserve.server.openapi import documented
-from rlserve.server.protocol_native import (
+from rlserve.server.rl.protocol_native import (
     GENERATE_BODIES,
     InferenceGenerateRequest,
     SGLangGenerateRequest,
@@ -25,7 +25,7 @@ from rlserve.server.protocol_native import (
     generate_body_model,
 )
 from rlserve.server.staleness import hold_for_policy_version
-from rlserve.server.serving import (
+from rlserve.server.state import (
     SAMPLING_FIELDS,
     SSE_DONE,
     Run,

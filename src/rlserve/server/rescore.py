@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse
 
 from rlserve.engine.params import SamplingParams
 from rlserve.server.errors import APIError, bad_request
-from rlserve.server.serving import Run, ServerState, json_body, run_to_end
+from rlserve.server.state import Run, ServerState, json_body, run_to_end
 
 router = APIRouter()
 
