@@ -250,6 +250,16 @@ class InferenceClient:
         data, _ = await self.transport.call("POST", "/detokenize", json=body, session_id=session_id)
         return data["prompt"]
 
+    async def rescore(self, sample: Sample, *, session_id: str | None = None) -> dict[str, Any]:
+        """Score a finished sample again, alone, at the version that produced it (POST /v1/rescore) and
+        return the report of logprobs that differ. Raises BadRequest (409) when the server has moved
+        to another version, or, under engine.batch_invariant, when any logprob differs at all."""
+        body = _compact({"model": self.model, "prompt_ids": list(sample.prompt_ids),
+                         "completion_ids": list(sample.completion_ids), "logprobs": list(sample.logprobs),
+                         "policy_version": None if sample.mixed_versions else sample.policy_version})
+        data, _ = await self.transport.call("POST", "/v1/rescore", json=body, session_id=session_id)
+        return data
+
     # ---- control: every endpoint ---------------------------------------------------------------
 
     async def update_weights(self, weight_dir: str, *, pause_mode: str | None = "wait",

@@ -28,7 +28,12 @@ _TRUE = {"true", "yes", "on", "1"}
 _FALSE = {"false", "no", "off", "0"}
 _NONE = {"null", "none"}
 # Lowest-precedence defaults: the first variable that is set wins.
-_ENV_DEFAULTS = {("server", "api_key"): ("RLSERVE_API_KEY", "VLLM_API_KEY")}
+_ENV_DEFAULTS = {
+    ("server", "api_key"): ("RLSERVE_API_KEY", "VLLM_API_KEY"),
+    ("engine", "batch_invariant"): ("RLSERVE_BATCH_INVARIANT", "VLLM_BATCH_INVARIANT"),
+}
+# vLLM's spellings of keys that live in a section here
+_CLI_ALIASES = {"batch-invariant": "engine.batch_invariant", "batch_invariant": "engine.batch_invariant"}
 
 
 def load_config(argv: list[str], base: type[Config] = Config) -> Config:
@@ -93,6 +98,7 @@ def _parse_overrides(args: list[str], base: type[BaseModel]) -> list[dict[str, A
 
 def _resolve_cli_key(key: str, base: type[BaseModel], negation_ok: bool) -> tuple[list[str], FieldInfo, bool]:
     """Field names, field, and whether the key was `no-` + a bool field."""
+    key = _CLI_ALIASES.get(key, key)
     plain, rest = key.replace("-", "_").split("."), key[3:]
     negated = negation_ok and key[:3] in ("no-", "no_") and not _has_path(base, plain)
     if negated and _has_path(base, rest.replace("-", "_").split(".")):

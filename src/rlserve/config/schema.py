@@ -60,6 +60,14 @@ class ServerConfig(Section):
     port: int = Field(8000, ge=0, le=65535, description="TCP port (0 = any free port)")
     api_key: str | None = Field(None, description="Bearer key required on every route but /health and /metrics")
     admin_api_key: str | None = Field(None, description="Bearer key required on admin routes (updates, pause, adapters)")
+    policy_wait_s: float = Field(
+        0.0, ge=0, description="how long a request whose min_policy_version (or policy_version - max_off_policy_steps) "
+        "is ahead of the server waits for an update before 409; per request: policy_wait_s",
+    )
+    max_off_policy_steps: int | None = Field(
+        None, ge=0, description="a request carrying the trainer's policy_version starts only when the server is at most "
+        "this many versions behind it (held for policy_wait_s, then 409)",
+    )
     log_level: str = Field("info", description="uvicorn log level")
     allow_open_admin: bool = Field(
         False, description="serve admin routes (weights, adapters, pause) without admin_api_key on a non-loopback host"
@@ -126,6 +134,16 @@ class EngineConfig(Section):
     )
     allow_forced_tokens: bool = Field(
         False, description="testing only: accept vllm_xargs.forced_token_ids (the first completion tokens)"
+    )
+    inflight_update_policy: str = Field(
+        "keep", pattern=r"^(keep|recompute|abort|recompute_if_older_than:\d+)$",
+        description="sequences in flight at a weight update: keep (go on over the old KV), recompute (their KV "
+        "recomputed with the new weights first), abort (end with their tokens), recompute_if_older_than:N",
+    )
+    batch_invariant: bool = Field(
+        False, description="a request's tokens and logprobs are bitwise the same alone or in any batch, chunked or "
+        "prefix-cached (CPU, dense models, tp=1; also VLLM_BATCH_INVARIANT=1 or --batch-invariant); "
+        "see docs/batch-invariance.md",
     )
 
 

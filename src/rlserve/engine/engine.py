@@ -31,6 +31,9 @@ from rlserve.engine.routing import RoutedExpertsPool
 from rlserve.engine.runner import ModelRunner, kv_bytes_per_token
 from rlserve.engine.sampler import Sampler, sampling_row
 from rlserve.engine.structured import DEAD_END, StructuredOutputs
+from rlserve.engine.inflight import InflightPolicy, mark_kv_version
+from rlserve.engine.inflight import apply as apply_inflight_policy
+from rlserve.engine.invariant import InvariantSampler, check_supported
 from rlserve.engine.scheduler import Scheduler
 from rlserve.engine.weights import StagedWeights, commit
 from rlserve.engine.sequence import Request, Sequence, Status
@@ -98,6 +101,8 @@ class Engine:
                 f"the KV cache holds {num_blocks * ec.block_size} tokens, fewer than max_model_len "
                 f"({self.max_model_len}): raise engine.kv_cache_bytes or lower model.max_model_len"
             )
+        if ec.batch_invariant:
+            check_supported(config, self.shape, self.device)
         self.pool = BlockPool(num_blocks, ec.block_size, ec.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, ec.max_num_seqs, ec.max_num_batched_tokens, self._cache_key)
         self.scheduler.batch_window_s = ec.batch_window_ms / 1000
@@ -110,6 +115,7 @@ class Engine:
             cascade_attention=ec.cascade_attention,
             pack_weights=ec.pack_weights,
             use_cpu_kernels=ec.cpu_kernels,
+            batch_invariant=ec.batch_invariant,
         )
         if config.enable_return_routed_experts:
             if self.shape.moe is None:
@@ -139,7 +145,7 @@ class Engine:
         if config.kv_transfer is not None:
             self.kv_transfer = KVTransfer(config.kv_transfer, self.pool, self.runner.kv_cache, self.scheduler,
                                           self._cache_key, lambda: self.weight_generation, self.runner.routing is not None)
-        self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
+        self.sampler = (InvariantSampler if ec.batch_invariant else Sampler)(torch.Generator().manual_seed(config.seed))
         self.detectors = Detectors(config.logits_processors, self.vocab_size)
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids)
         eos = getattr(self.hf_config, "eos_token_id", None)
@@ -263,14 +269,22 @@ class Engine:
         pending, self._pending = self._pending, []
         return pending
 
-    def commit_weights(self, staged: StagedWeights, weight_version: str | None = None) -> int:
-        """Swap in validated weights between steps; every later token carries the new version."""
+    def commit_weights(self, staged: StagedWeights, weight_version: str | None = None, inflight: str | None = None) -> int:
+        """Swap in validated weights between steps; every later token carries the new version.
+        `inflight` (engine/inflight.py; default engine.inflight_update_policy): what the sequences
+        in flight do."""
+        policy = InflightPolicy.parse(inflight or self.config.engine.inflight_update_policy)
         commit(self.model, staged)
-        return self._bump_version(weight_version)
+        version = self._bump_version(weight_version)
+        apply_inflight_policy(self, policy)
+        return version
 
     def add_adapter(self, adapter: LoraAdapter) -> int:
         """Load or reload (in place, same name) an adapter; requests already using the name go on
         with the new weights from the next step, like a weight update."""
+        if self.config.engine.batch_invariant:
+            raise ValueError("LoRA adapters are not batch-invariant yet (their matmuls follow the step's rows); "
+                             "load adapters on a server without engine.batch_invariant")
         self.adapters[adapter.name] = adapter
         self.adapter_generations[adapter.name] = self.adapter_generations.get(adapter.name, 0) + 1
         return self._bump_version(None)
@@ -329,6 +343,7 @@ class Engine:
         for seq in itertools.chain(batch.decodes, (s for s, _ in batch.prefills)):
             seq.request.max_batch_size = max(seq.request.max_batch_size, batch_size)
         logits = self.runner.run(batch, self.adapters)
+        mark_kv_version(batch, self.policy_version)
         touched: dict[int, Request] = {}
         for seq, n in batch.prefills:
             seq.num_computed_tokens += n
@@ -342,7 +357,7 @@ class Engine:
         for seq in batch.decodes:
             self.scheduler.register_computed_blocks(seq)
         for seq, first, rows in logits.prompt_logits:
-            record_prompt_logprobs(seq.request, first, rows)
+            record_prompt_logprobs(seq.request, first, rows, self.config.engine.batch_invariant)
         if logits.sample_seqs:
             self._sample_and_append(logits.sample_logits, logits.sample_seqs, touched)
         for req in touched.values():

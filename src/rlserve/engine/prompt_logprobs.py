@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import torch
 
+from rlserve.engine.invariant import row_log_softmax
 from rlserve.engine.sequence import Request
 
 
-def record_prompt_logprobs(req: Request, first: int, logits: torch.Tensor) -> None:
+def record_prompt_logprobs(req: Request, first: int, logits: torch.Tensor, batch_invariant: bool = False) -> None:
     k = req.params.prompt_logprobs
-    lp = torch.log_softmax(logits, dim=-1)
+    lp = row_log_softmax(logits) if batch_invariant else torch.log_softmax(logits, dim=-1)
     actual = torch.tensor(req.prompt_token_ids[first : first + lp.shape[0]], device=lp.device)
     actual_lp = lp.gather(1, actual.unsqueeze(1)).squeeze(1)
     ranks = (lp > actual_lp.unsqueeze(1)).sum(dim=1) + 1

@@ -10,12 +10,14 @@ import torch
 
 from rlserve.engine.allocator import available_memory_bytes
 from rlserve.engine.graphs import DecodeGraphs
+from rlserve.engine.invariant import token_rows
 from rlserve.engine.kv.pool import padded_blocks
 from rlserve.engine.routing import RoutedExpertsPool
 from rlserve.engine.scheduler import ScheduledBatch
 from rlserve.model.cpu_kernels import CpuKernels, cpu_kernels
 from rlserve.model.batch import AttentionBatch, CascadePlan, PrefillSeq
 from rlserve.model.llama import CausalLM
+from rlserve.model.invariant_ops import BatchInvarianceUnavailable, invariant_kernels
 from rlserve.model.lora import LoraAdapter, LoraBatch
 from rlserve.model.moe import routed_experts
 
@@ -49,9 +51,13 @@ class ModelRunner:
         cascade_attention: bool = True,
         pack_weights: bool = True,
         use_cpu_kernels: bool = True,
+        batch_invariant: bool = False,
     ):
         self.model, self.block_size, self.device = model, block_size, device
         self.kernels = self._cpu_kernels(dtype) if use_cpu_kernels and device.type == "cpu" else None
+        self.batch_invariant = batch_invariant  # engine/invariant.py: every token its own row, the GEMV at any row count
+        if batch_invariant:
+            self.kernels, pack_weights = self._invariant_kernels(dtype), False
         # The split attention needs the CPU SDPA kernel that returns log-sum-exp. The C attention
         # kernel reads shared blocks from cache for every sequence and is faster still (~10% a
         # step at 64 sequences, n = 8), so the split is only the fallback's.
@@ -77,6 +83,15 @@ class ModelRunner:
         s = self.model.shape
         if kernels is None or not kernels.supports(s.num_heads, s.num_kv_heads, s.head_dim, self.block_size, dtype):
             return None
+        return kernels
+
+    def _invariant_kernels(self, dtype: torch.dtype):
+        kernels, s = invariant_kernels(), self.model.shape
+        if not kernels.supports(s.num_heads, s.num_kv_heads, s.head_dim, self.block_size, dtype):
+            raise BatchInvarianceUnavailable(
+                f"engine.batch_invariant: the CPU kernels do not cover this model's attention in {dtype} "
+                f"(heads {s.num_heads}/{s.num_kv_heads}, head_dim {s.head_dim}, block_size {self.block_size})"
+            )
         return kernels
 
     def _pack_weights_if_they_fit(self) -> None:
@@ -167,6 +182,8 @@ class ModelRunner:
             lora=lora,
             kernels=self.kernels,
         )
+        if self.batch_invariant:
+            attn = token_rows(attn, batch, positions)
         ids, pos = torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device)
         if self.tp is not None:  # the other ranks run the same step on their shards
             self.tp.send_step(ids, pos, attn, batch.block_copies)

@@ -25,7 +25,7 @@ from rlserve.runtime.spawn import EngineProcess
 from rlserve.server import early_stop
 from rlserve.server.fleet import deployment_guard, worker_routes
 from rlserve.server.openai import chat, completions, responses, tokenization
-from rlserve.server.rl import control, generate
+from rlserve.server.rl import control, generate, rescore
 from rlserve.server.rl import weights as vllm_weights
 from rlserve.server.openai.chat_template import load_template
 from rlserve.server.errors import APIError, install_error_handlers
@@ -67,7 +67,7 @@ def build_app(engine: EngineFace, config: Config) -> FastAPI:
 
     install_openapi(app, _schema_limits(engine, config))
     for r in (router, completions.router, chat.router, tokenization.router, generate.router, control.router,
-              responses.router, worker_routes.router, vllm_weights.router):
+              responses.router, worker_routes.router, vllm_weights.router, rescore.router):
         app.include_router(r)
     app.add_middleware(BodyGuard, max_body_bytes=config.server.max_body_bytes)
     app.add_middleware(Gate, api_key=config.server.api_key, admin_api_key=config.server.admin_api_key,

@@ -48,6 +48,7 @@ class PolicyWindow(Body):
     max_policy_version: int | None = None
     max_staleness: int | None = Field(None, ge=0)
     policy_version: int | None = None
+    policy_wait_s: float | None = Field(None, ge=0)  # server/staleness.py
 
 
 POLICY_FIELDS = frozenset(PolicyWindow.model_fields)

@@ -24,6 +24,7 @@ from rlserve.server.limits import check_text_fits
 from rlserve.server.errors import bad_request
 from rlserve.server.structured_request import enforce_tool_choice, logprobs_header
 from rlserve.server.protocol import POLICY_FIELDS, ChatCompletionRequest, ChatTokensRequest
+from rlserve.server.staleness import hold_for_policy_version
 from rlserve.server.state import ChoiceCursor, ServerState, clamp, prompt_logprobs_json, request_id, rid_header, sampled_first, usage, version_fields
 from rlserve.server.sampling import sampling_params, truncate
 from rlserve.server.streaming import ClientGone, Run, SSEResponse, run_to_end, sse, sse_stream, start_stream
@@ -84,7 +85,7 @@ async def _respond(request: Request, ctx: Ctx) -> Response:
 
 async def prepare(state: ServerState, body: ChatCompletionRequest, rid: str, prompt: list[int] | None = None) -> Ctx:
     model = state.check_model(body.model)
-    state.check_policy_version(body.model_dump(include=POLICY_FIELDS))
+    await hold_for_policy_version(state, body.model_dump(include=POLICY_FIELDS))
     if body.truncate_prompt_tokens is None and prompt is None:
         check_text_fits(state, message_chars(body), "messages")
     rendered = await state.off_loop(render_chat, state.tokenizer, body, state.chat_template,

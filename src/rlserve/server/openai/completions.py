@@ -15,6 +15,7 @@ from rlserve.server.errors import bad_request
 from rlserve.server.limits import check_text_fits
 from rlserve.server.structured_request import logprobs_header
 from rlserve.server.protocol import POLICY_FIELDS, CompletionRequest
+from rlserve.server.staleness import hold_for_policy_version
 from rlserve.server.state import ChoiceCursor, ServerState, clamp, prompt_logprobs_json, request_id, rid_header, usage, version_fields
 from rlserve.server.sampling import sampling_params, truncate
 from rlserve.server.streaming import ClientGone, Run, SSEResponse, run_to_end, sse, sse_stream, start_stream
@@ -40,7 +41,7 @@ class Ctx:
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     state: ServerState = request.app.state.rlserve
     model = state.check_model(body.model)
-    state.check_policy_version(body.model_dump(include=POLICY_FIELDS))
+    await hold_for_policy_version(state, body.model_dump(include=POLICY_FIELDS))
     prompts, texts = await state.off_loop(_prompts, state, body)
     k = _logprobs_k(body.logprobs)
     score_only = body.echo and body.max_tokens == 0

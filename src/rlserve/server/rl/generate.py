@@ -24,6 +24,7 @@ from rlserve.server.rl.protocol_native import (
     TRLGenerateRequest,
     generate_body_model,
 )
+from rlserve.server.staleness import hold_for_policy_version
 from rlserve.server.state import SAMPLING_FIELDS, ServerState, clamp, json_body, prompt_logprobs_json, sampled_first, usage, validated, version_fields
 from rlserve.server.sampling import forced_token_ids, kv_transfer_params, logit_bias
 from rlserve.server.streaming import SSE_DONE, Run, SSEResponse, run_to_end, sse, sse_error, start_stream
@@ -78,7 +79,7 @@ def _logprob_content(comp: CompletionOutput) -> dict | None:
 async def inference_generate(request: Request):
     state, body = _state(request), await json_body(request, InferenceGenerateRequest)
     state.check_model(body.get("model"))
-    state.check_policy_version(body)
+    await hold_for_policy_version(state, body)
     prompt = _token_ids(state, body.get("token_ids"), "token_ids")
     sp = body.get("sampling_params") or {}
     if not isinstance(sp, dict):
@@ -168,7 +169,7 @@ async def generate(request: Request):
     if model is None:
         raise bad_request("/generate needs `prompts` (TRL), `input_ids`/`text` (SGLang) or `prompt` (MLX-style)")
     body = validated(raw, model)
-    state.check_policy_version(body)
+    await hold_for_policy_version(state, body)
     if model is TRLGenerateRequest:
         return await _trl_generate(request, state, body)
     if model is SGLangGenerateRequest:

@@ -1,0 +1,127 @@
+"""Batch-invariant mode (`engine.batch_invariant`): the engine's side.
+
+The model's arithmetic is made per row in `model/invariant_ops.py`. Here the step is laid out so
+that every token is a row of its own: prompt tokens attend through the decode kernel like decoded
+ones (`token_rows`), the sampler works one row at a time on one thread and computes a token's
+logprob by one formula whatever the row's neighbours (`InvariantSampler`), and prompt logprobs use
+that formula too (`row_log_softmax`), so re-scoring a finished sequence reproduces the logprobs
+generation returned, bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlserve.engine.kv.pool import padded_blocks
+from rlserve.engine.sampler import (
+    NEG_INF,
+    Sampler,
+    SampleResult,
+    SamplingRow,
+    _filter,
+    _penalize,
+)
+from rlserve.model.invariant_ops import BatchInvarianceUnavailable
+from rlserve.model.llama import AttentionBatch
+
+
+def check_supported(config, shape, device: torch.device) -> None:
+    """Refuse the settings under which a row's bits would still follow its batch."""
+    if device.type != "cpu":
+        raise BatchInvarianceUnavailable(
+            f"engine.batch_invariant runs on CPU only (model.device={device.type}); set model.device=cpu or drop it"
+        )
+    if shape.moe is not None:
+        raise BatchInvarianceUnavailable(
+            "engine.batch_invariant: mixture-of-experts models are not covered yet (the experts' matmuls are sized "
+            "by the routing of the whole step); serve a dense model or drop engine.batch_invariant"
+        )
+    if config.parallel.tp > 1:
+        raise BatchInvarianceUnavailable(
+            f"engine.batch_invariant: parallel.tp={config.parallel.tp} is not covered yet (the other ranks keep the "
+            "row-count-dependent matmuls); set parallel.tp=1"
+        )
+    if not config.engine.cpu_kernels:
+        raise BatchInvarianceUnavailable("engine.batch_invariant needs engine.cpu_kernels=true")
+
+
+def token_rows(attn: AttentionBatch, batch, positions: list[int]) -> AttentionBatch:
+    """The step's attention with every token as a decode row: decodes first, then each prefill
+    chunk's tokens in order (the runner's row order), each attending to its own positions [0, p]."""
+    bs = attn.block_size
+    seqs = list(batch.decodes) + [seq for seq, n in batch.prefills for _ in range(n)]
+    lens = [p + 1 for p in positions]
+    width = -(-max(lens) // bs)
+    padded: dict[int, list[int]] = {}
+    blocks: list[int] = []
+    for seq in seqs:
+        table = padded.get(id(seq))
+        if table is None:
+            table = padded[id(seq)] = padded_blocks(seq.block_table, width)
+        blocks.extend(table)
+    device = attn.slot_mapping.device
+    return AttentionBatch(
+        slot_mapping=attn.slot_mapping,
+        num_decode=len(seqs),
+        decode_blocks=torch.tensor(blocks, device=device),
+        decode_mask=None,
+        decode_lens=torch.tensor(lens, device=device),
+        cascade=None,
+        prefills=[],
+        block_size=bs,
+        lora=attn.lora,
+        kernels=attn.kernels,
+    )
+
+
+def row_log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """log_softmax of each row computed alone on one thread: the same bits for a row in any batch."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return torch.cat([torch.log_softmax(logits[i : i + 1], dim=-1) for i in range(logits.shape[0])])
+    finally:
+        torch.set_num_threads(threads)
+
+
+class InvariantSampler(Sampler):
+    """The sampler one row at a time on one thread; a token's logprob is log_softmax of the
+    distribution its row was sampled from (raw or processed), whether the row was greedy or not."""
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            results = [self._one_row(logits[i : i + 1], row) for i, row in enumerate(rows)]
+        finally:
+            torch.set_num_threads(threads)
+        want = any(r.num_logprobs is not None for r in rows)
+        return SampleResult(
+            [r.token_ids[0] for r in results],
+            [r.logprobs[0] for r in results] if want else None,
+            [r.top_logprobs[0] for r in results],
+        )
+
+    def _one_row(self, logits: torch.Tensor, row: SamplingRow) -> SampleResult:
+        result = self._sample(logits.clone(), [row])
+        if row.num_logprobs is None or row.forced_id is not None:
+            return result
+        dist = logits if row.raw_logprobs else processed_logits(logits.clone(), row)
+        result.logprobs = [torch.log_softmax(dist, dim=-1)[0, result.token_ids[0]].item()]
+        return result
+
+
+def processed_logits(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
+    """The distribution the sampler draws one row from ([1, vocab], changed in place): bias,
+    penalties and bans, temperature, then top-k / top-p / min-p (the order of `Sampler._sample`)."""
+    if row.logit_bias:
+        ids = torch.tensor(list(row.logit_bias), device=logits.device)
+        logits[0].index_add_(0, ids, torch.tensor(list(row.logit_bias.values()), device=logits.device))
+    if row.penalties is not None:
+        _penalize(logits[0], *row.penalties)
+    if row.banned_ids:
+        logits[0, row.banned_ids] = NEG_INF
+    if row.temperature not in (0, 1.0):
+        logits = logits / row.temperature
+    return _filter(logits, [row])

@@ -1,0 +1,89 @@
+"""The model's arithmetic in batch-invariant mode: every row computed the same way at any batch size.
+
+A row's numbers must not depend on how many other rows share its step. GEMM libraries break that:
+MKL and oneDNN pick kernels and blockings by the row count, and the engine itself switches from the
+C GEMV to the packed GEMM above a few rows. In this mode every projection (the LM head too) runs
+through the C GEMV at every row count: its 4x4 tiles give each (row, output) pair its own
+accumulator that walks K in one fixed order, whatever the tile's other rows. Attention runs every
+query token through the paged decode kernel (one online softmax over the token's own context, in
+block-size steps from position 0): a prompt token is computed as if it were decoded, so chunked
+prefill, prefix-cache hits and KV restored from another tier change nothing. The element-wise C
+kernels are per row already.
+
+`invariant_kernels` checks the first property on this machine's build once per process (fail
+closed: the mode is refused where a row's bits would follow the batch).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import torch
+
+from rlserve.model.cpu_kernels import DTYPES, CpuKernels, cpu_kernels
+
+INVARIANT_ROWS = sys.maxsize  # the GEMV at every row count
+
+
+class InvariantKernels:
+    """The C kernels with the GEMV taken at any row count (the model reads `gemv_rows` to choose)."""
+
+    def __init__(self, base: CpuKernels):
+        self._base = base
+
+    def __getattr__(self, name: str):
+        return getattr(self._base, name)
+
+    def gemv_rows(self, dtype: torch.dtype) -> int:
+        return INVARIANT_ROWS if dtype in DTYPES else 0
+
+
+class BatchInvarianceUnavailable(ValueError):
+    """This machine or model cannot give bitwise batch invariance; the message says why."""
+
+
+@functools.cache
+def invariant_kernels() -> InvariantKernels:
+    """The kernels for batch-invariant mode, their row independence checked; raises where not."""
+    base = cpu_kernels()
+    if base is None:
+        raise BatchInvarianceUnavailable(
+            "engine.batch_invariant needs rlserve's CPU kernels (a C compiler, engine.cpu_kernels=true, "
+            "RLSERVE_NO_CPU_KERNELS unset)"
+        )
+    kernels = InvariantKernels(base)
+    for dtype in DTYPES:
+        _check_rows_independent(kernels, dtype)
+    return kernels
+
+
+def _check_rows_independent(kernels: InvariantKernels, dtype: torch.dtype) -> None:
+    """Each row of a GEMV and of decode attention equals the same row computed alone, at every
+    batch size and position that exercises the tile edges."""
+    gen = torch.Generator().manual_seed(0)
+    for n, k in ((37, 70), (64, 33)):
+        w = torch.randn(n, k, generator=gen).to(dtype)
+        x = torch.randn(11, k, generator=gen).to(dtype)
+        alone = torch.cat([kernels.gemv(x[i : i + 1], w) for i in range(11)])
+        alone_f32 = torch.cat([kernels.gemv(x[i : i + 1], w, fp32_out=True) for i in range(11)])
+        for rows in range(1, 12):
+            for start in (0, 11 - rows):
+                part = x[start : start + rows]
+                if not (torch.equal(kernels.gemv(part, w), alone[start : start + rows])
+                        and torch.equal(kernels.gemv(part, w, fp32_out=True), alone_f32[start : start + rows])):
+                    raise BatchInvarianceUnavailable(
+                        f"engine.batch_invariant: this CPU's {dtype} GEMV build computes a row differently at "
+                        f"{rows} rows than alone; batch invariance cannot be guaranteed here"
+                    )
+    bs, nkv, group, d = 4, 2, 2, 16
+    k_cache, v_cache = (t.to(dtype).contiguous() for t in torch.randn(2, 12 * bs, nkv, d, generator=gen).unbind(0))
+    q = torch.randn(5, nkv * group, d, generator=gen).to(dtype)
+    blocks = torch.tensor([[3, 7, 1], [5, 0, 0], [11, 2, 9], [3, 7, 1], [8, 0, 0]])
+    lens = torch.tensor([10, 1, 12, 9, 3])
+    alone = torch.cat([kernels.attention(q[i : i + 1], k_cache, v_cache, blocks[i : i + 1], lens[i : i + 1], bs, 0.25)
+                       for i in range(5)])  # fmt: skip
+    if not torch.equal(kernels.attention(q, k_cache, v_cache, blocks, lens, bs, 0.25), alone):
+        raise BatchInvarianceUnavailable(
+            f"engine.batch_invariant: this CPU's {dtype} decode attention computes a row differently in a batch"
+        )
