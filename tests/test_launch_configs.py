@@ -184,6 +184,7 @@ def test_runnable_configs_serve(name, extra, moe_dir):
         stop_server(proc)
 
 
+@pytest.mark.slow  # three deployments of 2-3 processes each behind vllm-router
 @pytest.mark.parametrize("name", ["single_node.toml", "disaggregated.toml", DOC + "12_pd_env_vars.toml"],
                          ids=["single_node", "disaggregated", "12_pd_env_vars"])
 def test_runnable_deployments_serve_and_share_env_vars(name):
