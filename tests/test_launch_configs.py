@@ -107,7 +107,6 @@ REFUSED_BLOCKS = {  # what rlserve cannot do yet, refused with the key named
     "05_wide_ep.toml": "enable_expert_parallel",
     "08_rl_deployment.toml": "num_infer_replicas",
     "09_router_llm_d.toml": "llm-d",
-    "11_offload_mooncake.toml": "kv_cache_offload.type",
     "13_vllm_extra.toml": "vllm_extra.headless",
 }
 
