@@ -24,7 +24,7 @@ import msgspec
 import zmq
 
 from rlserve.config import Config
-from rlserve.engine import ipc
+from rlserve.engine import ipc, vllm_receiver
 from rlserve.engine.engine import Engine
 from rlserve.engine.sequence import Request
 from rlserve.engine.weights import StagingBuffers, check_under_roots, stage, stage_from_dir
@@ -313,6 +313,7 @@ DEFERRED = object()  # the operation replies later (helper thread, or pause wait
 OPS: dict[str, Callable[..., Any]] = {
     name[3:]: fn for name, fn in vars(EngineCore).items() if name.startswith("op_")
 }
+OPS.update(vllm_receiver.OPS)  # vLLM's weight-transfer routes, received in this process
 
 
 def _run_in_thread(fn: Callable[[], None]) -> None:

@@ -315,8 +315,10 @@ async def upload_adapter(request: Request) -> dict:
 
 
 @router.get("/get_world_size")
-async def get_world_size() -> dict:
-    return {"world_size": 1}
+async def get_world_size(request: Request) -> dict:
+    """The processes that join a trainer's weight-transfer group: one per data-parallel engine (tensor-parallel
+    workers get their slices from their engine), so TRL's world_size = this + 1 is right."""
+    return {"world_size": _state(request).config.parallel.dp}
 
 
 @router.get("/get_model_info")

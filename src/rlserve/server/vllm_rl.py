@@ -1,0 +1,152 @@
+"""vLLM 0.32's RL routes on a server whose engine runs in its own process (the default), and under
+data parallelism: the weight-transfer calls (vllm_weights.py's routes) go to each engine process,
+which joins the trainer's group, receives, proves and commits there (engine/vllm_receiver.py).
+Also /shutdown_weight_transfer_engine, /weight_info and /weight_checker as vLLM answers them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import torch
+from fastapi import APIRouter, Request
+
+from rlserve.engine.face import EngineDeadError
+from rlserve.engine.weights import WeightUpdateError
+from rlserve.server.errors import APIError, bad_request
+from rlserve.server.serving import ServerState, json_body
+
+router = APIRouter()
+
+
+def in_process(state: ServerState) -> bool:
+    """True unless the engine runs in the server's own thread (engine.core_process false)."""
+    return getattr(state.engine, "engine", None) is None
+
+
+def _engines(state: ServerState) -> list[Any]:
+    return list(getattr(state.engine, "engines", None) or [state.engine])
+
+
+async def on_engines(state: ServerState, op: str, *args: Any) -> list[Any]:
+    return await _answer(asyncio.gather(*(e.control(op, *args) for e in _engines(state))))
+
+
+async def _answer(calls: Any) -> list[Any]:
+    """The engine's refusals as HTTP: a push that does not prove out 400, a state that forbids it 409."""
+    try:
+        return list(await calls)
+    except (WeightUpdateError, ValueError) as exc:
+        raise APIError(400, str(exc), param="update_info") from None
+    except TimeoutError as exc:
+        raise APIError(504, str(exc)) from None
+    except EngineDeadError:
+        raise
+    except RuntimeError as exc:
+        raise APIError(409, str(exc)) from None
+
+
+def packed_fields(info: dict, field: str) -> tuple[bool | None, int | None]:
+    """`packed` and `packed_buffer_size_bytes` as sent in init_info or update_info; None where absent."""
+    packed, size = info.get("packed"), info.get("packed_buffer_size_bytes")
+    if packed is not None and not isinstance(packed, bool):
+        raise bad_request(f"{field}.packed must be true or false, got {packed!r}", field)
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size <= 0):
+        raise bad_request(f"{field}.packed_buffer_size_bytes must be a positive integer, got {size!r}", field)
+    return packed, size
+
+
+async def init(state: ServerState, host: str, port: int, rank: int, world: int, timeout: float,
+               packed: tuple[bool | None, int | None]) -> None:
+    engines = _engines(state)
+    if rank + len(engines) > world:
+        raise bad_request(f"world_size {world} leaves no rank for {len(engines)} engine(s) from rank_offset {rank}: "
+                          f"this server has {len(engines)} receiving engine(s) (GET /get_world_size)", "init_info")
+    try:
+        # each data-parallel engine is its own member of the trainer's group, at consecutive ranks
+        await _answer(asyncio.gather(*(e.control("vllm_init", host, port, rank + i, world, timeout, *packed)
+                                       for i, e in enumerate(engines))))
+    except APIError as exc:
+        if exc.status == 504:  # the members that did join leave again
+            await asyncio.gather(*(e.control("vllm_shutdown") for e in engines), return_exceptions=True)
+        raise
+
+
+def _update_info(info: dict) -> tuple[list[str], list[str], list[list[int]], dict[str, str] | None]:
+    names, dtype_names, shapes = info.get("names"), info.get("dtype_names"), info.get("shapes")
+    if not (isinstance(names, list) and isinstance(dtype_names, list) and isinstance(shapes, list)
+            and len(names) == len(dtype_names) == len(shapes) and names):
+        raise bad_request("update_info needs names, dtype_names and shapes: lists of one equal, non-zero length",
+                          "update_info")
+    for name, d, shape in zip(names, dtype_names, shapes):
+        dtype = getattr(torch, str(d).removeprefix("torch."), None)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise bad_request(f"{name}: dtype {d!r} cannot carry weights; use float32, bfloat16 or float16",
+                              "update_info")
+        if not (isinstance(shape, list) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                                for n in shape)):
+            raise bad_request(f"{name}: shape must be a list of non-negative integers, got {shape!r}", "update_info")
+    checksums = info.get("checksums")
+    if checksums is not None and not (isinstance(checksums, dict)
+                                      and all(isinstance(v, str) for v in checksums.values())):
+        raise bad_request("update_info.checksums must map tensor names to sha256 hex digests", "update_info")
+    return [str(n) for n in names], [str(d) for d in dtype_names], shapes, checksums
+
+
+async def receive(state: ServerState, info: dict, label: str | None) -> dict:
+    names, dtype_names, shapes, checksums = _update_info(info)
+    packed, size = packed_fields(info, "update_info")
+    versions = await on_engines(state, "vllm_receive", names, dtype_names, shapes, packed, size, checksums, label)
+    await state.engine.refresh()
+    return {"message": "Weights updated", "policy_version": versions[0]}
+
+
+async def finish(state: ServerState, label: str | None) -> int:
+    versions = await on_engines(state, "vllm_finish", label)
+    await state.engine.refresh()
+    return versions[0]
+
+
+@router.post("/shutdown_weight_transfer_engine")
+async def shutdown_weight_transfer_engine(request: Request) -> dict:
+    """Leave the trainer's group, so that another trainer can join."""
+    state = request.app.state.rlserve
+    if in_process(state):
+        await on_engines(state, "vllm_shutdown")
+    else:
+        from rlserve.server import vllm_weights
+
+        vllm_weights.leave(request)
+    return {"message": "Weight transfer shut down"}
+
+
+@router.get("/weight_info")
+async def weight_info(request: Request) -> dict:
+    engine = request.app.state.rlserve.engine
+    return {"weight_version": engine.weight_version, "policy_version": engine.policy_version}
+
+
+@router.post("/weight_checker")
+async def weight_checker(request: Request) -> dict:
+    """vLLM's actions: checksum (sha256 of each parameter's bytes, keyed dp<i>:pp0:pcp0:tp0:<name>),
+    reset (zero the weights, for testing a push) and compare against a baseline of the same form."""
+    state, body = request.app.state.rlserve, await json_body(request)
+    action, baseline = body.get("action"), body.get("baseline")
+    if action not in ("checksum", "reset", "compare"):
+        raise bad_request(f"action must be checksum, reset or compare, got {action!r}", "action")
+    if not in_process(state):
+        raise APIError(400, "weight_checker needs the engine in its own process (the default engine.core_process)",
+                       param="action")
+    if action == "reset":
+        await on_engines(state, "vllm_reset_weights")
+        return {"status": "reset"}
+    if action == "compare" and not isinstance(baseline, dict):
+        raise bad_request("action='compare' requires a 'baseline' object", "baseline")
+    checksums: dict[str, str] = {}
+    for i, engine in enumerate(_engines(state)):
+        checksums.update(await engine.control("vllm_checksums", f"dp{i}:pp0:pcp0:tp0:"))
+    if action == "checksum":
+        return {"checksums": checksums}
+    mismatches = sorted(k for k in checksums.keys() | baseline.keys() if checksums.get(k) != baseline.get(k))
+    return {"match": not mismatches, "mismatches": mismatches}
