@@ -6,8 +6,12 @@ refused naming the tensor while the old weights keep serving; trainers come and 
 from __future__ import annotations
 
 import json
+import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -23,7 +27,7 @@ TRAINER = str(Path(__file__).with_name("vllm_trainer.py"))
 
 def run_trainer(url: str, plan: list) -> list[dict]:
     proc = subprocess.run([sys.executable, TRAINER, url, json.dumps(plan)], capture_output=True, text=True,
-                          timeout=600)
+                          timeout=600, check=False)
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == len(plan) or plan[-1][2].get("die_after") is not None, proc.stderr[-3000:]
     return lines
@@ -114,5 +118,34 @@ def test_weight_push_under_parallelism(ckpts, parallel):
     url, proc = start_server(*parallel, timeout=600)
     try:
         check_push_cycle(url, ckpts)
+    finally:
+        stop_server(proc)
+
+
+def test_sigterm_during_pending_rendezvous_exits_clean():
+    """The engine process connected to a 'trainer' that never completes the rendezvous: SIGTERM still stops
+    the server within 10 s, its engine process with it."""
+    url, proc = start_server()
+    try:
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(4)
+        port = listener.getsockname()[1]
+        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True,
+                                  check=False).stdout.split()
+        init = {"init_info": {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2}}
+        pending = threading.Thread(target=lambda: httpx.post(f"{url}/init_weight_transfer_engine", json=init,
+                                                             timeout=120), daemon=True)
+        pending.start()
+        conn, _ = listener.accept()  # the engine process is now waiting in the rendezvous
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+        for pid in children:
+            deadline = time.monotonic() + 10
+            while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not Path(f"/proc/{pid}").exists(), f"engine process {pid} left behind"
+        conn.close()
+        listener.close()
     finally:
         stop_server(proc)

@@ -30,13 +30,25 @@ def _engines(state: ServerState) -> list[Any]:
 
 
 async def on_engines(state: ServerState, op: str, *args: Any) -> list[Any]:
-    return await _answer(asyncio.gather(*(e.control(op, *args) for e in _engines(state))))
+    return await _answer(state, asyncio.gather(*(e.control(op, *args) for e in _engines(state))))
 
 
-async def _answer(calls: Any) -> list[Any]:
+async def _unless_draining(state: ServerState, calls: Any) -> list[Any]:
+    """Wait for the engines, but not past a SIGTERM: a rendezvous or broadcast may wait on a trainer for
+    minutes, and the server's shutdown waits for open requests (the engine process is stopped after)."""
+    task = asyncio.ensure_future(calls)
+    while not task.done():
+        await asyncio.wait({task}, timeout=0.1)
+        if state.draining and not task.done():
+            task.cancel()
+            raise APIError(503, "the server is shutting down; the weight transfer was abandoned")
+    return list(task.result())
+
+
+async def _answer(state: ServerState, calls: Any) -> list[Any]:
     """The engine's refusals as HTTP: a push that does not prove out 400, a state that forbids it 409."""
     try:
-        return list(await calls)
+        return await _unless_draining(state, calls)
     except (WeightUpdateError, ValueError) as exc:
         raise APIError(400, str(exc), param="update_info") from None
     except TimeoutError as exc:
@@ -65,7 +77,7 @@ async def init(state: ServerState, host: str, port: int, rank: int, world: int, 
                           f"this server has {len(engines)} receiving engine(s) (GET /get_world_size)", "init_info")
     try:
         # each data-parallel engine is its own member of the trainer's group, at consecutive ranks
-        await _answer(asyncio.gather(*(e.control("vllm_init", host, port, rank + i, world, timeout, *packed)
+        await _answer(state, asyncio.gather(*(e.control("vllm_init", host, port, rank + i, world, timeout, *packed)
                                        for i, e in enumerate(engines))))
     except APIError as exc:
         if exc.status == 504:  # the members that did join leave again
