@@ -17,9 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from conftest import start_server, stop_server
 from transformers import AutoModelForCausalLM
 
-from conftest import start_server, stop_server
 from rlserve.model.make import make_model
 
 TRAINER = str(Path(__file__).with_name("vllm_trainer.py"))

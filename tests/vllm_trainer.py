@@ -32,7 +32,6 @@ def version() -> int:
 
 def broadcast(flats: list[torch.Tensor], buffer_bytes: int, packed: bool, die_after: int | None = None) -> None:
     """vLLM's packed producer: a chunk closes once its size exceeds buffer_bytes; unpacked: one per tensor."""
-    sent = 0
     chunks, chunk, size = [], [], 0
     for t in flats:
         chunk.append(t)
@@ -42,11 +41,10 @@ def broadcast(flats: list[torch.Tensor], buffer_bytes: int, packed: bool, die_af
             chunk, size = [], 0
     if chunk:
         chunks.append(torch.cat(chunk))
-    for c in chunks:
+    for sent, c in enumerate(chunks):
         if die_after is not None and sent == die_after:
             os._exit(3)  # a trainer killed mid-push
         dist.broadcast(c, src=0)
-        sent += 1
 
 
 def join(extra: dict) -> dict:

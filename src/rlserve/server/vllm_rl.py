@@ -7,6 +7,7 @@ Also /shutdown_weight_transfer_engine, /weight_info and /weight_checker as vLLM 
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 import torch
@@ -135,8 +136,23 @@ async def shutdown_weight_transfer_engine(request: Request) -> dict:
 
 @router.get("/weight_info")
 async def weight_info(request: Request) -> dict:
-    engine = request.app.state.rlserve.engine
-    return {"weight_version": engine.weight_version, "policy_version": engine.policy_version}
+    """vLLM's {"weight_version"}, with policy_version beside it; ?checksums=true adds /weight_checker's digests
+    of the weights now serving."""
+    state = request.app.state.rlserve
+    out = {"weight_version": state.engine.weight_version, "policy_version": state.engine.policy_version}
+    if request.query_params.get("checksums", "false").lower() == "true":
+        if not in_process(state):
+            raise APIError(400, "checksums need the engine in its own process (the default engine.core_process)",
+                           param="checksums")
+        out["checksums"] = await _checksums(state)
+    return out
+
+
+async def _checksums(state: ServerState) -> dict[str, str]:
+    checksums: dict[str, str] = {}
+    for i, engine in enumerate(_engines(state)):
+        checksums.update(await engine.control("vllm_checksums", f"dp{i}:pp0:pcp0:tp0:"))
+    return checksums
 
 
 @router.post("/weight_checker")
@@ -155,10 +171,21 @@ async def weight_checker(request: Request) -> dict:
         return {"status": "reset"}
     if action == "compare" and not isinstance(baseline, dict):
         raise bad_request("action='compare' requires a 'baseline' object", "baseline")
-    checksums: dict[str, str] = {}
-    for i, engine in enumerate(_engines(state)):
-        checksums.update(await engine.control("vllm_checksums", f"dp{i}:pp0:pcp0:tp0:"))
+    checksums = await _checksums(state)
     if action == "checksum":
         return {"checksums": checksums}
     mismatches = sorted(k for k in checksums.keys() | baseline.keys() if checksums.get(k) != baseline.get(k))
     return {"match": not mismatches, "mismatches": mismatches}
+
+
+_INTERNAL_ID = re.compile(r"^(?:cmpl|chatcmpl)-(.+)-(\d+)$")
+
+
+def with_external_ids(ids: list[str]) -> list[str]:
+    """/abort_requests ids as given plus, for vLLM's internal form cmpl-<id>-<n>, the id inside it."""
+    out = list(ids)
+    for rid in ids:
+        match = _INTERNAL_ID.match(rid)
+        if match:
+            out += [match.group(1), rid.rsplit("-", 1)[0]]
+    return out

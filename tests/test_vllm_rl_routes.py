@@ -1,0 +1,88 @@
+"""vLLM 0.32's RL control routes where rlserve answered differently: /pause's defaults (abort in-flight,
+clear the prefix cache), /update_weight_version's and /load's keys, /abort_requests with vLLM's internal
+ids, /weight_info and /weight_checker (checksum, compare, reset)."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+from conftest import start_server, stop_server
+
+
+@pytest.fixture(scope="module")
+def url():
+    url, proc = start_server()
+    try:
+        yield url
+    finally:
+        stop_server(proc)
+
+
+def _stream_until_first_token(url: str, body: dict) -> tuple[threading.Thread, dict, threading.Event]:
+    """A streaming completion in a thread; returns once its first chunk arrived (so it is in flight)."""
+    seen, first = {"finish": None, "id": None}, threading.Event()
+
+    def run() -> None:
+        import json
+
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=300) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                seen["id"] = chunk["id"]
+                first.set()
+                if chunk["choices"] and chunk["choices"][0].get("finish_reason"):
+                    seen["finish"] = chunk["choices"][0]["finish_reason"]
+        first.set()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert first.wait(300) and seen["id"] is not None
+    return thread, seen, first
+
+
+LONG = {"prompt": "hello", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+
+
+def test_pause_defaults_to_vllms_abort(url):
+    thread, seen, _ = _stream_until_first_token(url, LONG)
+    r = httpx.post(f"{url}/pause", timeout=60)
+    assert r.status_code == 200 and r.json()["status"] == "paused"
+    thread.join(120)
+    assert seen["finish"] == "abort"
+    assert httpx.get(f"{url}/is_paused").json() == {"is_paused": True}
+    assert httpx.post(f"{url}/resume").json() == {"status": "resumed"}
+
+
+def test_abort_requests_takes_vllm_internal_ids(url):
+    thread, seen, _ = _stream_until_first_token(url, LONG)
+    r = httpx.post(f"{url}/abort_requests", json={"request_ids": [f"{seen['id']}-0"]}, timeout=60)
+    assert r.status_code == 200 and r.json()["aborted"] >= 1
+    thread.join(120)
+    assert seen["finish"] == "abort"
+
+
+def test_version_and_load_keys(url):
+    r = httpx.post(f"{url}/update_weight_version", json={"new_version": "step-7"})
+    assert r.status_code == 200 and r.json()["success"] is True and r.json()["new_version"] == "step-7"
+    assert httpx.get(f"{url}/weight_info").json()["weight_version"] == "step-7"
+    load = httpx.get(f"{url}/load").json()
+    assert "server_load" in load and "load" in load
+
+
+def test_weight_checker_checksum_compare_reset(url):
+    r = httpx.post(f"{url}/weight_checker", json={"action": "checksum"})
+    assert r.status_code == 200
+    sums = r.json()["checksums"]
+    assert sums and all(k.startswith("dp0:pp0:pcp0:tp0:") and len(v) == 64 for k, v in sums.items())
+    assert httpx.get(f"{url}/weight_info", params={"checksums": "true"}).json()["checksums"] == sums
+    assert httpx.post(f"{url}/weight_checker", json={"action": "compare", "baseline": sums}).json() == {
+        "match": True, "mismatches": []}
+    assert httpx.post(f"{url}/weight_checker", json={"action": "compare"}).status_code == 400
+    assert httpx.post(f"{url}/weight_checker", json={"action": "nope"}).status_code == 400
+    assert httpx.post(f"{url}/weight_checker", json={"action": "reset"}).json() == {"status": "reset"}
+    after = httpx.post(f"{url}/weight_checker", json={"action": "compare", "baseline": sums}).json()
+    assert after["match"] is False and set(after["mismatches"]) == set(sums)
