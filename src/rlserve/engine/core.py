@@ -24,7 +24,7 @@ import msgspec
 import zmq
 
 from rlserve.config import Config
-from rlserve.engine import ipc, vllm_receiver
+from rlserve.engine import ipc, sleep, vllm_receiver
 from rlserve.engine.engine import Engine
 from rlserve.engine.sequence import Request
 from rlserve.engine.weights import StagingBuffers, check_under_roots, stage, stage_from_dir
@@ -217,6 +217,8 @@ class EngineCore:
         return 0
 
     def op_resume(self, call_id: int) -> None:
+        if getattr(self, "asleep", None):
+            raise RuntimeError("the engine is asleep: POST /wake_up first")
         self.engine.scheduler.hold_new = False
         self.paused = False
 
@@ -314,6 +316,7 @@ OPS: dict[str, Callable[..., Any]] = {
     name[3:]: fn for name, fn in vars(EngineCore).items() if name.startswith("op_")
 }
 OPS.update(vllm_receiver.OPS)  # vLLM's weight-transfer routes, received in this process
+OPS.update(sleep.OPS)  # vLLM's sleep mode
 
 
 def _run_in_thread(fn: Callable[[], None]) -> None:

@@ -19,6 +19,7 @@ from fastapi.responses import PlainTextResponse, Response
 
 from rlserve.engine.weights import WeightUpdateError, check_under_roots
 from rlserve.model.lora import AdapterError
+from rlserve.engine.face import EngineDeadError
 from rlserve.server import vllm_rl, vllm_weights
 from rlserve.server.errors import APIError, bad_request
 from rlserve.server.openapi import documented
@@ -184,7 +185,12 @@ async def pause(request: Request) -> dict:
 
 @router.post("/resume")
 async def resume(request: Request) -> dict:
-    await _state(request).engine.resume()
+    try:
+        await _state(request).engine.resume()
+    except EngineDeadError:
+        raise
+    except RuntimeError as exc:  # asleep (vllm_rl /sleep): /wake_up first
+        raise APIError(409, str(exc)) from None
     return {"status": "resumed"}
 
 

@@ -189,3 +189,59 @@ def with_external_ids(ids: list[str]) -> list[str]:
         if match:
             out += [match.group(1), rid.rsplit("-", 1)[0]]
     return out
+
+
+# ---- sleep mode (engine/sleep.py) ---------------------------------------------------------------
+
+
+def _sleep_engines(state: ServerState) -> list[Any]:
+    if not in_process(state):
+        raise APIError(400, "sleep mode needs the engine in its own process (the default engine.core_process)")
+    return _engines(state)
+
+
+async def _on_all(state: ServerState, op: str, *args: Any) -> list[Any]:
+    try:
+        return list(await asyncio.gather(*(e.control(op, *args) for e in _sleep_engines(state))))
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from None
+    except EngineDeadError:
+        raise
+    except RuntimeError as exc:
+        raise APIError(409, str(exc)) from None
+
+
+@router.post("/sleep")
+async def sleep(request: Request) -> dict:
+    """vLLM's ?level=0|1|2 (default 1) and ?mode=abort: pause, abort in-flight requests, free the KV cache."""
+    state, level = request.app.state.rlserve, request.query_params.get("level", "1")
+    if level not in ("0", "1", "2"):
+        raise bad_request(f"level must be 0, 1 or 2, got {level!r}", "level")
+    await _on_all(state, "sleep", int(level), request.query_params.get("mode", "abort"))
+    await state.engine.refresh()
+    return {"status": "sleeping", "level": int(level)}
+
+
+@router.post("/release_kv_cache_memory")
+async def release_kv_cache_memory(request: Request) -> dict:
+    state = request.app.state.rlserve
+    await _on_all(state, "release_kv_cache")
+    await state.engine.refresh()
+    return {"status": "kv_cache_released"}
+
+
+@router.post("/wake_up")
+async def wake_up(request: Request) -> dict:
+    state = request.app.state.rlserve
+    tags = request.query_params.getlist("tags") or None
+    unknown = sorted(set(tags or ()) - {"weights", "kv_cache"})
+    if unknown:
+        raise bad_request(f"unknown tags {unknown}: use weights and/or kv_cache", "tags")
+    awake = all(await _on_all(state, "wake_up", tags))
+    await state.engine.refresh()
+    return {"status": "awake" if awake else "sleeping", "tags": tags}
+
+
+@router.get("/is_sleeping")
+async def is_sleeping(request: Request) -> dict:
+    return {"is_sleeping": any(await _on_all(request.app.state.rlserve, "is_sleeping"))}
