@@ -86,3 +86,18 @@ def test_weight_checker_checksum_compare_reset(url):
     assert httpx.post(f"{url}/weight_checker", json={"action": "reset"}).json() == {"status": "reset"}
     after = httpx.post(f"{url}/weight_checker", json={"action": "compare", "baseline": sums}).json()
     assert after["match"] is False and set(after["mismatches"]) == set(sums)
+
+
+def test_collective_rpc_runs_only_its_allow_list(url):
+    r = httpx.post(f"{url}/collective_rpc", json={"method": "execute_model"})
+    assert r.status_code == 400
+    assert "reload_weights" in r.json()["error"]["message"] and "execute_model" in r.json()["error"]["message"]
+    httpx.post(f"{url}/collective_rpc", json={"method": "reload_weights"}, timeout=120).raise_for_status()
+    r = httpx.post(f"{url}/collective_rpc", json={"method": "compute_weight_checksums"})
+    assert r.status_code == 200 and len(r.json()["results"]) == 1
+    sums = r.json()["results"][0]
+    httpx.post(f"{url}/weight_checker", json={"action": "reset"}).raise_for_status()
+    # reload_weights brings the checkpoint back: the checksums match again
+    r = httpx.post(f"{url}/collective_rpc", json={"method": "reload_weights"}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert httpx.post(f"{url}/weight_checker", json={"action": "compare", "baseline": sums}).json()["match"] is True

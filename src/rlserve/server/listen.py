@@ -16,6 +16,7 @@ ADMIN_PATHS = frozenset({
     "/update_weight_version",
     "/init_weight_transfer_engine", "/start_weight_update", "/finish_weight_update",  # vLLM's (vllm_weights.py)
     "/shutdown_weight_transfer_engine", "/weight_checker", "/sleep", "/wake_up", "/release_kv_cache_memory",
+    "/collective_rpc",
 })
 
 

@@ -245,3 +245,34 @@ async def wake_up(request: Request) -> dict:
 @router.get("/is_sleeping")
 async def is_sleeping(request: Request) -> dict:
     return {"is_sleeping": any(await _on_all(request.app.state.rlserve, "is_sleeping"))}
+
+
+# ---- /collective_rpc: a named allow-list, never an arbitrary method ---------------------------------
+
+RPC_METHODS = ("reload_weights", "reset_prefix_cache", "compute_weight_checksums", "reset_weights")
+
+
+@router.post("/collective_rpc")
+async def collective_rpc(request: Request) -> dict:
+    """vLLM runs any worker method named here; rlserve runs only RPC_METHODS, one result per engine."""
+    state, body = request.app.state.rlserve, await json_body(request)
+    method = body.get("method")
+    if method not in RPC_METHODS:
+        raise bad_request(f"method {method!r} is not allowed; collective_rpc runs only: {', '.join(RPC_METHODS)}",
+                          "method")
+    if body.get("args") or body.get("kwargs"):
+        raise bad_request(f"{method} takes no args or kwargs", "args")
+    engines = _engines(state)
+    if method == "reload_weights":  # the checkpoint this server started from, as a weight update
+        model_dir = str(state.engine.model_dir)
+        await state.engine.update_weights_from_dir(model_dir, [model_dir])
+        return {"results": [None] * len(engines)}
+    if method == "reset_prefix_cache":
+        return {"results": [bool(await state.engine.reset_prefix_cache())] * len(engines)}
+    if not in_process(state):
+        raise APIError(400, f"{method} needs the engine in its own process (the default engine.core_process)",
+                       param="method")
+    if method == "reset_weights":
+        await on_engines(state, "vllm_reset_weights")
+        return {"results": [None] * len(engines)}
+    return {"results": [await e.control("vllm_checksums", f"dp{i}:pp0:pcp0:tp0:") for i, e in enumerate(engines)]}
