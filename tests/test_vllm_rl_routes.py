@@ -101,3 +101,12 @@ def test_collective_rpc_runs_only_its_allow_list(url):
     r = httpx.post(f"{url}/collective_rpc", json={"method": "reload_weights"}, timeout=120)
     assert r.status_code == 200, r.text
     assert httpx.post(f"{url}/weight_checker", json={"action": "compare", "baseline": sums}).json()["match"] is True
+
+
+def test_finish_weight_update_with_nothing_received_moves_only_the_label(url):
+    before = httpx.get(f"{url}/weight_info").json()
+    assert httpx.post(f"{url}/start_weight_update", json={}).json() == {"message": "Weight update started"}
+    r = httpx.post(f"{url}/finish_weight_update", json={"weight_version": "step-9"})
+    assert r.status_code == 200 and r.json()["message"] == "Weight update finished"
+    after = httpx.get(f"{url}/weight_info").json()
+    assert after == {"weight_version": "step-9", "policy_version": before["policy_version"]}
