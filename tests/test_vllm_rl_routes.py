@@ -110,3 +110,13 @@ def test_finish_weight_update_with_nothing_received_moves_only_the_label(url):
     assert r.status_code == 200 and r.json()["message"] == "Weight update finished"
     after = httpx.get(f"{url}/weight_info").json()
     assert after == {"weight_version": "step-9", "policy_version": before["policy_version"]}
+
+
+def test_get_response_by_id_from_a_bounded_store(url):
+    r = httpx.post(f"{url}/v1/responses", json={"input": "hi", "max_output_tokens": 3}, timeout=120)
+    assert r.status_code == 200, r.text
+    got = httpx.get(f"{url}/v1/responses/{r.json()['id']}")
+    assert got.status_code == 200 and got.json() == r.json()
+    r = httpx.post(f"{url}/v1/responses", json={"input": "hi", "max_output_tokens": 3, "store": False}, timeout=120)
+    assert httpx.get(f"{url}/v1/responses/{r.json()['id']}").status_code == 404
+    assert httpx.get(f"{url}/v1/responses/resp_unknown").status_code == 404

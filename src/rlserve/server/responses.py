@@ -11,7 +11,7 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from rlserve.server import chat
+from rlserve.server import chat, responses_store
 from rlserve.server.chat_parsing import ParsedMessage
 from rlserve.server.protocol import ResponsesRequest
 from rlserve.server.responses_input import to_chat_request
@@ -53,4 +53,4 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     o = final.outputs[0]
     items = output_items(ctx.parser.parse(o))
     items[-1].update(turn.token_fields(final))
-    return JSONResponse(turn.finished(items, final), headers=headers)
+    return JSONResponse(responses_store.remember(request, body, turn.finished(items, final)), headers=headers)
