@@ -7,7 +7,6 @@ import subprocess
 from pathlib import Path
 
 import httpx
-
 from conftest import start_server, stop_server
 
 KV_BYTES = 256 << 20
