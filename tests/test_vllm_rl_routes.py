@@ -120,3 +120,18 @@ def test_get_response_by_id_from_a_bounded_store(url):
     r = httpx.post(f"{url}/v1/responses", json={"input": "hi", "max_output_tokens": 3, "store": False}, timeout=120)
     assert httpx.get(f"{url}/v1/responses/{r.json()['id']}").status_code == 404
     assert httpx.get(f"{url}/v1/responses/resp_unknown").status_code == 404
+
+
+def test_chat_completions_batch_one_choice_per_conversation(url):
+    convs = [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "tell me more"}]]
+    common = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(f"{url}/v1/chat/completions/batch", json={"messages": convs, **common}, timeout=120)
+    assert r.status_code == 200, r.text
+    batch = r.json()
+    assert [c["index"] for c in batch["choices"]] == [0, 1]
+    for conv, choice in zip(convs, batch["choices"]):
+        single = httpx.post(f"{url}/v1/chat/completions", json={"messages": conv, **common}, timeout=120).json()
+        assert choice["message"]["content"] == single["choices"][0]["message"]["content"]
+    assert batch["usage"]["completion_tokens"] == 8
+    for bad in ({"messages": convs, "stream": True}, {"messages": []}, {"messages": convs, "n": 2}):
+        assert httpx.post(f"{url}/v1/chat/completions/batch", json=bad, timeout=60).status_code == 400

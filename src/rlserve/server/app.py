@@ -22,8 +22,8 @@ from rlserve.engine.async_engine import AsyncEngine, EngineDeadError
 from rlserve.engine.client import EngineClient
 from rlserve.engine.data_parallel import DataParallelClient, check_parallel, routing_hint
 from rlserve.engine.spawn import EngineProcess
-from rlserve.server import (chat, completions, control, deployment_guard, generate, responses, responses_store,
-                            tokenization, vllm_rl, vllm_weights, worker_routes)
+from rlserve.server import (chat, chat_batch, completions, control, deployment_guard, generate, responses,
+                            responses_store, tokenization, vllm_rl, vllm_weights, worker_routes)
 from rlserve.server.chat_template import load_template
 from rlserve.server.errors import APIError, install_error_handlers
 from rlserve.server.listen import ADMIN_PATHS, bind, check_admin_exposure
@@ -64,7 +64,7 @@ def build_app(engine: AsyncEngine | EngineClient, config: Config) -> FastAPI:
     install_openapi(app, _schema_limits(engine, config))
     for r in (router, completions.router, chat.router, tokenization.router, generate.router, control.router,
               responses.router, worker_routes.router, vllm_weights.router,
-              vllm_rl.router, responses_store.router):
+              vllm_rl.router, responses_store.router, chat_batch.router):
         app.include_router(r)
     app.add_middleware(BodyGuard, max_body_bytes=config.server.max_body_bytes)
     app.add_middleware(Gate, api_key=config.server.api_key, admin_api_key=config.server.admin_api_key,
