@@ -21,13 +21,13 @@ import zmq
 import zmq.asyncio
 from transformers import AutoTokenizer
 
-from rlserve.config import Config
-from rlserve.engine import ipc
+from rlserve.config.schema import Config
+from rlserve.runtime import ipc
 from rlserve.engine.engine import EngineStats
-from rlserve.engine.face import EngineDeadError, EngineFace, check_pause_mode
+from rlserve.runtime.face import EngineDeadError, EngineFace, check_pause_mode
 from rlserve.engine.outputs import RequestOutput
 from rlserve.engine.params import SamplingParams
-from rlserve.engine.spawn import EngineProcess
+from rlserve.runtime.spawn import EngineProcess
 from rlserve.model.llama import ModelShape
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ Between two steps it takes new requests, aborts and named control operations off
 each step it sends the outputs of the requests the step touched, as one message. Slow control
 work (reading weights or adapters, receiving a trainer push) runs in a helper thread and is
 committed between two steps, as in the in-thread AsyncEngine. Started by `EngineClient`:
-`python -m rlserve.engine.core IN_ADDR OUT_ADDR` with the config as JSON on stdin.
+`python -m rlserve.runtime.core IN_ADDR OUT_ADDR` with the config as JSON on stdin.
 """
 
 from __future__ import annotations
@@ -23,13 +23,14 @@ from typing import Any
 import msgspec
 import zmq
 
-from rlserve.config import Config
-from rlserve.engine import ipc, sleep, vllm_receiver
+from rlserve.config.schema import Config
+from rlserve.engine import sleep, vllm_receiver
+from rlserve.runtime import ipc
 from rlserve.engine.engine import Engine
 from rlserve.engine.sequence import Request
 from rlserve.engine.weights import StagingBuffers, check_under_roots, stage, stage_from_dir
 
-log = logging.getLogger("rlserve.engine.core")
+log = logging.getLogger("rlserve.runtime.core")
 IDLE_POLL_MS = 50  # how long an idle loop sleeps on its inbox before looking at helpers and its parent
 
 

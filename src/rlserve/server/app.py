@@ -17,20 +17,20 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from rlserve.config import Config, warn_unapplied
-from rlserve.engine.async_engine import AsyncEngine, EngineDeadError
-from rlserve.engine.client import EngineClient
-from rlserve.engine.data_parallel import DataParallelClient, check_parallel, routing_hint
-from rlserve.engine.spawn import EngineProcess
+from rlserve.config.schema import Config, warn_unapplied
+from rlserve.runtime.inproc import AsyncEngine, EngineDeadError
+from rlserve.runtime.proc_client import EngineClient
+from rlserve.runtime.data_parallel import DataParallelClient, check_parallel, routing_hint
+from rlserve.runtime.spawn import EngineProcess
 from rlserve.server import (chat, chat_batch, completions, control, deployment_guard, generate, responses,
                             responses_store, tokenization, vllm_rl, vllm_weights, worker_routes)
-from rlserve.server.chat_template import load_template
+from rlserve.server.openai.chat_template import load_template
 from rlserve.server.errors import APIError, install_error_handlers
 from rlserve.server.listen import ADMIN_PATHS, bind, check_admin_exposure
 from rlserve.server.limits import BodyGuard
 from rlserve.server.openapi import install_openapi
 from rlserve.server.metrics import Metrics
-from rlserve.server.serving import ServerState
+from rlserve.server.state import ServerState
 
 log = logging.getLogger("rlserve.server")
 

@@ -11,10 +11,10 @@ import pydantic
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from rlserve.server import chat
+from rlserve.server.openai import chat
 from rlserve.server.errors import bad_request
 from rlserve.server.protocol import ChatCompletionRequest
-from rlserve.server.serving import ClientGone, ServerState, json_body, rid_header, run_to_end
+from rlserve.server.state import ClientGone, ServerState, json_body, rid_header, run_to_end
 
 router = APIRouter()
 

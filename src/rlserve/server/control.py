@@ -19,11 +19,12 @@ from fastapi.responses import PlainTextResponse, Response
 
 from rlserve.engine.weights import WeightUpdateError, check_under_roots
 from rlserve.model.lora import AdapterError
-from rlserve.engine.face import EngineDeadError
-from rlserve.server import vllm_rl, vllm_weights
+from rlserve.runtime.face import EngineDeadError
+from rlserve.server import vllm_rl
+from rlserve.server.rl import weights as vllm_weights
 from rlserve.server.errors import APIError, bad_request
 from rlserve.server.openapi import documented
-from rlserve.server.protocol_control import (
+from rlserve.server.rl.protocol_control import (
     AbortRequest,
     AbortRequestsRequest,
     InitBroadcasterRequest,
@@ -35,8 +36,8 @@ from rlserve.server.protocol_control import (
     UpdateWeightsRequest,
     UpdateWeightVersionRequest,
 )
-from rlserve.server.serving import ClientGone, ServerState, json_body, until_disconnected
-from rlserve.server.uploads import capped, write_uploaded_adapter
+from rlserve.server.state import ClientGone, ServerState, json_body, until_disconnected
+from rlserve.server.rl.uploads import capped, write_uploaded_adapter
 
 log = logging.getLogger(__name__)
 router = APIRouter()

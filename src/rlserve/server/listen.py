@@ -6,7 +6,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 
-from rlserve.config import Config
+from rlserve.config.schema import Config
 
 # routes that change what every user is served: admin_api_key guards them, deployments own them
 ADMIN_PATHS = frozenset({

@@ -11,13 +11,15 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from rlserve.server import chat, responses_store
+from rlserve.server import responses_store
+
+from rlserve.server.openai import chat
 from rlserve.server.chat_parsing import ParsedMessage
 from rlserve.server.protocol import ResponsesRequest
-from rlserve.server.responses_input import to_chat_request
-from rlserve.server.responses_output import Turn, new_id, output_items
-from rlserve.server.responses_stream import stream_events
-from rlserve.server.serving import (
+from rlserve.server.openai.responses_input import to_chat_request
+from rlserve.server.openai.responses_output import Turn, new_id, output_items
+from rlserve.server.openai.responses_stream import stream_events
+from rlserve.server.state import (
     ClientGone,
     ServerState,
     SSEResponse,

@@ -13,10 +13,10 @@ from typing import Any
 import torch
 from fastapi import APIRouter, Request
 
-from rlserve.engine.face import EngineDeadError
+from rlserve.runtime.face import EngineDeadError
 from rlserve.engine.weights import WeightUpdateError
 from rlserve.server.errors import APIError, bad_request
-from rlserve.server.serving import ServerState, json_body
+from rlserve.server.state import ServerState, json_body
 
 router = APIRouter()
 
@@ -128,8 +128,7 @@ async def shutdown_weight_transfer_engine(request: Request) -> dict:
     if in_process(state):
         await on_engines(state, "vllm_shutdown")
     else:
-        from rlserve.server import vllm_weights
-
+        from rlserve.server.rl import weights as vllm_weights
         vllm_weights.leave(request)
     return {"message": "Weight transfer shut down"}
 

@@ -21,7 +21,7 @@ from rlserve import weight_transfer
 from rlserve.engine.weights import StagedWeights, WeightUpdateError, stage
 from rlserve.server import vllm_rl
 from rlserve.server.errors import APIError, bad_request
-from rlserve.server.serving import ServerState, json_body
+from rlserve.server.state import ServerState, json_body
 
 router = APIRouter()
 

@@ -10,10 +10,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from rlserve.engine.params import SamplingParams
-from rlserve.server import chat, completions
+from rlserve.server.openai import chat
+from rlserve.server.openai import completions
 from rlserve.server.errors import APIError
 from rlserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from rlserve.server.serving import SAMPLING_FIELDS, ServerState
+from rlserve.server.state import SAMPLING_FIELDS, ServerState
 
 router = APIRouter()
 
