@@ -23,5 +23,7 @@ def before_call(context, case, kwargs) -> None:
 
 @schemathesis.hook
 def after_call(context, case, response) -> None:
-    if case.path in ("/pause", "/pause_generation"):
+    if case.path in ("/sleep", "/release_kv_cache_memory"):  # asleep, /resume is refused until woken
+        httpx.post(f"{BASE_URL}/wake_up", timeout=60)
+    if case.path in ("/pause", "/pause_generation", "/sleep", "/release_kv_cache_memory"):
         httpx.post(f"{BASE_URL}/resume", timeout=60)

@@ -28,6 +28,7 @@ from rlserve.config.schema import Config
 from rlserve.engine import child, error_kinds
 from rlserve.runtime import ipc
 from rlserve.runtime.pause import PauseState
+from rlserve.runtime import sleep, vllm_receiver
 from rlserve.engine.engine import Engine
 from rlserve.engine.sequence import Request
 from rlserve.engine.weights import StagingBuffers, check_under_roots, stage, stage_from_dir
@@ -216,6 +217,8 @@ class EngineCore:
         return aborted
 
     def op_resume(self, call_id: int) -> None:
+        if getattr(self, "asleep", None):
+            raise RuntimeError("the engine is asleep: POST /wake_up first")
         self.pause.resume(self.engine)
 
     def on_ranks(self, call_id: int, kind: str, args: list[Any], local: Callable[[], Any]) -> Any:
@@ -315,6 +318,8 @@ DEFERRED = object()  # the operation replies later (helper thread, or pause wait
 OPS: dict[str, Callable[..., Any]] = {
     name[3:]: fn for name, fn in vars(EngineCore).items() if name.startswith("op_")
 }
+OPS.update(vllm_receiver.OPS)  # vLLM's weight-transfer routes, received in this process
+OPS.update(sleep.OPS)  # vLLM's sleep mode
 
 
 def _run_in_thread(fn: Callable[[], None]) -> None:

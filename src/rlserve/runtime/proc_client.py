@@ -213,6 +213,10 @@ class EngineClient(FaceRules):
 
     # ---- named control operations (core.OPS) ------------------------------------------------
 
+    async def control(self, op: str, *args: Any) -> Any:
+        """Any named operation of core.OPS (engine/vllm_receiver.py's are reached this way)."""
+        return await self._call(op, *args)
+
     async def refresh(self) -> None:
         """Bring `stats` and the other mirrored facts up to date (a dead engine keeps its last ones)."""
         if self.dead is None:

@@ -24,8 +24,8 @@ from rlserve.runtime.data_parallel import DataParallelClient, check_parallel, ro
 from rlserve.runtime.spawn import EngineProcess
 from rlserve.server import early_stop
 from rlserve.server.fleet import deployment_guard, worker_routes
-from rlserve.server.openai import chat, completions, responses, tokenization
-from rlserve.server.rl import control, generate, rescore
+from rlserve.server.openai import chat, chat_batch, completions, responses, responses_store, tokenization
+from rlserve.server.rl import control, generate, rescore, vllm_rl
 from rlserve.server.rl import weights as vllm_weights
 from rlserve.server.openai.chat_template import load_template
 from rlserve.server.errors import APIError, install_error_handlers
@@ -67,7 +67,8 @@ def build_app(engine: EngineFace, config: Config) -> FastAPI:
 
     install_openapi(app, _schema_limits(engine, config))
     for r in (router, completions.router, chat.router, tokenization.router, generate.router, control.router,
-              responses.router, worker_routes.router, vllm_weights.router, rescore.router):
+              responses.router, worker_routes.router, vllm_weights.router, rescore.router,
+              vllm_rl.router, responses_store.router, chat_batch.router):
         app.include_router(r)
     app.add_middleware(BodyGuard, max_body_bytes=config.server.max_body_bytes)
     app.add_middleware(Gate, api_key=config.server.api_key, admin_api_key=config.server.admin_api_key,

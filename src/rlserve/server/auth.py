@@ -23,6 +23,8 @@ ADMIN_PATHS = frozenset({
     "/update_weights_from_disk", "/pause_generation", "/continue_generation", "/flush_cache", "/abort_request",
     "/update_weight_version",
     "/init_weight_transfer_engine", "/start_weight_update", "/finish_weight_update",  # vLLM's (server/rl/weights.py)
+    "/shutdown_weight_transfer_engine", "/weight_checker", "/sleep", "/wake_up", "/release_kv_cache_memory",
+    "/collective_rpc",
 })
 
 # no key needed: router health probes and Prometheus scrapers carry none (§2.13)

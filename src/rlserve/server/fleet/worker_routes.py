@@ -27,7 +27,8 @@ def _state(request: Request) -> ServerState:
 @router.get("/load")
 async def get_load(request: Request) -> dict:
     stats = _state(request).engine.stats
-    return {"load": stats.num_running + stats.num_waiting, "num_running": stats.num_running,
+    return {"load": stats.num_running + stats.num_waiting, "server_load": stats.num_running + stats.num_waiting,
+            "num_running": stats.num_running,
             "num_waiting": stats.num_waiting}
 
 

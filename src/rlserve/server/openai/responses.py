@@ -11,6 +11,8 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from rlserve.server.openai import responses_store
+
 from rlserve.server.openai import chat
 from rlserve.server.chat_parsing import ParsedMessage
 from rlserve.server.protocol import ResponsesRequest
@@ -49,4 +51,4 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     response = turn.finished(items, final)
     if parsed.tool_call_errors:  # malformed calls, kept as text (docs/parsers.md)
         response["tool_call_errors"] = [e.to_json() for e in parsed.tool_call_errors]
-    return JSONResponse(response, headers=headers)
+    return JSONResponse(responses_store.remember(request, body, response), headers=headers)

@@ -19,6 +19,8 @@ from fastapi.responses import PlainTextResponse, Response
 
 from rlserve.engine.weights import WeightUpdateError, check_under_roots
 from rlserve.model.lora import AdapterError
+from rlserve.runtime.face import EngineDeadError
+from rlserve.server.rl import vllm_rl
 from rlserve.server.rl import weights as vllm_weights
 from rlserve.server.errors import APIError, bad_request
 from rlserve.server.openapi import documented
@@ -173,18 +175,24 @@ async def pause(request: Request) -> dict:
     wait_flag = request.query_params.get("wait_for_inflight_requests")
     if mode is None and wait_flag is not None:  # vLLM 0.14 form
         mode = "wait" if wait_flag.lower() == "true" else "abort"
-    mode = mode or "keep"
+    mode = mode or "abort"  # vLLM 0.32's default: abort in-flight requests, then clear the prefix cache
     if mode not in ("keep", "abort", "wait"):
         raise bad_request(f"mode must be keep, abort or wait, got {mode!r}", "mode")
     aborted = await _state(request).engine.pause(mode)
-    if request.query_params.get("clear_cache", "false").lower() == "true":
+    clear = request.query_params.get("clear_cache", "false" if mode == "keep" else "true").lower() == "true"
+    if clear:  # by default not with keep: the frozen requests resume on their cached blocks
         await _state(request).engine.reset_prefix_cache()
     return {"status": "paused", "aborted": aborted} if mode == "abort" else {"status": "paused"}
 
 
 @router.post("/resume")
 async def resume(request: Request) -> dict:
-    await _state(request).engine.resume()
+    try:
+        await _state(request).engine.resume()
+    except EngineDeadError:
+        raise
+    except RuntimeError as exc:  # asleep (vllm_rl /sleep): /wake_up first
+        raise APIError(409, str(exc)) from None
     return {"status": "resumed"}
 
 
@@ -196,7 +204,7 @@ async def is_paused(request: Request) -> dict:
 @router.post("/abort_requests", openapi_extra=documented(AbortRequestsRequest))
 async def abort_requests(request: Request) -> dict:
     body = await json_body(request, AbortRequestsRequest)
-    ids = body.get("request_ids") or []
+    ids = vllm_rl.with_external_ids([str(i) for i in body.get("request_ids") or []])
     count = await _state(request).engine.abort_requests([str(i) for i in ids] if ids else None)
     return {"status": "aborted", "aborted": count}
 
@@ -327,8 +335,10 @@ async def upload_adapter(request: Request) -> dict:
 
 
 @router.get("/get_world_size")
-async def get_world_size() -> dict:
-    return {"world_size": 1}
+async def get_world_size(request: Request) -> dict:
+    """The processes that join a trainer's weight-transfer group: one per data-parallel engine (tensor-parallel
+    workers get their slices from their engine), so TRL's world_size = this + 1 is right."""
+    return {"world_size": _state(request).config.parallel.dp}
 
 
 @router.get("/get_model_info")
@@ -354,7 +364,7 @@ async def update_weight_version(request: Request) -> dict:
     if label is None:
         raise bad_request("new_version is required", "new_version")
     await _state(request).engine.set_weight_version(str(label), bool(body.get("abort_all_requests", False)))
-    return {"success": True, "message": f"weight_version is now {label}"}
+    return {"success": True, "new_version": str(label), "message": f"weight_version is now {label}"}
 
 
 @router.post("/update_weights_from_disk", openapi_extra=documented(UpdateWeightsFromDiskRequest))

@@ -19,6 +19,7 @@ from fastapi import APIRouter, Request
 
 from rlserve import weight_transfer
 from rlserve.engine.weights import StagedWeights, WeightUpdateError, stage
+from rlserve.server.rl import vllm_rl
 from rlserve.server.errors import APIError, bad_request
 from rlserve.server.state import ServerState, json_body
 
@@ -32,6 +33,8 @@ class Transfer:
     joined: bool = False
     open: bool = False  # between /start_weight_update and /finish_weight_update
     staged: dict[str, torch.Tensor] = field(default_factory=dict)
+    packed: bool = True  # init_info's packed and packed_buffer_size_bytes (vLLM >= 0.28 sends them there)
+    buffer_bytes: int = weight_transfer.VLLM_PACKED_BUFFER_BYTES
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
@@ -56,7 +59,10 @@ def _local_engine(state: ServerState):
 
 
 def _backend(state: ServerState) -> str:
-    return "nccl" if _local_engine(state).device.type == "cuda" else "gloo"
+    engine = getattr(state.engine, "engine", None)
+    if engine is not None:
+        return "nccl" if engine.device.type == "cuda" else "gloo"
+    return "nccl" if torch.cuda.is_available() and state.config.model.device != "cpu" else "gloo"
 
 
 @router.get("/server_info")
@@ -66,7 +72,8 @@ async def server_info(request: Request) -> dict:
     return {"vllm_config": {
         "model_config": {"model": state.served_model_name, "max_model_len": state.max_model_len,
                          "dtype": str(getattr(getattr(state.engine, "engine", None), "dtype", state.config.model.dtype)).removeprefix("torch.")},
-        "parallel_config": {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1},
+        "parallel_config": {"tensor_parallel_size": state.config.parallel.tp, "pipeline_parallel_size": 1,
+                            "data_parallel_size": state.config.parallel.dp},
         "weight_transfer_config": {"backend": _backend(state), "rendezvous": "torch.distributed"},
     }}
 
@@ -91,8 +98,14 @@ async def init_weight_transfer_engine(request: Request) -> dict:
     if not 0 < rank < world:
         raise bad_request(f"rank_offset {rank} must lie in [1, world_size {world}): the trainer is rank 0",
                           "init_info")
+    if vllm_rl.in_process(state := _state(request)):
+        await vllm_rl.init(state, host, port, rank, world, timeout, vllm_rl.packed_fields(info, "init_info"))
+        return {"message": "Weight transfer initialized"}
     if transfer.joined or torch.distributed.is_initialized():
         raise APIError(409, "this server already joined a weight-transfer group; restart it to join another")
+    packed, buffer_bytes = vllm_rl.packed_fields(info, "init_info")
+    transfer.packed = True if packed is None else packed
+    transfer.buffer_bytes = buffer_bytes or weight_transfer.VLLM_PACKED_BUFFER_BYTES
     try:
         await asyncio.to_thread(weight_transfer.init_group, host, port, rank, world, timeout)
     except (RuntimeError, ValueError) as exc:
@@ -103,6 +116,9 @@ async def init_weight_transfer_engine(request: Request) -> dict:
 
 @router.post("/start_weight_update")
 async def start_weight_update(request: Request) -> dict:
+    if vllm_rl.in_process(state := _state(request)):
+        await vllm_rl.on_engines(state, "vllm_start")
+        return {"message": "Weight update started"}
     transfer = _transfer(request)
     transfer.open, transfer.staged = True, {}
     return {"message": "Weight update started"}
@@ -111,6 +127,8 @@ async def start_weight_update(request: Request) -> dict:
 async def receive_update(request: Request, info: dict, label: str | None) -> dict:
     """/update_weights {"update_info"}: receive the listed tensors; without an open update, also commit."""
     state, transfer = _state(request), _transfer(request)
+    if vllm_rl.in_process(state):
+        return await vllm_rl.receive(state, info, label)
     if not transfer.joined:
         raise APIError(409, "no weight-transfer group: call /init_weight_transfer_engine first")
     names, dtype_names, shapes = info.get("names"), info.get("dtype_names"), info.get("shapes")
@@ -124,8 +142,9 @@ async def receive_update(request: Request, info: dict, label: str | None) -> dic
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise bad_request(f"dtype {d!r} cannot carry weights; use float32, bfloat16 or float16", "update_info")
         dtypes.append(dtype)
-    packed = bool(info.get("packed", True))
-    buffer_bytes = int(info.get("packed_buffer_size_bytes") or weight_transfer.VLLM_PACKED_BUFFER_BYTES)
+    packed, buffer_bytes = vllm_rl.packed_fields(info, "update_info")
+    packed = transfer.packed if packed is None else packed
+    buffer_bytes = buffer_bytes or transfer.buffer_bytes
     device = "cuda" if _local_engine(state).device.type == "cuda" else "cpu"
     async with transfer.lock:
         # receive everything first so the group stays in step with the trainer, then validate
@@ -147,6 +166,9 @@ async def finish_weight_update(request: Request) -> dict:
     """The commit point: every tensor received since /start_weight_update goes live at once."""
     state, transfer, body = _state(request), _transfer(request), await json_body(request)
     label = body.get("weight_version")
+    if vllm_rl.in_process(state):
+        version = await vllm_rl.finish(state, None if label is None else str(label))
+        return {"message": "Weight update finished", "policy_version": version}
     async with transfer.lock:
         transfer.open = False
         if not transfer.staged:
@@ -158,3 +180,22 @@ async def finish_weight_update(request: Request) -> dict:
 async def _commit(state: ServerState, transfer: Transfer, label: str | None) -> int:
     staged, transfer.staged = StagedWeights(transfer.staged, "update_info"), {}
     return await state.engine.call(lambda e: e.commit_weights(staged, label))
+
+
+def leave(request: Request) -> None:
+    """/shutdown_weight_transfer_engine with the in-thread engine: drop the group, so another trainer can join."""
+    transfer = _transfer(request)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    transfer.joined, transfer.open, transfer.staged = False, False, {}
+
+
+@router.post("/shutdown_weight_transfer_engine")
+async def shutdown_weight_transfer_engine(request: Request) -> dict:
+    """Leave the trainer's group, so that another trainer can join."""
+    state = request.app.state.rlserve
+    if vllm_rl.in_process(state):
+        await vllm_rl.on_engines(state, "vllm_shutdown")
+    else:
+        leave(request)
+    return {"message": "Weight transfer shut down"}
