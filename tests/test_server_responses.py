@@ -100,7 +100,8 @@ def test_tool_call_output_items(client: openai.OpenAI, tok) -> None:
     kwargs = {"model": MODEL, "input": "weather in SF?", "tools": TOOLS, "max_output_tokens": 64,
               "extra_body": {"vllm_xargs": {"forced_token_ids": forced}}}
     r = client.responses.create(**kwargs)
-    assert [i.type for i in r.output] == ["reasoning", "message", "function_call"]
+    # only whitespace before the call: no message item (vLLM 0.32's hermes sends no content then)
+    assert [i.type for i in r.output] == ["reasoning", "function_call"]
     call = r.output[-1]
     assert call.call_id == call.id and call.call_id.startswith("chatcmpl-tool-") and call.status == "completed"
     assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "SF"}
@@ -110,7 +111,7 @@ def test_tool_call_output_items(client: openai.OpenAI, tok) -> None:
         final = stream.get_final_response()
     args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
     assert args == call.arguments and final.output[-1].arguments == call.arguments
-    assert comparable(final)["output"][:2] == comparable(r)["output"][:2]
+    assert comparable(final)["output"][:1] == comparable(r)["output"][:1]  # call ids are fresh per response
     # tool_choice none: tools are rendered but nothing is parsed
     r = client.responses.create(**kwargs, tool_choice="none")
     assert [i.type for i in r.output] == ["reasoning", "message"] and CALL in r.output_text
