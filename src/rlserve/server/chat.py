@@ -22,7 +22,6 @@ from rlserve.server.chat_parsing import (
 from rlserve.server.chat_template import message_chars, render_chat
 from rlserve.server.limits import check_text_fits
 from rlserve.server.errors import bad_request
-from rlserve.server.structured_request import enforce_tool_choice, logprobs_header
 from rlserve.server.protocol import POLICY_FIELDS, ChatCompletionRequest, ChatTokensRequest
 from rlserve.server.serving import (
     ChoiceCursor,
@@ -44,6 +43,7 @@ from rlserve.server.serving import (
     usage,
     version_fields,
 )
+from rlserve.server.structured_request import enforce_tool_choice, logprobs_header
 
 router = APIRouter()
 log = logging.getLogger(__name__)

@@ -13,7 +13,6 @@ from fastapi.responses import JSONResponse, Response
 from rlserve.engine.outputs import CompletionOutput, RequestOutput
 from rlserve.server.errors import bad_request
 from rlserve.server.limits import check_text_fits
-from rlserve.server.structured_request import logprobs_header
 from rlserve.server.protocol import POLICY_FIELDS, CompletionRequest
 from rlserve.server.serving import (
     ChoiceCursor,
@@ -34,6 +33,7 @@ from rlserve.server.serving import (
     usage,
     version_fields,
 )
+from rlserve.server.structured_request import logprobs_header
 
 router = APIRouter()
 

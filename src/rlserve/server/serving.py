@@ -26,11 +26,11 @@ from rlserve.config import Config
 from rlserve.engine.async_engine import AsyncEngine, EngineDeadError
 from rlserve.engine.outputs import CompletionOutput, RequestOutput
 from rlserve.engine.params import SamplingParams
-from rlserve.server.structured_request import allowed_token_ids, checked, constraint
 from rlserve.server.errors import APIError, bad_request, from_value_error
 from rlserve.server.limits import check_request_caps
 from rlserve.server.metrics import Metrics, weight_version
 from rlserve.server.protocol import Body, GenerationFields
+from rlserve.server.structured_request import allowed_token_ids, checked, constraint
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
