@@ -22,7 +22,6 @@ from rlserve.server.chat_parsing import (
 from rlserve.server.openai.chat_template import message_chars, render_chat
 from rlserve.server.limits import check_text_fits
 from rlserve.server.errors import bad_request
-from rlserve.server.structured_request import enforce_tool_choice, logprobs_header
 from rlserve.server.protocol import POLICY_FIELDS, ChatCompletionRequest, ChatTokensRequest
 from rlserve.server.staleness import hold_for_policy_version
 from rlserve.server.state import ChoiceCursor, ServerState, clamp, prompt_logprobs_json, request_id, rid_header, sampled_first, usage, version_fields

@@ -13,7 +13,6 @@ from fastapi.responses import JSONResponse, Response
 from rlserve.engine.outputs import CompletionOutput, RequestOutput
 from rlserve.server.errors import bad_request
 from rlserve.server.limits import check_text_fits
-from rlserve.server.structured_request import logprobs_header
 from rlserve.server.protocol import POLICY_FIELDS, CompletionRequest
 from rlserve.server.staleness import hold_for_policy_version
 from rlserve.server.state import ChoiceCursor, ServerState, clamp, prompt_logprobs_json, request_id, rid_header, usage, version_fields
