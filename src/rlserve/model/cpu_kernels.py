@@ -86,10 +86,11 @@ def warn_slow_half_precision(dtype: str) -> None:
     )
 
 
-def _build(cc: str) -> Path:
+def _build(cc: str, defines: tuple[str, ...] = ()) -> Path:
+    flags = [*FLAGS, *defines]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     digest = hashlib.sha256()
-    for part in [src.read_bytes() for src in sorted(KERNEL_DIR.glob("*.[ch]"))] + [version.encode(), " ".join(FLAGS).encode(), _cpu_id().encode()]:
+    for part in [src.read_bytes() for src in sorted(KERNEL_DIR.glob("*.[ch]"))] + [version.encode(), " ".join(flags).encode(), _cpu_id().encode()]:
         digest.update(part)
     lib = cache_root() / "kernels" / f"rlserve-kernels-{digest.hexdigest()[:16]}.so"
     if lib.exists():
@@ -99,7 +100,7 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
     os.close(fd)
     try:
-        cmd = [cc, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"]
+        cmd = [cc, *flags, *map(str, SOURCES), "-o", tmp, "-lm"]
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
         os.replace(tmp, lib)
     finally:

@@ -10,18 +10,32 @@ block-size steps from position 0): a prompt token is computed as if it were deco
 prefill, prefix-cache hits and KV restored from another tier change nothing. The element-wise C
 kernels are per row already.
 
-`invariant_kernels` checks the first property on this machine's build once per process (fail
-closed: the mode is refused where a row's bits would follow the batch).
+`invariant_kernels` loads a build of the kernels whose GEMV takes no one-row shortcut
+(RLSERVE_GEMV_TILED_ONLY: on AVX-512 one row is otherwise summed by another routine) and checks
+the row independence on this machine once per process (fail closed: the mode is refused where a
+row's bits would follow the batch).
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import logging
+import subprocess
 import sys
 
 import torch
 
-from rlserve.model.cpu_kernels import DTYPES, CpuKernels, cpu_kernels
+from rlserve.model.cpu_kernels import (
+    DTYPES,
+    CpuKernels,
+    _build,
+    _compiler,
+    _self_check,
+    cpu_kernels,
+)
+
+log = logging.getLogger(__name__)
 
 INVARIANT_ROWS = sys.maxsize  # the GEMV at every row count
 
@@ -46,7 +60,7 @@ class BatchInvarianceUnavailable(ValueError):
 @functools.cache
 def invariant_kernels() -> InvariantKernels:
     """The kernels for batch-invariant mode, their row independence checked; raises where not."""
-    base = cpu_kernels()
+    base = cpu_kernels() and _tiled_only_build()
     if base is None:
         raise BatchInvarianceUnavailable(
             "engine.batch_invariant needs rlserve's CPU kernels (a C compiler, engine.cpu_kernels=true, "
@@ -55,6 +69,17 @@ def invariant_kernels() -> InvariantKernels:
     kernels = InvariantKernels(base)
     for dtype in DTYPES:
         _check_rows_independent(kernels, dtype)
+    return kernels
+
+
+def _tiled_only_build() -> CpuKernels | None:
+    """The kernels built with RLSERVE_GEMV_TILED_ONLY (gemv_impl.h: no one-row special case)."""
+    try:
+        kernels = CpuKernels(ctypes.CDLL(str(_build(_compiler(), ("-DRLSERVE_GEMV_TILED_ONLY",)))))
+        _self_check(kernels)
+    except (OSError, subprocess.SubprocessError, AssertionError, AttributeError) as exc:
+        log.warning("the batch-invariant CPU kernels are unavailable (%s)", getattr(exc, "stderr", "") or exc)
+        return None
     return kernels
 
 

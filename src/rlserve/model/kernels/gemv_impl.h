@@ -110,7 +110,9 @@ static inline __attribute__((always_inline)) void NAME(gemv_store)(const T *x, c
         for (int64_t j = 0; j < nj; ++j) NAME(gemv_put)(out, out_f32, (r0 + r) * N + n + j, acc[r][j], bias, n + j);
 }
 
-#if (defined(__AVX512F__) && !defined(RLSERVE_BF16)) || (defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(RLSERVE_BF16))
+/* RLSERVE_GEMV_TILED_ONLY (the batch-invariant build, model/invariant_ops.py): one row takes the
+ * tiles too, so a row sums in the same order at every row count. */
+#if ((defined(__AVX512F__) && !defined(RLSERVE_BF16)) || (defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(RLSERVE_BF16))) && !defined(RLSERVE_GEMV_TILED_ONLY)
 #define GEMV_ONE_ROW 1
 /* dot(x, w row) for one row of x, the weight row read front to back as one stream (4 accumulators
  * hide the FMA latency): at one row the 4-row tile's 4 interleaved streams read ~5% slower. */
