@@ -114,7 +114,7 @@ class InvariantSampler(Sampler):
 
 def processed_logits(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
     """The distribution the sampler draws one row from ([1, vocab], changed in place): bias,
-    penalties and bans, temperature, then top-k / top-p / min-p (the order of `Sampler._sample`)."""
+    penalties, bans and the structured-outputs mask, temperature, then top-k / top-p / min-p (the order of `Sampler._sample`)."""
     if row.logit_bias:
         ids = torch.tensor(list(row.logit_bias), device=logits.device)
         logits[0].index_add_(0, ids, torch.tensor(list(row.logit_bias.values()), device=logits.device))
@@ -122,6 +122,8 @@ def processed_logits(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
         _penalize(logits[0], *row.penalties)
     if row.banned_ids:
         logits[0, row.banned_ids] = NEG_INF
+    if row.allowed is not None:  # structured outputs' mask, as Sampler._sample applies it
+        logits[0].masked_fill_(~row.allowed.to(logits.device), NEG_INF)
     if row.temperature not in (0, 1.0):
         logits = logits / row.temperature
     return _filter(logits, [row])
