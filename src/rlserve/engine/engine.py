@@ -7,7 +7,6 @@ import logging
 import os
 import time
 from collections.abc import Iterable
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -27,7 +26,7 @@ from rlserve.engine.outputs import RequestOutput
 from rlserve.engine.tp.leader import TensorParallelLeader
 from rlserve.engine.tp.comm import device_of_rank
 from rlserve.engine.params import SamplingParams
-from rlserve.engine.routing import RoutedExpertsPool
+from rlserve.engine.routing import RoutedExpertsPool, offload_routed_experts
 from rlserve.engine.runner import ModelRunner, kv_bytes_per_token
 from rlserve.engine.sampler import Sampler, sampling_row
 from rlserve.engine.structured import DEAD_END, StructuredOutputs
@@ -41,7 +40,7 @@ from rlserve.model.shape import ModelShape
 from rlserve.model.loader import eos_token_ids, load_model, resolve_model_dir
 from rlserve.model.lora import LoraAdapter
 from rlserve.model.tensor_parallel import check_tp
-from rlserve.engine.stats import EngineStats
+from rlserve.engine.stats import EngineStats, engine_stats
 from rlserve.engine.devices import resolve_device, resolve_dtype, resolve_head_dtype
 
 log = logging.getLogger(__name__)
@@ -140,7 +139,7 @@ class Engine:
             self.scheduler.offload = self.offload
             self.pool.on_evict = self.offload.save
             if self.runner.routing is not None:
-                self._offload_routing(self.runner.routing, ec.block_size)
+                offload_routed_experts(self.offload, self.runner.routing, ec.block_size)
         self.kv_transfer: KVTransfer | None = None
         if config.kv_transfer is not None:
             self.kv_transfer = KVTransfer(config.kv_transfer, self.pool, self.runner.kv_cache, self.scheduler,
@@ -386,41 +385,7 @@ class Engine:
 
     @property
     def stats(self) -> EngineStats:
-        s = self.scheduler.stats
-        return EngineStats(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            kv_cache_usage=self.pool.usage,
-            num_blocks=self.pool.num_blocks,
-            block_size=self.pool.block_size,
-            num_preemptions=s.num_preemptions,
-            prefix_cache_queries=s.prefix_cache_queries,
-            prefix_cache_hits=s.prefix_cache_hits,
-            prompt_tokens_computed=s.prompt_tokens_computed,
-            num_steps=s.num_steps,
-            generation_tokens=self.generation_tokens,
-            policy_version=self.policy_version,
-            **(self._offload_stats() if self.offload is not None else {}),
-            **(self._transfer_stats() if self.kv_transfer is not None else {}),
-        )
-
-    def _transfer_stats(self) -> dict[str, float]:
-        t = self.kv_transfer
-        return {f"kv_transfer_{k}": v for k, v in asdict(t.stats).items()} | {
-            "kv_transfer_pinned_blocks": t.pinned_blocks}
-
-    def _offload_routing(self, routing: RoutedExpertsPool, bs: int) -> None:
-        """Router replay: a block's routed experts travel with its KV; one without them is recomputed."""
-        rows = lambda block: routing.ids[block * bs : (block + 1) * bs]  # noqa: E731
-        self.offload.required_metadata = frozenset({"routed_experts"})
-        self.offload.metadata_of = lambda block: {"routed_experts": rows(block)}
-        self.offload.restore_metadata = lambda block, md: rows(block).copy_(md["routed_experts"])
-
-    def _offload_stats(self) -> dict[str, int]:
-        o = self.offload
-        usage = {"cpu_used_bytes": o.cpu_used_bytes, "cpu_capacity_bytes": o.cpu_capacity_bytes,
-                 "disk_used_bytes": o.disk.used_bytes if o.disk is not None else 0}
-        return {f"kv_offload_{k}": v for k, v in (asdict(o.stats) | usage).items()}
+        return engine_stats(self)
 
     # ---- internals --------------------------------------------------------------------------
 

@@ -50,3 +50,11 @@ def encode_routed_experts(rows: np.ndarray, start: int) -> dict:
     part = np.ascontiguousarray(part, dtype=dtype)
     return {"data": base64.b64encode(part.tobytes()).decode("ascii"), "shape": list(part.shape), "start": start,
             "dtype": dtype.name}
+
+
+def offload_routed_experts(offload, routing: RoutedExpertsPool, bs: int) -> None:
+    """Router replay with KV offload: a block's routed experts travel with its KV; one without them is recomputed."""
+    rows = lambda block: routing.ids[block * bs : (block + 1) * bs]  # noqa: E731
+    offload.required_metadata = frozenset({"routed_experts"})
+    offload.metadata_of = lambda block: {"routed_experts": rows(block)}
+    offload.restore_metadata = lambda block, md: rows(block).copy_(md["routed_experts"])

@@ -3,7 +3,8 @@ The server's /metrics and /load read it; it crosses the engine process wire as i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -55,3 +56,34 @@ class EngineStats:
     kv_transfer_pinned: int = 0
     kv_transfer_expired: int = 0
     kv_transfer_pinned_blocks: int = 0
+
+
+def engine_stats(engine: Any) -> EngineStats:
+    """An Engine's counters and gauges now: its scheduler's, pool's, offload tier's and KV transfer's."""
+    s = engine.scheduler.stats
+    return EngineStats(
+        num_running=len(engine.scheduler.running),
+        num_waiting=len(engine.scheduler.waiting),
+        kv_cache_usage=engine.pool.usage,
+        num_blocks=engine.pool.num_blocks,
+        block_size=engine.pool.block_size,
+        num_preemptions=s.num_preemptions,
+        prefix_cache_queries=s.prefix_cache_queries,
+        prefix_cache_hits=s.prefix_cache_hits,
+        prompt_tokens_computed=s.prompt_tokens_computed,
+        num_steps=s.num_steps,
+        generation_tokens=engine.generation_tokens,
+        policy_version=engine.policy_version,
+        **(_offload_stats(engine.offload) if engine.offload is not None else {}),
+        **(_transfer_stats(engine.kv_transfer) if engine.kv_transfer is not None else {}),
+    )
+
+
+def _transfer_stats(t: Any) -> dict[str, float]:
+    return {f"kv_transfer_{k}": v for k, v in asdict(t.stats).items()} | {"kv_transfer_pinned_blocks": t.pinned_blocks}
+
+
+def _offload_stats(o: Any) -> dict[str, int]:
+    usage = {"cpu_used_bytes": o.cpu_used_bytes, "cpu_capacity_bytes": o.cpu_capacity_bytes,
+             "disk_used_bytes": o.disk.used_bytes if o.disk is not None else 0}
+    return {f"kv_offload_{k}": v for k, v in (asdict(o.stats) | usage).items()}
