@@ -49,7 +49,7 @@ class OtherLoad:
         # a server's engine core processes (its children) are part of the run too
         return time.process_time() + sum(_process_seconds(p) for p in _with_descendants(self.pids))
 
-    def __enter__(self) -> "OtherLoad":
+    def __enter__(self) -> OtherLoad:
         busy = _machine_busy_seconds()  # None off Linux: no /proc to read the pids' time from either
         self._start = None if busy is None else (busy, self._ours(), time.perf_counter())
         return self
@@ -76,7 +76,9 @@ def instruction_peaks() -> tuple[float, float] | None:
         return None
     with tempfile.TemporaryDirectory() as tmp:
         exe = Path(tmp) / "peak"
-        built = subprocess.run([cc, "-O2", str(Path(__file__).with_name("_peak.c")), "-o", str(exe)], capture_output=True, timeout=120)
+        built = subprocess.run(
+            [cc, "-O2", str(Path(__file__).with_name("_peak.c")), "-o", str(exe)], capture_output=True, timeout=120
+        )
         if built.returncode != 0:
             return None  # an AMX-only or non-x86 CPU, or a compiler without the intrinsics
         fp32, bf16 = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120, check=True).stdout.split()

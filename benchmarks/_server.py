@@ -66,7 +66,9 @@ def rlserve_server(*args: str, timeout: float = 300.0) -> Iterator[Server]:
             deadline = time.monotonic() + timeout
             while True:
                 text = Path(log.name).read_text(errors="replace")
-                match = re.search(r"^rlserve: serving \S+ on (http://[^\s)]+)(?:.*admin: (http://[^\s)]+))?", text, re.M)
+                match = re.search(
+                    r"^rlserve: serving \S+ on (http://[^\s)]+)(?:.*admin: (http://[^\s)]+))?", text, re.M
+                )
                 if match:
                     break
                 if proc.poll() is not None or time.monotonic() > deadline:
@@ -82,8 +84,9 @@ def rlserve_server(*args: str, timeout: float = 300.0) -> Iterator[Server]:
             proc.wait(timeout=60)
 
 
-def add_workload_args(p: argparse.ArgumentParser, clients: int = 64, prompt_len: int = 64,
-                      new_tokens: int = 64) -> None:
+def add_workload_args(
+    p: argparse.ArgumentParser, clients: int = 64, prompt_len: int = 64, new_tokens: int = 64
+) -> None:
     """The workload flags of a served run: --preset, --clients C, --prompt-len P, --new-tokens N."""
     p.add_argument("--preset", default="smollm2-135m")
     p.add_argument("--clients", type=int, default=clients)
@@ -93,21 +96,34 @@ def add_workload_args(p: argparse.ArgumentParser, clients: int = 64, prompt_len:
 
 def workload_args(model_dir: Path, args: argparse.Namespace) -> tuple[str, ...]:
     """The server settings every served run of a prompt_len + new_tokens workload shares."""
-    return ("--model.name", str(model_dir), "--model.max_model_len", str(args.prompt_len + args.new_tokens + 16),
-            "--server.log_level", "warning")
+    return (
+        "--model.name",
+        str(model_dir),
+        "--model.max_model_len",
+        str(args.prompt_len + args.new_tokens + 16),
+        "--server.log_level",
+        "warning",
+    )
 
 
-def served(model_dir: Path, prompts: list[list[int]], args: argparse.Namespace, stream: bool,
-           *extra: str) -> tuple[float, float | None]:
+def served(
+    model_dir: Path, prompts: list[list[int]], args: argparse.Namespace, stream: bool, *extra: str
+) -> tuple[float, float | None]:
     """tok/s of `prompts` sent at once to a fresh server, and the cores other processes used meanwhile."""
     with rlserve_server(*workload_args(model_dir, args), *extra) as server:
         return asyncio.run(clients(server.url, server.pids(), prompts, args.new_tokens, stream))
 
 
-async def clients(url: str, server_pids: list[int], prompts: list[list[int]], new_tokens: int,
-                  stream: bool) -> tuple[float, float | None]:
-    body = {"max_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True, "stream": stream,
-            "return_token_ids": True}
+async def clients(
+    url: str, server_pids: list[int], prompts: list[list[int]], new_tokens: int, stream: bool
+) -> tuple[float, float | None]:
+    body = {
+        "max_tokens": new_tokens,
+        "temperature": 1.0,
+        "ignore_eos": True,
+        "stream": stream,
+        "return_token_ids": True,
+    }
     limits = httpx.Limits(max_connections=len(prompts) + 8)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         await client.post("/v1/completions", json={**body, "prompt": prompts[0], "max_tokens": 2, "stream": False})

@@ -69,7 +69,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=5, help="alternating default/invariant pairs per workload")
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--quick", action="store_true", help="tiny model, 2 rounds")
-    p.add_argument("--small", action="store_true", help="each workload at a quarter of its sequences and half its tokens")
+    p.add_argument(
+        "--small", action="store_true", help="each workload at a quarter of its sequences and half its tokens"
+    )
     args = p.parse_args(argv)
     if args.small:
         for name, (prompts, length, n, new) in WORKLOADS.items():
@@ -78,12 +80,19 @@ def main(argv: list[str] | None = None) -> None:
         args.preset, args.rounds = "tiny", 2
     model_dir = make_model(args.preset, bench_cache_dir() / args.preset)
     flags = {f for f in _cpu_id().split() if f.startswith(("avx", "amx", "fma"))}
-    print(f"# {args.preset} {args.dtype}, torch threads {torch.get_num_threads()}, CPU flags: {' '.join(sorted(flags))}")
-    engines = {"default": make_engine(model_dir, False, args.dtype), "invariant": make_engine(model_dir, True, args.dtype)}
+    print(
+        f"# {args.preset} {args.dtype}, torch threads {torch.get_num_threads()}, CPU flags: {' '.join(sorted(flags))}"
+    )
+    engines = {
+        "default": make_engine(model_dir, False, args.dtype),
+        "invariant": make_engine(model_dir, True, args.dtype),
+    }
     rng = random.Random(0)
     for engine in engines.values():  # warm-up: kernels built, weights packed, allocator warm
         run(engine, (1, 16, 2, 4), rng)
-    print("| workload | default tok/s (median) | invariant tok/s (median) | invariant/default per round: median [min, max] |")
+    print(
+        "| workload | default tok/s (median) | invariant tok/s (median) | invariant/default per round: median [min, max] |"
+    )
     print("|---|---|---|---|")
     for name in args.workloads:
         rates: dict[str, list[float]] = {"default": [], "invariant": []}
@@ -92,8 +101,11 @@ def main(argv: list[str] | None = None) -> None:
             for which in order:
                 rates[which].append(run(engines[which], WORKLOADS[name], rng))
         ratios = [i / d for d, i in zip(rates["default"], rates["invariant"])]
-        print(f"| {name} | {statistics.median(rates['default']):.1f} | {statistics.median(rates['invariant']):.1f} "
-              f"| {statistics.median(ratios):.3f} [{min(ratios):.3f}, {max(ratios):.3f}] |", flush=True)
+        print(
+            f"| {name} | {statistics.median(rates['default']):.1f} | {statistics.median(rates['invariant']):.1f} "
+            f"| {statistics.median(ratios):.3f} [{min(ratios):.3f}, {max(ratios):.3f}] |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

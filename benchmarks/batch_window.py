@@ -17,14 +17,19 @@ import statistics
 import time
 
 import httpx
+
 from _server import rlserve_server
 
 
 async def one(client: httpx.AsyncClient, url: str, delay: float, new_tokens: int) -> tuple[float, int]:
     await asyncio.sleep(delay)
     sent = time.perf_counter()
-    body = {"prompt": "Tell me a story about a robot who learns to paint.", "max_tokens": new_tokens,
-            "temperature": 0.0, "ignore_eos": True}
+    body = {
+        "prompt": "Tell me a story about a robot who learns to paint.",
+        "max_tokens": new_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
     answer = (await client.post(f"{url}/generate", json=body)).json()
     # /generate answers whole; TTFT is taken from a second, streaming probe below
     return time.perf_counter() - sent, answer["metadata"]["batch_size"]
@@ -33,8 +38,13 @@ async def one(client: httpx.AsyncClient, url: str, delay: float, new_tokens: int
 async def first_token(client: httpx.AsyncClient, url: str, delay: float, new_tokens: int) -> float:
     await asyncio.sleep(delay)
     sent = time.perf_counter()
-    body = {"prompt": "Tell me a story about a robot who learns to paint.", "max_tokens": new_tokens,
-            "temperature": 0.0, "ignore_eos": True, "stream": True}
+    body = {
+        "prompt": "Tell me a story about a robot who learns to paint.",
+        "max_tokens": new_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     ttft = None
     async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
         async for line in resp.aiter_lines():  # read to the end: the request runs its full length
@@ -57,9 +67,14 @@ async def bursts(url: str, args) -> dict[str, float]:
             ttfts += await asyncio.gather(*(first_token(client, url, d, args.new_tokens) for d in delays))
     wall = statistics.median(walls)
     ttfts.sort()
-    return {"tok_s": args.burst * args.new_tokens / wall, "wall_ms": wall * 1000,
-            "ttft_p50_ms": statistics.median(ttfts) * 1000, "ttft_p90_ms": ttfts[int(0.9 * (len(ttfts) - 1))] * 1000,
-            "steps": statistics.median(steps), "batch": max(sizes)}
+    return {
+        "tok_s": args.burst * args.new_tokens / wall,
+        "wall_ms": wall * 1000,
+        "ttft_p50_ms": statistics.median(ttfts) * 1000,
+        "ttft_p90_ms": ttfts[int(0.9 * (len(ttfts) - 1))] * 1000,
+        "steps": statistics.median(steps),
+        "batch": max(sizes),
+    }
 
 
 def main() -> None:
@@ -77,8 +92,10 @@ def main() -> None:
         model = ("--model", args.model) if args.model else ()
         with rlserve_server(*model, "--max-batch", str(args.burst), "--flush-interval-ms", str(window)) as server:
             r = asyncio.run(bursts(server.url, args))
-        print(f"{window:>9g} {r['tok_s']:>8.1f} {r['wall_ms']:>9.1f} {r['ttft_p50_ms']:>9.1f} {r['ttft_p90_ms']:>9.1f}"
-              f" {r['steps']:>6g} {r['batch']:>6d}")
+        print(
+            f"{window:>9g} {r['tok_s']:>8.1f} {r['wall_ms']:>9.1f} {r['ttft_p50_ms']:>9.1f} {r['ttft_p90_ms']:>9.1f}"
+            f" {r['steps']:>6g} {r['batch']:>6d}"
+        )
 
 
 if __name__ == "__main__":

@@ -88,11 +88,16 @@ def main() -> None:
     from transformers import AutoConfig
 
     prompts = workload(args, AutoConfig.from_pretrained(model_dir).vocab_size)
-    sections = [] if args.parallel_only else [process_rows(model_dir, prompts, args, n)
-                                               for n in sorted({cores, max(1, cores - 1)}, reverse=True)]
+    sections = (
+        []
+        if args.parallel_only
+        else [process_rows(model_dir, prompts, args, n) for n in sorted({cores, max(1, cores - 1)}, reverse=True)]
+    )
     parallel = parallel_rows(model_dir, prompts, args, cores) if cores >= 2 else []
-    print(f"\nengine process, {args.preset}, {args.clients} clients x ({args.prompt_len} prompt + "
-          f"{args.new_tokens} new tokens), {cores} cores")
+    print(
+        f"\nengine process, {args.preset}, {args.clients} clients x ({args.prompt_len} prompt + "
+        f"{args.new_tokens} new tokens), {cores} cores"
+    )
     for threads, rows in sections:
         print(f"\nengine on {threads} of {cores} cores{' (offline too)' if threads < cores else ''}")
         print(f"{'system':34s} {'tok/s':>8s} {'/offline':>9s} {'others':>7s}")

@@ -110,8 +110,16 @@ def check(model_dir: Path, dtype: str, graphs: bool, hf, hf32) -> dict:
     engine = engine_for(model_dir, dtype, graphs, 256, 8)
     prompts = random_prompts(8, 48, engine.vocab_size, seed=5, ragged=True)
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0))
-    row = {"dtype": dtype, "graphs": graphs, "tokens": 0, "id_mismatch": 0, "max_abs": 0.0, "mean_abs": 0.0,
-           "max_abs_vs_fp32": 0.0, "graphed_steps": len(engine.runner.graphs.graphs) if engine.runner.graphs else 0}
+    row = {
+        "dtype": dtype,
+        "graphs": graphs,
+        "tokens": 0,
+        "id_mismatch": 0,
+        "max_abs": 0.0,
+        "mean_abs": 0.0,
+        "max_abs_vs_fp32": 0.0,
+        "graphed_steps": len(engine.runner.graphs.graphs) if engine.runner.graphs else 0,
+    }
     total = 0.0
     for prompt, out in zip(prompts, outs):
         comp = out.outputs[0]
@@ -130,7 +138,7 @@ def check(model_dir: Path, dtype: str, graphs: bool, hf, hf32) -> dict:
                 row["id_mismatch"] += int((ref.argmax(-1) != ids).sum().item())
         row["tokens"] += len(ids)
     row["mean_abs"] = total / row["tokens"]
-    del engine
+    engine = None  # frees the engine's device memory before the next one
     gc.collect()
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
@@ -166,7 +174,7 @@ def bench_rlserve(model_dir: Path, dtype: str, concurrency: list[int], args, voc
 
         tokens, seconds = time_best(run, args.repeats)
         result[c] = tokens / seconds
-    del engine
+    engine = None  # frees the engine's device memory before the next one
     gc.collect()
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
@@ -178,13 +186,18 @@ def bench_generate_batch(model_dir: Path, dtype: str, concurrency: list[int], ar
         model = load_hf(model_dir, dtype, "paged|sdpa")
     except ValueError:
         model = load_hf(model_dir, dtype, "sdpa")
-    config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=args.new_tokens,
-                              eos_token_id=-1)
+    config = GenerationConfig(
+        do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=args.new_tokens, eos_token_id=-1
+    )
     max_len = args.prompt_len + args.new_tokens
 
     def run_prompts(prompts: list[list[int]]) -> int:
-        cb = continuous_batching_config(page_size=CB_PAGE_SIZE, num_blocks=len(prompts) * -(-max_len // CB_PAGE_SIZE) + 1,
-                                        max_batch_tokens=max(256, sum(len(p) for p in prompts)), seed=0)
+        cb = continuous_batching_config(
+            page_size=CB_PAGE_SIZE,
+            num_blocks=len(prompts) * -(-max_len // CB_PAGE_SIZE) + 1,
+            max_batch_tokens=max(256, sum(len(p) for p in prompts)),
+            seed=0,
+        )
         with torch.no_grad():
             outs = model.generate_batch(prompts, generation_config=config, continuous_batching_config=cb)
         failed = [o.error for o in outs.values() if o.error is not None]
@@ -195,10 +208,11 @@ def bench_generate_batch(model_dir: Path, dtype: str, concurrency: list[int], ar
     run_prompts(random_prompts(2, args.prompt_len, vocab, seed=-1))
     result = {}
     for c in concurrency:
-        tokens, seconds = time_best(lambda i, c=c: run_prompts(random_prompts(c, args.prompt_len, vocab, 1000 * c + i)),
-                                    args.repeats)
+        tokens, seconds = time_best(
+            lambda i, c=c: run_prompts(random_prompts(c, args.prompt_len, vocab, 1000 * c + i)), args.repeats
+        )
         result[c] = tokens / seconds
-    del model
+    model = None  # frees the device memory before the next system
     gc.collect()
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
@@ -236,8 +250,10 @@ def main(argv: list[str] | None = None) -> None:
         bandwidth = device_bandwidth()
     else:
         name, bandwidth = "cpu (smoke test)", 20e9
-    print(f"{name}; torch {torch.__version__}, transformers {transformers.__version__}; "
-          f"device copy {bandwidth / 1e12:.2f} TB/s (read + write)")
+    print(
+        f"{name}; torch {torch.__version__}, transformers {transformers.__version__}; "
+        f"device copy {bandwidth / 1e12:.2f} TB/s (read + write)"
+    )
     figures: dict = {"device": name, "bandwidth": bandwidth, "check": [], "bench": []}
     for preset in args.presets:
         model_dir = make_model(preset, args.cache_dir / preset)
@@ -249,11 +265,13 @@ def main(argv: list[str] | None = None) -> None:
                 for graphs in (False, True):
                     row = check(model_dir, dtype, graphs, hf, None if dtype == "float32" else hf32)
                     figures["check"].append({"preset": preset, **row})
-                    print(f"check {preset:<13} {dtype:<9} graphs={'on ' if graphs else 'off'} tokens {row['tokens']} "
-                          f"id mismatches {row['id_mismatch']}  logprob |diff| max {row['max_abs']:.2e} "
-                          f"mean {row['mean_abs']:.2e}" + (f"  (vs fp32 forward: max {row['max_abs_vs_fp32']:.2e})"
-                                                          if dtype != "float32" else "")
-                          + f"  graphs captured {row['graphed_steps']}")
+                    print(
+                        f"check {preset:<13} {dtype:<9} graphs={'on ' if graphs else 'off'} tokens {row['tokens']} "
+                        f"id mismatches {row['id_mismatch']}  logprob |diff| max {row['max_abs']:.2e} "
+                        f"mean {row['mean_abs']:.2e}"
+                        + (f"  (vs fp32 forward: max {row['max_abs_vs_fp32']:.2e})" if dtype != "float32" else "")
+                        + f"  graphs captured {row['graphed_steps']}"
+                    )
                 if hf is not hf32:
                     del hf
             del hf32
@@ -262,10 +280,20 @@ def main(argv: list[str] | None = None) -> None:
             continue
         for dtype in args.dtype:
             ours = bench_rlserve(model_dir, dtype, args.concurrency, args, vocab)
-            theirs = {} if args.skip_generate_batch else bench_generate_batch(model_dir, dtype, args.concurrency, args, vocab)
+            theirs = (
+                {}
+                if args.skip_generate_batch
+                else bench_generate_batch(model_dir, dtype, args.concurrency, args, vocab)
+            )
             wbytes = weight_bytes(model_dir, dtype)
             for c in args.concurrency:
-                row = {"preset": preset, "dtype": dtype, "concurrency": c, "rlserve": ours[c], "generate_batch": theirs.get(c)}
+                row = {
+                    "preset": preset,
+                    "dtype": dtype,
+                    "concurrency": c,
+                    "rlserve": ours[c],
+                    "generate_batch": theirs.get(c),
+                }
                 line = f"bench {preset:<13} {dtype:<9} {c:>4} concurrent: rlserve {ours[c]:>9.1f} tok/s"
                 if c in theirs:
                     ratio = ours[c] / theirs[c]
@@ -276,8 +304,10 @@ def main(argv: list[str] | None = None) -> None:
                 if c == 1:
                     share = wbytes * ours[c] / bandwidth
                     row["bandwidth_share"] = share
-                    line += (f"  weights {wbytes / 1e6:.0f} MB/token: {share:.1%} of the copy bandwidth "
-                             f"(goal >= {TARGET_BANDWIDTH_SHARE:.0%}: {'met' if share >= TARGET_BANDWIDTH_SHARE else 'missed'})")
+                    line += (
+                        f"  weights {wbytes / 1e6:.0f} MB/token: {share:.1%} of the copy bandwidth "
+                        f"(goal >= {TARGET_BANDWIDTH_SHARE:.0%}: {'met' if share >= TARGET_BANDWIDTH_SHARE else 'missed'})"
+                    )
                 figures["bench"].append(row)
                 print(line, flush=True)
     if args.json:

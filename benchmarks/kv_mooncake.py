@@ -37,9 +37,13 @@ def make_engine(model_dir, args, pool_tokens: int, master: MooncakeMaster | None
     shape = ModelShape.from_hf(AutoConfig.from_pretrained(model_dir))
     cfg.engine.kv_cache_bytes = pool_tokens * shape.num_layers * 2 * shape.num_kv_heads * shape.head_dim * 4  # fp32
     if master is not None:
-        cfg.kv_cache_offload = KVOffloadConfig.model_validate({
-            "type": "mooncake", "cpu": {"num_bytes": args.store_mib << 20},
-            "mooncake": {"master_address": master.master_address, "metadata_server": master.metadata_server}})
+        cfg.kv_cache_offload = KVOffloadConfig.model_validate(
+            {
+                "type": "mooncake",
+                "cpu": {"num_bytes": args.store_mib << 20},
+                "mooncake": {"master_address": master.master_address, "metadata_server": master.metadata_server},
+            }
+        )
     engine = Engine(cfg)
     engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
     return engine
@@ -73,8 +77,10 @@ def main() -> None:
     prompts = [[rng.randrange(250) for _ in range(args.prompt_tokens)] for _ in range(args.prompts)]
     pool_tokens = 2 * (args.prompt_tokens + args.gen_tokens + args.block_size)
     fillers = [[rng.randrange(250) for _ in range(args.prompt_tokens)] for _ in range(3)]
-    print(f"{args.preset}: {args.prompts} prompts x {args.prompt_tokens} tokens, {args.gen_tokens} generated, "
-          f"block {args.block_size}, pool {pool_tokens} tokens a replica, store {args.store_mib} MiB a replica")
+    print(
+        f"{args.preset}: {args.prompts} prompts x {args.prompt_tokens} tokens, {args.gen_tokens} generated, "
+        f"block {args.block_size}, pool {pool_tokens} tokens a replica, store {args.store_mib} MiB a replica"
+    )
     master = MooncakeMaster()
     try:
         a = make_engine(model_dir, args, pool_tokens, master)
@@ -92,14 +98,18 @@ def main() -> None:
         print(f"{'A (computes, then evicts)':<28}{computed_a:>20}{total:>8}{seconds_a:>9.2f}")
         print(f"{'B with the store':<28}{computed_b:>20}{total:>8}{seconds_b:>9.2f}")
         print(f"{'B without the store':<28}{computed_alone:>20}{total:>8}{seconds_alone:>9.2f}")
-        print(f"\nstore: A put {sa.kv_offload_bytes_to_mooncake / 2**20:.1f} MiB "
-              f"({sa.kv_offload_mooncake_put_skipped} blocks skipped), B loaded {blocks} blocks of "
-              f"{block_bytes / 1024:.1f} KiB ({sb.kv_offload_bytes_from_mooncake / 2**20:.1f} MiB), "
-              f"{sb.kv_offload_mooncake_rejected} rejected")
+        print(
+            f"\nstore: A put {sa.kv_offload_bytes_to_mooncake / 2**20:.1f} MiB "
+            f"({sa.kv_offload_mooncake_put_skipped} blocks skipped), B loaded {blocks} blocks of "
+            f"{block_bytes / 1024:.1f} KiB ({sb.kv_offload_bytes_from_mooncake / 2**20:.1f} MiB), "
+            f"{sb.kv_offload_mooncake_rejected} rejected"
+        )
         if blocks:
             per_block = sb.kv_offload_mooncake_load_seconds / blocks
-            print(f"load time per block: {per_block * 1e3:.3f} ms ({block_bytes / per_block / 2**20:.0f} MiB/s, "
-                  "get + checksum + copy into the pool)")
+            print(
+                f"load time per block: {per_block * 1e3:.3f} ms ({block_bytes / per_block / 2**20:.0f} MiB/s, "
+                "get + checksum + copy into the pool)"
+            )
         print(f"prefill time B with/without the store: x{seconds_alone / seconds_b:.2f} faster")
         print(f"same tokens: {tokens_b == tokens_alone == tokens_a}")
         for e in (a, b, alone):

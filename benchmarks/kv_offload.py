@@ -25,8 +25,8 @@ from _cpu import OtherLoad
 from rlserve.config.schema import Config, KVOffloadConfig
 from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams
-from rlserve.model.shape import ModelShape
 from rlserve.model.make import bench_cache_dir, make_model
+from rlserve.model.shape import ModelShape
 
 
 def run(model_dir, args, offload: dict | None) -> dict:
@@ -53,8 +53,10 @@ def run(model_dir, args, offload: dict | None) -> dict:
         start = time.perf_counter()
         for t in range(args.turns):
             before = engine.stats.prompt_tokens_computed
-            reqs = [engine.make_request(f"s{i}-t{t}", c[: args.history + (t + 1) * args.new_tokens], params)
-                    for i, c in enumerate(convs)]
+            reqs = [
+                engine.make_request(f"s{i}-t{t}", c[: args.history + (t + 1) * args.new_tokens], params)
+                for i, c in enumerate(convs)
+            ]
             for req in reqs:
                 engine.submit(req)
             while engine.has_unfinished():
@@ -63,17 +65,29 @@ def run(model_dir, args, offload: dict | None) -> dict:
             computed.append(engine.stats.prompt_tokens_computed - before)
             generated += sum(len(r.seqs[0].output_token_ids) for r in reqs)
             tokens.append([r.seqs[0].output_token_ids for r in reqs])
-            print(f"  {'offload' if offload else 'no offload'} turn {t + 1}: {computed[-1]} prompt tokens computed, "
-                  f"median TTFT {ttft[-1]:.2f} s", flush=True)
+            print(
+                f"  {'offload' if offload else 'no offload'} turn {t + 1}: {computed[-1]} prompt tokens computed, "
+                f"median TTFT {ttft[-1]:.2f} s",
+                flush=True,
+            )
         elapsed = time.perf_counter() - start
     s = engine.stats
     engine.close()
     return {
-        "tok/s": generated / elapsed, "seconds": elapsed, "ttft": ttft, "computed": computed, "tokens": tokens,
-        "moved": (s.kv_offload_bytes_to_cpu, s.kv_offload_bytes_from_cpu, s.kv_offload_bytes_to_disk,
-                  s.kv_offload_bytes_from_disk),
+        "tok/s": generated / elapsed,
+        "seconds": elapsed,
+        "ttft": ttft,
+        "computed": computed,
+        "tokens": tokens,
+        "moved": (
+            s.kv_offload_bytes_to_cpu,
+            s.kv_offload_bytes_from_cpu,
+            s.kv_offload_bytes_to_disk,
+            s.kv_offload_bytes_from_disk,
+        ),
         "hits": (s.prefix_cache_hits, s.kv_offload_cpu_hits, s.kv_offload_disk_hits),
-        "pool_blocks": s.num_blocks, "others": load.cores,
+        "pool_blocks": s.num_blocks,
+        "others": load.cores,
     }
 
 
@@ -96,31 +110,45 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     model_dir = make_model(args.preset, bench_cache_dir() / args.preset)
     final = args.history + args.turns * args.new_tokens
-    print(f"{args.preset}: {args.sessions} sessions x {args.turns} turns, history {args.history} + "
-          f"{args.new_tokens}/turn (final {final}), {args.gen_tokens} generated/turn, pool = 1/4 of the working set")
+    print(
+        f"{args.preset}: {args.sessions} sessions x {args.turns} turns, history {args.history} + "
+        f"{args.new_tokens}/turn (final {final}), {args.gen_tokens} generated/turn, pool = 1/4 of the working set"
+    )
     results = {}
     with tempfile.TemporaryDirectory(prefix="rlserve-bench-kv-") as disk:
-        for name, offload in (("no offload", None),
-                              ("offload", {"cpu": {}, **({"disk": {"path": disk}} if args.disk else {})})):
+        for name, offload in (
+            ("no offload", None),
+            ("offload", {"cpu": {}, **({"disk": {"path": disk}} if args.disk else {})}),
+        ):
             results[name] = run(model_dir, args, offload)
             gc.collect()
     base, off = results["no offload"], results["offload"]
     print(f"\n{'run':<12}{'tok/s':>8}{'seconds':>9}{'median TTFT s':>15}{'prompt tok computed':>21}  others")
     for name, r in results.items():
         others = "n/a" if r["others"] is None else f"{r['others']:.2f} cores"
-        print(f"{name:<12}{r['tok/s']:>8.1f}{r['seconds']:>9.1f}{statistics.median(r['ttft']):>15.3f}"
-              f"{sum(r['computed']):>21}  {others}")
+        print(
+            f"{name:<12}{r['tok/s']:>8.1f}{r['seconds']:>9.1f}{statistics.median(r['ttft']):>15.3f}"
+            f"{sum(r['computed']):>21}  {others}"
+        )
     print("\nper turn: median TTFT s (no offload / offload), prompt tokens computed (no offload / offload)")
     for t in range(args.turns):
-        print(f"  turn {t + 1}: {base['ttft'][t]:.3f} / {off['ttft'][t]:.3f}    "
-              f"{base['computed'][t]} / {off['computed'][t]}   (new tokens this turn: {args.sessions * args.new_tokens})")
+        print(
+            f"  turn {t + 1}: {base['ttft'][t]:.3f} / {off['ttft'][t]:.3f}    "
+            f"{base['computed'][t]} / {off['computed'][t]}   (new tokens this turn: {args.sessions * args.new_tokens})"
+        )
     to_cpu, from_cpu, to_disk, from_disk = off["moved"]
-    print(f"\nbytes moved with offload: pool->cpu {to_cpu / 2**20:.1f} MiB, cpu->pool {from_cpu / 2**20:.1f} MiB, "
-          f"cpu->disk {to_disk / 2**20:.1f} MiB, disk->pool {from_disk / 2**20:.1f} MiB")
-    print(f"prompt tokens from pool / cpu / disk with offload: {off['hits'][0]} / {off['hits'][1]} / {off['hits'][2]}"
-          f" (pool: {off['pool_blocks']} blocks)")
-    print(f"offload/no offload: tok/s x{off['tok/s'] / base['tok/s']:.2f}, median TTFT "
-          f"/{statistics.median(base['ttft']) / statistics.median(off['ttft']):.2f}")
+    print(
+        f"\nbytes moved with offload: pool->cpu {to_cpu / 2**20:.1f} MiB, cpu->pool {from_cpu / 2**20:.1f} MiB, "
+        f"cpu->disk {to_disk / 2**20:.1f} MiB, disk->pool {from_disk / 2**20:.1f} MiB"
+    )
+    print(
+        f"prompt tokens from pool / cpu / disk with offload: {off['hits'][0]} / {off['hits'][1]} / {off['hits'][2]}"
+        f" (pool: {off['pool_blocks']} blocks)"
+    )
+    print(
+        f"offload/no offload: tok/s x{off['tok/s'] / base['tok/s']:.2f}, median TTFT "
+        f"/{statistics.median(base['ttft']) / statistics.median(off['ttft']):.2f}"
+    )
     print(f"same tokens: {off['tokens'] == base['tokens']}")
 
 

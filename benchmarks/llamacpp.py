@@ -63,7 +63,10 @@ def build() -> None:
     root = llamacpp_dir()
     root.mkdir(parents=True, exist_ok=True)
     if llama_source() is None:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", SDIST, "-d", str(root)], check=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", SDIST, "-d", str(root)],
+            check=True,
+        )
         tarball = next(root.glob("llama_cpp_python-*.tar.gz"))
         shutil.unpack_archive(tarball, root)
     src, out = llama_source(), root / "build"
@@ -96,7 +99,17 @@ def gguf(model_dir: Path, outtype: str) -> Path:
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(".tmp")
-        cmd = [sys.executable, "-c", CONVERT, str(llama_source()), str(model_dir), "--outtype", outtype.lower(), "--outfile", str(tmp)]
+        cmd = [
+            sys.executable,
+            "-c",
+            CONVERT,
+            str(llama_source()),
+            str(model_dir),
+            "--outtype",
+            outtype.lower(),
+            "--outfile",
+            str(tmp),
+        ]
         subprocess.run(cmd, check=True, capture_output=True, text=True)
         tmp.rename(out)
     return out
@@ -138,7 +151,9 @@ def measure(server: Server, args, name: str, seed: int) -> tuple[float, float | 
     """tok/s of one workload against one server, and other processes' CPU use meanwhile (not the server's, nor
     the clients'; an idle peer server counts, so a busy one would show)."""
     clients, new_tokens = (args.clients, args.new_tokens) if name == "64 concurrent" else (1, args.single_new_tokens)
-    opts = SimpleNamespace(model=None, output_len=new_tokens, temperature=1.0, no_stream=True, no_progress=True, timeout=1800.0)
+    opts = SimpleNamespace(
+        model=None, output_len=new_tokens, temperature=1.0, no_stream=True, no_progress=True, timeout=1800.0
+    )
     prompts = random_prompts(clients, args.prompt_len, args.vocab, seed)
     with OtherLoad(*server.pids()) as load:
         run = asyncio.run(run_level(server.url, clients, prompts, opts))
@@ -176,15 +191,25 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = make_model(args.preset, bench_cache_dir() / args.preset)
     args.vocab = 1000
     binary = llama_server_binary()
-    print(f"model {args.preset} (random weights) at {model_dir}; {args.clients} concurrent x {args.prompt_len} + "
-          f"{args.new_tokens} tokens, batch 1 x {args.single_new_tokens}; temperature 1, EOS ignored, via HTTP")
+    print(
+        f"model {args.preset} (random weights) at {model_dir}; {args.clients} concurrent x {args.prompt_len} + "
+        f"{args.new_tokens} tokens, batch 1 x {args.single_new_tokens}; temperature 1, EOS ignored, via HTTP"
+    )
     if binary is None or llama_source() is None:
         print("llama.cpp: skipped (no llama-server; run `python benchmarks/llamacpp.py --build` or set LLAMA_SERVER)")
     rows = []
     for seed, (dtype, ggml_type) in enumerate(PAIRS, start=1):
         if dtype not in args.dtype:
             continue
-        kv = args.clients * (args.prompt_len + args.single_new_tokens + 32) * 30 * 2 * 3 * 64 * (4 if dtype == "float32" else 2)
+        kv = (
+            args.clients
+            * (args.prompt_len + args.single_new_tokens + 32)
+            * 30
+            * 2
+            * 3
+            * 64
+            * (4 if dtype == "float32" else 2)
+        )
         server_args = ["--model.name", str(model_dir), "--model.dtype", dtype, "--model.max_model_len", "512",
                        "--engine.kv_cache_bytes", str(kv), "--num_threads", str(args.threads)]  # fmt: skip
         with contextlib.ExitStack() as stack:
@@ -203,15 +228,25 @@ def main(argv: list[str] | None = None) -> None:
                 theirs = got[name]["peer"]
                 ratios = sorted(a[0] / b[0] for a, b in zip(mine, theirs))
                 ratio, goal = statistics.median(ratios), TARGETS[(dtype, name)]
-                rows.append((f"llama.cpp {ggml_type}", name, theirs,
-                             f"{ratio:.2f}x, rounds sorted {', '.join(f'{x:.2f}' for x in ratios)} "
-                             f"(>= {goal}x: {'met' if ratio >= goal else 'missed'})"))
-    print(f"\n{'server':<18} {'workload':<14} {'tok/s':>8} {'per round':<22} {'others':>7}  rlserve/x (median of rounds)")
+                rows.append(
+                    (
+                        f"llama.cpp {ggml_type}",
+                        name,
+                        theirs,
+                        f"{ratio:.2f}x, rounds sorted {', '.join(f'{x:.2f}' for x in ratios)} "
+                        f"(>= {goal}x: {'met' if ratio >= goal else 'missed'})",
+                    )
+                )
+    print(
+        f"\n{'server':<18} {'workload':<14} {'tok/s':>8} {'per round':<22} {'others':>7}  rlserve/x (median of rounds)"
+    )
     for system, name, runs, ratio in rows:
         rates = [tok_s for tok_s, _ in runs]
         others = [o for _, o in runs if o is not None]
-        print(f"{system:<18} {name:<14} {statistics.median(rates):>8.1f} {', '.join(f'{x:.1f}' for x in rates):<22} "
-              f"{f'{max(others):.2f}' if others else '':>7}  {ratio or ''}")
+        print(
+            f"{system:<18} {name:<14} {statistics.median(rates):>8.1f} {', '.join(f'{x:.1f}' for x in rates):<22} "
+            f"{f'{max(others):.2f}' if others else '':>7}  {ratio or ''}"
+        )
     print("others = CPU cores used by other processes during the run: well above 0 means the figures are low")
 
 

@@ -66,14 +66,17 @@ def main(argv: list[str] | None = None) -> None:
     cfg_json = json.loads((model_dir / "config.json").read_text())
     warmup, timed = throughput.make_workloads(args, cfg_json["vocab_size"])
     timed = timed[:1]  # the batch workload
-    print(f"model {args.preset} (random weights, fp32): {cfg_json['num_experts']} experts, top-{cfg_json['num_experts_per_tok']}, "
-          f"{cfg_json['num_hidden_layers']} layers; {args.batch_prompts} prompts x n={args.n}, {args.prompt_len} prompt + "
-          f"{args.new_tokens} new tokens, temperature 1, EOS ignored; {args.threads} threads")
+    print(
+        f"model {args.preset} (random weights, fp32): {cfg_json['num_experts']} experts, top-{cfg_json['num_experts_per_tok']}, "
+        f"{cfg_json['num_hidden_layers']} layers; {args.batch_prompts} prompts x n={args.n}, {args.prompt_len} prompt + "
+        f"{args.new_tokens} new tokens, temperature 1, EOS ignored; {args.threads} threads"
+    )
 
     cfg = Config(num_threads=args.threads, seed=args.seed, enable_return_routed_experts=True)
     cfg.model.name, cfg.model.max_model_len = str(model_dir), max(512, timed[0].max_len)
-    cfg.engine.kv_cache_bytes = throughput.kv_bytes_for(model_dir, timed, cfg.engine.block_size, cfg.model.max_model_len,
-                                                         "float32")
+    cfg.engine.kv_cache_bytes = throughput.kv_bytes_for(
+        model_dir, timed, cfg.engine.block_size, cfg.model.max_model_len, "float32"
+    )
     engine = Engine(cfg)
     outputs = []
 
@@ -84,10 +87,16 @@ def main(argv: list[str] | None = None) -> None:
 
     results = throughput.measure("rlserve (router replay on)", run, warmup, timed, args.repeats, "float32")
     rows = [c.routed_experts for o in outputs for c in o.outputs]
-    del engine, run
+    engine = run = None  # frees the engine before the next one
     gc.collect()
-    results += throughput.measure(throughput.GENERATE_BATCH, throughput.generate_batch_runner(model_dir, args, "float32"),
-                                  warmup, timed, args.repeats, "float32")
+    results += throughput.measure(
+        throughput.GENERATE_BATCH,
+        throughput.generate_batch_runner(model_dir, args, "float32"),
+        warmup,
+        timed,
+        args.repeats,
+        "float32",
+    )
     ours = results[0]
     print(f"\n{'system':<30} {'seqs':>5} {'tokens':>7} {'seconds':>8} {'tok/s':>8} {'rlserve/x':>10} {'others':>7}")
     for r in results:
@@ -102,8 +111,10 @@ def main(argv: list[str] | None = None) -> None:
         "vLLM base64 .npy, int32": sum(len(json.dumps(npy_base64(r.astype(np.int32)))) for r in rows),
         "vLLM base64 .npy, uint8": sum(len(json.dumps(npy_base64(r))) for r in rows),
     }
-    print(f"\nrouted_experts payload, JSON bytes per forwarded position ({positions} positions, {len(rows)} sequences, "
-          f"rows of {rows[0].shape[1]} layers x top-{rows[0].shape[2]}):")
+    print(
+        f"\nrouted_experts payload, JSON bytes per forwarded position ({positions} positions, {len(rows)} sequences, "
+        f"rows of {rows[0].shape[1]} layers x top-{rows[0].shape[2]}):"
+    )
     base = forms["rlserve §2.14 (base64 raw uint8)"]
     for name, size in forms.items():
         print(f"  {name:<36} {size / positions:8.1f}  ({size / base:.2f}x rlserve)")

@@ -69,8 +69,13 @@ def parse_args() -> argparse.Namespace:
 
 
 async def _clients(url: str, pids: list[int], prompts: list[list[int]], args) -> dict:
-    body = {"max_tokens": args.new_tokens, "temperature": 1.0, "ignore_eos": True, "stream": True,
-            "return_token_ids": True}
+    body = {
+        "max_tokens": args.new_tokens,
+        "temperature": 1.0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
     limits = httpx.Limits(max_connections=args.clients + 8)
     async with httpx.AsyncClient(base_url=url, timeout=1200, limits=limits) as client:
         warm = [random.Random(99).randrange(1000) for _ in range(64)]
@@ -93,14 +98,22 @@ async def _clients(url: str, pids: list[int], prompts: list[list[int]], args) ->
             results = await asyncio.gather(*(one(p) for p in prompts))
             elapsed = time.perf_counter() - start
     ttfts = sorted(t for t, _ in results)
-    return {"ttft_p50": ttfts[len(ttfts) // 2], "ttft_mean": sum(ttfts) / len(ttfts),
-            "tok_s": sum(c for _, c in results) / elapsed, "others": load.cores}
+    return {
+        "ttft_p50": ttfts[len(ttfts) // 2],
+        "ttft_mean": sum(ttfts) / len(ttfts),
+        "tok_s": sum(c for _, c in results) / elapsed,
+        "others": load.cores,
+    }
 
 
 def _metric(url: str, name: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=30).text
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == name and s.labels.get("direction", "in") == "in")
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == name and s.labels.get("direction", "in") == "in"
+    )
 
 
 def raw_socket_rate(nbytes: int, chunk: int, resident: bool = False, into: memoryview | None = None) -> float:
@@ -172,15 +185,19 @@ conn.close()
 """
 
 
-def raw_copy_between(send_cores: set[int], recv_cores: set[int], nbytes: int, chunk: int,
-                     into: list[memoryview] | None = None) -> float:
+def raw_copy_between(
+    send_cores: set[int], recv_cores: set[int], nbytes: int, chunk: int, into: list[memoryview] | None = None
+) -> float:
     """Bytes/s of the memory-resident raw copy (see raw_socket_rate) between two processes placed as the
     prefill and decode servers are: the sender in a process of its own on the prefill server's cores, the
     receiver (this thread) on the decode server's. Everything the transfer has but rlserve's own work.
     into: the destination, views filled in order as the transfer fills a pool's block runs (recvmsg_into, as
     the transfer's own receive loop does), instead of one buffer touched a moment before."""
-    sender = subprocess.Popen([sys.executable, "-c", _RAW_SENDER, ",".join(map(str, sorted(send_cores))),
-                               str(nbytes), str(chunk)], stdout=subprocess.PIPE, text=True)
+    sender = subprocess.Popen(
+        [sys.executable, "-c", _RAW_SENDER, ",".join(map(str, sorted(send_cores))), str(nbytes), str(chunk)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     mine = os.sched_getaffinity(0)
     try:
         port = int(sender.stdout.readline())
@@ -224,26 +241,42 @@ class AgedPool:
         config = json.loads((model_dir / "config.json").read_text())
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
         itemsize = 4 if config.get("torch_dtype", "float32") == "float32" else 2
-        self.runs, self.run_bytes, self.blocks = 2 * config["num_hidden_layers"], \
-            block_size * config["num_key_value_heads"] * head_dim * itemsize, blocks
+        self.runs, self.run_bytes, self.blocks = (
+            2 * config["num_hidden_layers"],
+            block_size * config["num_key_value_heads"] * head_dim * itemsize,
+            blocks,
+        )
         self.region = pulls * blocks * self.run_bytes
         self.memory = _touched(self.runs * self.region)
 
     def views(self, pull: int) -> list[memoryview]:
         """Pull `pull`'s destinations in the order its bytes arrive: block by block, each block's runs."""
-        return [self.memory[r * self.region + (pull * self.blocks + b) * self.run_bytes :][: self.run_bytes]
-                for b in range(self.blocks) for r in range(self.runs)]
+        return [
+            self.memory[r * self.region + (pull * self.blocks + b) * self.run_bytes :][: self.run_bytes]
+            for b in range(self.blocks)
+            for r in range(self.runs)
+        ]
 
 
 def main() -> None:
     args = parse_args()
     model_dir = make_model(args.preset, cache_root() / "bench" / args.preset)
     rng = random.Random(0)
-    prompts = [[rng.randrange(10, 30000 if args.preset != "tiny" else 1000) for _ in range(args.prompt_len)]
-               for _ in range(args.clients)]
+    prompts = [
+        [rng.randrange(10, 30000 if args.preset != "tiny" else 1000) for _ in range(args.prompt_len)]
+        for _ in range(args.clients)
+    ]
     cores = len(os.sched_getaffinity(0))
-    common = ("--model.name", str(model_dir), "--model.max_model_len", str(args.prompt_len + args.new_tokens + 64),
-              "--server.log_level", "warning", "--engine.kv_cache_bytes", str(1 << 30))
+    common = (
+        "--model.name",
+        str(model_dir),
+        "--model.max_model_len",
+        str(args.prompt_len + args.new_tokens + 64),
+        "--server.log_level",
+        "warning",
+        "--engine.kv_cache_bytes",
+        str(1 << 30),
+    )
     one = None
     if not args.transfer_only:
         with rlserve_server(*common, "--num_threads", str(cores)) as single:
@@ -260,8 +293,14 @@ def main() -> None:
         decode = d[1]["url"]
         # the cores the prefill and decode servers run on (their engine processes inherit them)
         p_cores, d_cores = (os.sched_getaffinity(r["pid"]) for r in d[:2])
-        base = {n: _metric(decode, n) for n in ("rlserve:kv_transfer_bytes_total", "rlserve:kv_transfer_seconds_total",
-                                                 "rlserve:kv_transfer_tokens_total")}
+        base = {
+            n: _metric(decode, n)
+            for n in (
+                "rlserve:kv_transfer_bytes_total",
+                "rlserve:kv_transfer_seconds_total",
+                "rlserve:kv_transfer_tokens_total",
+            )
+        }
         pd = None if args.transfer_only else asyncio.run(_clients(dep.url, dep.pids(), prompts, args))
         moved = {n: _metric(decode, n) - v for n, v in base.items()}
         fallbacks = _metric(decode, "rlserve:kv_transfer_local_fallbacks_total")
@@ -271,11 +310,13 @@ def main() -> None:
         for i in range(LONE_PULLS):
             alone_base = {n: _metric(decode, n) for n in base}
             lone = [rng.randrange(10, 30000 if args.preset != "tiny" else 1000) for _ in range(args.prompt_len)]
-            httpx.post(f"{dep.url}/v1/completions", json={"prompt": lone, "max_tokens": 1},
-                       timeout=1200).raise_for_status()
+            httpx.post(
+                f"{dep.url}/v1/completions", json={"prompt": lone, "max_tokens": 1}, timeout=1200
+            ).raise_for_status()
             alone = {n: _metric(decode, n) - v for n, v in alone_base.items()}
-            lone_rates.append(alone["rlserve:kv_transfer_bytes_total"] /
-                              max(alone["rlserve:kv_transfer_seconds_total"], 1e-9))
+            lone_rates.append(
+                alone["rlserve:kv_transfer_bytes_total"] / max(alone["rlserve:kv_transfer_seconds_total"], 1e-9)
+            )
             lone_bytes = int(alone["rlserve:kv_transfer_bytes_total"]) or (64 << 20)
             block_bytes = int(lone_bytes / max(1, alone["rlserve:kv_transfer_tokens_total"] / 16)) or (1 << 20)
             idle_writes.append(_idle_write_rates(probe[i * PROBE_BYTES : (i + 1) * PROBE_BYTES]))
@@ -285,40 +326,64 @@ def main() -> None:
             raw_rates.append(raw_socket_rate(lone_bytes, block_bytes))
             resident_rates.append(raw_socket_rate(lone_bytes, block_bytes, resident=True))
 
-    print(f"\nP/D, {args.preset}, {args.clients} clients x ({args.prompt_len} prompt + {args.new_tokens} new tokens), "
-          f"streamed, {cores} cores")
+    print(
+        f"\nP/D, {args.preset}, {args.clients} clients x ({args.prompt_len} prompt + {args.new_tokens} new tokens), "
+        f"streamed, {cores} cores"
+    )
     if one is not None and pd is not None:
         nbytes, seconds = moved["rlserve:kv_transfer_bytes_total"], moved["rlserve:kv_transfer_seconds_total"]
         pulled = nbytes / seconds if seconds else float("nan")
         print(f"{'system':44s} {'TTFT p50 s':>10s} {'TTFT mean s':>11s} {'tok/s':>8s} {'others':>7s}")
-        for name, r in ((f"1 server x {cores} threads", one),
-                        (f"1 prefill + 1 decode x {max(1, cores // 2)} threads, router", pd)):
+        for name, r in (
+            (f"1 server x {cores} threads", one),
+            (f"1 prefill + 1 decode x {max(1, cores // 2)} threads, router", pd),
+        ):
             others = "-" if r["others"] is None else f"{r['others']:.2f}"
             print(f"{name:44s} {r['ttft_p50']:10.3f} {r['ttft_mean']:11.3f} {r['tok_s']:8.1f} {others:>7s}")
-        print(f"P/D / 1 server: TTFT p50 {pd['ttft_p50'] / one['ttft_p50']:.2f}x, tok/s {pd['tok_s'] / one['tok_s']:.2f}x")
-        print(f"KV pulled: {nbytes / 1e6:.1f} MB for {moved['rlserve:kv_transfer_tokens_total']:.0f} prompt tokens in "
-              f"{seconds:.3f} s of pulls (summed over concurrent pulls, each from the request reaching the decode "
-              f"engine to its blocks usable there): {pulled / 1e9:.3f} GB/s, "
-              f"{pulled / statistics.median(aged_rates):.2f}x the target's raw copy below; "
-              f"decode fallbacks {fallbacks:.0f}")
+        print(
+            f"P/D / 1 server: TTFT p50 {pd['ttft_p50'] / one['ttft_p50']:.2f}x, tok/s {pd['tok_s'] / one['tok_s']:.2f}x"
+        )
+        print(
+            f"KV pulled: {nbytes / 1e6:.1f} MB for {moved['rlserve:kv_transfer_tokens_total']:.0f} prompt tokens in "
+            f"{seconds:.3f} s of pulls (summed over concurrent pulls, each from the request reaching the decode "
+            f"engine to its blocks usable there): {pulled / 1e9:.3f} GB/s, "
+            f"{pulled / statistics.median(aged_rates):.2f}x the target's raw copy below; "
+            f"decode fallbacks {fallbacks:.0f}"
+        )
     lone_rate = statistics.median(lone_rates)
-    print(f"{LONE_PULLS} transfers alone, {lone_bytes / 1e6:.1f} MB each, each followed by raw loopback socket copies "
-          f"of its bytes ({block_bytes}-byte writes):")
+    print(
+        f"{LONE_PULLS} transfers alone, {lone_bytes / 1e6:.1f} MB each, each followed by raw loopback socket copies "
+        f"of its bytes ({block_bytes}-byte writes):"
+    )
     print(f"  transfer: median {lone_rate / 1e9:.3f} GB/s (each: {', '.join(f'{r / 1e9:.2f}' for r in lone_rates)})")
-    placed = (f"raw copy between two processes on the prefill and decode servers' cores "
-              f"({','.join(map(str, sorted(p_cores)))} -> {','.join(map(str, sorted(d_cores)))}), {lone_bytes / 1e6:.1f} MB")
-    _ratio_lines(f"{placed} of KV (no framing), into memory laid out as the decode pool's blocks and untouched "
-                 "since the deployment started, as the free blocks the transfer lands in", lone_rates, aged_rates,
-                 target=True)
+    placed = (
+        f"raw copy between two processes on the prefill and decode servers' cores "
+        f"({','.join(map(str, sorted(p_cores)))} -> {','.join(map(str, sorted(d_cores)))}), {lone_bytes / 1e6:.1f} MB"
+    )
+    _ratio_lines(
+        f"{placed} of KV (no framing), into memory laid out as the decode pool's blocks and untouched "
+        "since the deployment started, as the free blocks the transfer lands in",
+        lone_rates,
+        aged_rates,
+        target=True,
+    )
     _ratio_lines(f"{placed}, into a buffer touched a moment before", lone_rates, placed_rates)
-    _ratio_lines(f"raw copy in this process, unbound, into one reused {block_bytes}-byte buffer (cache-warm)",
-                 lone_rates, raw_rates)
-    _ratio_lines(f"raw copy in this process, unbound, between {lone_bytes / 1e6:.1f} MB buffers (memory-resident)",
-                 lone_rates, resident_rates)
+    _ratio_lines(
+        f"raw copy in this process, unbound, into one reused {block_bytes}-byte buffer (cache-warm)",
+        lone_rates,
+        raw_rates,
+    )
+    _ratio_lines(
+        f"raw copy in this process, unbound, between {lone_bytes / 1e6:.1f} MB buffers (memory-resident)",
+        lone_rates,
+        resident_rates,
+    )
     first, again = (statistics.median(r[k] for r in idle_writes) for k in (0, 1))
-    print(f"  the machine's memory: {PROBE_BYTES >> 20} MB untouched since the deployment started writes at "
-          f"{first / 1e9:.2f} GB/s (each: {', '.join(f'{r[0] / 1e9:.2f}' for r in idle_writes)}), the same bytes "
-          f"written again at {again / 1e9:.2f} GB/s (medians)")
+    print(
+        f"  the machine's memory: {PROBE_BYTES >> 20} MB untouched since the deployment started writes at "
+        f"{first / 1e9:.2f} GB/s (each: {', '.join(f'{r[0] / 1e9:.2f}' for r in idle_writes)}), the same bytes "
+        f"written again at {again / 1e9:.2f} GB/s (medians)"
+    )
     if one is not None:
         print("others = CPU cores used by other processes during the run: well above 0 means the figures are low")
 
@@ -327,9 +392,11 @@ def _ratio_lines(what: str, transfers: list[float], raws: list[float], target: b
     ratios = sorted(t / r for t, r in zip(transfers, raws))
     median = statistics.median(raws)
     print(f"  {what}: median {median / 1e9:.3f} GB/s (each: {', '.join(f'{r / 1e9:.2f}' for r in raws)})")
-    print(f"    transfer / that copy: {statistics.median(transfers) / median:.2f}x of the medians, pair by pair median "
-          f"{statistics.median(ratios):.2f}x (min {ratios[0]:.2f}, max {ratios[-1]:.2f})"
-          + ("; target >= 0.5x" if target else ""))
+    print(
+        f"    transfer / that copy: {statistics.median(transfers) / median:.2f}x of the medians, pair by pair median "
+        f"{statistics.median(ratios):.2f}x (min {ratios[0]:.2f}, max {ratios[-1]:.2f})"
+        + ("; target >= 0.5x" if target else "")
+    )
 
 
 if __name__ == "__main__":

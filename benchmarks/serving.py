@@ -75,22 +75,30 @@ def _quantile(xs: list[float], q: float) -> float:
 def deployment(model_dir: Path, prompts, args) -> None:
     common = workload_args(model_dir, args)
     with rlserve_server(*common, "--num_threads", "2") as single:
-        single_tps, single_others = asyncio.run(clients(single.url, single.pids(), prompts, args.new_tokens, args.stream))
+        single_tps, single_others = asyncio.run(
+            clients(single.url, single.pids(), prompts, args.new_tokens, args.stream)
+        )
     with rlserve_server(*common, "--deployment.replicas", "2", "--num_threads", "1") as dep:
         dep_tps, dep_others = asyncio.run(clients(dep.url, dep.pids(), prompts, args.new_tokens, args.stream))
         replica = httpx.get(f"{dep.admin_url}/deployment", timeout=30).json()["replicas"][0]["url"]
         direct, routed = asyncio.run(_latencies([replica, dep.url], args.latency_requests))
-    print(f"\ndeployment, {args.preset}, {args.clients} clients x ({args.prompt_len} prompt + {args.new_tokens} new "
-          f"tokens), stream={args.stream}")
+    print(
+        f"\ndeployment, {args.preset}, {args.clients} clients x ({args.prompt_len} prompt + {args.new_tokens} new "
+        f"tokens), stream={args.stream}"
+    )
     print(f"{'system':38s} {'tok/s':>8s} {'others':>7s}")
-    for name, tps, others in (("1 server x 2 threads", single_tps, single_others),
-                              ("2 replicas x 1 thread, vllm-router", dep_tps, dep_others)):
+    for name, tps, others in (
+        ("1 server x 2 threads", single_tps, single_others),
+        ("2 replicas x 1 thread, vllm-router", dep_tps, dep_others),
+    ):
         print(f"{name:38s} {tps:8.1f} {'-' if others is None else f'{others:.2f}':>7s}")
     print(f"2 replicas / 1 server: {dep_tps / single_tps:.2f}x (target >= 0.9x)")
-    print(f"1-token request latency over {args.latency_requests} requests (ms): direct p50 "
-          f"{_quantile(direct, .5) * 1e3:.2f} p99 {_quantile(direct, .99) * 1e3:.2f}; via router p50 "
-          f"{_quantile(routed, .5) * 1e3:.2f} p99 {_quantile(routed, .99) * 1e3:.2f}; router adds p50 "
-          f"{(_quantile(routed, .5) - _quantile(direct, .5)) * 1e3:.2f} ms (target < 1 ms)")
+    print(
+        f"1-token request latency over {args.latency_requests} requests (ms): direct p50 "
+        f"{_quantile(direct, 0.5) * 1e3:.2f} p99 {_quantile(direct, 0.99) * 1e3:.2f}; via router p50 "
+        f"{_quantile(routed, 0.5) * 1e3:.2f} p99 {_quantile(routed, 0.99) * 1e3:.2f}; router adds p50 "
+        f"{(_quantile(routed, 0.5) - _quantile(direct, 0.5)) * 1e3:.2f} ms (target < 1 ms)"
+    )
     print("others = CPU cores used by other processes during the run: well above 0 means the figures are low")
 
 
@@ -111,8 +119,10 @@ def main() -> None:
         return
     offline_tps, offline_others = offline(model_dir, prompts, args)
     served_tps, served_others = served(model_dir, prompts, args, args.stream)
-    print(f"\nserving, {args.preset}, {args.clients} clients x ({args.prompt_len} prompt + {args.new_tokens} new tokens), "
-          f"stream={args.stream}")
+    print(
+        f"\nserving, {args.preset}, {args.clients} clients x ({args.prompt_len} prompt + {args.new_tokens} new tokens), "
+        f"stream={args.stream}"
+    )
     print(f"{'system':34s} {'tok/s':>8s} {'others':>7s}")
     for name, tps, others in (
         ("rlserve engine, offline", offline_tps, offline_others),

@@ -43,8 +43,21 @@ class Supervised:
 
     def start(self) -> None:
         port = self.url.rsplit(":", 1)[1] if self.url else "0"  # the same port again: clients keep their URL
-        cmd = [sys.executable, "-m", "rlserve.cli", "serve", "--server.host", "127.0.0.1", "--server.port", port,
-               "--engine.kv_cache_bytes", str(256 << 20), "--model.max_model_len", "1024", *self.extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "rlserve.cli",
+            "serve",
+            "--server.host",
+            "127.0.0.1",
+            "--server.port",
+            port,
+            "--engine.kv_cache_bytes",
+            str(256 << 20),
+            "--model.max_model_len",
+            "1024",
+            *self.extra,
+        ]
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         while self.url is None:
@@ -70,8 +83,10 @@ class Supervised:
             kids = psutil.Process(self.proc.pid).children()
         except psutil.NoSuchProcess:
             return None
-        return next((p.pid for p in kids if "engine.core" in " ".join(p.cmdline()) or "runtime.core" in
-                     " ".join(p.cmdline())), None)
+        return next(
+            (p.pid for p in kids if "engine.core" in " ".join(p.cmdline()) or "runtime.core" in " ".join(p.cmdline())),
+            None,
+        )
 
     def rss_bytes(self) -> int:
         try:
@@ -99,10 +114,15 @@ class Tally:
         self.failed[reason[:90]] += 1
 
 
-async def one_request(client: httpx.AsyncClient, url: str, rng: random.Random, tally: Tally, lost_after: float,
-                      cancel: asyncio.Event) -> None:
-    body = {"prompt": [rng.randrange(1, 250) for _ in range(rng.randrange(8, 200))],
-            "max_tokens": rng.randrange(4, 96), "ignore_eos": True, "stream": True}
+async def one_request(
+    client: httpx.AsyncClient, url: str, rng: random.Random, tally: Tally, lost_after: float, cancel: asyncio.Event
+) -> None:
+    body = {
+        "prompt": [rng.randrange(1, 250) for _ in range(rng.randrange(8, 200))],
+        "max_tokens": rng.randrange(4, 96),
+        "ignore_eos": True,
+        "stream": True,
+    }
 
     async def run() -> None:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
@@ -140,8 +160,9 @@ def _message(text: str) -> str:
         return text[:60]
 
 
-async def client_loop(server: Supervised, seed: int, tally: Tally, until: float, lost_after: float,
-                      cancels: list[asyncio.Event]) -> None:
+async def client_loop(
+    server: Supervised, seed: int, tally: Tally, until: float, lost_after: float, cancels: list[asyncio.Event]
+) -> None:
     rng, cancel = random.Random(seed), asyncio.Event()
     cancels.append(cancel)
     async with httpx.AsyncClient(timeout=httpx.Timeout(lost_after)) as client:
@@ -169,8 +190,9 @@ async def inject(fault: str, server: Supervised, cancels: list[asyncio.Event], t
             for field in ("top_k", "seed", "logit_bias", "stop_token_ids", "logprobs"):
                 value = {"logit_bias": {str(HUGE): 1}, "stop_token_ids": [HUGE]}.get(field, HUGE)
                 try:
-                    r = await client.post(f"{server.url}/v1/completions",
-                                          json={"prompt": "x", "max_tokens": 4, field: value})
+                    r = await client.post(
+                        f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 4, field: value}
+                    )
                 except httpx.HTTPError as exc:
                     tally.fail(f"bad input {field}: {type(exc).__name__}")
                     continue
@@ -185,8 +207,9 @@ async def soak(args) -> dict:
     tally, cancels, rss, faults = Tally(), [], [], []
     start = time.monotonic()
     until = start + args.minutes * 60
-    clients = [asyncio.create_task(client_loop(server, i, tally, until, args.lost_after, cancels))
-               for i in range(args.streams)]
+    clients = [
+        asyncio.create_task(client_loop(server, i, tally, until, args.lost_after, cancels)) for i in range(args.streams)
+    ]
 
     async def sample_rss() -> None:
         while True:
@@ -219,11 +242,18 @@ async def soak(args) -> dict:
             task.cancel()
         await asyncio.gather(*clients, *helpers, return_exceptions=True)
         server.stop()
-    return {"streams": args.streams, "minutes": args.minutes, "served": tally.served,
-            "failed": sum(tally.failed.values()), "failed_by_reason": dict(tally.failed.most_common()),
-            "lost": tally.lost, "restarts": server.restarts, "faults": faults,
-            "rss_mib": {"start": rss[0][1] / 2**20, "max": max(r for _, r in rss) / 2**20, "end": rss[-1][1] / 2**20},
-            "rss": rss}
+    return {
+        "streams": args.streams,
+        "minutes": args.minutes,
+        "served": tally.served,
+        "failed": sum(tally.failed.values()),
+        "failed_by_reason": dict(tally.failed.most_common()),
+        "lost": tally.lost,
+        "restarts": server.restarts,
+        "faults": faults,
+        "rss_mib": {"start": rss[0][1] / 2**20, "max": max(r for _, r in rss) / 2**20, "end": rss[-1][1] / 2**20},
+        "rss": rss,
+    }
 
 
 def plot(result: dict, path: Path) -> None:
@@ -239,8 +269,10 @@ def plot(result: dict, path: Path) -> None:
         ax.text(t, ax.get_ylim()[1], fault, rotation=90, va="top", ha="right", fontsize=7)
     ax.set_xlabel("seconds")
     ax.set_ylabel("RSS, server + engine (MiB)")
-    ax.set_title(f"soak: {result['streams']} streams, served {result['served']}, failed {result['failed']}, "
-                 f"lost {result['lost']}")
+    ax.set_title(
+        f"soak: {result['streams']} streams, served {result['served']}, failed {result['failed']}, "
+        f"lost {result['lost']}"
+    )
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

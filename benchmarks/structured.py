@@ -25,22 +25,41 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from _cpu import OtherLoad
-
 from rlserve.config.schema import Config
 from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams
 from rlserve.engine.structured import CHECKED, StructuredOutputs
 from rlserve.model.make import bench_cache_dir, default_model_dir, make_model
 
-LONG = {"type": "object", "required": ["text"], "additionalProperties": False,
-        "properties": {"text": {"type": "string", "minLength": 4000}}}
-SMALL = {"type": "object", "additionalProperties": False, "required": ["answer", "score", "tags"],
-         "properties": {"answer": {"enum": ["yes", "no", "unsure"]}, "score": {"type": "integer", "minimum": 0,
-                        "maximum": 100}, "tags": {"type": "array", "maxItems": 3,
-                                                  "items": {"type": "string", "maxLength": 6}}}}
-TOOLISH = {"type": "object", "required": ["name", "arguments"], "additionalProperties": False,
-           "properties": {"name": {"const": "search"}, "arguments": {"type": "object", "required": ["query", "k"],
-                          "properties": {"query": {"type": "string"}, "k": {"type": "integer"}}}}}
+LONG = {
+    "type": "object",
+    "required": ["text"],
+    "additionalProperties": False,
+    "properties": {"text": {"type": "string", "minLength": 4000}},
+}
+SMALL = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["answer", "score", "tags"],
+    "properties": {
+        "answer": {"enum": ["yes", "no", "unsure"]},
+        "score": {"type": "integer", "minimum": 0, "maximum": 100},
+        "tags": {"type": "array", "maxItems": 3, "items": {"type": "string", "maxLength": 6}},
+    },
+}
+TOOLISH = {
+    "type": "object",
+    "required": ["name", "arguments"],
+    "additionalProperties": False,
+    "properties": {
+        "name": {"const": "search"},
+        "arguments": {
+            "type": "object",
+            "required": ["query", "k"],
+            "properties": {"query": {"type": "string"}, "k": {"type": "integer"}},
+        },
+    },
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -81,7 +100,9 @@ def run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    model_dir = default_model_dir() if args.preset == "tiny" else make_model(args.preset, bench_cache_dir() / args.preset)
+    model_dir = (
+        default_model_dir() if args.preset == "tiny" else make_model(args.preset, bench_cache_dir() / args.preset)
+    )
     cfg = Config()
     cfg.model.name = str(model_dir)
     cfg.model.max_model_len = 512
@@ -93,20 +114,30 @@ def main(argv: list[str] | None = None) -> None:
         return [[rng.randrange(engine.vocab_size) for _ in range(args.prompt_len)] for _ in range(args.requests)]
 
     def params(spec: dict | None, free: bool) -> SamplingParams:
-        return SamplingParams(temperature=1.0, max_tokens=args.new_tokens, seed=rng.randrange(1 << 30),
-                              ignore_eos=free, structured_outputs=spec)
+        return SamplingParams(
+            temperature=1.0,
+            max_tokens=args.new_tokens,
+            seed=rng.randrange(1 << 30),
+            ignore_eos=free,
+            structured_outputs=spec,
+        )
 
-    print(f"model {args.preset} (vocabulary {engine.vocab_size}), {args.requests} concurrent requests, "
-          f"prompt {args.prompt_len} tokens, up to {args.new_tokens} new tokens, grammar engine llguidance")
-    print("\ngrammar compile (cold, one schema on a fresh compiler): validation in the API process, compile on the "
-          "engine's thread pool")
+    print(
+        f"model {args.preset} (vocabulary {engine.vocab_size}), {args.requests} concurrent requests, "
+        f"prompt {args.prompt_len} tokens, up to {args.new_tokens} new tokens, grammar engine llguidance"
+    )
+    print(
+        "\ngrammar compile (cold, one schema on a fresh compiler): validation in the API process, compile on the "
+        "engine's thread pool"
+    )
     for name, validate, compile_ in compile_times(engine):
         print(f"  {name:<14} validate {validate * 1e3:8.2f} ms   compile {compile_ * 1e3:8.2f} ms")
     workloads = {
         "free": lambda: [params(None, True) for _ in range(args.requests)],
         "json-long": lambda: [params({"json": LONG}, False) for _ in range(args.requests)],
-        "json-mixed": lambda: [params({"json": SMALL}, False) if i % 2 else params(None, True)
-                               for i in range(args.requests)],
+        "json-mixed": lambda: [
+            params({"json": SMALL}, False) if i % 2 else params(None, True) for i in range(args.requests)
+        ],
     }
     run(engine, prompts()[:2], [params({"json": SMALL}, False), params(None, True)])  # warm-up, compiles SMALL
     run(engine, prompts()[:2], [params({"json": LONG}, False)] * 2)

@@ -59,7 +59,7 @@ class Workload:
     def prompts(self) -> list[list[int]]:
         return self.prompt_sets[0]
 
-    def repeat(self, i: int) -> "Workload":
+    def repeat(self, i: int) -> Workload:
         """The workload of the i-th timed run; a repeat never hits a prefix cache an earlier one left."""
         return replace(self, prompt_sets=[self.prompt_sets[i]])
 
@@ -98,11 +98,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch threads (default: all cores)")
+    p.add_argument(
+        "--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch threads (default: all cores)"
+    )
     p.add_argument("--repeats", type=int, default=1, help="timed runs per system and workload; the fastest is kept")
     p.add_argument("--skip-hf", action="store_true", help="skip transformers `generate`")
     p.add_argument("--skip-generate-batch", action="store_true", help="skip transformers `generate_batch`")
-    p.add_argument("--dtype", nargs="+", choices=list(SHORT), default=["float32"], help="model dtypes, each for every system")
+    p.add_argument(
+        "--dtype", nargs="+", choices=list(SHORT), default=["float32"], help="model dtypes, each for every system"
+    )
     p.add_argument("--quick", action="store_true", help="tiny preset and small counts (smoke test)")
     p.add_argument("--cache-dir", type=Path, default=bench_cache_dir())
     args = p.parse_args(argv)
@@ -135,7 +139,9 @@ def rlserve_runner(model_dir: Path, workloads: list[Workload], args, dtype: str)
     cfg = Config(num_threads=args.threads, seed=args.seed)
     cfg.model.name, cfg.model.dtype = str(model_dir), dtype
     cfg.model.max_model_len = max(512, max(w.max_len for w in workloads))
-    cfg.engine.kv_cache_bytes = kv_bytes_for(model_dir, workloads, cfg.engine.block_size, cfg.model.max_model_len, dtype)
+    cfg.engine.kv_cache_bytes = kv_bytes_for(
+        model_dir, workloads, cfg.engine.block_size, cfg.model.max_model_len, dtype
+    )
     engine = Engine(cfg)
     stats: dict[str, dict] = {}
 
@@ -171,8 +177,13 @@ def generate_runner(model_dir: Path, args, dtype: str) -> Runner:
     def run(w: Workload) -> int:
         ids = torch.tensor(w.prompts)
         config = GenerationConfig(
-            do_sample=True, temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=w.n,
-            max_new_tokens=w.new_tokens, min_new_tokens=w.new_tokens,  # EOS masked: every row runs to the end
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            num_return_sequences=w.n,
+            max_new_tokens=w.new_tokens,
+            min_new_tokens=w.new_tokens,  # EOS masked: every row runs to the end
         )
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
         return out.shape[0] * (out.shape[1] - ids.shape[1])
@@ -189,8 +200,13 @@ def generate_batch_runner(model_dir: Path, args, dtype: str) -> Runner:
 
     def run(w: Workload) -> int:
         config = GenerationConfig(
-            do_sample=True, temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=w.n,
-            max_new_tokens=w.new_tokens, eos_token_id=-1,  # -1: no EOS
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            num_return_sequences=w.n,
+            max_new_tokens=w.new_tokens,
+            eos_token_id=-1,  # -1: no EOS
         )
         cb = ContinuousBatchingConfig(
             page_size=CB_PAGE_SIZE,
@@ -211,7 +227,9 @@ def generate_batch_runner(model_dir: Path, args, dtype: str) -> Runner:
 # ---- timing and report ----------------------------------------------------------------------
 
 
-def measure(system: str, run: Runner, warmup: Workload, timed: list[Workload], repeats: int, dtype: str) -> list[Result]:
+def measure(
+    system: str, run: Runner, warmup: Workload, timed: list[Workload], repeats: int, dtype: str
+) -> list[Result]:
     run(warmup)
     results = []
     for w in timed:
@@ -229,7 +247,13 @@ def measure(system: str, run: Runner, warmup: Workload, timed: list[Workload], r
 
 def stats_delta(before: dict, after: dict) -> dict:
     """Counters as the run's own increments; gauges (running, usage, blocks) as they are after it."""
-    counters = ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens_computed", "generation_tokens")
+    counters = (
+        "num_preemptions",
+        "prefix_cache_queries",
+        "prefix_cache_hits",
+        "prompt_tokens_computed",
+        "generation_tokens",
+    )
     return {k: after[k] - before[k] if k in counters else after[k] for k in after}
 
 
@@ -252,9 +276,16 @@ def target(r: Result, ours: Result | None, fp32: Result | None) -> str:
     return f"rlserve >= {goal:.0f}x: {'met' if ours.tok_s / r.tok_s >= goal else 'missed'}"
 
 
-def report(results: list[Result], stats: dict[tuple[str, str], dict], timed: list[Workload], args,
-           peaks: tuple[float, float] | None = None) -> None:
-    print(f"\n{'system':<33} {'batch':>5} {'tokens':>7} {'seconds':>8} {'tok/s':>8} {'rlserve/x':>10} {'others':>7}  target")
+def report(
+    results: list[Result],
+    stats: dict[tuple[str, str], dict],
+    timed: list[Workload],
+    args,
+    peaks: tuple[float, float] | None = None,
+) -> None:
+    print(
+        f"\n{'system':<33} {'batch':>5} {'tokens':>7} {'seconds':>8} {'tok/s':>8} {'rlserve/x':>10} {'others':>7}  target"
+    )
     for w in timed:
         rows = [r for r in results if r.workload == w.name]
         fp32 = next((r for r in rows if r.system == RLSERVE), None)
@@ -263,17 +294,23 @@ def report(results: list[Result], stats: dict[tuple[str, str], dict], timed: lis
             ratio = "" if ours is None or r is ours else f"{ours.tok_s / r.tok_s:.1f}x"
             others = "" if r.others is None else f"{r.others:.2f}"
             goal = "" if args.quick else target(r, ours, fp32)
-            print(f"{r.system:<33} {r.seqs:>5} {r.tokens:>7} {r.seconds:>8.2f} {r.tok_s:>8.1f} {ratio:>10} {others:>7}  {goal}")
+            print(
+                f"{r.system:<33} {r.seqs:>5} {r.tokens:>7} {r.seconds:>8.2f} {r.tok_s:>8.1f} {ratio:>10} {others:>7}  {goal}"
+            )
     print("rlserve/x = rlserve's tok/s in the row's dtype over the row's")
-    print(f"others = CPU cores used by other processes during the run (of {os.cpu_count()}): "
-          "well above 0 means the figures are low")
+    print(
+        f"others = CPU cores used by other processes during the run (of {os.cpu_count()}): "
+        "well above 0 means the figures are low"
+    )
     if not args.quick:
         print("targets (from the issue) are for the default workload on a 2-core CPU (bf16: one with native bf16)")
     if peaks is not None:
         fp32, bf16 = peaks
-        print(f"this CPU's instruction peaks, 1 core: fp32 FMA {fp32:.0f} GFLOP/s, AVX512_BF16 dot {bf16:.0f} GFLOP/s "
-              f"({bf16 / fp32:.2f}x; bf16 weights are 0.5x the bytes): the most bf16 can gain over an fp32 path "
-              "running at its own peak" + ("; AMX not measured" if "amx_bf16" in _cpu_id() else ""))
+        print(
+            f"this CPU's instruction peaks, 1 core: fp32 FMA {fp32:.0f} GFLOP/s, AVX512_BF16 dot {bf16:.0f} GFLOP/s "
+            f"({bf16 / fp32:.2f}x; bf16 weights are 0.5x the bytes): the most bf16 can gain over an fp32 path "
+            "running at its own peak" + ("; AMX not measured" if "amx_bf16" in _cpu_id() else "")
+        )
     for (dtype, name), values in stats.items():
         print(f"\nrlserve {dtype} engine stats, {name} run (counters are this run's increments):")
         print("  " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items()))
@@ -288,10 +325,14 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = make_model(args.preset, args.cache_dir / args.preset)
     warmup, timed = make_workloads(args, json.loads((model_dir / "config.json").read_text())["vocab_size"])
     print(f"model {args.preset} (random weights; {', '.join(args.dtype)}) at {model_dir}")
-    print(f"workload: {args.batch_prompts} prompts x n={args.n}, {args.prompt_len} prompt + {args.new_tokens} new "
-          f"tokens, temperature 1, EOS ignored; then 1 prompt x n=1; best of {args.repeats}")
-    print(f"torch {torch.__version__} ({args.threads} threads, {os.cpu_count()} cores), "
-          f"transformers {transformers.__version__}")
+    print(
+        f"workload: {args.batch_prompts} prompts x n={args.n}, {args.prompt_len} prompt + {args.new_tokens} new "
+        f"tokens, temperature 1, EOS ignored; then 1 prompt x n=1; best of {args.repeats}"
+    )
+    print(
+        f"torch {torch.__version__} ({args.threads} threads, {os.cpu_count()} cores), "
+        f"transformers {transformers.__version__}"
+    )
 
     results: list[Result] = []
     stats: dict[tuple[str, str], dict] = {}
@@ -306,7 +347,9 @@ def main(argv: list[str] | None = None) -> None:
             results += measure(GENERATE, generate_runner(model_dir, args, dtype), warmup, timed, args.repeats, dtype)
             gc.collect()
         if not args.skip_generate_batch:
-            results += measure(GENERATE_BATCH, generate_batch_runner(model_dir, args, dtype), warmup, timed, args.repeats, dtype)
+            results += measure(
+                GENERATE_BATCH, generate_batch_runner(model_dir, args, dtype), warmup, timed, args.repeats, dtype
+            )
             gc.collect()
     peaks = instruction_peaks() if "bfloat16" in args.dtype and "float32" in args.dtype and not args.quick else None
     report(results, stats, timed, args, peaks)

@@ -74,7 +74,9 @@ def _raw_receiver(port: int, sizes: list[int]) -> None:
 
 def bench_raw_broadcast(tensors: dict[str, torch.Tensor], bucket_bytes: int, repeats: int) -> float:
     """A bare broadcast of the same bytes in the same bucket sizes, between two processes."""
-    sizes = [sum(t.numel() * t.element_size() for _, t in b) for b in weight_transfer._buckets(tensors.items(), bucket_bytes)]
+    sizes = [
+        sum(t.numel() * t.element_size() for _, t in b) for b in weight_transfer._buckets(tensors.items(), bucket_bytes)
+    ]
     times = []
     for _ in range(repeats):
         port = free_port()
@@ -97,8 +99,9 @@ def bench_push(base: Path, tensors: dict[str, torch.Tensor], bucket_bytes: int, 
     from rlserve.client.weights import WeightBroadcaster
 
     times = []
-    with rlserve_server("--model.name", str(base), "--model.max_model_len", "256",
-                        "--engine.kv_cache_bytes", str(64 << 20)) as server:
+    with rlserve_server(
+        "--model.name", str(base), "--model.max_model_len", "256", "--engine.kv_cache_bytes", str(64 << 20)
+    ) as server:
         with WeightBroadcaster([server.url], "127.0.0.1", free_port(), bucket_bytes=bucket_bytes) as b:
             for _ in range(repeats):
                 start = time.perf_counter()
@@ -130,7 +133,9 @@ def main() -> None:
         ("raw torch.distributed broadcast (floor)", raw_s, None),
         ("rlserve WeightBroadcaster.push", push_s, push_s / raw_s),
     ]
-    print(f"\nweight update, {args.preset}, {mb:.0f} MB fp32, median of {args.repeats}, {torch.get_num_threads()} threads")
+    print(
+        f"\nweight update, {args.preset}, {mb:.0f} MB fp32, median of {args.repeats}, {torch.get_num_threads()} threads"
+    )
     print(f"{'path':42s} {'seconds':>8s} {'GB/s':>7s} {'vs floor':>9s}")
     for name, secs, ratio in rows:
         print(f"{name:42s} {secs:8.3f} {nbytes / secs / 1e9:7.2f} {'' if ratio is None else f'{ratio:8.2f}x':>9s}")

@@ -38,8 +38,24 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rlserve.client import Sample, SyncInferenceClient, TrainingBatch, build_training_batch
 from rlserve.deploy.process import free_port
 
-TOPICS = ["animals", "the sea", "music", "colors", "food", "weather", "cities", "games",
-          "trees", "space", "rivers", "books", "tools", "birds", "sports", "fruit"]
+TOPICS = [
+    "animals",
+    "the sea",
+    "music",
+    "colors",
+    "food",
+    "weather",
+    "cities",
+    "games",
+    "trees",
+    "space",
+    "rivers",
+    "books",
+    "tools",
+    "birds",
+    "sports",
+    "fruit",
+]
 VOWEL_WORD = re.compile(r" [aeiou][a-z]*")
 
 
@@ -84,9 +100,24 @@ class VowelTask:
 
 def start_server(model_dir: Path, weight_root: Path) -> tuple[str, subprocess.Popen, Path]:
     log = Path(tempfile.mkstemp(prefix="grpo-rlserve-", suffix=".log")[1])
-    cmd = [sys.executable, "-m", "rlserve.cli", "serve", "--server.host", "127.0.0.1", "--server.port", "0",
-           "--model.name", str(model_dir), "--model.max_model_len", "512",
-           "--engine.kv_cache_bytes", str(64 << 20), "--weight_roots", json.dumps([str(weight_root)])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlserve.cli",
+        "serve",
+        "--server.host",
+        "127.0.0.1",
+        "--server.port",
+        "0",
+        "--model.name",
+        str(model_dir),
+        "--model.max_model_len",
+        "512",
+        "--engine.kv_cache_bytes",
+        str(64 << 20),
+        "--weight_roots",
+        json.dumps([str(weight_root)]),
+    ]
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
@@ -114,14 +145,25 @@ def stop_server(proc: subprocess.Popen) -> None:
 # ---- rollouts -----------------------------------------------------------------------------------
 
 
-def rollout(client: SyncInferenceClient, pool: ThreadPoolExecutor, prompts: list[list[int]], args,
-            min_version: int, step: int) -> tuple[list[list[Sample]], float]:
+def rollout(
+    client: SyncInferenceClient, pool: ThreadPoolExecutor, prompts: list[list[int]], args, min_version: int, step: int
+) -> tuple[list[list[Sample]], float]:
     """One group per prompt, all groups in flight at once; returns (groups, seconds)."""
     start = time.perf_counter()
-    futures = [pool.submit(client.generate_group, token_ids=ids, n=args.group_size, max_tokens=args.max_tokens,
-                           temperature=1.0, seed=args.seed * 1_000_003 + step * 1009 + i, return_text=False,
-                           min_policy_version=min_version, session_id=f"step{step}-prompt{i}")
-               for i, ids in enumerate(prompts)]
+    futures = [
+        pool.submit(
+            client.generate_group,
+            token_ids=ids,
+            n=args.group_size,
+            max_tokens=args.max_tokens,
+            temperature=1.0,
+            seed=args.seed * 1_000_003 + step * 1009 + i,
+            return_text=False,
+            min_policy_version=min_version,
+            session_id=f"step{step}-prompt{i}",
+        )
+        for i, ids in enumerate(prompts)
+    ]
     return [f.result() for f in futures], time.perf_counter() - start
 
 
@@ -144,8 +186,14 @@ def token_logprobs(model, batch: TrainingBatch, params: dict[str, torch.Tensor] 
     return logp.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
 
 
-def train_step(model, optimizer, batch: TrainingBatch, advantages: torch.Tensor, args,
-               sampler_params: dict[str, torch.Tensor] | None) -> dict[str, float]:
+def train_step(
+    model,
+    optimizer,
+    batch: TrainingBatch,
+    advantages: torch.Tensor,
+    args,
+    sampler_params: dict[str, torch.Tensor] | None,
+) -> dict[str, float]:
     """One GRPO step: token-mean clipped surrogate with rlserve's logprobs as the old policy."""
     mask = batch.loss_mask[:, 1:]
     old = batch.logprobs[:, 1:]
@@ -165,8 +213,12 @@ def train_step(model, optimizer, batch: TrainingBatch, advantages: torch.Tensor,
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     clip_fraction = float((((ratio - clipped).abs() > 0) * mask).sum() / mask.sum())
-    return {"loss": loss.item(), "mismatch_kl": mismatch_kl, "max_abs_logprob_diff": max_diff,
-            "clip_fraction": clip_fraction}
+    return {
+        "loss": loss.item(),
+        "mismatch_kl": mismatch_kl,
+        "max_abs_logprob_diff": max_diff,
+        "clip_fraction": clip_fraction,
+    }
 
 
 class Pusher:
@@ -234,13 +286,17 @@ def train(args) -> list[StepMetrics]:
         prompt_ids = [client.tokenize(messages=task.prompt(i)) for i in range(len(TOPICS))]
 
         def prompts_for(step: int) -> list[list[int]]:
-            return [prompt_ids[(step * args.prompts_per_step + i) % len(prompt_ids)] for i in range(args.prompts_per_step)]
+            return [
+                prompt_ids[(step * args.prompts_per_step + i) % len(prompt_ids)] for i in range(args.prompts_per_step)
+            ]
 
         snapshot = None  # weights of the policy that sampled the pending batch (async only)
         pending = ahead.submit(rollout, client, pool, prompts_for(0), args, version, 0)
         pending_version = version
-        print(f"{'step':>4} {'reward':>7} {'mismatch_kl':>11} {'max|dlp|':>9} {'version':>7} {'stale':>5} "
-              f"{'tok/s':>7} {'rollout_s':>9} {'train_s':>7} {'push_s':>6}")
+        print(
+            f"{'step':>4} {'reward':>7} {'mismatch_kl':>11} {'max|dlp|':>9} {'version':>7} {'stale':>5} "
+            f"{'tok/s':>7} {'rollout_s':>9} {'train_s':>7} {'push_s':>6}"
+        )
         bar = tqdm(range(args.steps), desc="grpo", unit="step", dynamic_ncols=True, file=sys.stderr)
         for step in bar:
             t0 = time.perf_counter()
@@ -273,18 +329,31 @@ def train(args) -> list[StepMetrics]:
             tokens = sum(len(s.completion_ids) for s in samples)
             staleness = [version - 1 - v for v in versions]
             m = StepMetrics(
-                step=step, reward_mean=statistics.fmean(r for g in rewards for r in g),
-                mismatch_kl=stats["mismatch_kl"], max_abs_logprob_diff=stats["max_abs_logprob_diff"],
-                policy_version=min(versions) if len(versions) == 1 else -1, expected_policy_version=expected,
-                staleness_mean=statistics.fmean(staleness), staleness_max=max(staleness), loss=stats["loss"],
-                clip_fraction=stats["clip_fraction"], completion_tokens=tokens, rollout_s=rollout_s,
-                rollout_tokens_per_s=tokens / rollout_s, train_s=train_s, push_s=push_s,
-                step_s=time.perf_counter() - t0)
+                step=step,
+                reward_mean=statistics.fmean(r for g in rewards for r in g),
+                mismatch_kl=stats["mismatch_kl"],
+                max_abs_logprob_diff=stats["max_abs_logprob_diff"],
+                policy_version=min(versions) if len(versions) == 1 else -1,
+                expected_policy_version=expected,
+                staleness_mean=statistics.fmean(staleness),
+                staleness_max=max(staleness),
+                loss=stats["loss"],
+                clip_fraction=stats["clip_fraction"],
+                completion_tokens=tokens,
+                rollout_s=rollout_s,
+                rollout_tokens_per_s=tokens / rollout_s,
+                train_s=train_s,
+                push_s=push_s,
+                step_s=time.perf_counter() - t0,
+            )
             history.append(m)
             bar.set_postfix(reward=f"{m.reward_mean:.3f}", kl=f"{m.mismatch_kl:.1e}")
-            tqdm.write(f"{m.step:>4} {m.reward_mean:>7.3f} {m.mismatch_kl:>11.2e} {m.max_abs_logprob_diff:>9.2e} "
-                       f"{m.policy_version:>7} {m.staleness_max:>5} {m.rollout_tokens_per_s:>7.0f} "
-                       f"{m.rollout_s:>9.2f} {m.train_s:>7.2f} {m.push_s:>6.2f}", file=sys.stdout)
+            tqdm.write(
+                f"{m.step:>4} {m.reward_mean:>7.3f} {m.mismatch_kl:>11.2e} {m.max_abs_logprob_diff:>9.2e} "
+                f"{m.policy_version:>7} {m.staleness_max:>5} {m.rollout_tokens_per_s:>7.0f} "
+                f"{m.rollout_s:>9.2f} {m.train_s:>7.2f} {m.push_s:>6.2f}",
+                file=sys.stdout,
+            )
             if out:
                 with open(out / "metrics.jsonl", "a") as f:
                     f.write(json.dumps(asdict(m)) + "\n")
@@ -310,8 +379,10 @@ def require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise SystemExit("grpo.py: --out draws plot.png with matplotlib, which is not installed: "
-                         "pip install -e .[examples] (or pip install matplotlib), or drop --out") from None
+        raise SystemExit(
+            "grpo.py: --out draws plot.png with matplotlib, which is not installed: "
+            "pip install -e .[examples] (or pip install matplotlib), or drop --out"
+        ) from None
 
 
 def plot(history: list[StepMetrics], path: Path) -> None:
@@ -328,8 +399,9 @@ def plot(history: list[StepMetrics], path: Path) -> None:
     top.grid(alpha=0.3)
     top.set_title("GRPO through rlserve: reward, and the trainer/server logprob mismatch")
     bottom.semilogy(steps, [max(m.mismatch_kl, 1e-12) for m in history], marker="o", ms=3, label="mismatch KL")
-    bottom.semilogy(steps, [max(m.max_abs_logprob_diff, 1e-12) for m in history], marker="s", ms=3,
-                    label="max |Δ logprob|")
+    bottom.semilogy(
+        steps, [max(m.max_abs_logprob_diff, 1e-12) for m in history], marker="s", ms=3, label="max |Δ logprob|"
+    )
     bottom.set_ylabel("trainer vs rlserve\n(≤ 0 drawn at 1e-12)")
     bottom.set_xlabel("step")
     bottom.grid(alpha=0.3)
@@ -346,11 +418,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-5)
     p.add_argument("--clip", type=float, default=0.2, help="PPO clip range of the importance ratio")
-    p.add_argument("--async-steps", type=int, choices=(0, 1), default=0,
-                   help="1: sample the next batch while this one trains (one step off-policy)")
+    p.add_argument(
+        "--async-steps",
+        type=int,
+        choices=(0, 1),
+        default=0,
+        help="1: sample the next batch while this one trains (one step off-policy)",
+    )
     p.add_argument("--update-from-disk", action="store_true", help="push weights as safetensors files")
-    p.add_argument("--weights-dir", help="where --update-from-disk writes them (default: a temporary folder; "
-                                         "with --base-url, one under that server's weight_roots)")
+    p.add_argument(
+        "--weights-dir",
+        help="where --update-from-disk writes them (default: a temporary folder; "
+        "with --base-url, one under that server's weight_roots)",
+    )
     p.add_argument("--model", help="a Hugging Face model directory (default: rlserve's embedded model)")
     p.add_argument("--base-url", help="use this running rlserve (serving --model) instead of starting one")
     p.add_argument("--seed", type=int, default=0)
@@ -368,11 +448,13 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - started
     first = statistics.fmean(m.reward_mean for m in history[:3])
     last = statistics.fmean(m.reward_mean for m in history[-3:])
-    print(f"{len(history)} steps in {wall:.0f} s: reward {first:.3f} -> {last:.3f} (mean of the first/last 3), "
-          f"max mismatch KL {max(m.mismatch_kl for m in history):.1e}, "
-          f"max |Δ logprob| {max(m.max_abs_logprob_diff for m in history):.1e}, "
-          f"rollout {statistics.fmean(m.rollout_tokens_per_s for m in history):.0f} tok/s, "
-          f"push {statistics.fmean(m.push_s for m in history):.2f} s/step")
+    print(
+        f"{len(history)} steps in {wall:.0f} s: reward {first:.3f} -> {last:.3f} (mean of the first/last 3), "
+        f"max mismatch KL {max(m.mismatch_kl for m in history):.1e}, "
+        f"max |Δ logprob| {max(m.max_abs_logprob_diff for m in history):.1e}, "
+        f"rollout {statistics.fmean(m.rollout_tokens_per_s for m in history):.0f} tok/s, "
+        f"push {statistics.fmean(m.push_s for m in history):.2f} s/step"
+    )
     if args.out:
         print(f"wrote {args.out}/metrics.jsonl and {args.out}/plot.png")
     return 0

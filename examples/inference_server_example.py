@@ -21,16 +21,13 @@ async def main():
     async with InferenceClient(URL) as client:
         # Generate text
         result = await client.generate(
-            prompt="What is reinforcement learning?",
-            temperature=0.7,
-            max_tokens=100,
-            policy_version=1,
-            step_id=100
+            prompt="What is reinforcement learning?", temperature=0.7, max_tokens=100, policy_version=1, step_id=100
         )
         print(f"Generated: {result['text']}")
 
         # Load new adapter
         adapter_result = await client.load_adapter(ADAPTER)
         print(f"New policy version: {adapter_result['policy_version']}")
+
 
 asyncio.run(main())

@@ -36,10 +36,12 @@ def group_advantages(rewards: list[float]) -> list[float]:
 async def rollout(client: InferenceClient, prompt: str, group: int, group_size: int, max_tokens: int) -> list[Sample]:
     messages = [{"role": "user", "content": prompt}]
     # one session per trajectory: a multi-turn episode would keep hitting the same replica's prefix cache
-    return await asyncio.gather(*(
-        client.chat(messages, max_tokens=max_tokens, temperature=1.0, session_id=f"group{group}-sample{k}")
-        for k in range(group_size)
-    ))
+    return await asyncio.gather(
+        *(
+            client.chat(messages, max_tokens=max_tokens, temperature=1.0, session_id=f"group{group}-sample{k}")
+            for k in range(group_size)
+        )
+    )
 
 
 async def main() -> None:
@@ -50,8 +52,9 @@ async def main() -> None:
     args = parser.parse_args()
 
     async with InferenceClient(args.base_url.split(",")) as client:
-        groups = await asyncio.gather(*(
-            rollout(client, p, g, args.group_size, args.max_tokens) for g, p in enumerate(PROMPTS)))
+        groups = await asyncio.gather(
+            *(rollout(client, p, g, args.group_size, args.max_tokens) for g, p in enumerate(PROMPTS))
+        )
 
     samples = [s for group in groups for s in group]
     advantages = [a for group in groups for a in group_advantages([reward(s) for s in group])]
@@ -61,8 +64,10 @@ async def main() -> None:
     for name in ("input_ids", "attention_mask", "loss_mask", "logprobs", "policy_versions"):
         print(f"  {name:16s} {tuple(getattr(batch, name).shape)}")
     first = samples[0]
-    print(f"sample 0: prompt ids {first.prompt_ids[:6]}... ({len(first.prompt_ids)}), "
-          f"completion ids {first.completion_ids[:6]}... ({len(first.completion_ids)})")
+    print(
+        f"sample 0: prompt ids {first.prompt_ids[:6]}... ({len(first.prompt_ids)}), "
+        f"completion ids {first.completion_ids[:6]}... ({len(first.completion_ids)})"
+    )
     print(f"  logprobs {[round(x, 3) for x in first.logprobs[:6]]}")
     print(f"  text {first.text!r}")
     print(f"policy versions {batch.policy_versions.tolist()}")

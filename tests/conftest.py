@@ -23,8 +23,13 @@ SERVER_DEFAULTS = ("--engine.kv_cache_bytes", str(64 << 20), "--model.max_model_
 _URL_LINE = re.compile(r"rlserve: serving \S+ on (http://\S+)")
 
 
-def start_server(*args: str, timeout: float = 180.0, defaults: tuple[str, ...] = SERVER_DEFAULTS,
-                 command: str = "serve", head: tuple[str, ...] = ()) -> tuple[str, subprocess.Popen]:
+def start_server(
+    *args: str,
+    timeout: float = 180.0,
+    defaults: tuple[str, ...] = SERVER_DEFAULTS,
+    command: str = "serve",
+    head: tuple[str, ...] = (),
+) -> tuple[str, subprocess.Popen]:
     """Start `python -m rlserve.cli serve` on a free port; return (base_url, process) once /health is 200.
 
     `args` are config overrides (`--section.key value`); they win over SERVER_DEFAULTS. `head` goes right
@@ -33,8 +38,19 @@ def start_server(*args: str, timeout: float = 180.0, defaults: tuple[str, ...] =
     """
     fd, log_path = tempfile.mkstemp(prefix="rlserve-test-server-", suffix=".log")
     env = {k: v for k, v in os.environ.items() if k not in ("RLSERVE_API_KEY", "VLLM_API_KEY")}
-    cmd = [sys.executable, "-m", "rlserve.cli", command, *head, "--server.host", "127.0.0.1", "--server.port", "0",
-           *defaults, *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlserve.cli",
+        command,
+        *head,
+        "--server.host",
+        "127.0.0.1",
+        "--server.port",
+        "0",
+        *defaults,
+        *args,
+    ]
     with os.fdopen(fd, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     proc.log_path = Path(log_path)  # type: ignore[attr-defined]
@@ -131,5 +147,9 @@ def peft_adapter(root: Path):
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--soak-minutes", type=float, default=0.0,
-                     help="run tests/test_soak.py for this many minutes instead of its CI-sized fixed workload")
+    parser.addoption(
+        "--soak-minutes",
+        type=float,
+        default=0.0,
+        help="run tests/test_soak.py for this many minutes instead of its CI-sized fixed workload",
+    )

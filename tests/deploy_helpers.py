@@ -26,8 +26,18 @@ def start_deployment(*args: str, timeout: float = 300.0) -> tuple[str, str, subp
     """(public URL, admin URL, supervisor process) once the router and the admin address answer."""
     fd, log_path = tempfile.mkstemp(prefix="rlserve-test-deploy-", suffix=".log")
     env = {k: v for k, v in os.environ.items() if k not in ("RLSERVE_API_KEY", "VLLM_API_KEY")}
-    cmd = [sys.executable, "-m", "rlserve.cli", "serve", "--server.host", "127.0.0.1", "--server.port", "0",
-           *SERVER_DEFAULTS, *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlserve.cli",
+        "serve",
+        "--server.host",
+        "127.0.0.1",
+        "--server.port",
+        "0",
+        *SERVER_DEFAULTS,
+        *args,
+    ]
     with os.fdopen(fd, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     proc.log_path = Path(log_path)  # type: ignore[attr-defined]
@@ -115,13 +125,24 @@ def local_ray_cluster(num_nodes: int) -> Iterator:
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     os.makedirs(os.path.join(temp_dir, "ray"))
-    node = {"num_cpus": 1, "object_store_memory": 80 << 20, "include_dashboard": False, "temp_dir": temp_dir,
-            "node_ip_address": "127.0.0.1"}
+    node = {
+        "num_cpus": 1,
+        "object_store_memory": 80 << 20,
+        "include_dashboard": False,
+        "temp_dir": temp_dir,
+        "node_ip_address": "127.0.0.1",
+    }
     picked = iter(_distinct_free_ports(6 * num_nodes + 1))
 
     def ports() -> dict:  # never Ray's defaults: other test runs may be using them
-        names = ("node_manager_port", "object_manager_port", "metrics_export_port", "metrics_agent_port",
-                 "runtime_env_agent_port", "dashboard_agent_listen_port")
+        names = (
+            "node_manager_port",
+            "object_manager_port",
+            "metrics_export_port",
+            "metrics_agent_port",
+            "runtime_env_agent_port",
+            "dashboard_agent_listen_port",
+        )
         return {name: next(picked) for name in names}
 
     c = Cluster(initialize_head=True, head_node_args={**node, **ports(), "gcs_server_port": next(picked)})

@@ -16,8 +16,9 @@ from rlserve.model.make import default_model_dir
 
 @pytest.fixture(scope="session")
 def base_url() -> Iterator[str]:
-    url, proc = start_server("--engine.allow-forced-tokens", "--model.tool_call_parser", "hermes",
-                             "--model.reasoning_parser", "qwen3")
+    url, proc = start_server(
+        "--engine.allow-forced-tokens", "--model.tool_call_parser", "hermes", "--model.reasoning_parser", "qwen3"
+    )
     try:
         yield url
     finally:

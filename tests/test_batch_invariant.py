@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from rlserve.config.schema import Config
 from rlserve.config.load import load_config
+from rlserve.config.schema import Config
 from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams
 

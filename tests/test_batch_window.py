@@ -7,8 +7,8 @@ import asyncio
 
 import httpx
 import pytest
-from conftest import start_server, stop_server
 
+from conftest import start_server, stop_server
 from rlserve.config.schema import Config
 from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams
@@ -67,8 +67,9 @@ def test_window_off_runs_the_first_request_at_once(model_dir):
 
 @pytest.mark.parametrize("core_process", ["true", "false"], ids=["engine-process", "engine-thread"])
 def test_server_forms_one_batch_of_five_from_a_burst(core_process):
-    url, proc = start_server("--engine.batch-window-ms", "600000", "--engine.max-num-seqs", "5",
-                             "--engine.core-process", core_process)
+    url, proc = start_server(
+        "--engine.batch-window-ms", "600000", "--engine.max-num-seqs", "5", "--engine.core-process", core_process
+    )
     try:
         body = {"prompt": "hello there", "max_tokens": 3, "ignore_eos": True}
 
@@ -90,8 +91,9 @@ def test_server_runs_a_lone_request_when_the_window_ends():
     url, proc = start_server("--flush-interval-ms", "2000", "--max-batch", "5")
     try:
         before = httpx.get(f"{url}/metrics?format=json", timeout=30).json()["num_steps"]
-        answer = httpx.post(f"{url}/generate", json={"prompt": "alone", "max_tokens": 4, "ignore_eos": True},
-                            timeout=300).json()
+        answer = httpx.post(
+            f"{url}/generate", json={"prompt": "alone", "max_tokens": 4, "ignore_eos": True}, timeout=300
+        ).json()
         assert answer["metadata"]["batch_size"] == 1 and len(answer["completion_ids"]) == 4
         # held without a step until the window ended, then one step per token: no step ran empty
         assert httpx.get(f"{url}/metrics?format=json", timeout=30).json()["num_steps"] - before == 4

@@ -13,7 +13,9 @@ SMALL = ["--prompt-len", "8", "--output-len", "4", "--no-progress"]
 
 
 def bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rlserve.cli", "bench", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "rlserve.cli", "bench", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def check_outputs(out: subprocess.CompletedProcess, json_path, png_path) -> dict:

@@ -54,14 +54,35 @@ def test_the_instruction_peak_probe_builds_and_reports_two_rates():
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_serving_small(tmp_path, stream):
-    out = run(tmp_path, "serving.py", "--preset", "tiny", "--clients", "3", "--new-tokens", "4", *(["--stream"] if stream else []))
+    out = run(
+        tmp_path,
+        "serving.py",
+        "--preset",
+        "tiny",
+        "--clients",
+        "3",
+        "--new-tokens",
+        "4",
+        *(["--stream"] if stream else []),
+    )
     assert rate(out, "rlserve engine, offline") > 0 and rate(out, "rlserve server, concurrent clients") > 0
     assert re.search(r"rlserve server, concurrent clients\s+[\d.]+\s+[\d.-]+", out)  # the others column
 
 
 def test_serving_deployment_small(tmp_path):
-    out = run(tmp_path, "serving.py", "--preset", "tiny", "--deployment", "--clients", "3", "--new-tokens", "4",
-              "--latency-requests", "5")
+    out = run(
+        tmp_path,
+        "serving.py",
+        "--preset",
+        "tiny",
+        "--deployment",
+        "--clients",
+        "3",
+        "--new-tokens",
+        "4",
+        "--latency-requests",
+        "5",
+    )
     assert rate(out, "1 server x 2 threads") > 0 and rate(out, "2 replicas x 1 thread, vllm-router") > 0
     assert "via router p50" in out
 

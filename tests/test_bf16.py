@@ -76,7 +76,9 @@ def test_bf16_greedy_tokens_and_logprobs_follow_transformers_bf16(model_dir):
     hf = hf_model(model_dir, torch.bfloat16)
     compared = 0
     for prompt, comp in zip(prompts, completions):
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=GREEDY_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+        ref = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=GREEDY_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
         ref = ref[0, len(prompt) :].tolist()
         decided = tokens_before_near_tie(hf, prompt, ref)
         assert comp.token_ids[:decided] == ref[:decided]
@@ -127,7 +129,13 @@ def test_fp32_head_reads_the_bf16_weight(tmp_path, monkeypatch):
         pytest.skip("the bf16 GEMV runs only on CPUs with native bf16")
     widened = []
     real = CpuKernels.gemv
-    monkeypatch.setattr(CpuKernels, "gemv", lambda self, x, w, *a, **kw: (widened.append(w.dtype) if kw.get("fp32_out") else None) or real(self, x, w, *a, **kw))
+    monkeypatch.setattr(
+        CpuKernels,
+        "gemv",
+        lambda self, x, w, *a, **kw: (
+            (widened.append(w.dtype) if kw.get("fp32_out") else None) or real(self, x, w, *a, **kw)
+        ),
+    )
     limit = model.gemv.gemv_rows(torch.bfloat16)
     for rows in (1, limit, limit + 1, 100):
         hidden = torch.randn(rows, engine.shape.hidden_size).bfloat16()

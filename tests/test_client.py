@@ -21,8 +21,18 @@ from safetensors.torch import save_file
 
 from conftest import start_server, stop_server
 from rlserve.client import (
-    AdminError, BadRequest, ContextLengthExceeded, InferenceClient, RetryableError, ServerError, StreamInterrupted,
-    SyncInferenceClient, WeightSyncTimeout, build_training_batch, hf_tokenizer, to_nexrl,
+    AdminError,
+    BadRequest,
+    ContextLengthExceeded,
+    InferenceClient,
+    RetryableError,
+    ServerError,
+    StreamInterrupted,
+    SyncInferenceClient,
+    WeightSyncTimeout,
+    build_training_batch,
+    hf_tokenizer,
+    to_nexrl,
 )
 from rlserve.client.endpoints import rendezvous_score
 from rlserve.model.make import make_model
@@ -143,8 +153,10 @@ def test_sessions_stick_to_one_endpoint_and_spread_over_both(cluster):
 
     async def scenario():
         async with InferenceClient(urls) as client:
-            calls = [client.generate(token_ids=[7, 8, i % 5 + 1], max_tokens=2, session_id=f"traj-{i % 16}")
-                     for i in range(64)]
+            calls = [
+                client.generate(token_ids=[7, 8, i % 5 + 1], max_tokens=2, session_id=f"traj-{i % 16}")
+                for i in range(64)
+            ]
             by_session = await asyncio.gather(*calls)
             unsessioned = await asyncio.gather(*(client.generate(token_ids=[3], max_tokens=2) for _ in range(16)))
             return by_session, unsessioned
@@ -163,6 +175,7 @@ def test_an_endpoint_that_goes_away_loses_its_sessions_and_gets_them_back(cluste
 
     async def scenario():
         async with InferenceClient([a, b], probe_interval=0.2, backoff_base=0.01) as client:
+
             async def home(session):
                 return (await client.generate(token_ids=[1, 2], max_tokens=1, session_id=session)).endpoint
 
@@ -242,8 +255,14 @@ def test_an_update_holds_new_generations_and_no_sample_mixes_versions(cluster, n
             assert len(old) == 1
             (old_version,) = old
             await client.generate(token_ids=[1], max_tokens=1)
-            running = [asyncio.create_task(client.generate(token_ids=[1, 2, k + 1], max_tokens=300 + k, temperature=0,
-                                                           sampling_params={"ignore_eos": True})) for k in range(8)]
+            running = [
+                asyncio.create_task(
+                    client.generate(
+                        token_ids=[1, 2, k + 1], max_tokens=300 + k, temperature=0, sampling_params={"ignore_eos": True}
+                    )
+                )
+                for k in range(8)
+            ]
             deadline = time.monotonic() + 300  # a hang guard only: a loaded machine may take long to admit them
             while sum(m["num_running"] for m in await _server_state(urls)) < 8:  # all of them on the servers
                 assert time.monotonic() < deadline and not any(t.done() for t in running)
@@ -257,8 +276,11 @@ def test_an_update_holds_new_generations_and_no_sample_mixes_versions(cluster, n
                 while not update.done():
                     # a snapshot after a server resumed on the new weights may already hold a released
                     # request: only snapshots from inside the update (old weights, or still paused) count
-                    during = [m for m in await _server_state(urls)
-                              if m["current_policy_version"] == old_version or m["is_paused"]]
+                    during = [
+                        m
+                        for m in await _server_state(urls)
+                        if m["current_policy_version"] == old_version or m["is_paused"]
+                    ]
                     most_queued = max(most_queued, sum(m["queue_depth"] for m in during))
                     await asyncio.sleep(0.01)
                 return await update, most_queued
@@ -316,9 +338,13 @@ def test_admin_calls_reach_every_endpoint_and_report_failures(cluster, root):
     adapter.mkdir(exist_ok=True)
     (adapter / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}))
     torch.manual_seed(0)
-    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(4, 128) * 0.1,
-               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.randn(128, 4) * 0.1},
-              str(adapter / "adapter_model.safetensors"))
+    save_file(
+        {
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(4, 128) * 0.1,
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.randn(128, 4) * 0.1,
+        },
+        str(adapter / "adapter_model.safetensors"),
+    )
     with SyncInferenceClient(urls, admin_api_key=ADMIN) as client:
         before = {u: m["current_policy_version"] for u, m in client.metrics().items()}
         versions = client.load_adapter("policy", str(adapter))
@@ -349,8 +375,9 @@ def test_sync_api_openai_surface_and_tokenizer_agree(cluster):
         gen = client.generate("Hello there", max_tokens=4, temperature=0, session_id="g")
         assert gen.prompt_ids == client.tokenize("Hello there")
         assert gen.text == client.detokenize(gen.completion_ids)
-        again = client.completions.create(prompt=gen.prompt_ids, max_tokens=4, temperature=0, return_token_ids=True,
-                                          session_id="g")
+        again = client.completions.create(
+            prompt=gen.prompt_ids, max_tokens=4, temperature=0, return_token_ids=True, session_id="g"
+        )
         assert again["choices"][0]["token_ids"] == gen.completion_ids  # same ids through either route
         raw = client.chat.completions.create(messages=messages, max_tokens=2, extra_body={"return_token_ids": True})
         assert raw["prompt_token_ids"] == client.apply_chat_template(messages)
@@ -389,8 +416,10 @@ def test_a_stream_that_ends_early_raises_stream_interrupted(end):
             conn, _ = listener.accept()
             with conn:
                 if conn.recv(65536).startswith(b"GET"):  # the client's probes: up, not paused
-                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n"
-                                 b"connection: close\r\n\r\n{}")
+                    conn.sendall(
+                        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n"
+                        b"connection: close\r\n\r\n{}"
+                    )
                     continue
                 head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
                 tail = b"" if end == "cut" else b"0\r\n\r\n"
@@ -428,7 +457,8 @@ def test_training_batch_shapes_masks_and_nexrl(cluster):
                 client.generate(token_ids=[1, 2, 3], max_tokens=5),
                 client.chat([{"role": "user", "content": "hi"}], max_tokens=3),
                 client.generate(token_ids=LONG, max_tokens=5),
-                client.models())
+                client.models(),
+            )
 
     *samples, models = run(scenario())
     batch = build_training_batch(samples)
@@ -454,8 +484,12 @@ def test_training_batch_shapes_masks_and_nexrl(cluster):
 def test_rollouts_example_runs_against_a_server(cluster):
     url = cluster.urls()[0]
     example = REPO / "examples" / "rollouts.py"
-    out = subprocess.run([sys.executable, str(example), "--base-url", url, "--max-tokens", "8"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(example), "--base-url", url, "--max-tokens", "8"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert "4 prompts x 4 samples = 16 samples" in out.stdout and "advantages" in out.stdout
 
@@ -471,8 +505,13 @@ def test_failover_when_a_server_is_killed_mid_run_loses_no_sample(cluster):
             done: list = []
 
             async def one(i):
-                s = await client.generate(token_ids=[11, 12, i + 1], max_tokens=8 + 4 * i, temperature=0,
-                                          session_id=f"traj-{i}", sampling_params={"ignore_eos": True})
+                s = await client.generate(
+                    token_ids=[11, 12, i + 1],
+                    max_tokens=8 + 4 * i,
+                    temperature=0,
+                    session_id=f"traj-{i}",
+                    sampling_params={"ignore_eos": True},
+                )
                 done.append(s)
                 return s
 

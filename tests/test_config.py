@@ -14,8 +14,8 @@ import pytest
 from pydantic import BaseModel, Field
 
 from rlserve.cli import inference_main, main
-from rlserve.config.schema import Config, Section
 from rlserve.config.load import ConfigError, help_text, load_config
+from rlserve.config.schema import Config, Section
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -78,8 +78,18 @@ def test_files_deep_merge_in_order(tmp_path):
 
 def test_dotted_overrides_kebab_snake_and_equals():
     config = load_config(
-        ["--model.name", "/path", "--server.port", "8001", "--model.max-model-len", "2048",
-         "--engine.max_num_seqs=4", "--server.host=0.0.0.0", "--seed", "3"]
+        [
+            "--model.name",
+            "/path",
+            "--server.port",
+            "8001",
+            "--model.max-model-len",
+            "2048",
+            "--engine.max_num_seqs=4",
+            "--server.host=0.0.0.0",
+            "--seed",
+            "3",
+        ]
     )
     assert config.model.name == "/path"
     assert config.server.port == 8001
@@ -305,7 +315,9 @@ def test_serve_with_a_bad_model_exits_with_one_clear_line(tmp_path):
 
     out = subprocess.run(
         [sys.executable, "-m", "rlserve.cli", "serve", "--model.name", str(tmp_path / "nope"), "--server.port", "0"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode != 0
     assert "no such directory" in out.stderr and "Traceback" not in out.stderr

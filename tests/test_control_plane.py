@@ -71,8 +71,10 @@ def test_each_span_keeps_the_label_its_tokens_were_produced_under(srv, root):
         ("/v1/completions", {"prompt": PROMPT, **sampling}),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **sampling}),
         ("/inference/v1/generate", {"token_ids": PROMPT, "sampling_params": sampling}),
-        ("/generate", {"input_ids": PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": 400,
-                                                                "ignore_eos": True}}),
+        (
+            "/generate",
+            {"input_ids": PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True}},
+        ),
     ]
     assert httpx.post(f"{url}/pause", params={"mode": "keep"}).status_code == 200
 
@@ -83,8 +85,10 @@ def test_each_span_keeps_the_label_its_tokens_were_produced_under(srv, root):
                 await asyncio.sleep(0.01)
             # every request makes tokens under step-1, then under a new policy (step-2), then relabelled (step-3)
             await asyncio.to_thread(run_until_every_request_steps, url, len(calls))
-            r = await client.post("/update_weights", json={"weight_dir": str(make_model("tiny", root / "s2", seed=2)),
-                                                           "weight_version": "step-2"})
+            r = await client.post(
+                "/update_weights",
+                json={"weight_dir": str(make_model("tiny", root / "s2", seed=2)), "weight_version": "step-2"},
+            )
             assert r.status_code == 200, r.text
             await asyncio.to_thread(run_until_every_request_steps, url, len(calls))
             assert (await client.post("/update_weight_version", json={"new_version": "step-3"})).status_code == 200
@@ -100,7 +104,10 @@ def test_each_span_keeps_the_label_its_tokens_were_produced_under(srv, root):
         choice = body["meta_info"] if path == "/generate" else body["choices"][0]
         spans = choice["weight_versions"]
         assert [(s["version"], s["policy_version"]) for s in spans] == [
-            ("step-1", v0), ("step-2", v0 + 1), ("step-3", v0 + 1)], path
+            ("step-1", v0),
+            ("step-2", v0 + 1),
+            ("step-3", v0 + 1),
+        ], path
         assert spans[0]["start"] == 0 and all(a["end"] == b["start"] for a, b in zip(spans, spans[1:]))
         assert all(s["end"] > s["start"] for s in spans)
         assert choice["weight_version"] == "step-3" and choice["policy_version"] == v0 + 1
@@ -155,7 +162,10 @@ def test_every_file_read_resolves_under_a_root(srv, root, outside, peft_adapter)
     (linked / "model.safetensors").symlink_to(ckpt / "model.safetensors")
     # index files naming shards outside the directory
     dotdot, absolute = root / "index-dotdot", root / "index-absolute"
-    for d, shard in ((dotdot, f"../../{outside.name}/ckpt/model.safetensors"), (absolute, str(ckpt / "model.safetensors"))):
+    for d, shard in (
+        (dotdot, f"../../{outside.name}/ckpt/model.safetensors"),
+        (absolute, str(ckpt / "model.safetensors")),
+    ):
         d.mkdir()
         (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"model.norm.weight": shard}}))
     for path, body in WEIGHT_ROUTES:
@@ -163,7 +173,10 @@ def test_every_file_read_resolves_under_a_root(srv, root, outside, peft_adapter)
         assert r.status_code == 403 and "weight roots" in r.json()["error"]["message"], (path, r.text)
         for d in (dotdot, absolute):
             r = httpx.post(f"{url}{path}", json=body(d), timeout=60)
-            assert r.status_code == 400 and "shards must be files inside" in r.json()["error"]["message"], (path, r.text)
+            assert r.status_code == 400 and "shards must be files inside" in r.json()["error"]["message"], (
+                path,
+                r.text,
+            )
     assert versions(url)["policy_version"] == before
 
 
@@ -249,9 +262,14 @@ def test_upload_adapter_peft_and_mlx_layouts(srv, root, peft_adapter, tmp_path):
     mlx_file = tmp_path / "adapters.safetensors"
     save_file(mlx, mlx_file)
     mlx_cfg = {"lora_parameters": {"rank": cfg["r"], "scale": cfg["lora_alpha"] / cfg["r"], "dropout": 0.0}}
-    r = httpx.post(f"{url}/upload_adapter", timeout=60, files={
-        "adapter_weights": ("adapters.safetensors", mlx_file.read_bytes()),
-        "adapter_config": ("adapter_config.json", json.dumps(mlx_cfg).encode())})
+    r = httpx.post(
+        f"{url}/upload_adapter",
+        timeout=60,
+        files={
+            "adapter_weights": ("adapters.safetensors", mlx_file.read_bytes()),
+            "adapter_config": ("adapter_config.json", json.dumps(mlx_cfg).encode()),
+        },
+    )
     assert r.status_code == 200, r.text
     assert _lps(url, PROMPT) == (ids, lps)
     # refused: pickles, configs that are not JSON, bodies over server.max_upload_bytes
@@ -302,17 +320,28 @@ def _abandoned_update(url: str, proc: subprocess.Popen, root: Path, engines: int
     pushed = make_model("tiny", root / f"pushed-{engines}", seed=6)
     waiting = make_model("tiny", root / f"abandoned-{engines}", seed=7)
     port = free_port()
-    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(port), str(pushed / "model.safetensors"),
-                                str(1 + engines)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", TRAINER, str(port), str(pushed / "model.safetensors"), str(1 + engines)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
-        r = httpx.post(f"{url}/init_broadcaster", json={"host": "127.0.0.1", "port": port, "rank_offset": 0,
-                                                        "inference_world_size": engines, "timeout": 120})
+        r = httpx.post(
+            f"{url}/init_broadcaster",
+            json={"host": "127.0.0.1", "port": port, "rank_offset": 0, "inference_world_size": engines, "timeout": 120},
+        )
         assert r.status_code == 200
         assert trainer.stdout.readline().strip() == "joined"
         v0 = versions(url)["policy_version"]
         held = {}
-        push = threading.Thread(target=lambda: held.update(r=httpx.post(
-            f"{url}/update_weights", json={"weight_dir": None, "weight_version": "pushed"}, timeout=120)))
+        push = threading.Thread(
+            target=lambda: held.update(
+                r=httpx.post(
+                    f"{url}/update_weights", json={"weight_dir": None, "weight_version": "pushed"}, timeout=120
+                )
+            )
+        )
         push.start()
         deadline = time.monotonic() + 60
         while not versions(url)["updating"]:  # the push holds the update lock until the trainer sends

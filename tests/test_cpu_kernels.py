@@ -13,8 +13,8 @@ from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams
 from rlserve.model import cpu_kernels as kernels_module
 from rlserve.model.cpu_kernels import CpuKernels, cpu_kernels, reference_paged_attention
-from rlserve.model.rope import apply_rope
 from rlserve.model.llama import rms_norm
+from rlserve.model.rope import apply_rope
 from test_engine import hf_logprobs, make_engine, random_prompts
 
 
@@ -114,15 +114,26 @@ def test_silu_mul_equals_the_torch_ops(kernels, rows):
 
 
 GEMV_SHAPES = [  # (in, out): SmolLM2's projections; odd sizes that leave tails of the 16/32-wide loads and 4-output tiles
-    (576, 960), (1536, 576), (37, 9), (17, 3), (33, 1), (1, 5),
+    (576, 960),
+    (1536, 576),
+    (37, 9),
+    (17, 3),
+    (33, 1),
+    (1, 5),
 ]
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 16, 17])  # partial and full 4-row tiles, both sides of the row limits
+@pytest.mark.parametrize(
+    "rows", [1, 3, 4, 5, 8, 9, 16, 17]
+)  # partial and full 4-row tiles, both sides of the row limits
 @pytest.mark.parametrize("k, n", GEMV_SHAPES)
 def test_gemv_equals_linear_fp32(kernels, rows, k, n):
     gen = torch.Generator().manual_seed(rows * 1000 + k + n)
-    x, weight, bias = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    x, weight, bias = (
+        torch.randn(rows, k, generator=gen),
+        torch.randn(n, k, generator=gen),
+        torch.randn(n, generator=gen),
+    )
     want = torch.nn.functional.linear(x.double(), weight.double(), bias.double()).float()
     assert torch.allclose(kernels.gemv(x, weight, bias), want, atol=1e-4, rtol=1e-5)
     assert torch.allclose(kernels.gemv(x, weight), want - bias, atol=1e-4, rtol=1e-5)
@@ -156,9 +167,9 @@ def test_projections_take_the_gemv_up_to_its_row_limit_and_see_weight_updates(ke
     GEMM above; both equal F.linear, and an in-place weight update reaches the GEMV at once."""
     from transformers import AutoConfig
 
-    from rlserve.model.shape import ModelShape
     from rlserve.model.linear import Projection
     from rlserve.model.loader import load_model
+    from rlserve.model.shape import ModelShape
 
     shape = ModelShape.from_hf(AutoConfig.from_pretrained(model_dir))
     model = load_model(model_dir, shape, torch.float32, torch.device("cpu"))
@@ -175,7 +186,9 @@ def test_projections_take_the_gemv_up_to_its_row_limit_and_see_weight_updates(ke
         want = torch.nn.functional.linear(x, proj.weight, proj.bias)
         assert torch.allclose(proj(x), want, atol=1e-4)
         hidden = torch.randn(rows, model.shape.hidden_size, generator=gen)
-        assert torch.allclose(model.compute_logits(hidden), torch.nn.functional.linear(hidden, model.head_weight), atol=1e-4)
+        assert torch.allclose(
+            model.compute_logits(hidden), torch.nn.functional.linear(hidden, model.head_weight), atol=1e-4
+        )
     assert calls == [1, 1, limit, limit]  # the projection and the head at 1 and at the limit; none above
     with torch.no_grad():
         proj.weight.mul_(2)
@@ -246,7 +259,9 @@ def test_engine_runs_on_the_kernels_with_exact_logprobs(model_dir, kernels, monk
         for comp in out.outputs:
             ids = torch.tensor(comp.token_ids).unsqueeze(1)
             want = hf_logprobs(hf, prompt, comp.token_ids).gather(1, ids).squeeze(1)
-            assert torch.allclose(torch.tensor(comp.logprobs), want, atol=1e-4), (torch.tensor(comp.logprobs) - want).abs().max()
+            assert torch.allclose(torch.tensor(comp.logprobs), want, atol=1e-4), (
+                (torch.tensor(comp.logprobs) - want).abs().max()
+            )
 
 
 def test_without_a_compiler_the_engine_falls_back_to_sdpa(model_dir, tmp_path, monkeypatch, caplog):
@@ -300,7 +315,9 @@ def test_decode_layers_in_one_call_equal_the_python_path(model_dir, kernels, dty
     model = engine.runner.model
     calls = []
     real = CpuKernels.decode_layers
-    monkeypatch.setattr(CpuKernels, "decode_layers", lambda self, ptrs, *a: calls.append(ptrs.shape[0]) or real(self, ptrs, *a))
+    monkeypatch.setattr(
+        CpuKernels, "decode_layers", lambda self, ptrs, *a: calls.append(ptrs.shape[0]) or real(self, ptrs, *a)
+    )
     prompts = random_prompts(3, engine.vocab_size, lo=5, hi=30, seed=9)
     params = SamplingParams(n=2, temperature=1.0, max_tokens=20, ignore_eos=True, logprobs=2, seed=4)
 

@@ -89,8 +89,15 @@ def test_kv_offload_tiers_behind_a_device_pool_give_the_same_outputs(model_dir):
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
     runs = []
     for offload in (None, {"cpu": {"num_bytes": 8 << 20}}):
-        engine = gpu_engine(model_dir, "float32", False, max_model_len=384, kv_cache_bytes=24 * 16 * 2048,
-                            block_size=16, offload=offload)
+        engine = gpu_engine(
+            model_dir,
+            "float32",
+            False,
+            max_model_len=384,
+            kv_cache_bytes=24 * 16 * 2048,
+            block_size=16,
+            offload=offload,
+        )
         outs = [engine.generate([c[: 64 + 32 * t] for c in convs], params) for t in range(2)]
         runs.append((outs, engine.stats))
         engine.close()
@@ -115,4 +122,6 @@ def test_a_weight_update_on_the_gpu_serves_the_new_weights(tmp_path, model_dir):
     hf = AutoModelForCausalLM.from_pretrained(new_dir, dtype=torch.float32).to("cuda").eval()
     ref = reference_logprobs(hf, prompt, out.token_ids)
     assert out.token_ids == ref.argmax(-1).tolist()
-    assert torch.allclose(torch.tensor(out.logprobs), ref.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0], atol=1e-4)
+    assert torch.allclose(
+        torch.tensor(out.logprobs), ref.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0], atol=1e-4
+    )

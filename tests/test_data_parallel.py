@@ -36,8 +36,12 @@ def per_engine(url: str, name: str) -> dict[str, float]:
 
 
 def complete(url: str, headers: dict[str, str], max_tokens: int = 3) -> httpx.Response:
-    return httpx.post(f"{url}/v1/completions", json={"prompt": "hello there", "max_tokens": max_tokens,
-                                                     "ignore_eos": True}, headers=headers, timeout=HANG_GUARD_S)
+    return httpx.post(
+        f"{url}/v1/completions",
+        json={"prompt": "hello there", "max_tokens": max_tokens, "ignore_eos": True},
+        headers=headers,
+        timeout=HANG_GUARD_S,
+    )
 
 
 def test_rank_header_pins_the_engine(dp_server):
@@ -80,9 +84,15 @@ def test_admin_operations_reach_every_engine(dp_server, root):
     after = per_engine(url, "rlserve:policy_version")
     assert after == {e: v + 1 for e, v in before.items()}
     # both engines now serve the new weights: greedy output agrees across them
-    greedy = [httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 4, "temperature": 0},
-                         headers={"X-data-parallel-rank": r}, timeout=HANG_GUARD_S).json()["choices"][0]["text"]
-              for r in ("0", "1")]
+    greedy = [
+        httpx.post(
+            f"{url}/v1/completions",
+            json={"prompt": "hi", "max_tokens": 4, "temperature": 0},
+            headers={"X-data-parallel-rank": r},
+            timeout=HANG_GUARD_S,
+        ).json()["choices"][0]["text"]
+        for r in ("0", "1")
+    ]
     assert greedy[0] == greedy[1]
 
 

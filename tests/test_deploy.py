@@ -24,8 +24,14 @@ PROMPTS = [[11, 22, 33, 44, 55], [100, 7, 300, 9]]
 
 @pytest.fixture(scope="module")
 def deployment(root):
-    public, admin, proc = start_deployment("--deployment.replicas", "2", "--weight_roots", json.dumps([str(root)]),
-                                           "--engine.kv_cache_bytes", str(16 << 20))
+    public, admin, proc = start_deployment(
+        "--deployment.replicas",
+        "2",
+        "--weight_roots",
+        json.dumps([str(root)]),
+        "--engine.kv_cache_bytes",
+        str(16 << 20),
+    )
     try:
         yield public, admin, proc
     finally:
@@ -35,8 +41,13 @@ def deployment(root):
 def served(url: str) -> float:
     """Requests this replica finished, from its own Prometheus metrics."""
     text = httpx.get(f"{url}/metrics", timeout=30).text
-    return sum(s.value for f in text_string_to_metric_families(text) if f.name == "vllm:request_success"
-               for s in f.samples if s.name.endswith("_total"))
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        if f.name == "vllm:request_success"
+        for s in f.samples
+        if s.name.endswith("_total")
+    )
 
 
 def serving_urls(admin: str) -> list[str]:
@@ -124,16 +135,24 @@ def test_kill_9_with_64_requests_in_flight(deployment, root):
 
     async def scenario():
         async with httpx.AsyncClient(timeout=600) as http:
+
             async def one(i):
-                body = {"token_ids": [i + 1, 5, 9], "sampling_params": {"max_tokens": 8, "temperature": 0,
-                                                                         "logprobs": 0, "ignore_eos": True}}
-                return await http.post(f"{public}/inference/v1/generate", json=body,
-                                       headers={"X-Session-ID": f"kill-{i}"})
+                body = {
+                    "token_ids": [i + 1, 5, 9],
+                    "sampling_params": {"max_tokens": 8, "temperature": 0, "logprobs": 0, "ignore_eos": True},
+                }
+                return await http.post(
+                    f"{public}/inference/v1/generate", json=body, headers={"X-Session-ID": f"kill-{i}"}
+                )
 
             tasks = [asyncio.ensure_future(one(i)) for i in range(64)]
             # held by the pause on both replicas: all 64 are in flight when the replica dies
-            await asyncio.to_thread(wait_for, lambda: sum(r.get("waiting", 0) + r.get("running", 0)
-                                                          for r in replicas(admin)) == 64, 300, "64 queued requests")
+            await asyncio.to_thread(
+                wait_for,
+                lambda: sum(r.get("waiting", 0) + r.get("running", 0) for r in replicas(admin)) == 64,
+                300,
+                "64 queued requests",
+            )
             os.kill(victim["pid"], signal.SIGKILL)
             await asyncio.to_thread(wait_for, lambda: victim["url"] not in serving_urls(admin), 60, "eviction")
             (await http.post(f"{admin}/resume")).raise_for_status()
@@ -143,8 +162,15 @@ def test_kill_9_with_64_requests_in_flight(deployment, root):
     assert all(r.status_code == 200 for r in results), [r.text for r in results if r.status_code != 200][:3]
     assert all(len(r.json()["choices"][0]["token_ids"]) == 8 for r in results)
     # restarted, replayed to the deployment's weights, back in the rotation
-    rows = wait_for(lambda: [r for r in replicas(admin) if r["status"] == "serving"
-                             and r["index"] == victim["index"] and r["restarts"] == 1], 600, "the restart")
+    rows = wait_for(
+        lambda: [
+            r
+            for r in replicas(admin)
+            if r["status"] == "serving" and r["index"] == victim["index"] and r["restarts"] == 1
+        ],
+        600,
+        "the restart",
+    )
     assert rows[0]["policy_version"] == 1 and rows[0]["weight_version"] == "step-1"
     hf_check(root / "step-1", PROMPTS[0], generate(rows[0]["url"], PROMPTS[0])["choices"][0])
 
@@ -164,8 +190,15 @@ def test_a_replica_that_fails_an_admin_call_leaves_and_rejoins(deployment, peft_
     (other,) = [row for row in replicas(admin) if row["index"] != odd["index"]]
     assert other["status"] == "serving" and other["policy_version"] == 2
     # restarted, with the base weights and the adapter replayed, at the others' versions
-    back = wait_for(lambda: [r for r in replicas(admin) if r["index"] == odd["index"] and r["status"] == "serving"
-                             and r["restarts"] == odd["restarts"] + 1], 600, "the rejoin")[0]
+    back = wait_for(
+        lambda: [
+            r
+            for r in replicas(admin)
+            if r["index"] == odd["index"] and r["status"] == "serving" and r["restarts"] == odd["restarts"] + 1
+        ],
+        600,
+        "the rejoin",
+    )[0]
     assert (back["policy_version"], back["weight_version"]) == (2, "step-1")
     models = httpx.get(f"{back['url']}/v1/models", timeout=30).json()["data"]
     assert "drift" in [m["id"] for m in models]
@@ -197,8 +230,10 @@ def test_a_dead_router_is_restarted_on_the_same_url(deployment):
 
     def answers() -> bool:
         try:
-            return httpx.post(f"{public}/v1/completions", json={"prompt": [1, 2], "max_tokens": 1},
-                              timeout=30).status_code == 200
+            return (
+                httpx.post(f"{public}/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}, timeout=30).status_code
+                == 200
+            )
         except httpx.HTTPError:
             return False
 
@@ -212,7 +247,9 @@ def test_sigterm_leaves_no_process(deployment):
     _, _, proc = deployment
     tree = descendants(proc.pid)
     assert len(tree) >= 3  # two replicas and the router
-    socket_dirs = {Path(arg[len("ipc://"):]).parent for pid in tree for arg in _cmdline(pid) if arg.startswith("ipc://")}
+    socket_dirs = {
+        Path(arg[len("ipc://") :]).parent for pid in tree for arg in _cmdline(pid) if arg.startswith("ipc://")
+    }
     assert len(socket_dirs) == 2 and all(d.is_dir() for d in socket_dirs)  # one per replica's engine process
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 0

@@ -32,8 +32,11 @@ def deployment():
 
 
 def both_serving(admin: str) -> list[dict]:
-    return wait_for(lambda: (rows := replicas(admin)) and all(r["status"] == "serving" for r in rows) and rows,
-                    600, "both replicas serving")
+    return wait_for(
+        lambda: (rows := replicas(admin)) and all(r["status"] == "serving" for r in rows) and rows,
+        600,
+        "both replicas serving",
+    )
 
 
 def busy(admin: str) -> list[dict]:
@@ -43,8 +46,9 @@ def busy(admin: str) -> list[dict]:
 def kill_and_wait_for_eviction(admin: str, victim: dict) -> None:
     """SIGKILL one replica; the admin address answers for the others once it left the rotation."""
     os.kill(victim["pid"], signal.SIGKILL)
-    wait_for(lambda: victim["url"] not in [r["url"] for r in replicas(admin) if r["status"] == "serving"],
-             120, "eviction")
+    wait_for(
+        lambda: victim["url"] not in [r["url"] for r in replicas(admin) if r["status"] == "serving"], 120, "eviction"
+    )
 
 
 def body(max_tokens: int, stream: bool) -> dict:
@@ -71,8 +75,9 @@ def test_a_replica_killed_mid_stream_is_a_retryable_error_not_a_short_answer(dep
         async with httpx.AsyncClient(timeout=300) as http, InferenceClient(public, retry_deadline=300) as client:
             stream = await client.completions.create(**body(LONG, True), session_id="cut")
             received = [await anext(stream)]
-            raw = http.stream("POST", f"{public}/v1/completions", json=body(LONG, True),
-                              headers={"X-Session-ID": "cut"})  # same session: same replica
+            raw = http.stream(
+                "POST", f"{public}/v1/completions", json=body(LONG, True), headers={"X-Session-ID": "cut"}
+            )  # same session: same replica
             response = await raw.__aenter__()
             lines = response.aiter_lines()
             raw_lines = [line async for line in _until_first_data(lines)]
@@ -120,12 +125,19 @@ def test_a_replica_killed_before_the_first_chunk_is_retried_to_a_full_answer(dep
             await pause(http, admin)
             try:
                 # allow_mixed_versions: the client itself would hold calls while it sees the deployment paused
-                streamed = asyncio.ensure_future(collect(await client.completions.create(
-                    **body(SHORT, True), session_id="early", allow_mixed_versions=True)))
-                plain = asyncio.ensure_future(client.completions.create(
-                    **body(SHORT, False), session_id="early", allow_mixed_versions=True))
+                streamed = asyncio.ensure_future(
+                    collect(
+                        await client.completions.create(
+                            **body(SHORT, True), session_id="early", allow_mixed_versions=True
+                        )
+                    )
+                )
+                plain = asyncio.ensure_future(
+                    client.completions.create(**body(SHORT, False), session_id="early", allow_mixed_versions=True)
+                )
                 victims = await asyncio.to_thread(
-                    wait_for, lambda: [r for r in busy(admin) if r["running"] + r["waiting"] == 2], 120, "2 queued")
+                    wait_for, lambda: [r for r in busy(admin) if r["running"] + r["waiting"] == 2], 120, "2 queued"
+                )
                 await asyncio.to_thread(kill_and_wait_for_eviction, admin, victims[0])
             finally:
                 await resume(http, admin)
@@ -142,16 +154,25 @@ def test_the_client_retries_calls_cut_by_a_dying_router_until_it_is_back(deploym
     both_serving(admin)
 
     async def scenario():
-        async with httpx.AsyncClient(timeout=300) as http, InferenceClient(public, retry_deadline=300,
-                                                                           probe_interval=0.5) as client:
+        async with (
+            httpx.AsyncClient(timeout=300) as http,
+            InferenceClient(public, retry_deadline=300, probe_interval=0.5) as client,
+        ):
             await pause(http, admin)
             try:
-                streamed = asyncio.ensure_future(collect(await client.completions.create(
-                    **body(SHORT, True), session_id="router", allow_mixed_versions=True)))
-                plain = asyncio.ensure_future(client.completions.create(
-                    **body(SHORT, False), session_id="router", allow_mixed_versions=True))
-                await asyncio.to_thread(wait_for, lambda: sum(r["running"] + r["waiting"] for r in busy(admin)) == 2,
-                                        120, "2 queued")
+                streamed = asyncio.ensure_future(
+                    collect(
+                        await client.completions.create(
+                            **body(SHORT, True), session_id="router", allow_mixed_versions=True
+                        )
+                    )
+                )
+                plain = asyncio.ensure_future(
+                    client.completions.create(**body(SHORT, False), session_id="router", allow_mixed_versions=True)
+                )
+                await asyncio.to_thread(
+                    wait_for, lambda: sum(r["running"] + r["waiting"] for r in busy(admin)) == 2, 120, "2 queued"
+                )
                 router = (await http.get(f"{admin}/deployment")).json()["router_pid"]
                 os.kill(router, signal.SIGKILL)
             finally:

@@ -31,18 +31,34 @@ def cluster():
 def test_two_nodes_serve_through_the_router_and_take_one_update(cluster, tmp_path):
     step1 = make_model("tiny", tmp_path / "step-1", seed=1)
     public, admin, proc = start_deployment(
-        "--deployment.type", "multi_node", "--deployment.num_nodes", "2", "--deployment.ray_address",
-        cluster.address, "--num_threads", "1", "--weight_roots", json.dumps([str(tmp_path)]),
-        "--engine.kv_cache_bytes", str(16 << 20), timeout=400)
+        "--deployment.type",
+        "multi_node",
+        "--deployment.num_nodes",
+        "2",
+        "--deployment.ray_address",
+        cluster.address,
+        "--num_threads",
+        "1",
+        "--weight_roots",
+        json.dumps([str(tmp_path)]),
+        "--engine.kv_cache_bytes",
+        str(16 << 20),
+        timeout=400,
+    )
     try:
         rows = replicas(admin)
         assert [r["status"] for r in rows] == ["serving", "serving"] and rows[0]["url"] != rows[1]["url"]
         for i in range(4):
-            r = httpx.post(f"{public}/v1/completions", json={"prompt": [i + 1, 2], "max_tokens": 2},
-                           headers={"X-Session-ID": f"s{i}"}, timeout=120)
+            r = httpx.post(
+                f"{public}/v1/completions",
+                json={"prompt": [i + 1, 2], "max_tokens": 2},
+                headers={"X-Session-ID": f"s{i}"},
+                timeout=120,
+            )
             assert r.status_code == 200 and r.json()["choices"][0]["policy_version"] == 0
-        r = httpx.post(f"{admin}/update_weights", json={"weight_dir": str(step1), "weight_version": "step-1"},
-                       timeout=300)
+        r = httpx.post(
+            f"{admin}/update_weights", json={"weight_dir": str(step1), "weight_version": "step-1"}, timeout=300
+        )
         assert r.status_code == 200, r.text
         for row in replicas(admin):
             assert (row["policy_version"], row["weight_version"]) == (1, "step-1")
@@ -54,9 +70,20 @@ def test_two_nodes_serve_through_the_router_and_take_one_update(cluster, tmp_pat
 def test_disaggregated_on_ray_serves_through_p_and_d_nodes_and_sigterm_leaves_nothing(cluster):
     single_url, single = start_server("--num_threads", "1", "--engine.kv_cache_bytes", str(16 << 20))
     public, admin, proc = start_deployment(
-        "--deployment.type", "disaggregated", "--deployment.num_prefill_nodes", "1", "--deployment.num_decode_nodes",
-        "1", "--deployment.ray_address", cluster.address, "--num_threads", "1",
-        "--engine.kv_cache_bytes", str(16 << 20), timeout=400)
+        "--deployment.type",
+        "disaggregated",
+        "--deployment.num_prefill_nodes",
+        "1",
+        "--deployment.num_decode_nodes",
+        "1",
+        "--deployment.ray_address",
+        cluster.address,
+        "--num_threads",
+        "1",
+        "--engine.kv_cache_bytes",
+        str(16 << 20),
+        timeout=400,
+    )
     try:
         rows = sorted(replicas(admin), key=lambda r: r["index"])
         assert [(r["role"], r["status"]) for r in rows] == [("prefill", "serving"), ("decode", "serving")]

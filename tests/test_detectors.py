@@ -48,7 +48,9 @@ def plan_tokens(hf, prompt: list[int], fire_at: int | None, length: int = 10) ->
 
 @pytest.mark.parametrize("fire_at", [None, 0, 5])
 def test_gibberish_fires_exactly_on_a_rare_token_drawn_at_high_entropy(model_dir, hf, fire_at):
-    engine = detector_engine(model_dir, gibberish=GibberishDetectionConfig(token_id_threshold=THRESHOLD, logprob_offset=0.0))
+    engine = detector_engine(
+        model_dir, gibberish=GibberishDetectionConfig(token_id_threshold=THRESHOLD, logprob_offset=0.0)
+    )
     floor = -math.log(engine.vocab_size)
     prompt = random_prompts(1, engine.vocab_size, seed=40)[0]
     forced = plan_tokens(hf, prompt, fire_at)
@@ -61,7 +63,9 @@ def test_gibberish_fires_exactly_on_a_rare_token_drawn_at_high_entropy(model_dir
         ids.append(t)
     assert hits.index(True) == fire_at if fire_at is not None else not any(hits)
 
-    params = SamplingParams(temperature=1.0, max_tokens=len(forced), ignore_eos=True, logprobs=0, forced_token_ids=forced)
+    params = SamplingParams(
+        temperature=1.0, max_tokens=len(forced), ignore_eos=True, logprobs=0, forced_token_ids=forced
+    )
     (out,) = engine.generate([prompt], params)
     comp = out.outputs[0]
     if fire_at is None:

@@ -44,7 +44,13 @@ def assert_matches_hf(hf, prompts, outs):
     """Greedy tokens equal transformers `generate`; logprobs equal its forward pass."""
     for prompt, out in zip(prompts, outs):
         comp = out.outputs[0]
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=len(comp.token_ids), do_sample=False, eos_token_id=None, pad_token_id=0)
+        ref = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=len(comp.token_ids),
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
         assert comp.token_ids == ref[0, len(prompt) :].tolist()
         lp = hf_logprobs(hf, prompt, comp.token_ids).gather(1, torch.tensor(comp.token_ids).unsqueeze(1)).squeeze(1)
         assert torch.allclose(torch.tensor(comp.logprobs), lp, atol=1e-4)
@@ -104,7 +110,9 @@ def test_processed_logprobs_are_the_renormalised_filtered_distribution(engine, h
 
 def test_raw_logprobs_mode_ignores_temperature(engine, hf):
     prompt = random_prompts(1, engine.vocab_size, seed=4)[0]
-    params = SamplingParams(temperature=0.5, top_k=3, max_tokens=8, ignore_eos=True, logprobs=0, seed=1, logprobs_mode="raw")
+    params = SamplingParams(
+        temperature=0.5, top_k=3, max_tokens=8, ignore_eos=True, logprobs=0, seed=1, logprobs_mode="raw"
+    )
     comp = engine.generate([prompt], params)[0].outputs[0]
     ref = hf_logprobs(hf, prompt, comp.token_ids, 1.0)
     want = ref.gather(1, torch.tensor(comp.token_ids).unsqueeze(1)).squeeze(1)
@@ -116,7 +124,9 @@ def test_seeded_request_is_batch_invariant(engine):
     params = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, logprobs=0, seed=1234)
     alone = engine.generate([target], params)[0].outputs[0]
     others = random_prompts(31, engine.vocab_size, lo=5, hi=120, seed=6)
-    mixed = [SamplingParams(temperature=0.8, max_tokens=random.Random(i).randint(5, 40), ignore_eos=True) for i in range(31)]
+    mixed = [
+        SamplingParams(temperature=0.8, max_tokens=random.Random(i).randint(5, 40), ignore_eos=True) for i in range(31)
+    ]
     outs = engine.generate(others[:15] + [target] + others[15:], mixed[:15] + [params] + mixed[15:])
     together = outs[15].outputs[0]
     assert together.token_ids == alone.token_ids
@@ -211,7 +221,9 @@ def test_stop_conditions(engine):
     # stop token: generation ends on it and keeps it in token_ids
     stop_id = ids[5]
     first = ids.index(stop_id)
-    out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_id]))[0].outputs[0]
+    out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_id]))[0].outputs[
+        0
+    ]
     assert out.token_ids == ids[: first + 1] and out.finish_reason == "stop" and out.stop_reason == stop_id
     # min_tokens masks the stop token until reached
     out = engine.generate(
@@ -221,11 +233,14 @@ def test_stop_conditions(engine):
     # stop string: cut from the text, not from the tokens
     text = free.text
     needle = text[len(text) // 2 : len(text) // 2 + 3]
-    out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=needle))[0].outputs[0]
+    out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=needle))[
+        0
+    ].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == needle
     assert out.text == text[: text.index(needle)]
     kept = engine.generate(
-        [prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=needle, include_stop_str_in_output=True)
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=needle, include_stop_str_in_output=True),
     )[0].outputs[0]
     assert kept.text == text[: text.index(needle) + len(needle)]
     # max_tokens
@@ -324,8 +339,15 @@ def test_forced_tokens_are_emitted_with_one_hot_processed_logprobs(engine, hf):
 def test_penalties_and_logit_bias_shape_the_processed_distribution(engine, hf):
     prompt = random_prompts(1, engine.vocab_size, seed=18)[0]
     params = SamplingParams(
-        temperature=0.8, max_tokens=10, ignore_eos=True, logprobs=0, seed=4,
-        repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.7, logit_bias={7: 2.5, 9: -1.0},
+        temperature=0.8,
+        max_tokens=10,
+        ignore_eos=True,
+        logprobs=0,
+        seed=4,
+        repetition_penalty=1.3,
+        presence_penalty=0.5,
+        frequency_penalty=0.7,
+        logit_bias={7: 2.5, 9: -1.0},
     )
     comp = engine.generate([prompt], params)[0].outputs[0]
     with torch.no_grad():
@@ -342,7 +364,9 @@ def test_penalties_and_logit_bias_shape_the_processed_distribution(engine, hf):
         want = torch.log_softmax(row / 0.8, -1)[token].item()
         assert abs(comp.logprobs[pos] - want) < 1e-4
     # a huge bias forces a token
-    forced = engine.generate([prompt], SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, logit_bias={42: 100.0}))
+    forced = engine.generate(
+        [prompt], SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, logit_bias={42: 100.0})
+    )
     assert forced[0].outputs[0].token_ids == [42, 42, 42]
 
 
@@ -351,7 +375,11 @@ def test_projection_forms_agree(rows):
     from rlserve.model.linear import SWAPPED_GEMM_ROWS, linear
 
     gen = torch.Generator().manual_seed(rows)
-    x, weight, bias = torch.randn(rows, 96, generator=gen), torch.randn(160, 96, generator=gen), torch.randn(160, generator=gen)
+    x, weight, bias = (
+        torch.randn(rows, 96, generator=gen),
+        torch.randn(160, 96, generator=gen),
+        torch.randn(160, generator=gen),
+    )
     out = linear(x, weight, bias)
     assert out.shape == (rows, 160)
     assert torch.allclose(out, torch.nn.functional.linear(x, weight, bias), atol=1e-5)

@@ -12,11 +12,19 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 from rlserve.config.schema import Config
 from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams
-from test_engine import assert_matches_hf
 from rlserve.model.make import default_model_dir
+from test_engine import assert_matches_hf
 
-SHAPE = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=2048, max_position_embeddings=512, tie_word_embeddings=False)
+SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=2048,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
 
 
 @pytest.mark.parametrize("config_cls", [Qwen2Config, LlamaConfig])

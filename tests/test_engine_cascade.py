@@ -70,8 +70,12 @@ def test_cascade_logprobs_match_the_forward_pass(model_dir, hf, cascade_calls):
     assert any(masked for _, _, masked in cascade_calls)
     for prompt, out in zip(prompts, outs):
         for comp in out.outputs:
-            want = hf_logprobs(hf, prompt, comp.token_ids).gather(1, torch.tensor(comp.token_ids).unsqueeze(1)).squeeze(1)
-            assert torch.allclose(torch.tensor(comp.logprobs), want, atol=1e-4), (torch.tensor(comp.logprobs) - want).abs().max()
+            want = (
+                hf_logprobs(hf, prompt, comp.token_ids).gather(1, torch.tensor(comp.token_ids).unsqueeze(1)).squeeze(1)
+            )
+            assert torch.allclose(torch.tensor(comp.logprobs), want, atol=1e-4), (
+                (torch.tensor(comp.logprobs) - want).abs().max()
+            )
 
 
 def test_cascade_gives_the_tokens_of_plain_decode(model_dir, cascade_calls):
@@ -117,5 +121,9 @@ def test_reordered_rows_keep_their_adapters(model_dir, hf, tmp_path, cascade_cal
     for i, (prompt, _, adapter) in enumerate(requests):
         reference = peft_model if adapter else hf
         for comp in outs[str(i)].outputs:
-            want = hf_logprobs(reference, prompt, comp.token_ids).gather(1, torch.tensor(comp.token_ids).unsqueeze(1)).squeeze(1)
+            want = (
+                hf_logprobs(reference, prompt, comp.token_ids)
+                .gather(1, torch.tensor(comp.token_ids).unsqueeze(1))
+                .squeeze(1)
+            )
             assert torch.allclose(torch.tensor(comp.logprobs), want, atol=1e-4)

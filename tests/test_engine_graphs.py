@@ -57,7 +57,9 @@ def test_padded_decode_matches_transformers(model_dir, hf, counted):
     outs = engine.generate(prompts, params)
     for prompt, out in zip(prompts, outs):
         for comp in out.outputs:
-            want = hf_logprobs(hf, prompt, comp.token_ids).gather(1, torch.tensor(comp.token_ids).unsqueeze(1)).squeeze(1)
+            want = (
+                hf_logprobs(hf, prompt, comp.token_ids).gather(1, torch.tensor(comp.token_ids).unsqueeze(1)).squeeze(1)
+            )
             assert torch.allclose(torch.tensor(comp.logprobs), want, atol=1e-4)
     assert (16, 4) in counted and len({w for _, w in counted}) > 1  # padded rows, several widths
     assert engine.pool.num_blocks == engine.runner.scratch_block  # the pool never hands it out

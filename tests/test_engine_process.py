@@ -18,9 +18,9 @@ import pytest
 
 from conftest import start_server, stop_server
 from rlserve.config.schema import Config
-from rlserve.runtime import ipc
 from rlserve.engine.outputs import CompletionOutput, RequestOutput, VersionSpan
 from rlserve.engine.params import SamplingParams
+from rlserve.runtime import ipc
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for child processes")
 HANG_GUARD_S = 60  # generous: only stops a hung test, never measures speed
@@ -58,20 +58,50 @@ def wait_until(cond, what: str) -> None:
 
 
 def test_messages_carry_every_dataclass_field_and_never_unpickle():
-    params = SamplingParams(n=2, temperature=0.5, top_k=3, logit_bias={7: -1.5}, seed=9, stop=["x"],
-                            stop_token_ids=[2], logprobs=2, prompt_logprobs=-1, logprobs_mode="raw",
-                            forced_token_ids=[1, 2], max_tokens=4, min_tokens=1)
+    params = SamplingParams(
+        n=2,
+        temperature=0.5,
+        top_k=3,
+        logit_bias={7: -1.5},
+        seed=9,
+        stop=["x"],
+        stop_token_ids=[2],
+        logprobs=2,
+        prompt_logprobs=-1,
+        logprobs_mode="raw",
+        forced_token_ids=[1, 2],
+        max_tokens=4,
+        min_tokens=1,
+    )
     add = ipc.Add(3, "r", [1, 2, 3], params, "salt", None, False)
     assert ipc.to_engine.decode(ipc.encode(add)) == add
-    out = RequestOutput("r", [1, 2], [CompletionOutput(0, [5, 6], "ab", [-0.5, -1.0], [{5: -0.5}, {6: -1.0, 4: -2.0}],
-                                                       "stop", "b", [VersionSpan(0, 0, 1), VersionSpan(1, 1, 2)])],
-                        [None, {2: -3.0}], 1, True, [None, {2: 4}])
+    out = RequestOutput(
+        "r",
+        [1, 2],
+        [
+            CompletionOutput(
+                0,
+                [5, 6],
+                "ab",
+                [-0.5, -1.0],
+                [{5: -0.5}, {6: -1.0, 4: -2.0}],
+                "stop",
+                "b",
+                [VersionSpan(0, 0, 1), VersionSpan(1, 1, 2)],
+            )
+        ],
+        [None, {2: -3.0}],
+        1,
+        True,
+        [None, {2: 4}],
+    )
     state = ipc.State(1, "v1", {"a": "/p"}, False, {"num_running": 1})
     assert ipc.to_server.decode(ipc.encode(ipc.Outputs([(3, out)], state))) == ipc.Outputs([(3, out)], state)
     # bad values are refused by the same checks as an HTTP request's; pickles are just bytes
     with pytest.raises(msgspec.ValidationError, match="temperature"):
-        ipc.to_engine.decode(ipc.encode(ipc.Add(1, "r", [1], {**msgspec.to_builtins(params), "temperature": -1},
-                                                None, None, True)))
+        ipc.to_engine.decode(
+            ipc.encode(ipc.Add(1, "r", [1], {**msgspec.to_builtins(params), "temperature": -1}, None, None, True))
+        )
     import pickle
 
     with pytest.raises(msgspec.DecodeError):
@@ -145,8 +175,13 @@ def test_an_engine_process_whose_server_died_before_it_looked_exits(model_dir, t
         proc.stdin.close()
         print(proc.pid, flush=True)
     """)
-    launched = subprocess.run([sys.executable, "-c", short_lived_server], input=config.model_dump_json().encode(),
-                              capture_output=True, check=True, timeout=HANG_GUARD_S)
+    launched = subprocess.run(
+        [sys.executable, "-c", short_lived_server],
+        input=config.model_dump_json().encode(),
+        capture_output=True,
+        check=True,
+        timeout=HANG_GUARD_S,
+    )
     core = int(launched.stdout)
     try:
         wait_until(lambda: gone(core), f"engine process {core} outlived the server that started it")
@@ -224,11 +259,30 @@ def test_a_server_that_refuses_its_config_stops_the_engine_it_started_early(mode
     leaves no process behind."""
     mark = f"RLSERVE_TEST_RUN={os.getpid()}-{time.monotonic_ns()}"
     env = {**os.environ, mark.split("=")[0]: mark.split("=")[1]}
-    run = subprocess.run([sys.executable, "-m", "rlserve.cli", "serve", "--server.port", "0",
-                          "--model.name", str(model_dir), "--parallel.tp", "2", "--num_threads", "100000"],
-                         env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlserve.cli",
+            "serve",
+            "--server.port",
+            "0",
+            "--model.name",
+            str(model_dir),
+            "--parallel.tp",
+            "2",
+            "--num_threads",
+            "100000",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
+    )
     assert run.returncode != 0
-    assert "rlserve: error: parallel.tp" in run.stderr or "rlserve: error: num_threads" in run.stderr, run.stderr[-2000:]
+    assert "rlserve: error: parallel.tp" in run.stderr or "rlserve: error: num_threads" in run.stderr, run.stderr[
+        -2000:
+    ]
     wait_until(lambda: not _marked(mark), "processes of the refused server outlived it")
 
 
@@ -237,8 +291,8 @@ def test_a_call_to_an_engine_process_that_is_gone_raises_engine_dead(model_dir):
     process too, and the server's drain then calls an engine that is gone before the watcher has noticed.
     That call must fail as EngineDeadError (the drain's cue to stop), not with ZeroMQ's EAGAIN, which left
     the drain hung and the server to be SIGKILLed with its socket directory behind."""
-    from rlserve.runtime.proc_client import EngineClient
     from rlserve.runtime.face import EngineDeadError
+    from rlserve.runtime.proc_client import EngineClient
 
     config = Config()
     config.model.name = str(model_dir)
@@ -269,13 +323,16 @@ def test_sigterm_while_the_server_starts_stops_its_engine_and_leaves_nothing(mod
     """The engine process starts before the server stack is imported, so a SIGTERM (a deployment stopping a
     replica it just started) can come while the server is still starting. The server then stops the engine
     and removes its socket directory before it exits, instead of leaving the engine to die with it."""
-    proc = subprocess.Popen([sys.executable, "-m", "rlserve.cli", "serve", "--server.port", "0",
-                             "--model.name", str(model_dir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlserve.cli", "serve", "--server.port", "0", "--model.name", str(model_dir)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         wait_until(lambda: engine_pids(proc) or proc.poll() is not None, "the engine process to start")
         core = engine_pid(proc)
         args = Path(f"/proc/{core}/cmdline").read_bytes().decode().split("\0")
-        socket_dir = Path(next(a for a in args if a.startswith("ipc://"))[len("ipc://"):]).parent
+        socket_dir = Path(next(a for a in args if a.startswith("ipc://"))[len("ipc://") :]).parent
         assert socket_dir.is_dir()
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=HANG_GUARD_S)  # 143 while starting; 0 if it was already serving

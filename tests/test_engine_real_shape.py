@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM
 from rlserve.config.schema import Config
 from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams
-from test_engine import assert_matches_hf
 from rlserve.model.make import make_model
+from test_engine import assert_matches_hf
 
 pytestmark = pytest.mark.slow
 

@@ -10,11 +10,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from rlserve.runtime.inproc import AsyncEngine
 from rlserve.engine.params import SamplingParams
 from rlserve.engine.weights import WeightUpdateError, check_under_roots, stage_from_dir
 from rlserve.model.lora import AdapterError, load_peft_adapter
 from rlserve.model.make import make_model
+from rlserve.runtime.inproc import AsyncEngine
 from test_engine import assert_matches_hf, hf_logprobs, make_engine, random_prompts
 
 
@@ -103,7 +103,7 @@ def run_async(coro):
 
 async def collect(engine, prompt, params, rid):
     out = None
-    async for out in engine.generate(prompt, params, rid):
+    async for out in engine.generate(prompt, params, rid):  # noqa: B007 (the last one is the answer)
         pass
     return out
 
@@ -157,7 +157,9 @@ def adapters(dirs, tmp_path_factory):
 
     base, _ = dirs
     out = []
-    for i, targets in enumerate([["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], ["q_proj", "v_proj"]]):
+    for i, targets in enumerate(
+        [["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], ["q_proj", "v_proj"]]
+    ):
         torch.manual_seed(100 + i)
         hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
         cfg = LoraConfig(r=4, lora_alpha=8 + 8 * i, target_modules=targets, init_lora_weights=False, use_rslora=bool(i))
@@ -206,7 +208,9 @@ def test_lora_logprobs_match_peft_and_mixed_batch_equals_alone(dirs, adapters):
                 mixed[o.request_id] = o
     for rid, out in alone.items():
         assert mixed[rid].outputs[0].token_ids == out.outputs[0].token_ids
-        assert torch.allclose(torch.tensor(mixed[rid].outputs[0].logprobs), torch.tensor(out.outputs[0].logprobs), atol=1e-5)
+        assert torch.allclose(
+            torch.tensor(mixed[rid].outputs[0].logprobs), torch.tensor(out.outputs[0].logprobs), atol=1e-5
+        )
 
 
 def test_bad_adapter_is_refused(dirs, adapters, tmp_path):

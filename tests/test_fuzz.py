@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from conftest import start_server, stop_server
 
 TESTS = Path(__file__).resolve().parent
@@ -29,18 +30,50 @@ def _closed_port() -> int:
 def test_fuzzing_finds_no_server_errors(tmp_path: Path) -> None:
     st = shutil.which("st") or pytest.skip("schemathesis is not installed (pip install -e '.[test]')")
     # a small context and batch keep fuzzed generations short; weights only under an empty root
-    url, proc = start_server("--model.max_model_len", "48", "--engine.max_num_seqs", "4",
-                             "--weight-roots", f'["{tmp_path}"]')
+    url, proc = start_server(
+        "--model.max_model_len", "48", "--engine.max_num_seqs", "4", "--weight-roots", f'["{tmp_path}"]'
+    )
     try:
-        env = {**os.environ, "SCHEMATHESIS_HOOKS": "fuzz_hooks", "RLSERVE_FUZZ_URL": url,
-               "RLSERVE_FUZZ_CLOSED_PORT": str(_closed_port()),
-               "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+        env = {
+            **os.environ,
+            "SCHEMATHESIS_HOOKS": "fuzz_hooks",
+            "RLSERVE_FUZZ_URL": url,
+            "RLSERVE_FUZZ_CLOSED_PORT": str(_closed_port()),
+            "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+        }
         junit = tmp_path / "fuzz.xml"
         run = subprocess.run(
-            [st, "run", f"{url}/openapi.json", "--phases", "coverage,fuzzing", "-n", str(EXAMPLES_PER_OPERATION),
-             "--checks", "not_a_server_error", "--request-timeout", "120", "--workers", "1", "--seed", "0",
-             "--generation-database", "none", "--no-color", "--report", "junit", "--report-junit-path", str(junit)],
-            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900, check=False)
+            [
+                st,
+                "run",
+                f"{url}/openapi.json",
+                "--phases",
+                "coverage,fuzzing",
+                "-n",
+                str(EXAMPLES_PER_OPERATION),
+                "--checks",
+                "not_a_server_error",
+                "--request-timeout",
+                "120",
+                "--workers",
+                "1",
+                "--seed",
+                "0",
+                "--generation-database",
+                "none",
+                "--no-color",
+                "--report",
+                "junit",
+                "--report-junit-path",
+                str(junit),
+            ],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=900,
+            check=False,
+        )
         summary = "\n".join(run.stdout.splitlines()[-40:])
         assert run.returncode == 0, f"{summary}\n{run.stderr[-3000:]}"
         operations = ET.parse(junit).getroot().iter("testcase")

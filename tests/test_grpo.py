@@ -42,8 +42,9 @@ def assert_exact(history) -> None:
 def test_grpo_learns_with_exact_logprobs(grpo, tmp_path):
     before = children()
     # a high learning rate on a task the embedded model starts at ~0.2: it saturates within a few steps
-    args = grpo.parse_args(["--steps", "6", "--lr", "3e-4", "--prompts-per-step", "4", "--group-size", "8",
-                            "--out", str(tmp_path)])
+    args = grpo.parse_args(
+        ["--steps", "6", "--lr", "3e-4", "--prompts-per-step", "4", "--group-size", "8", "--out", str(tmp_path)]
+    )
     history = grpo.train(args)
     assert children() == before  # the server it started is gone
 
@@ -62,8 +63,21 @@ def test_grpo_learns_with_exact_logprobs(grpo, tmp_path):
 
 
 def test_grpo_async_one_step_off_policy_from_disk(grpo, tmp_path):
-    args = grpo.parse_args(["--steps", "4", "--lr", "3e-4", "--prompts-per-step", "2", "--group-size", "4",
-                            "--async-steps", "1", "--update-from-disk"])
+    args = grpo.parse_args(
+        [
+            "--steps",
+            "4",
+            "--lr",
+            "3e-4",
+            "--prompts-per-step",
+            "2",
+            "--group-size",
+            "4",
+            "--async-steps",
+            "1",
+            "--update-from-disk",
+        ]
+    )
     history = grpo.train(args)
     assert_exact(history)  # against the snapshot of the weights that sampled each batch
     # step t trains on samples of the policy one push older (step 0: the initial one)
@@ -73,13 +87,18 @@ def test_grpo_async_one_step_off_policy_from_disk(grpo, tmp_path):
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="lists child processes through /proc")
 def test_sigterm_stops_the_server_the_example_started(tmp_path):
-    proc = subprocess.Popen([sys.executable, str(EXAMPLE), "--steps", "50", "--prompts-per-step", "2",
-                             "--group-size", "2"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(EXAMPLE), "--steps", "50", "--prompts-per-step", "2", "--group-size", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         header = proc.stdout.readline()  # printed once its server is up
         assert header.split()[:2] == ["step", "reward"]
-        server_pids = {int(p) for task in Path(f"/proc/{proc.pid}/task").iterdir()
-                       for p in (task / "children").read_text().split()}
+        server_pids = {
+            int(p) for task in Path(f"/proc/{proc.pid}/task").iterdir() for p in (task / "children").read_text().split()
+        }
         assert server_pids
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 128 + signal.SIGTERM

@@ -17,8 +17,14 @@ def test_out_without_matplotlib_stops_before_training_and_names_the_install(tmp_
     (shadow / "__init__.py").write_text("raise ImportError('No module named matplotlib')\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(shadow.parent), os.environ.get("PYTHONPATH", "")])}
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, str(EXAMPLE), "--steps", "1", "--out", str(out)], env=env,
-                          capture_output=True, text=True, timeout=300, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--steps", "1", "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode != 0
     assert "pip install -e .[examples]" in proc.stderr
     assert not out.exists()  # stopped before anything was written or any server started

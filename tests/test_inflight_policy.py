@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine import hf_logprobs, make_engine, random_prompts
 from transformers import AutoModelForCausalLM
 
 from rlserve.engine.params import SamplingParams
 from rlserve.engine.weights import stage_from_dir
 from rlserve.model.make import make_model
+from test_engine import hf_logprobs, make_engine, random_prompts
 
 PARAMS = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, logprobs=0)
 
@@ -63,7 +63,9 @@ def test_recompute_makes_later_logprobs_those_of_the_new_weights(model_dir, new_
     assert errors and max(errors) <= 1e-5
     # the same with keep: the old KV shows in the later logprobs (so the check above can fail)
     engine = make_engine(model_dir)
-    kept = new_version_errors(hf_new, prompts, run_with_update(engine, prompts, new_weights, "keep"), greedy_check=False)
+    kept = new_version_errors(
+        hf_new, prompts, run_with_update(engine, prompts, new_weights, "keep"), greedy_check=False
+    )
     assert max(kept) > 1e-3
 
 

@@ -66,9 +66,13 @@ def make_engine(model_dir, master=None) -> Engine:
     cfg.engine.kv_cache_bytes = POOL_BLOCKS * BLOCK * 2048  # the tiny model: 2 KiB of KV a token
     cfg.engine.enable_prefix_caching = True
     if master is not None:
-        cfg.kv_cache_offload = KVOffloadConfig.model_validate({
-            "type": "mooncake", "cpu": {"num_bytes": 16 << 20},
-            "mooncake": {"master_address": master.master_address, "metadata_server": master.metadata_server}})
+        cfg.kv_cache_offload = KVOffloadConfig.model_validate(
+            {
+                "type": "mooncake",
+                "cpu": {"num_bytes": 16 << 20},
+                "mooncake": {"master_address": master.master_address, "metadata_server": master.metadata_server},
+            }
+        )
     return Engine(cfg)
 
 
@@ -77,8 +81,10 @@ def prompts(seed: int, n: int, length: int = PROMPT_TOKENS) -> list[list[int]]:
     return [[rng.randrange(250) for _ in range(length)] for _ in range(n)]
 
 
-PARAMS = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2),
-          SamplingParams(temperature=0.9, seed=7, max_tokens=6, ignore_eos=True, logprobs=2)]
+PARAMS = [
+    SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2),
+    SamplingParams(temperature=0.9, seed=7, max_tokens=6, ignore_eos=True, logprobs=2),
+]
 
 
 def serve(engine: Engine, prompt: list[int]) -> tuple[list, int]:
@@ -198,8 +204,16 @@ def test_serve_starts_its_master_and_sigterm_stops_it(tmp_path):
 
     config = tmp_path / "mooncake.toml"
     config.write_text('[kv_cache_offload]\ntype = "mooncake"\n[kv_cache_offload.cpu]\nnum_bytes = 32_000_000\n')
-    url, proc = start_server("@", str(config), "--engine.kv_cache_bytes", str(32 * BLOCK * 2048),
-                             "--model.max_model_len", "256", "--engine.block_size", str(BLOCK))
+    url, proc = start_server(
+        "@",
+        str(config),
+        "--engine.kv_cache_bytes",
+        str(32 * BLOCK * 2048),
+        "--model.max_model_len",
+        "256",
+        "--engine.block_size",
+        str(BLOCK),
+    )
     try:
         masters = [p for p in _children(proc.pid) if "mooncake_master" in Path(f"/proc/{p}/cmdline").read_text()]
         assert len(masters) == 1
@@ -211,8 +225,12 @@ def test_serve_starts_its_master_and_sigterm_stops_it(tmp_path):
         from prometheus_client.parser import text_string_to_metric_families
 
         text = httpx.get(f"{url}/metrics", timeout=30).text
-        hits = [s.value for f in text_string_to_metric_families(text) for s in f.samples
-                if s.name == "rlserve:kv_offload_hits_total" and s.labels.get("tier") == "mooncake"]
+        hits = [
+            s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name == "rlserve:kv_offload_hits_total" and s.labels.get("tier") == "mooncake"
+        ]
         assert sum(hits) == 6 * BLOCK  # the prompt's 6 full blocks came back from the store
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -229,8 +247,12 @@ def _metric(url: str, name: str, **labels: str) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{url}/metrics", timeout=30).text
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == name and labels.items() <= s.labels.items())
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == name and labels.items() <= s.labels.items()
+    )
 
 
 def test_deployment_replicas_share_one_master_and_reuse_each_others_prefixes(tmp_path):
@@ -241,9 +263,18 @@ def test_deployment_replicas_share_one_master_and_reuse_each_others_prefixes(tmp
 
     config = tmp_path / "mooncake.toml"
     config.write_text('[kv_cache_offload]\ntype = "mooncake"\n[kv_cache_offload.cpu]\nnum_bytes = 32_000_000\n')
-    _, admin, proc = start_deployment("--deployment.replicas", "2", "@", str(config), "--engine.kv_cache_bytes",
-                                           str(32 * BLOCK * 2048), "--model.max_model_len", "256",
-                                           "--engine.block_size", str(BLOCK))
+    _, admin, proc = start_deployment(
+        "--deployment.replicas",
+        "2",
+        "@",
+        str(config),
+        "--engine.kv_cache_bytes",
+        str(32 * BLOCK * 2048),
+        "--model.max_model_len",
+        "256",
+        "--engine.block_size",
+        str(BLOCK),
+    )
     try:
         tree = descendants(proc.pid)
         masters = [p for p in tree if "mooncake_master" in Path(f"/proc/{p}/cmdline").read_text()]
@@ -252,8 +283,11 @@ def test_deployment_replicas_share_one_master_and_reuse_each_others_prefixes(tmp
         model = httpx.get(f"{urls[0]}/v1/models", timeout=30).json()["data"][0]["id"]
 
         def complete(url: str, prompt: list[int]) -> dict:
-            r = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 4,
-                                                          "temperature": 0, "logprobs": 1}, timeout=120)
+            r = httpx.post(
+                f"{url}/v1/completions",
+                json={"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 1},
+                timeout=120,
+            )
             assert r.status_code == 200, r.text
             return r.json()["choices"][0]
 
@@ -278,8 +312,9 @@ def test_config_errors_name_what_to_change(dirs, master):
     with pytest.raises(ValidationError, match="set type = 'mooncake'"):
         KVOffloadConfig.model_validate({"cpu": {"num_bytes": 1 << 30}, "mooncake": {"master_address": "h:1"}})
     with pytest.raises(ValidationError, match="metadata_server needs master_address"):
-        KVOffloadConfig.model_validate({"type": "mooncake", "cpu": {"num_bytes": 1 << 30},
-                                        "mooncake": {"metadata_server": "http://h:2/metadata"}})
+        KVOffloadConfig.model_validate(
+            {"type": "mooncake", "cpu": {"num_bytes": 1 << 30}, "mooncake": {"metadata_server": "http://h:2/metadata"}}
+        )
     cfg = Config()
     cfg.model.name = str(dirs[0])
     cfg.model.max_model_len = 64
@@ -287,7 +322,8 @@ def test_config_errors_name_what_to_change(dirs, master):
     cfg.kv_cache_offload = KVOffloadConfig.model_validate({"type": "mooncake", "cpu": {"num_bytes": 1 << 20}})
     with pytest.raises(ValueError, match="no store address"):
         Engine(cfg)
-    cfg.kv_cache_offload = KVOffloadConfig.model_validate({
-        "type": "mooncake", "cpu": {"num_bytes": 1 << 20}, "mooncake": {"master_address": master.master_address}})
+    cfg.kv_cache_offload = KVOffloadConfig.model_validate(
+        {"type": "mooncake", "cpu": {"num_bytes": 1 << 20}, "mooncake": {"master_address": master.master_address}}
+    )
     with pytest.raises(ValueError, match="16 MiB"):
         Engine(cfg)

@@ -20,8 +20,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlserve.config.schema import Config, KVOffloadConfig
-from rlserve.engine.kv import format as kv_format
 from rlserve.engine.engine import Engine
+from rlserve.engine.kv import format as kv_format
 from rlserve.engine.kv.format import BlockFormatError, KVBlock
 from rlserve.engine.params import SamplingParams
 from rlserve.engine.weights import stage_from_dir
@@ -100,8 +100,13 @@ def test_block_format_round_trip_and_damage():
     assert torch.equal(back.kv, kv) and torch.equal(back.metadata["routed_experts"], experts)
     assert back.weight_generation == 4 and back.block_hash == block.block_hash
     header = data[12 : 12 + int.from_bytes(data[8:12], "little")]
-    assert json.loads(header)["tensors"][0] == {"name": "kv", "dtype": "bfloat16", "shape": [3, 2, BLOCK, 2, 8],
-                                                "offset": 0, "nbytes": kv.nbytes}
+    assert json.loads(header)["tensors"][0] == {
+        "name": "kv",
+        "dtype": "bfloat16",
+        "shape": [3, 2, BLOCK, 2, 8],
+        "offset": 0,
+        "nbytes": kv.nbytes,
+    }
     flipped = bytearray(data)
     flipped[len(data) // 2] ^= 1
     for bad in (data[:-100], bytes(flipped), b"not a block"):
@@ -114,8 +119,12 @@ def test_block_format_round_trip_and_damage():
 
 
 def test_config_shape_and_startup_checks(dirs, tmp_path):
-    cfg = Config.model_validate({"engine": {"enable_prefix_caching": False},
-                                 "kv_cache_offload": {"type": "native", "cpu": {"num_bytes": 1 << 20}}})
+    cfg = Config.model_validate(
+        {
+            "engine": {"enable_prefix_caching": False},
+            "kv_cache_offload": {"type": "native", "cpu": {"num_bytes": 1 << 20}},
+        }
+    )
     assert cfg.engine.enable_prefix_caching  # offload sits behind the prefix cache
     with pytest.raises(ValueError, match="disk tier alone"):
         Config.model_validate({"kv_cache_offload": {"disk": {"path": str(tmp_path)}}})
@@ -195,8 +204,15 @@ def test_full_disk_stops_disk_writes_and_keeps_serving(dirs, baseline, tmp_path)
 
         resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
-    proc = subprocess.run([sys.executable, "-c", script], input=json.dumps(convs), capture_output=True, text=True,
-                          preexec_fn=limit_file_size, timeout=600, cwd=os.path.dirname(__file__))
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        input=json.dumps(convs),
+        capture_output=True,
+        text=True,
+        preexec_fn=limit_file_size,
+        timeout=600,
+        cwd=os.path.dirname(__file__),
+    )
     assert proc.returncode == 0, proc.stderr
     tokens, stats = (json.loads(line) for line in proc.stdout.strip().splitlines()[-2:])
     assert tokens == [[o.outputs[0].token_ids for o in turn] for turn in base_outs]
@@ -261,28 +277,37 @@ def test_serve_with_offload_config_file_metrics_and_sigterm_cleanup(tmp_path):
     disk = tmp_path / "kv"
     disk.mkdir()
     config = tmp_path / "offload.toml"
-    config.write_text(f'[kv_cache_offload]\ntype = "native"\n[kv_cache_offload.cpu]\nnum_bytes = {4 * BLOCK * 2048}\n'
-                      f'[kv_cache_offload.disk]\npath = "{disk}"\n')
-    url, proc = start_server("@", str(config), "--engine.kv_cache_bytes", str(32 * BLOCK * 2048),
-                             "--model.max_model_len", "512")
+    config.write_text(
+        f'[kv_cache_offload]\ntype = "native"\n[kv_cache_offload.cpu]\nnum_bytes = {4 * BLOCK * 2048}\n'
+        f'[kv_cache_offload.disk]\npath = "{disk}"\n'
+    )
+    url, proc = start_server(
+        "@", str(config), "--engine.kv_cache_bytes", str(32 * BLOCK * 2048), "--model.max_model_len", "512"
+    )
     try:
         model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
         rng = random.Random(5)
         sessions = [[rng.randrange(250) for _ in range(200)] for _ in range(4)]  # 4 x 13 blocks, the pool holds 32
         for _ in range(2):
             for prompt in sessions:
-                r = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 2},
-                               timeout=120)
+                r = httpx.post(
+                    f"{url}/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 2}, timeout=120
+                )
                 assert r.status_code == 200, r.text
         assert any(disk.glob("rlserve-kv-*/*.kvb"))
         text = httpx.get(f"{url}/metrics", timeout=30).text
-        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-                   for family in text_string_to_metric_families(text) for s in family.samples}
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
 
         def value(name: str, **labels: str) -> float:
             return sum(v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls))
 
-        assert value("rlserve:kv_offload_hits_total", tier="cpu") + value("rlserve:kv_offload_hits_total", tier="disk") > 0
+        assert (
+            value("rlserve:kv_offload_hits_total", tier="cpu") + value("rlserve:kv_offload_hits_total", tier="disk") > 0
+        )
         assert value("rlserve:kv_offload_queries_total", tier="cpu") > 0
         assert value("rlserve:kv_offload_bytes_total", direction="pool_to_cpu") > 0
         assert value("rlserve:kv_offload_bytes_total", direction="cpu_to_disk") > 0
@@ -304,8 +329,9 @@ def test_router_replay_reports_the_experts_of_blocks_loaded_from_the_tiers(tmp_p
     cfg.model.name, cfg.model.max_model_len = str(model_dir), 128
     cfg.engine.kv_cache_bytes = 8 * BLOCK * 2048  # 8 blocks: each prompt (4 full blocks) evicts the one before
     cfg.enable_return_routed_experts = True
-    cfg.kv_cache_offload = KVOffloadConfig.model_validate({"cpu": {"num_bytes": 2 * BLOCK * 2048},
-                                                           "disk": {"path": str(tmp_path)}})
+    cfg.kv_cache_offload = KVOffloadConfig.model_validate(
+        {"cpu": {"num_bytes": 2 * BLOCK * 2048}, "disk": {"path": str(tmp_path)}}
+    )
     engine = Engine(cfg)
     prompts = [c[:70] for c in conversations(engine.vocab_size)[:4]]
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)

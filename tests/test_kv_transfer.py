@@ -24,8 +24,11 @@ PROMPT = list(range(7, 7 + 70))
 
 
 def engine(**transfer) -> Engine:
-    return Engine(Config.model_validate({"engine": {"kv_cache_bytes": 8 << 20}, "model": {"max_model_len": 256},
-                                         "kv_transfer": transfer}))
+    return Engine(
+        Config.model_validate(
+            {"engine": {"kv_cache_bytes": 8 << 20}, "model": {"max_model_len": 256}, "kv_transfer": transfer}
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +70,10 @@ def decode(d: Engine, kt: dict | None) -> list[int]:
     return run(d, SamplingParams(max_tokens=5, temperature=0, kv_transfer_params=kt)).outputs[0].token_ids
 
 
-@pytest.mark.parametrize("field, value", [("weight_generation", 5), ("block_size", 32), ("dtype", "bfloat16"),
-                                          ("kv_shape", [1, 2, 16, 1, 1])])
+@pytest.mark.parametrize(
+    "field, value",
+    [("weight_generation", 5), ("block_size", 32), ("dtype", "bfloat16"), ("kv_shape", [1, 2, 16, 1, 1])],
+)
 def test_a_mismatch_prefills_locally_and_releases_the_pin(engines, field, value):
     p, d = engines
     want = decode(d, None)
@@ -232,8 +237,9 @@ class FakePrefillServer:
             kv = torch.randn(shape)
             for i, h in enumerate(self.kt["block_hashes"][ask["first"] : ask["first"] + ask["count"]]):
                 block_hash = bytes.fromhex(h)[::-1] if self.spoil == "foreign" else bytes.fromhex(h)
-                parts = kv_format.kv_parts(block_hash, self.kt["weight_generation"], shape, torch.float32,
-                                           kv_format.tensor_views(kv))
+                parts = kv_format.kv_parts(
+                    block_hash, self.kt["weight_generation"], shape, torch.float32, kv_format.tensor_views(kv)
+                )
                 data = b"".join(bytes(memoryview(x).cast("B")) for x in parts)
                 if self.spoil == "checksum" and i == 1:
                     data = data[:-100] + bytes(1) + data[-99:]  # one payload byte flipped after hashing
@@ -266,8 +272,9 @@ def test_a_spoiled_pull_frees_its_reserved_blocks_and_d_prefills_locally(engines
         fake.close()
     assert d.kv_transfer.stats.fallbacks == fallbacks + 1
     assert d.kv_transfer.stats.pull_failures == failures + (spoil != "foreign")  # that one arrived intact
-    assert {"checksum": "checksum mismatch", "short": "connection closed",
-            "foreign": "computed for other tokens"}[spoil] in caplog.text
+    assert {"checksum": "checksum mismatch", "short": "connection closed", "foreign": "computed for other tokens"}[
+        spoil
+    ] in caplog.text
     assert all(d.pool.is_free(b) for b in range(d.pool.num_blocks))  # the reserved blocks are back
     computed = d.stats.prompt_tokens_computed
     got = None

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import start_server, stop_server
 
-from rlserve.config.load import ConfigError, load_config
+from conftest import start_server, stop_server
 from rlserve.config.dialects import translate_launch_line
+from rlserve.config.load import ConfigError, load_config
 from rlserve.model.make import default_model_dir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,41 +24,102 @@ def launch(*argv: str):
 
 
 def test_vllm_flags_set_rlserve_keys():
-    c = launch("/models/m", "--host", "0.0.0.0", "--port", "9000", "--api-key", "k", "--served-model-name", "name",
-               "--max-model-len", "32k", "--dtype", "half", "--seed", "3", "--tensor-parallel-size", "2",
-               "--data-parallel-size", "2", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-               "--reasoning-parser", "qwen3", "--enable-lora", "--max-lora-rank", "64", "--max-loras", "4",
-               "--no-enable-prefix-caching", "--enforce-eager", "--gpu-memory-utilization", "0.9",
-               "--logprobs-mode", "raw_logprobs", "--chat-template", "t.jinja", "--generation-config", "auto",
-               "--enable-scale-out", "--trust-remote-code")
+    c = launch(
+        "/models/m",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "9000",
+        "--api-key",
+        "k",
+        "--served-model-name",
+        "name",
+        "--max-model-len",
+        "32k",
+        "--dtype",
+        "half",
+        "--seed",
+        "3",
+        "--tensor-parallel-size",
+        "2",
+        "--data-parallel-size",
+        "2",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        "--reasoning-parser",
+        "qwen3",
+        "--enable-lora",
+        "--max-lora-rank",
+        "64",
+        "--max-loras",
+        "4",
+        "--no-enable-prefix-caching",
+        "--enforce-eager",
+        "--gpu-memory-utilization",
+        "0.9",
+        "--logprobs-mode",
+        "raw_logprobs",
+        "--chat-template",
+        "t.jinja",
+        "--generation-config",
+        "auto",
+        "--enable-scale-out",
+        "--trust-remote-code",
+    )
     assert (c.model.name, c.server.host, c.server.port, c.server.api_key) == ("/models/m", "0.0.0.0", 9000, "k")
     assert (c.model.served_model_name, c.model.max_model_len, c.model.dtype, c.seed) == ("name", 32000, "float16", 3)
-    assert (c.parallel.tp, c.parallel.dp, c.model.tool_call_parser, c.model.reasoning_parser) == (2, 2, "hermes", "qwen3")
+    assert (c.parallel.tp, c.parallel.dp, c.model.tool_call_parser, c.model.reasoning_parser) == (
+        2,
+        2,
+        "hermes",
+        "qwen3",
+    )
     assert not c.engine.enable_prefix_caching and c.model.enforce_eager and c.model.trust_remote_code
     assert (c.gpu_memory_utilization, c.engine.logprobs_mode, c.model.chat_template) == (0.9, "raw", "t.jinja")
     assert launch("--port=9001", "--enable-prefix-caching").engine.enable_prefix_caching
 
 
-@pytest.mark.parametrize("argv, named", [
-    (["--enable-expert-parallel"], "--enable-expert-parallel"),
-    (["--logprobs-mode", "raw_logits"], "--logprobs-mode"),
-    (["--speculative-config", "{}"], "--speculative-config"),
-    (["--served-model-name", "a", "b"], "--served-model-name"),
-    (["--swap-space", "4"], "--swap-space"),
-    (["infer.toml"], "@ infer.toml"),
-    (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size"),
-    (["--generation-config", "/models/gen"], "--generation-config"),
-])
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--enable-expert-parallel"], "--enable-expert-parallel"),
+        (["--logprobs-mode", "raw_logits"], "--logprobs-mode"),
+        (["--speculative-config", "{}"], "--speculative-config"),
+        (["--served-model-name", "a", "b"], "--served-model-name"),
+        (["--swap-space", "4"], "--swap-space"),
+        (["infer.toml"], "@ infer.toml"),
+        (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size"),
+        (["--generation-config", "/models/gen"], "--generation-config"),
+    ],
+)
 def test_inapplicable_vllm_flags_are_refused_by_name(argv, named):
     with pytest.raises(ConfigError, match=named):
         launch(*argv)
 
 
 def test_mlx_flags_set_rlserve_keys():
-    c = launch("--model", "m", "--max-batch", "5", "--flush-interval-ms", "10", "--max-tokens", "64",
-               "--adapter-path", "/a", "--log-level", "DEBUG", "--trust-remote-code")
+    c = launch(
+        "--model",
+        "m",
+        "--max-batch",
+        "5",
+        "--flush-interval-ms",
+        "10",
+        "--max-tokens",
+        "64",
+        "--adapter-path",
+        "/a",
+        "--log-level",
+        "DEBUG",
+        "--trust-remote-code",
+    )
     assert (c.model.name, c.engine.max_num_seqs, c.engine.batch_window_ms, c.server.generate_max_tokens) == (
-        "m", 5, 10.0, 64)
+        "m",
+        5,
+        10.0,
+        64,
+    )
     assert (c.model.adapter_path, c.server.log_level, c.server.metrics_format) == ("/a", "debug", "json")
     assert launch("--model", "m").server.metrics_format == "prometheus"  # a vLLM-style line keeps Prometheus
     assert launch("--model", '{"name": "x"}').model.name == "x"  # rlserve's own JSON form still works
@@ -67,15 +128,45 @@ def test_mlx_flags_set_rlserve_keys():
 def test_vllm_launch_line_serves():
     head = (str(default_model_dir()),)
     url, proc = start_server(
-        "--api-key", "key", "--served-model-name", "served", "--max-model-len", "512", "--dtype", "float32",
-        "--seed", "1", "--tensor-parallel-size", "1", "--data-parallel-size", "1", "--enable-auto-tool-choice",
-        "--tool-call-parser", "hermes", "--enable-lora", "--max-lora-rank", "64", "--max-loras", "2",
-        "--enable-prefix-caching", "--enforce-eager", "--logprobs-mode", "processed_logprobs",
-        "--generation-config", "auto", "--enable-scale-out", head=head)
+        "--api-key",
+        "key",
+        "--served-model-name",
+        "served",
+        "--max-model-len",
+        "512",
+        "--dtype",
+        "float32",
+        "--seed",
+        "1",
+        "--tensor-parallel-size",
+        "1",
+        "--data-parallel-size",
+        "1",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        "--enable-lora",
+        "--max-lora-rank",
+        "64",
+        "--max-loras",
+        "2",
+        "--enable-prefix-caching",
+        "--enforce-eager",
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--generation-config",
+        "auto",
+        "--enable-scale-out",
+        head=head,
+    )
     try:
         headers = {"Authorization": "Bearer key"}
-        resp = httpx.post(f"{url}/v1/completions", headers=headers, timeout=300,
-                          json={"model": "served", "prompt": "hi", "max_tokens": 3})
+        resp = httpx.post(
+            f"{url}/v1/completions",
+            headers=headers,
+            timeout=300,
+            json={"model": "served", "prompt": "hi", "max_tokens": 3},
+        )
         assert resp.status_code == 200 and resp.json()["model"] == "served"
         assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}, timeout=60).status_code == 401
         # --enable-scale-out changes nothing: the dev-mode routes are served, and a key still gates them
@@ -88,13 +179,31 @@ def test_vllm_launch_line_serves():
 def test_nemo_gym_launch_line_starts():
     # NeMo Gym's docs: vllm serve MODEL --tensor-parallel-size 1 --max-model-len 32768 --tool-call-parser hermes
     # --host 0.0.0.0 --port 8000; here a local model, a free port, and the admin key rlserve asks off loopback
-    url, proc = start_server("--tensor-parallel-size", "1", "--max-model-len", "32768", "--tool-call-parser",
-                             "hermes", "--host", "0.0.0.0", "--port", "0", "--server.admin-api-key", "a",
-                             "--engine.kv_cache_bytes", str(64 << 20), head=(str(default_model_dir()),), defaults=())
+    url, proc = start_server(
+        "--tensor-parallel-size",
+        "1",
+        "--max-model-len",
+        "32768",
+        "--tool-call-parser",
+        "hermes",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "0",
+        "--server.admin-api-key",
+        "a",
+        "--engine.kv_cache_bytes",
+        str(64 << 20),
+        head=(str(default_model_dir()),),
+        defaults=(),
+    )
     try:
         url = url.replace("0.0.0.0", "127.0.0.1")
-        resp = httpx.post(f"{url}/v1/chat/completions", timeout=300,
-                          json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+        resp = httpx.post(
+            f"{url}/v1/chat/completions",
+            timeout=300,
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+        )
         assert resp.status_code == 200, resp.text
     finally:
         stop_server(proc)
@@ -122,11 +231,13 @@ def test_prime_rl_docs_block_loads(path):
 
 def test_prime_rl_layout_reads_inference_and_logs_what_it_ignores(tmp_path, caplog):
     path = tmp_path / "rl.toml"
-    path.write_text('[deployment]\ntype = "multi_node"\nnum_train_nodes = 4\nnum_infer_nodes = 2\n\n'
-                    '[trainer]\nlr = 1e-6\n\n[inference]\nmodel = "m"\nenv_vars = { "A" = "1" }\n'
-                    '[inference.deployment]\ntype = "multi_node"\nnum_replicas = 1\n'
-                    '[inference.deployment.router]\ntype = "vllm-router"\n'
-                    '[inference.vllm_extra]\nmax_num_seqs = 7\nenforce_eager = true\n')
+    path.write_text(
+        '[deployment]\ntype = "multi_node"\nnum_train_nodes = 4\nnum_infer_nodes = 2\n\n'
+        '[trainer]\nlr = 1e-6\n\n[inference]\nmodel = "m"\nenv_vars = { "A" = "1" }\n'
+        '[inference.deployment]\ntype = "multi_node"\nnum_replicas = 1\n'
+        '[inference.deployment.router]\ntype = "vllm-router"\n'
+        "[inference.vllm_extra]\nmax_num_seqs = 7\nenforce_eager = true\n"
+    )
     with caplog.at_level(logging.INFO, logger="rlserve.config.schema"):
         c = load_config(["@", str(path)])
     assert (c.model.name, c.env_vars, c.deployment.num_nodes, c.engine.max_num_seqs) == ("m", {"A": "1"}, 2, 7)
@@ -137,8 +248,10 @@ def test_prime_rl_layout_reads_inference_and_logs_what_it_ignores(tmp_path, capl
 
 def test_router_non_cached_tokens_moves_to_the_deployment(tmp_path):
     path = tmp_path / "pd.toml"
-    path.write_text('[inference.deployment]\ntype = "disaggregated"\n[inference.deployment.router]\n'
-                    'type = "vllm-router"\nnon_cached_tokens = 16\n')
+    path.write_text(
+        '[inference.deployment]\ntype = "disaggregated"\n[inference.deployment.router]\n'
+        'type = "vllm-router"\nnon_cached_tokens = 16\n'
+    )
     assert load_config(["@", str(path)]).deployment.non_cached_tokens == 16
 
 
@@ -176,16 +289,22 @@ def test_runnable_configs_serve(name, extra, moe_dir):
         resp = httpx.post(f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 3}, timeout=300)
         assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3
         if "replay" in name:
-            gen = httpx.post(f"{url}/inference/v1/generate", timeout=300,
-                             json={"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2}}).json()
+            gen = httpx.post(
+                f"{url}/inference/v1/generate",
+                timeout=300,
+                json={"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2}},
+            ).json()
             assert gen["choices"][0]["routed_experts"] is not None
     finally:
         stop_server(proc)
 
 
 @pytest.mark.slow  # three deployments of 2-3 processes each behind vllm-router
-@pytest.mark.parametrize("name", ["single_node.toml", "disaggregated.toml", DOC + "12_pd_env_vars.toml"],
-                         ids=["single_node", "disaggregated", "12_pd_env_vars"])
+@pytest.mark.parametrize(
+    "name",
+    ["single_node.toml", "disaggregated.toml", DOC + "12_pd_env_vars.toml"],
+    ids=["single_node", "disaggregated", "12_pd_env_vars"],
+)
 def test_runnable_deployments_serve_and_share_env_vars(name):
     from deploy_helpers import descendants, start_deployment, stop_deployment
 

@@ -10,9 +10,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from rlserve.model.make import (
     FORMAT_VERSION,
-    generator_hash,
     PRESETS,
     default_model_dir,
+    generator_hash,
     make_model,
     make_model_main,
 )
@@ -112,12 +112,9 @@ def test_chat_template_renders_chatml(tok):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
     prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert prompt == (
-        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n"
-        "<|im_start|>assistant\n"
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
     )
-    no_think = tok.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True, enable_thinking=False
-    )
+    no_think = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
     assert no_think == prompt + "<think>\n\n</think>\n\n"
     answered = messages + [{"role": "assistant", "content": "Hello.", "reasoning_content": "Greet."}]
     assert tok.apply_chat_template(answered, tokenize=False).endswith(
@@ -131,15 +128,11 @@ def test_chat_template_renders_tools_and_tool_calls(tok):
         {
             "role": "assistant",
             "content": "",
-            "tool_calls": [
-                {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
-            ],
+            "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
         },
         {"role": "tool", "content": '{"temp": 21}'},
     ]
-    prompt = tok.apply_chat_template(
-        messages, tools=[WEATHER_TOOL], tokenize=False, add_generation_prompt=True
-    )
+    prompt = tok.apply_chat_template(messages, tools=[WEATHER_TOOL], tokenize=False, add_generation_prompt=True)
     assert prompt.startswith("<|im_start|>system\n# Tools\n")
     assert "<tools>\n" + json.dumps(WEATHER_TOOL, ensure_ascii=False) + "\n</tools>" in prompt
     assert prompt.endswith(
@@ -200,15 +193,45 @@ def test_tokenizer_has_qwen3_added_tokens(tmp_path, monkeypatch):
     """Renderers written for Qwen3 look these up; the older markup ids stay where they were."""
     monkeypatch.setenv("RLSERVE_CACHE_DIR", str(tmp_path))
     tok = AutoTokenizer.from_pretrained(default_model_dir())
-    qwen3 = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
-             "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>",
-             "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>",
-             "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>",
-             "</tool_response>", "<think>", "</think>"]
+    qwen3 = [
+        "<|endoftext|>",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|object_ref_start|>",
+        "<|object_ref_end|>",
+        "<|box_start|>",
+        "<|box_end|>",
+        "<|quad_start|>",
+        "<|quad_end|>",
+        "<|vision_start|>",
+        "<|vision_end|>",
+        "<|vision_pad|>",
+        "<|image_pad|>",
+        "<|video_pad|>",
+        "<tool_call>",
+        "</tool_call>",
+        "<|fim_prefix|>",
+        "<|fim_middle|>",
+        "<|fim_suffix|>",
+        "<|fim_pad|>",
+        "<|repo_name|>",
+        "<|file_sep|>",
+        "<tool_response>",
+        "</tool_response>",
+        "<think>",
+        "</think>",
+    ]
     ids = tok.convert_tokens_to_ids(qwen3)
     assert len(set(ids)) == len(qwen3) and tok.unk_token_id not in ids
     assert all(tok.encode(t, add_special_tokens=False) == [i] for t, i in zip(qwen3, ids))
-    assert tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>", "</think>", "</tool_call>"]) == [2041, 2043, 2045, 2047]
+    assert tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>", "</think>", "</tool_call>"]) == [
+        2041,
+        2043,
+        2045,
+        2047,
+    ]
     # Qwen3's split: control tokens vanish with skip_special_tokens, markup stays in the text
-    text = tok.decode(tok.convert_tokens_to_ids(["<|vision_pad|>", "<tool_response>", "<|im_end|>"]), skip_special_tokens=True)
+    text = tok.decode(
+        tok.convert_tokens_to_ids(["<|vision_pad|>", "<tool_response>", "<|im_end|>"]), skip_special_tokens=True
+    )
     assert text == "<tool_response>"

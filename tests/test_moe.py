@@ -142,7 +142,9 @@ def _replay_router(router, experts: torch.Tensor):
 def test_forcing_the_returned_experts_reproduces_the_logprobs(engine, model_dir):
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompt = random_prompts(1, engine.vocab_size, lo=30, hi=30, seed=8)[0]
-    (out,) = engine.generate([prompt], SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, logprobs=0, seed=9))
+    (out,) = engine.generate(
+        [prompt], SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, logprobs=0, seed=9)
+    )
     comp = out.outputs[0]
     routers = [layer.mlp.gate for layer in hf.model.layers if hasattr(layer.mlp, "gate")]
 
@@ -172,7 +174,10 @@ def test_encoding_is_raw_little_endian_rows_from_start():
     assert base64.b64decode(enc["data"]) == rows[2:].tobytes()
     wide = encode_routed_experts(rows.astype(np.uint16) * 20, 0)
     assert wide["dtype"] == "uint16"
-    assert np.frombuffer(base64.b64decode(wide["data"]), "<u2").reshape(wide["shape"]).tolist() == (rows.astype(np.uint16) * 20).tolist()
+    assert (
+        np.frombuffer(base64.b64decode(wide["data"]), "<u2").reshape(wide["shape"]).tolist()
+        == (rows.astype(np.uint16) * 20).tolist()
+    )
 
 
 def test_dense_model_refuses_router_replay(tmp_path):
@@ -216,14 +221,22 @@ def test_lora_on_attention_matches_peft_and_expert_lora_is_refused(model_dir, hf
     engine.add_adapter(load_peft_adapter("a", tmp_path / "adapter", engine.shape, engine.dtype, engine.device))
     prompts = random_prompts(2, engine.vocab_size, seed=12)
     for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, logprobs=0, seed=i),
-                           adapter="a")
+        engine.add_request(
+            str(i),
+            prompt,
+            SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, logprobs=0, seed=i),
+            adapter="a",
+        )
     outs = {}
     while engine.has_unfinished():
         outs |= {o.request_id: o for o in engine.step() if o.finished}
     for i, prompt in enumerate(prompts):
         comp = outs[str(i)].outputs[0]
-        lp = hf_logprobs(peft_model, prompt, comp.token_ids).gather(1, torch.tensor(comp.token_ids).unsqueeze(1)).squeeze(1)
+        lp = (
+            hf_logprobs(peft_model, prompt, comp.token_ids)
+            .gather(1, torch.tensor(comp.token_ids).unsqueeze(1))
+            .squeeze(1)
+        )
         assert torch.allclose(torch.tensor(comp.logprobs), lp, atol=1e-4)
     from safetensors.torch import load_file, save_file
 

@@ -10,8 +10,8 @@ import random
 from pathlib import Path
 
 import pytest
-from harmony_vocab import use_harmony_vocab
 
+from harmony_vocab import use_harmony_vocab
 from rlserve.server.parsers import HARMONY, get_tool_parser
 from rlserve.server.parsers.base import Tools
 from rlserve.server.parsers.harmony import HarmonyStreamer, parse_harmony
@@ -69,7 +69,7 @@ def _run(data, run, text, chunks):
     reasoning, content, calls, errors = "", "", {}, []
     for i, piece in enumerate(chunks):
         last = i == len(chunks) - 1
-        r, c = (rs.feed(piece) if rs else ("", piece))
+        r, c = rs.feed(piece) if rs else ("", piece)
         if rs and last:
             r2, c2 = rs.finish()
             r, c = r + r2, c + c2
@@ -94,8 +94,12 @@ def _run(data, run, text, chunks):
 def _run_harmony(text, tools, chunks, with_reasoning):
     if chunks is None:
         out = parse_harmony(text, Tools(tools))
-        reasoning, content, calls, errors = out.reasoning, out.content, [(c.name, c.arguments) for c in out.calls], \
-            out.errors
+        reasoning, content, calls, errors = (
+            out.reasoning,
+            out.content,
+            [(c.name, c.arguments) for c in out.calls],
+            out.errors,
+        )
     else:
         s = HarmonyStreamer(Tools(tools))
         reasoning, content, calls, errors = "", "", {}, []
@@ -116,7 +120,7 @@ def _chunkings(text: str) -> dict[str, list[str] | None]:
         rng, pieces, i = random.Random(seed), [], 0
         while i < len(text):
             n = rng.randint(1, 7)
-            pieces.append(text[i:i + n])
+            pieces.append(text[i : i + n])
             i += n
         out[f"random_{seed}"] = pieces
     return out
@@ -127,8 +131,10 @@ def test_matches_vllm(data, run, name, case):
     fmt = data.get("tool_parser") or data.get("reasoning_parser")
     if (fmt, name) in TOKENIZER_DEPENDENT:
         pytest.skip("vLLM's answer here depends on a mistral_common tokenizer")
-    if "openai" in (data.get("tool_parser"), "openai" if data.get("reasoning_parser") == "openai_gptoss" else None) \
-            and not _harmony_available():
+    if (
+        "openai" in (data.get("tool_parser"), "openai" if data.get("reasoning_parser") == "openai_gptoss" else None)
+        and not _harmony_available()
+    ):
         pytest.skip("openai-harmony's vocabulary file is not on this machine (no download)")
     want = case["whole"]
     if "error" in want:  # vLLM raised (a 500 for its user): rlserve must flag instead
@@ -160,9 +166,19 @@ def test_registry_and_config_know_every_name():
     assert set(fields["reasoning_parser"].annotation.__args__[0].__args__) == set(REASONING_PARSER_NAMES)
     assert len(TOOL_PARSER_NAMES) == 21 and len(REASONING_PARSER_NAMES) == 10
     for flag, names in (("tool_call_parser", TOOL_PARSER_NAMES), ("reasoning_parser", REASONING_PARSER_NAMES)):
-        refused = subprocess.run([sys.executable, "-m", "rlserve.cli", "serve", f"--model.{flag}", "nope"],
-                                 capture_output=True, text=True, timeout=120, check=False)
+        refused = subprocess.run(
+            [sys.executable, "-m", "rlserve.cli", "serve", f"--model.{flag}", "nope"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
         assert all(f"'{n}'" in refused.stderr + refused.stdout for n in names)
-        helped = subprocess.run([sys.executable, "-m", "rlserve.cli", "serve", "--help"], capture_output=True,
-                                text=True, timeout=120, check=True)
+        helped = subprocess.run(
+            [sys.executable, "-m", "rlserve.cli", "serve", "--help"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
         assert all(n in helped.stdout for n in names)

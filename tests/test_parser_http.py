@@ -13,10 +13,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import start_server, stop_server
-from harmony_vocab import use_harmony_vocab
 from transformers import AutoTokenizer
 
+from conftest import start_server, stop_server
+from harmony_vocab import use_harmony_vocab
 from rlserve.model.make import default_model_dir
 
 DATA = Path(__file__).parent / "data" / "parsers"
@@ -36,10 +36,17 @@ def tok():
 def family(request) -> Iterator[tuple[str, str]]:
     use_harmony_vocab()
     reasoning, template = FAMILIES[request.param]
-    url, proc = start_server("--engine.allow-forced-tokens", "--model.tool_call_parser", request.param,
-                             "--model.reasoning_parser", reasoning,
-                             "--model.chat_template", str(DATA / "templates" / template),
-                             "--model.max_model_len", "2048")  # three tool turns of byte-level text
+    url, proc = start_server(
+        "--engine.allow-forced-tokens",
+        "--model.tool_call_parser",
+        request.param,
+        "--model.reasoning_parser",
+        reasoning,
+        "--model.chat_template",
+        str(DATA / "templates" / template),
+        "--model.max_model_len",
+        "2048",
+    )  # three tool turns of byte-level text
     try:
         yield request.param, url
     finally:
@@ -53,16 +60,29 @@ def _forced(tok, text: str) -> list[int]:
 
 
 def _chat(url: str, messages, tools, forced, stream: bool, **extra) -> dict:
-    body = {"model": MODEL, "messages": messages, "tools": tools, "max_tokens": len(forced) + 4,
-            "return_token_ids": True, "vllm_xargs": {"forced_token_ids": forced}, "stream": stream, **extra}
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "tools": tools,
+        "max_tokens": len(forced) + 4,
+        "return_token_ids": True,
+        "vllm_xargs": {"forced_token_ids": forced},
+        "stream": stream,
+        **extra,
+    }
     if not stream:
         r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]
         m = choice["message"]
-        return {"reasoning": m.get("reasoning"), "content": m["content"], "token_ids": choice["token_ids"],
-                "calls": [(c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls") or []],
-                "errors": choice.get("tool_call_errors") or [], "finish_reason": choice["finish_reason"]}
+        return {
+            "reasoning": m.get("reasoning"),
+            "content": m["content"],
+            "token_ids": choice["token_ids"],
+            "calls": [(c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls") or []],
+            "errors": choice.get("tool_call_errors") or [],
+            "finish_reason": choice["finish_reason"],
+        }
     out = {"reasoning": "", "content": "", "token_ids": [], "calls": {}, "errors": [], "finish_reason": None}
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as r:
         assert r.status_code == 200
@@ -97,8 +117,13 @@ def test_recorded_cases_over_http(family, tok) -> None:
             assert got["token_ids"] == forced, where
             if got["errors"]:
                 assert all(e["text"] in (got["content"] or "") for e in got["errors"]), where
-                assert {e["type"] for e in got["errors"]} <= {"invalid_json", "unknown_tool", "unclosed_call",
-                                                              "schema_mismatch", "invalid_syntax"}, where
+                assert {e["type"] for e in got["errors"]} <= {
+                    "invalid_json",
+                    "unknown_tool",
+                    "unclosed_call",
+                    "schema_mismatch",
+                    "invalid_syntax",
+                }, where
                 continue
             assert got["reasoning"] == (want["reasoning"] or None), where
             assert got["content"] == (want["content"] or None), where
@@ -116,10 +141,17 @@ def test_malformed_call_is_flagged_not_dropped(family, tok) -> None:
         assert got["calls"] == [] and got["token_ids"] == forced
         assert [e["type"] for e in got["errors"]] == ["unclosed_call"]
         assert got["errors"][0]["text"] in got["content"]
-    r = httpx.post(f"{url}/v1/responses", timeout=120, json={
-        "model": MODEL, "input": "weather?", "max_output_tokens": len(forced) + 4,
-        "tools": [{"type": "function", **t["function"]} for t in data["tools"]],
-        "vllm_xargs": {"forced_token_ids": forced}})
+    r = httpx.post(
+        f"{url}/v1/responses",
+        timeout=120,
+        json={
+            "model": MODEL,
+            "input": "weather?",
+            "max_output_tokens": len(forced) + 4,
+            "tools": [{"type": "function", **t["function"]} for t in data["tools"]],
+            "vllm_xargs": {"forced_token_ids": forced},
+        },
+    )
     assert r.status_code == 200 and [e["type"] for e in r.json()["tool_call_errors"]] == ["unclosed_call"]
 
 
@@ -139,13 +171,20 @@ def test_tool_choice_modes(family, tok) -> None:
 
 
 TURN_TEXTS = {
-    "qwen3_coder": lambda n, a: f"<think>need {n}</think>\n\n<tool_call>\n<function={n}>\n" + "".join(
-        f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in a.items()) + "</function>\n</tool_call>",
-    "openai": lambda n, a: f"<|channel|>analysis<|message|>need {n}<|end|><|start|>assistant<|channel|>commentary "
-                           f"to=functions.{n} <|constrain|>json<|message|>{json.dumps(a)}<|call|>",
+    "qwen3_coder": lambda n, a: (
+        f"<think>need {n}</think>\n\n<tool_call>\n<function={n}>\n"
+        + "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in a.items())
+        + "</function>\n</tool_call>"
+    ),
+    "openai": lambda n, a: (
+        f"<|channel|>analysis<|message|>need {n}<|end|><|start|>assistant<|channel|>commentary "
+        f"to=functions.{n} <|constrain|>json<|message|>{json.dumps(a)}<|call|>"
+    ),
 }
-FINAL_TEXTS = {"qwen3_coder": "<think>done</think>\n\nParis: sunny, 12:00 UTC.",
-               "openai": "<|channel|>final<|message|>Paris: sunny, 12:00 UTC.<|return|>"}
+FINAL_TEXTS = {
+    "qwen3_coder": "<think>done</think>\n\nParis: sunny, 12:00 UTC.",
+    "openai": "<|channel|>final<|message|>Paris: sunny, 12:00 UTC.<|return|>",
+}
 STEPS = [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {"tz": "UTC"})]
 
 
@@ -157,8 +196,13 @@ def test_agent_loop_chat_sdk(family, tok) -> None:
     for turn in range(3):
         text = TURN_TEXTS[name](*STEPS[turn]) if turn < 2 else FINAL_TEXTS[name]
         forced = _forced(tok, text)
-        r = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=len(forced) + 4,
-                                           extra_body={"vllm_xargs": {"forced_token_ids": forced}})
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            tools=tools,
+            max_tokens=len(forced) + 4,
+            extra_body={"vllm_xargs": {"forced_token_ids": forced}},
+        )
         msg = r.choices[0].message
         if turn == 2:
             # vLLM's qwen3 keeps the newlines after </think> in the content
@@ -173,15 +217,21 @@ def test_agent_loop_chat_sdk(family, tok) -> None:
 
 def test_agent_loop_responses_api(family, tok) -> None:
     name, url = family
-    tools = [{"type": "function", **t["function"]}
-             for t in json.loads((DATA / f"tool_{name}.json").read_text())["tools"]]
+    tools = [
+        {"type": "function", **t["function"]} for t in json.loads((DATA / f"tool_{name}.json").read_text())["tools"]
+    ]
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
     items: list = [{"role": "user", "content": "Weather and time in Paris?"}]
     for turn in range(3):
         text = TURN_TEXTS[name](*STEPS[turn]) if turn < 2 else FINAL_TEXTS[name]
         forced = _forced(tok, text)
-        r = client.responses.create(model=MODEL, input=items, tools=tools, max_output_tokens=len(forced) + 4,
-                                    extra_body={"vllm_xargs": {"forced_token_ids": forced}})
+        r = client.responses.create(
+            model=MODEL,
+            input=items,
+            tools=tools,
+            max_output_tokens=len(forced) + 4,
+            extra_body={"vllm_xargs": {"forced_token_ids": forced}},
+        )
         assert r.status == "completed"
         calls = [o for o in r.output if o.type == "function_call"]
         if turn == 2:

@@ -62,9 +62,7 @@ def names_and_args(result):
 
 # ---------------------------------------------------------------- hermes
 
-WEATHER = (
-    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "SF", "days": 2}}\n</tool_call>'
-)
+WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "SF", "days": 2}}\n</tool_call>'
 TIME = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe/Zürich"}}\n</tool_call>'
 BAD = '<tool_call>\n{"name": "broken", "arguments": {"x": }\n</tool_call>'
 
@@ -81,13 +79,11 @@ HERMES_TEXTS = [
     "ok " + '<tool_call>\n{"name": "f", "arguments": {"a": [1, 2]}}\n',
     'truncated <tool_call>\n{"name": "f", "argu',
     '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>',
-    '<tool_call>{"name": "tr", "arguments": '
-    '{"text": "héllo 世界 🌍", "esc": "\\u4e16"}}</tool_call>',
+    '<tool_call>{"name": "tr", "arguments": {"text": "héllo 世界 🌍", "esc": "\\u4e16"}}</tool_call>',
     "a < b, <tool and <tool_cal> are not tags",
     "ends with a partial tag <tool_ca",
     "<tool_call></tool_call>",
-    '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
-    '<tool_call>{"name": "g", "arguments": null}',
+    '<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g", "arguments": null}',
 ]
 
 
@@ -133,9 +129,7 @@ def test_hermes_unclosed_final_tag_runs_to_end_of_text():
 
 def test_hermes_arguments_object_or_already_serialised_string():
     parser = get_tool_parser("hermes")
-    as_object = parser.extract(
-        '<tool_call>{"name": "f", "arguments": {"a":1,"b":[true,null]}}</tool_call>'
-    )
+    as_object = parser.extract('<tool_call>{"name": "f", "arguments": {"a":1,"b":[true,null]}}</tool_call>')
     as_string = parser.extract('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>')
     assert as_object.tool_calls[0].arguments == '{"a": 1, "b": [true, null]}'
     assert as_string.tool_calls[0].arguments == '{"a": 1}'
@@ -186,8 +180,7 @@ LLAMA_TEXTS = [
 def test_llama3_json_python_tag_semicolons_and_parameters():
     parser = get_tool_parser("llama3_json")
     result = parser.extract(
-        '<|python_tag|>{"name": "f", "parameters": {"x": 1}}; '
-        '{"name": "g", "arguments": {"y": "ü"}}'
+        '<|python_tag|>{"name": "f", "parameters": {"x": 1}}; {"name": "g", "arguments": {"y": "ü"}}'
     )
     assert names_and_args(result) == [("f", '{"x": 1}'), ("g", '{"y": "ü"}')]
     assert result.content is None
@@ -231,9 +224,7 @@ def test_llama3_json_streaming_matches_non_streaming(text):
 
 # ---------------------------------------------------------------- mistral
 
-PRE_V11 = (
-    '[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {"b": "ß"}}]'
-)
+PRE_V11 = '[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {"b": "ß"}}]'
 V11 = '[TOOL_CALLS]get_weather[ARGS]{"city": "SF"}[TOOL_CALLS]get_time{"tz":"UTC"}'
 
 MISTRAL_TEXTS = [
@@ -272,8 +263,7 @@ def test_mistral_pre_v11_missing_arguments_become_empty_object():
     "text",
     [
         '[TOOL_CALLS] [{"name": "f", "arguments": {]',
-        '[TOOL_CALLS] [{"name": "f", "arguments": {}}] '
-        '[TOOL_CALLS] [{"name": "g", "arguments": {}}]',
+        '[TOOL_CALLS] [{"name": "f", "arguments": {}}] [TOOL_CALLS] [{"name": "g", "arguments": {}}]',
     ],
 )
 def test_mistral_pre_v11_failure_gives_text_after_marker(text):
@@ -297,9 +287,7 @@ def test_mistral_v11_keeps_arguments_verbatim_and_skips_segments_without_brace()
         ("get_time", '{"tz":"UTC"}'),
     ]
     assert result.content == "Checking. "
-    assert names_and_args(parser.extract('[TOOL_CALLS]oops[TOOL_CALLS]f{"a": 1,,}')) == [
-        ("f", '{"a": 1,,}')
-    ]
+    assert names_and_args(parser.extract('[TOOL_CALLS]oops[TOOL_CALLS]f{"a": 1,,}')) == [("f", '{"a": 1,,}')]
 
 
 def test_mistral_v11_streams_name_at_first_brace_then_raw_arguments():
@@ -308,9 +296,7 @@ def test_mistral_v11_streams_name_at_first_brace_then_raw_arguments():
     opening = streamer.feed('ther[ARGS]{"ci').tool_calls
     assert opening[0]["function"] == {"name": "get_weather", "arguments": ""}
     assert opening[1] == {"index": 0, "function": {"arguments": '{"ci'}}
-    assert streamer.feed('ty": "SF"}[TOOL_').tool_calls == [
-        {"index": 0, "function": {"arguments": 'ty": "SF"}'}}
-    ]
+    assert streamer.feed('ty": "SF"}[TOOL_').tool_calls == [{"index": 0, "function": {"arguments": 'ty": "SF"}'}}]
     assert streamer.feed("CALLS]g{}").tool_calls[0]["index"] == 1
 
 
@@ -326,10 +312,7 @@ def test_unknown_tool_parser_names_the_known_ones():
 
 # ---------------------------------------------------------------- reasoning
 
-QWEN35_CALL = (
-    "<tool_call>\n<function=get_weather>\n<parameter=city>\nSF\n</parameter>\n</function>\n"
-    "</tool_call>"
-)
+QWEN35_CALL = "<tool_call>\n<function=get_weather>\n<parameter=city>\nSF\n</parameter>\n</function>\n</tool_call>"
 
 REASONING_CASES = [
     # text, parser, enable_thinking, (reasoning, content)
@@ -387,9 +370,7 @@ STREAMABLE_REASONING_CASES = [
 def test_reasoning_streaming_matches_non_streaming(text, parser, enable_thinking, expected):
     want = tuple(part or "" for part in expected)
     for pieces in splits(text):
-        assert stream_reasoning(pieces, parser=parser, enable_thinking=enable_thinking) == want, (
-            pieces
-        )
+        assert stream_reasoning(pieces, parser=parser, enable_thinking=enable_thinking) == want, pieces
 
 
 def test_reasoning_streaming_with_thinking_off_sends_everything_as_content():
@@ -426,9 +407,7 @@ def test_unknown_reasoning_parser():
     ],
 )
 def test_count_reasoning_tokens(ids, parser, enable_thinking, expected):
-    assert (
-        count_reasoning_tokens(ids, 99, parser=parser, enable_thinking=enable_thinking) == expected
-    )
+    assert count_reasoning_tokens(ids, 99, parser=parser, enable_thinking=enable_thinking) == expected
 
 
 def test_reasoning_then_hermes_stream_like_the_server():
@@ -446,6 +425,4 @@ def test_reasoning_then_hermes_stream_like_the_server():
         said, calls = said + final.content, calls + final.tool_calls
         assert thought == reasoning and said == expected.content
         assert [c["function"]["name"] for c in calls if "id" in c] == ["get_weather"]
-        assert (
-            "".join(c["function"]["arguments"] for c in calls) == expected.tool_calls[0].arguments
-        )
+        assert "".join(c["function"]["arguments"] for c in calls) == expected.tool_calls[0].arguments

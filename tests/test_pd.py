@@ -26,8 +26,14 @@ BLOCK = 16
 def single(root):
     # one torch thread, as each of the deployment's two replicas gets on this machine's cores: matmul reductions
     # split differently over threads round differently
-    url, proc = start_server("--engine.kv_cache_bytes", str(16 << 20), "--weight_roots", json.dumps([str(root)]),
-                             "--num_threads", str(max(1, (os.cpu_count() or 1) // 2)))
+    url, proc = start_server(
+        "--engine.kv_cache_bytes",
+        str(16 << 20),
+        "--weight_roots",
+        json.dumps([str(root)]),
+        "--num_threads",
+        str(max(1, (os.cpu_count() or 1) // 2)),
+    )
     try:
         yield url
     finally:
@@ -37,21 +43,38 @@ def single(root):
 @pytest.fixture(scope="module")
 def pd(root):
     public, admin, proc = start_deployment(
-        "--deployment.type", "disaggregated", "--kv_transfer.pin_timeout_s", str(PIN_TIMEOUT_S),
-        "--weight_roots", json.dumps([str(root)]), "--engine.kv_cache_bytes", str(16 << 20))
+        "--deployment.type",
+        "disaggregated",
+        "--kv_transfer.pin_timeout_s",
+        str(PIN_TIMEOUT_S),
+        "--weight_roots",
+        json.dumps([str(root)]),
+        "--engine.kv_cache_bytes",
+        str(16 << 20),
+    )
     try:
         rows = sorted(replicas(admin), key=lambda r: r["index"])
         assert [r["role"] for r in rows] == ["prefill", "decode"]
-        yield {"public": public, "admin": admin, "proc": proc, "p": rows[0]["url"], "d": rows[1]["url"],
-               "d_pid": rows[1]["pid"]}
+        yield {
+            "public": public,
+            "admin": admin,
+            "proc": proc,
+            "p": rows[0]["url"],
+            "d": rows[1]["url"],
+            "d_pid": rows[1]["pid"],
+        }
     finally:
         stop_deployment(proc)
 
 
 def metric(url: str, name: str, **labels: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=30).text
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 def prompts(seed: int, lengths: list[int]) -> list[list[int]]:
@@ -103,11 +126,14 @@ def test_outputs_equal_a_single_server_and_d_computes_no_transferred_token(pd, s
     for prompt in prompts(2, [50, 90]):
         warm(single, prompt)
         sampled = {"temperature": 1.0, "seed": 7, "max_tokens": 12}
-        same_choice(completion(pd["public"], prompt, **sampled)["choices"][0],
-                    completion(single, prompt, **sampled)["choices"][0])
+        same_choice(
+            completion(pd["public"], prompt, **sampled)["choices"][0],
+            completion(single, prompt, **sampled)["choices"][0],
+        )
         body = {"token_ids": prompt, "sampling_params": {"max_tokens": 6, "temperature": 1.0, "seed": 3, "logprobs": 0}}
-        routed, direct = (httpx.post(f"{u}/inference/v1/generate", json=body, timeout=120).json() for u in
-                          (pd["public"], single))
+        routed, direct = (
+            httpx.post(f"{u}/inference/v1/generate", json=body, timeout=120).json() for u in (pd["public"], single)
+        )
         assert routed["choices"][0]["token_ids"] == direct["choices"][0]["token_ids"]
         got = [c["logprob"] for c in routed["choices"][0]["logprobs"]["content"]]
         want = [c["logprob"] for c in direct["choices"][0]["logprobs"]["content"]]
@@ -134,47 +160,70 @@ def test_multi_turn_chat_equals_a_single_server(pd, single):
     messages = [{"role": "user", "content": "tell me a long story about the sea " * 6}]
     for turn in range(3):
         body = {"messages": messages, "max_tokens": 8, "temperature": 0, "logprobs": True, "return_token_ids": True}
-        routed = httpx.post(f"{pd['public']}/v1/chat/completions", json=body, headers={"X-Session-ID": "s1"},
-                            timeout=120).json()
+        routed = httpx.post(
+            f"{pd['public']}/v1/chat/completions", json=body, headers={"X-Session-ID": "s1"}, timeout=120
+        ).json()
         httpx.post(f"{single}/v1/chat/completions", json=body | {"max_tokens": 1}, timeout=120)  # see warm()
         direct = httpx.post(f"{single}/v1/chat/completions", json=body, timeout=120).json()
         assert routed["choices"][0]["token_ids"] == direct["choices"][0]["token_ids"]
         got = [c["logprob"] for c in routed["choices"][0]["logprobs"]["content"]]
         want = [c["logprob"] for c in direct["choices"][0]["logprobs"]["content"]]
         assert close(got, want)
-        messages += [{"role": "assistant", "content": routed["choices"][0]["message"]["content"]},
-                     {"role": "user", "content": f"and then, part {turn + 2}?"}]
+        messages += [
+            {"role": "assistant", "content": routed["choices"][0]["message"]["content"]},
+            {"role": "user", "content": f"and then, part {turn + 2}?"},
+        ]
     wait_for(lambda: pinned(pd["p"]) == 0, 120, "P to free every pinned block")
 
 
 def test_kv_transfer_params_top_level_or_in_extra_args_and_echoed(pd, single):
     p, d = pd["p"], pd["d"]
     (prompt,) = prompts(3, [70])
-    plain = httpx.post(f"{p}/inference/v1/generate", json={"token_ids": prompt, "sampling_params": {"max_tokens": 2}},
-                       timeout=120).json()
+    plain = httpx.post(
+        f"{p}/inference/v1/generate", json={"token_ids": prompt, "sampling_params": {"max_tokens": 2}}, timeout=120
+    ).json()
     assert plain["kv_transfer_params"] is None
-    body = {"token_ids": prompt, "sampling_params": {"max_tokens": 1, "temperature": 0,
-                                                     "extra_args": {"kv_transfer_params": {"do_remote_decode": True}}}}
+    body = {
+        "token_ids": prompt,
+        "sampling_params": {
+            "max_tokens": 1,
+            "temperature": 0,
+            "extra_args": {"kv_transfer_params": {"do_remote_decode": True}},
+        },
+    }
     kt = httpx.post(f"{p}/inference/v1/generate", json=body, timeout=120).json()["kv_transfer_params"]
     assert kt["do_remote_prefill"] is True and kt["block_size"] == BLOCK and len(kt["remote_block_ids"]) == 70 // BLOCK
     assert pinned(p) == len(kt["remote_block_ids"])
     warm(single, prompt)
-    got = httpx.post(f"{d}/inference/v1/generate", timeout=120, json={
-        "token_ids": prompt, "sampling_params": {"max_tokens": 5, "temperature": 0, "logprobs": 0,
-                                                 "extra_args": {"kv_transfer_params": kt}}}).json()
-    want = httpx.post(f"{single}/inference/v1/generate", timeout=120, json={
-        "token_ids": prompt, "sampling_params": {"max_tokens": 5, "temperature": 0, "logprobs": 0}}).json()
+    got = httpx.post(
+        f"{d}/inference/v1/generate",
+        timeout=120,
+        json={
+            "token_ids": prompt,
+            "sampling_params": {
+                "max_tokens": 5,
+                "temperature": 0,
+                "logprobs": 0,
+                "extra_args": {"kv_transfer_params": kt},
+            },
+        },
+    ).json()
+    want = httpx.post(
+        f"{single}/inference/v1/generate",
+        timeout=120,
+        json={"token_ids": prompt, "sampling_params": {"max_tokens": 5, "temperature": 0, "logprobs": 0}},
+    ).json()
     assert got["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
     assert got["kv_transfer_params"] is None
     wait_for(lambda: pinned(p) == 0, 120, "P to free the pulled blocks")
     # a release for a transfer already freed is harmless: the same params again prefill locally
-    again = httpx.post(f"{d}/v1/completions", json={"prompt": prompt, "max_tokens": 2, "kv_transfer_params": kt},
-                       timeout=120)
+    again = httpx.post(
+        f"{d}/v1/completions", json={"prompt": prompt, "max_tokens": 2, "kv_transfer_params": kt}, timeout=120
+    )
     assert again.status_code == 200
     bad = httpx.post(f"{d}/v1/completions", json={"prompt": prompt, "kv_transfer_params": "yes"}, timeout=30)
     assert bad.status_code == 400 and "kv_transfer_params" in bad.text
-    bad = httpx.post(f"{d}/inference/v1/generate", timeout=30,
-                     json={"token_ids": prompt, "kv_transfer_params": [1]})
+    bad = httpx.post(f"{d}/inference/v1/generate", timeout=30, json={"token_ids": prompt, "kv_transfer_params": [1]})
     assert bad.status_code == 400 and "kv_transfer_params" in bad.text
 
 
@@ -190,14 +239,23 @@ def test_client_abort_mid_decode_frees_p_and_d(pd):
                 assert httpx.post(f"{pd['admin']}/pause", params={"mode": "keep"}, timeout=60).status_code == 200
                 break
     try:
-        wait_for(lambda: metric(pd["d"], "vllm:request_success_total", finished_reason="abort") > aborted, 120,
-                 "D to abort the request the client left")
+        wait_for(
+            lambda: metric(pd["d"], "vllm:request_success_total", finished_reason="abort") > aborted,
+            120,
+            "D to abort the request the client left",
+        )
     finally:
         assert httpx.post(f"{pd['admin']}/resume", timeout=60).status_code == 200
-    wait_for(lambda: metric(pd["d"], "vllm:kv_cache_usage_perc") == 0 or metric(pd["d"], "vllm:num_requests_running") == 0,
-             120, "D to free the request")
-    wait_for(lambda: pinned(pd["p"]) == 0 and metric(pd["p"], "vllm:kv_cache_usage_perc") == 0, 120,
-             "P's pinned blocks to return to free")
+    wait_for(
+        lambda: metric(pd["d"], "vllm:kv_cache_usage_perc") == 0 or metric(pd["d"], "vllm:num_requests_running") == 0,
+        120,
+        "D to free the request",
+    )
+    wait_for(
+        lambda: pinned(pd["p"]) == 0 and metric(pd["p"], "vllm:kv_cache_usage_perc") == 0,
+        120,
+        "P's pinned blocks to return to free",
+    )
 
 
 def test_weight_update_between_prefill_and_pull_makes_d_recompute(pd, single, root):
@@ -209,8 +267,9 @@ def test_weight_update_between_prefill_and_pull_makes_d_recompute(pd, single, ro
     r = httpx.post(f"{pd['admin']}/update_weights", json={"weight_dir": str(step1)}, timeout=300)
     assert r.status_code == 200, r.text
     assert httpx.post(f"{single}/update_weights", json={"weight_dir": str(step1)}, timeout=300).status_code == 200
-    fallbacks, pulled = (metric(d, n) for n in ("rlserve:kv_transfer_local_fallbacks_total",
-                                                "rlserve:kv_transfer_tokens_total"))
+    fallbacks, pulled = (
+        metric(d, n) for n in ("rlserve:kv_transfer_local_fallbacks_total", "rlserve:kv_transfer_tokens_total")
+    )
     computed = metric(d, "rlserve:prompt_tokens_computed_total")
     got = completion(d, prompt, kv_transfer_params=kt)
     assert metric(d, "rlserve:kv_transfer_local_fallbacks_total") == fallbacks + 1
@@ -255,7 +314,7 @@ def test_p_and_d_run_on_their_own_cores_across_a_restart(pd):
         cores.append(mine)
     usable = sorted(os.sched_getaffinity(0))
     half = len(usable) // 2
-    assert cores == [frozenset(usable[:half]), frozenset(usable[half:2 * half])]
+    assert cores == [frozenset(usable[:half]), frozenset(usable[half : 2 * half])]
 
 
 def test_sigterm_leaves_no_process(pd):

@@ -50,8 +50,16 @@ def test_file_and_flags_load(tmp_path):
 
 def test_serves_with_a_kv_pool_sized_by_gpu_memory_utilization(tmp_path):
     # the only local changes: any free port, and few sequences so the pool the fraction sizes stays small
-    url, proc = start_server("@", write_config(tmp_path), "--gpu-memory-utilization", "0.5",
-                             "--engine.max-num-seqs", "4", defaults=(), command="inference")
+    url, proc = start_server(
+        "@",
+        write_config(tmp_path),
+        "--gpu-memory-utilization",
+        "0.5",
+        "--engine.max-num-seqs",
+        "4",
+        defaults=(),
+        command="inference",
+    )
     try:
         resp = httpx.post(f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=120)
         assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 4

@@ -9,8 +9,8 @@ import random
 
 import httpx
 import pytest
-from conftest import start_server, stop_server
 
+from conftest import start_server, stop_server
 from rlserve.client import InferenceClient
 from rlserve.client.errors import BadRequest
 
@@ -44,15 +44,21 @@ def test_rescore_equals_generation_under_load_and_refuses_any_difference(invaria
             for s, report in zip(samples, reports):
                 assert report["bitwise_equal"] and report["num_mismatches"] == 0 and report["batch_invariant"]
                 assert report["rescored_logprobs"] == s.logprobs
-            tampered = dataclasses.replace(samples[0], logprobs=[samples[0].logprobs[0] * (1 + 2**-20)] + samples[0].logprobs[1:])
+            tampered = dataclasses.replace(
+                samples[0], logprobs=[samples[0].logprobs[0] * (1 + 2**-20)] + samples[0].logprobs[1:]
+            )
             with pytest.raises(BadRequest) as err:
                 await client.rescore(tampered)
             assert err.value.status == 409 and "differ" in str(err.value)
 
     asyncio.run(check())
     s = samples[1]
-    body = {"prompt_ids": s.prompt_ids, "completion_ids": s.completion_ids, "logprobs": s.logprobs,
-            "policy_version": s.policy_version + 1}
+    body = {
+        "prompt_ids": s.prompt_ids,
+        "completion_ids": s.completion_ids,
+        "logprobs": s.logprobs,
+        "policy_version": s.policy_version + 1,
+    }
     r = httpx.post(f"{invariant_server}/v1/rescore", json=body, timeout=60)
     assert r.status_code == 409 and r.json()["error"]["param"] == "policy_version"
     r = httpx.post(f"{invariant_server}/v1/rescore", json={**body, "logprobs": [0.0]}, timeout=60)

@@ -58,21 +58,28 @@ def test_verifiers_renderers_two_turns(url, hf):
     from renderers.base import load_tokenizer
     from renderers.client import generate
 
-    renderer = renderers.create_renderer(load_tokenizer(str(default_model_dir())),
-                                         renderers.Qwen3RendererConfig(enable_thinking=False))
+    renderer = renderers.create_renderer(
+        load_tokenizer(str(default_model_dir())), renderers.Qwen3RendererConfig(enable_thinking=False)
+    )
     client = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused")
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a prime."}]
     sampling = {"max_tokens": 6, "temperature": 1.0, "seed": 3}
 
     async def two_turns():
-        first = await generate(client=client, renderer=renderer, messages=messages, model="rlserve-default",
-                               sampling_params=sampling)
+        first = await generate(
+            client=client, renderer=renderer, messages=messages, model="rlserve-default", sampling_params=sampling
+        )
         tail = [{"role": "user", "content": "Another one?"}]
         bridged = renderer.bridge_to_next_turn(first["prompt_ids"], first["completion_ids"], tail)
         history = messages + [{"role": "assistant", "content": first["content"] or ""}] + tail
-        second = await generate(client=client, renderer=renderer, messages=history, model="rlserve-default",
-                                prompt_ids=bridged.token_ids if bridged is not None else None,
-                                sampling_params={**sampling, "seed": 4})
+        second = await generate(
+            client=client,
+            renderer=renderer,
+            messages=history,
+            model="rlserve-default",
+            prompt_ids=bridged.token_ids if bridged is not None else None,
+            sampling_params={**sampling, "seed": 4},
+        )
         await client.close()
         return first, second, bridged
 
@@ -87,15 +94,20 @@ def test_verifiers_renderers_two_turns(url, hf):
     stem = first["prompt_ids"] + first["completion_ids"]
     assert second["prompt_ids"][: len(stem)] == stem
     # the renderer's own rendering is the server's
-    served = httpx.post(f"{url}/tokenize", json={"messages": messages, "add_generation_prompt": True,
-                                                 "chat_template_kwargs": {"enable_thinking": False}}).json()["tokens"]
+    served = httpx.post(
+        f"{url}/tokenize",
+        json={"messages": messages, "add_generation_prompt": True, "chat_template_kwargs": {"enable_thinking": False}},
+    ).json()["tokens"]
     assert first["prompt_ids"] == served
 
 
 def test_generate_logprob_tokens_like_vllm(url):
     """vLLM's /inference/v1/generate names tokens token_id:<id> (no flag needed) and lists the
     sampled token first in top_logprobs."""
-    body = {"token_ids": [11, 22, 33], "sampling_params": {"max_tokens": 5, "logprobs": 3, "seed": 1, "ignore_eos": True}}
+    body = {
+        "token_ids": [11, 22, 33],
+        "sampling_params": {"max_tokens": 5, "logprobs": 3, "seed": 1, "ignore_eos": True},
+    }
     choice = httpx.post(f"{url}/inference/v1/generate", json=body, timeout=60).json()["choices"][0]
     for t, entry in zip(choice["token_ids"], choice["logprobs"]["content"]):
         assert entry["token"] == f"token_id:{t}"
@@ -109,13 +121,30 @@ def test_generate_logprob_tokens_like_vllm(url):
 
 
 def test_nemo_gym_vllm_model_requests(url, hf):
-    history_assistant = {"role": "assistant", "content": "Paris.", "reasoning_content": "capital", "reasoning": "capital"}
-    messages = [{"role": "user", "content": "Capital of France?"}, history_assistant,
-                {"role": "user", "content": "And of Italy?"}]
+    history_assistant = {
+        "role": "assistant",
+        "content": "Paris.",
+        "reasoning_content": "capital",
+        "reasoning": "capital",
+    }
+    messages = [
+        {"role": "user", "content": "Capital of France?"},
+        history_assistant,
+        {"role": "user", "content": "And of Italy?"},
+    ]
     kwargs = {"enable_thinking": False}
     # _preprocess_chat_completion_create_params with return_token_id_information=True
-    body = {"model": "rlserve-default", "messages": messages, "max_tokens": 6, "temperature": 1.0, "seed": 2,
-            "chat_template_kwargs": kwargs, "logprobs": True, "top_logprobs": 0, "return_tokens_as_token_ids": True}
+    body = {
+        "model": "rlserve-default",
+        "messages": messages,
+        "max_tokens": 6,
+        "temperature": 1.0,
+        "seed": 2,
+        "chat_template_kwargs": kwargs,
+        "logprobs": True,
+        "top_logprobs": 0,
+        "return_tokens_as_token_ids": True,
+    }
     with httpx.Client(base_url=url, timeout=60) as http:
         r = http.post("/v1/chat/completions", json=body)
         assert r.status_code == 200, r.text
@@ -130,16 +159,24 @@ def test_nemo_gym_vllm_model_requests(url, hf):
         generation_token_ids = [int(lp["token"].removeprefix("token_id:")) for lp in log_probs]
         generation_log_probs = [lp["logprob"] for lp in log_probs]
         # the prompt ids come from a second call to /tokenize at the root, with the same template knobs
-        tokens = http.post("/tokenize", json={"model": "rlserve-default", "messages": messages,
-                                              "chat_template_kwargs": kwargs}).json()["tokens"]
+        tokens = http.post(
+            "/tokenize", json={"model": "rlserve-default", "messages": messages, "chat_template_kwargs": kwargs}
+        ).json()["tokens"]
         ref = forward_logprobs(hf, tokens, generation_token_ids)
         assert max(abs(a - b) for a, b in zip(generation_log_probs, ref)) < 1e-4
 
         # turn 2 for training: the earlier assistant turn carries its exact tokens
-        trained = {**history_assistant, "prompt_token_ids": tokens, "generation_token_ids": generation_token_ids,
-                   "generation_log_probs": generation_log_probs}
-        body2 = {**body, "messages": messages + [{**trained, "content": message["content"]},
-                                                 {"role": "user", "content": "Thanks."}], "return_token_ids": True}
+        trained = {
+            **history_assistant,
+            "prompt_token_ids": tokens,
+            "generation_token_ids": generation_token_ids,
+            "generation_log_probs": generation_log_probs,
+        }
+        body2 = {
+            **body,
+            "messages": messages + [{**trained, "content": message["content"]}, {"role": "user", "content": "Thanks."}],
+            "return_token_ids": True,
+        }
         r2 = http.post("/v1/chat/completions", json=body2)
         assert r2.status_code == 200, r2.text
         prompt2 = r2.json()["prompt_token_ids"]
@@ -249,8 +286,12 @@ TRL_TRAINER = textwrap.dedent(
 
 def test_trl_weight_sync_requests(url, root):
     pushed = make_model("tiny", root / "trl-pushed", seed=5)
-    proc = subprocess.run([sys.executable, "-c", TRL_TRAINER, url, str(free_port()), str(pushed / "model.safetensors")],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", TRL_TRAINER, url, str(free_port()), str(pushed / "model.safetensors")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr + proc.stdout
     lines = proc.stdout.strip().splitlines()
     assert json.loads(lines[0]) == {"message": "Weight transfer initialized"}
@@ -259,7 +300,10 @@ def test_trl_weight_sync_requests(url, root):
     assert lines[-1] == "ok"
     # the server now serves exactly the pushed weights
     hf = AutoModelForCausalLM.from_pretrained(pushed, dtype=torch.float32).eval()
-    body = {"token_ids": [5, 6, 7, 8], "sampling_params": {"max_tokens": 6, "seed": 0, "ignore_eos": True, "logprobs": 0}}
+    body = {
+        "token_ids": [5, 6, 7, 8],
+        "sampling_params": {"max_tokens": 6, "seed": 0, "ignore_eos": True, "logprobs": 0},
+    }
     choice = httpx.post(f"{url}/inference/v1/generate", json=body, timeout=60).json()["choices"][0]
     ref = forward_logprobs(hf, [5, 6, 7, 8], choice["token_ids"])
     assert max(abs(e["logprob"] - r) for e, r in zip(choice["logprobs"]["content"], ref)) < 1e-4
@@ -269,7 +313,9 @@ def test_weight_transfer_routes_reject_bad_input(url):
     with httpx.Client(base_url=url, timeout=30) as http:
         r = http.post("/init_weight_transfer_engine", json={"init_info": {"master_address": "127.0.0.1"}})
         assert r.status_code == 400 and "master_port" in r.json()["error"]["message"]
-        r = http.post("/update_weights", json={"update_info": {"names": ["x"], "dtype_names": ["int8"], "shapes": [[1]]}})
+        r = http.post(
+            "/update_weights", json={"update_info": {"names": ["x"], "dtype_names": ["int8"], "shapes": [[1]]}}
+        )
         assert r.status_code in (400, 409)
         r = http.post("/update_weights", json={"update_info": "nope"})
         assert r.status_code == 400

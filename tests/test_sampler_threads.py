@@ -8,7 +8,16 @@ from rlserve.engine.sampler import SINGLE_THREAD_LOGITS, Sampler, SamplingRow
 
 def row(seed: int) -> SamplingRow:
     gen = torch.Generator().manual_seed(seed)
-    return SamplingRow(temperature=0.8, top_k=0, top_p=1.0, min_p=0.0, generator=gen, num_logprobs=2, raw_logprobs=False, banned_ids=None)
+    return SamplingRow(
+        temperature=0.8,
+        top_k=0,
+        top_p=1.0,
+        min_p=0.0,
+        generator=gen,
+        num_logprobs=2,
+        raw_logprobs=False,
+        banned_ids=None,
+    )
 
 
 def test_small_batches_sample_the_same_on_one_thread_and_restore_the_thread_count():

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from conftest import start_server, stop_server
 
 USER = [{"role": "user", "content": "x"}]
@@ -50,8 +51,9 @@ def test_health_answers_while_a_10mb_body_streams_in_and_is_refused(limited) -> 
         yield b'"}'
 
     def send() -> None:
-        result["response"] = httpx.post(f"{url}/v1/completions", content=body(), timeout=HANG_GUARD_S,
-                                        headers={"content-type": "application/json"})
+        result["response"] = httpx.post(
+            f"{url}/v1/completions", content=body(), timeout=HANG_GUARD_S, headers={"content-type": "application/json"}
+        )
 
     sender = threading.Thread(target=send)
     sender.start()
@@ -70,8 +72,10 @@ def test_declared_size_over_the_cap_is_refused_before_the_body_is_read(limited) 
     url, _ = limited
     host, port = url.removeprefix("http://").rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=HANG_GUARD_S) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 10485760\r\n\r\n")  # no body follows: the answer must not wait for it
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 10485760\r\n\r\n"
+        )  # no body follows: the answer must not wait for it
         answer = b"".join(iter(lambda: sock.recv(65536), b""))  # the server closes the connection after it
     assert answer.startswith(b"HTTP/1.1 413") and b"server.max_body_bytes" in answer
 
@@ -102,8 +106,11 @@ def test_full_waiting_queue_answers_429_with_retry_after(limited) -> None:
     with httpx.Client(base_url=url, timeout=HANG_GUARD_S) as http:
         assert http.post("/pause", params={"mode": "keep"}).status_code == 200
         try:
-            waiter = threading.Thread(target=lambda: held.update(r=httpx.post(
-                f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=HANG_GUARD_S)))
+            waiter = threading.Thread(
+                target=lambda: held.update(
+                    r=httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=HANG_GUARD_S)
+                )
+            )
             waiter.start()
             for _ in range(HANG_GUARD_S * 10):  # until the held request sits in the waiting queue
                 if http.get("/metrics", params={"format": "json"}).json()["queue_depth"] >= 1:
@@ -122,9 +129,15 @@ def test_full_waiting_queue_answers_429_with_retry_after(limited) -> None:
 def test_request_chat_template_when_trusted(limited) -> None:
     url, _ = limited
     with httpx.Client(base_url=url, timeout=HANG_GUARD_S) as http:
-        ok = http.post("/v1/chat/completions", json={
-            "messages": USER, "max_tokens": 1, "return_token_ids": True,
-            "chat_template": "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"})
+        ok = http.post(
+            "/v1/chat/completions",
+            json={
+                "messages": USER,
+                "max_tokens": 1,
+                "return_token_ids": True,
+                "chat_template": "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}",
+            },
+        )
         assert ok.status_code == 200, ok.text
         empty = http.post("/v1/chat/completions", json={"messages": USER, "chat_template": "{# nothing #}"})
         assert empty.status_code == 400 and "rendered nothing" in empty.json()["error"]["message"]
@@ -148,15 +161,24 @@ def test_minus_inf_logprobs_are_json_on_every_route(server: str) -> None:
         r = http.post("/v1/chat/completions", json={"messages": USER, "logprobs": True, "top_logprobs": 3, **greedy})
         content = strict_json(r.text)["choices"][0]["logprobs"]["content"]
         assert all(any(t["logprob"] == -9999.0 for t in c["top_logprobs"]) for c in content)
-        r = http.post("/inference/v1/generate", json={"token_ids": [1, 2], "sampling_params": {"logprobs": 3, **greedy}})
+        r = http.post(
+            "/inference/v1/generate", json={"token_ids": [1, 2], "sampling_params": {"logprobs": 3, **greedy}}
+        )
         content = strict_json(r.text)["choices"][0]["logprobs"]["content"]
         assert all(any(t["logprob"] == -9999.0 for t in c["top_logprobs"]) for c in content)
         r = http.post("/generate", json={"prompts": [[1, 2]], "logprobs": 5, **greedy})
         assert r.status_code == 200, r.text
         rows = strict_json(r.text)["logprobs"][0]
         assert all(row[0] == 0.0 and row[1:] == [None] * 4 for row in rows)
-        r = http.post("/generate", json={"input_ids": [1, 2], "return_logprob": True, "top_logprobs_num": 3,
-                                         "sampling_params": {"top_k": 1, "max_new_tokens": 3}})
+        r = http.post(
+            "/generate",
+            json={
+                "input_ids": [1, 2],
+                "return_logprob": True,
+                "top_logprobs_num": 3,
+                "sampling_params": {"top_k": 1, "max_new_tokens": 3},
+            },
+        )
         assert r.status_code == 200 and strict_json(r.text)["meta_info"]["output_token_logprobs"]
         r = http.post("/generate", json={"prompt": "x", "top_k": 1, "max_tokens": 3})
         assert r.status_code == 200 and len(strict_json(r.text)["logprobs"]) == 3
@@ -174,8 +196,17 @@ def test_non_latin1_request_id_is_echoed(server: str) -> None:
 def test_huge_logit_bias_is_clamped_like_vllm(server: str) -> None:
     """1e300 acts as +100: the biased token wins every step, with a real logprob, not -9999."""
     with httpx.Client(base_url=server, timeout=HANG_GUARD_S) as http:
-        r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, "logprobs": 0, "return_token_ids": True,
-                                               "logit_bias": {"5": 1e300}, "ignore_eos": True})
+        r = http.post(
+            "/v1/completions",
+            json={
+                "prompt": "x",
+                "max_tokens": 4,
+                "logprobs": 0,
+                "return_token_ids": True,
+                "logit_bias": {"5": 1e300},
+                "ignore_eos": True,
+            },
+        )
         choice = strict_json(r.text)["choices"][0]
         assert choice["token_ids"] == [5] * 4
         assert all(-1e-3 < lp <= 0 for lp in choice["logprobs"]["token_logprobs"])
@@ -185,24 +216,41 @@ def test_unknown_fields_stay_ignored_on_typed_native_routes(server: str) -> None
     with httpx.Client(base_url=server, timeout=HANG_GUARD_S) as http:
         r = http.post("/generate", json={"prompt": "x", "max_tokens": 1, "novel": {"a": [1]}})
         assert r.status_code == 200, r.text
-        r = http.post("/inference/v1/generate", json={"token_ids": [1], "sampling_params": {"max_tokens": 1, "new": 1},
-                                                      "features": None, "extra": True})
+        r = http.post(
+            "/inference/v1/generate",
+            json={"token_ids": [1], "sampling_params": {"max_tokens": 1, "new": 1}, "features": None, "extra": True},
+        )
         assert r.status_code == 200, r.text
         r = http.post("/abort_requests", json={"request_ids": ["nope"], "whatever": 1})
         assert r.status_code == 200, r.text
-        r = http.post("/generate", content=json.dumps({"prompt": "x", "max_tokens": 1}),
-                      headers={"content-type": "application/x-www-form-urlencoded"})  # curl -d
+        r = http.post(
+            "/generate",
+            content=json.dumps({"prompt": "x", "max_tokens": 1}),
+            headers={"content-type": "application/x-www-form-urlencoded"},
+        )  # curl -d
         assert r.status_code == 200, r.text
 
 
 def test_openapi_describes_every_body_with_this_servers_caps(server: str) -> None:
     spec = httpx.get(f"{server}/openapi.json", timeout=HANG_GUARD_S).json()
-    for path in ("/generate", "/inference/v1/generate", "/update_weights", "/init_broadcaster", "/abort_requests",
-                 "/v1/load_lora_adapter", "/load_adapter", "/update_weights_from_disk", "/v1/completions"):
+    for path in (
+        "/generate",
+        "/inference/v1/generate",
+        "/update_weights",
+        "/init_broadcaster",
+        "/abort_requests",
+        "/v1/load_lora_adapter",
+        "/load_adapter",
+        "/update_weights_from_disk",
+        "/v1/completions",
+    ):
         assert "requestBody" in spec["paths"][path]["post"], path
     generate = spec["paths"]["/generate"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert {r["$ref"].rsplit("/", 1)[1] for r in generate["anyOf"]} == {
-        "TRLGenerateRequest", "SGLangGenerateRequest", "MLXGenerateRequest"}
+        "TRLGenerateRequest",
+        "SGLangGenerateRequest",
+        "MLXGenerateRequest",
+    }
     schemas = spec["components"]["schemas"]
     assert schemas["CompletionRequest"]["properties"]["n"]["maximum"] == 256  # engine.max_num_seqs
     assert schemas["CompletionRequest"]["properties"]["temperature"]["minimum"] == 0

@@ -16,8 +16,11 @@ MODEL = "rlserve-default"
 def scrape(server: str) -> dict[tuple[str, tuple], float]:
     """{(sample name, sorted labels): value} of every sample on /metrics."""
     text = httpx.get(f"{server}/metrics", timeout=10).text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def value(samples: dict, name: str, **labels: str) -> float:
@@ -32,8 +35,11 @@ def wait_idle(server: str, timeout: float = 20.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         samples = scrape(server)
-        idle = (value(samples, "vllm:num_requests_running") == 0 and value(samples, "vllm:num_requests_waiting") == 0
-                and value(samples, "vllm:kv_cache_usage_perc") == 0)
+        idle = (
+            value(samples, "vllm:num_requests_running") == 0
+            and value(samples, "vllm:num_requests_waiting") == 0
+            and value(samples, "vllm:kv_cache_usage_perc") == 0
+        )
         if idle or time.monotonic() > deadline:
             return samples
         time.sleep(0.1)
@@ -42,8 +48,13 @@ def wait_idle(server: str, timeout: float = 20.0) -> dict:
 def test_64_concurrent_streams_complete(server: str) -> None:
     async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, int, str | None]:
         stream = await client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": f"request {i}"}], max_tokens=8, stream=True,
-            seed=i, extra_body={"ignore_eos": True, "return_token_ids": True})
+            model=MODEL,
+            messages=[{"role": "user", "content": f"request {i}"}],
+            max_tokens=8,
+            stream=True,
+            seed=i,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
         text, tokens, reason = "", 0, None
         async for chunk in stream:
             for c in chunk.choices:
@@ -114,12 +125,22 @@ def test_metrics_names_and_labels(server: str) -> None:
     before = scrape(server)
     client.completions.create(model=MODEL, prompt="count me", max_tokens=3, extra_body={"ignore_eos": True})
     after = scrape(server)
-    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                 "vllm:num_preemptions_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
-                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "rlserve:policy_version",
-                 "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
-                 "vllm:e2e_request_latency_seconds_count", "vllm:request_prompt_tokens_count",
-                 "vllm:request_generation_tokens_count"):
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:num_preemptions_total",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "rlserve:policy_version",
+        "vllm:time_to_first_token_seconds_count",
+        "vllm:inter_token_latency_seconds_count",
+        "vllm:e2e_request_latency_seconds_count",
+        "vllm:request_prompt_tokens_count",
+        "vllm:request_generation_tokens_count",
+    ):
         value(after, name)  # present, with model_name and engine="0"
     info = [dict(ls) for (n, ls) in after if n == "vllm:cache_config_info"]
     assert info and info[0]["block_size"] == "16" and int(info[0]["num_gpu_blocks"]) > 0

@@ -57,8 +57,13 @@ def test_models_card_and_trailing_slashes(client: openai.OpenAI, http: httpx.Cli
 
 
 def test_completion_basic_fields(client: openai.OpenAI, http: httpx.Client) -> None:
-    r = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=8, seed=3,
-                                  extra_body={"return_token_ids": True, "ignore_eos": True})
+    r = client.completions.create(
+        model=MODEL,
+        prompt="The sky is",
+        max_tokens=8,
+        seed=3,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
     choice = r.choices[0].model_dump()
     assert r.id.startswith("cmpl-") and r.object == "text_completion" and r.model == MODEL
     assert choice["finish_reason"] == "length" and choice["index"] == 0
@@ -73,8 +78,15 @@ def test_completion_basic_fields(client: openai.OpenAI, http: httpx.Client) -> N
 
 def test_token_id_prompts_with_n_are_prompt_major(client: openai.OpenAI) -> None:
     prompts = [[10, 20, 30], [40, 50]]
-    r = client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=4, seed=1, logprobs=0,
-                                  extra_body={"return_token_ids": True, "ignore_eos": True})
+    r = client.completions.create(
+        model=MODEL,
+        prompt=prompts,
+        n=2,
+        max_tokens=4,
+        seed=1,
+        logprobs=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
     choices = [c.model_dump() for c in r.choices]
     assert [c["index"] for c in choices] == [0, 1, 2, 3]
     assert [c["prompt_token_ids"] for c in choices] == [prompts[0], prompts[0], prompts[1], prompts[1]]
@@ -85,8 +97,14 @@ def test_token_id_prompts_with_n_are_prompt_major(client: openai.OpenAI) -> None
 
 
 def test_completion_logprobs_shape(client: openai.OpenAI) -> None:
-    r = client.completions.create(model=MODEL, prompt="one two", max_tokens=6, logprobs=3, seed=5,
-                                  extra_body={"return_token_ids": True, "ignore_eos": True})
+    r = client.completions.create(
+        model=MODEL,
+        prompt="one two",
+        max_tokens=6,
+        logprobs=3,
+        seed=5,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
     choice = r.choices[0].model_dump()
     lp, ids = choice["logprobs"], choice["token_ids"]
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == 6
@@ -96,8 +114,14 @@ def test_completion_logprobs_shape(client: openai.OpenAI) -> None:
         assert value <= 0 and 3 <= len(top) <= 4
         assert top[tok] == value  # the sampled token is always among them
     # the same request with ids as tokens
-    r2 = client.completions.create(model=MODEL, prompt="one two", max_tokens=6, logprobs=3, seed=5,
-                                   extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
+    r2 = client.completions.create(
+        model=MODEL,
+        prompt="one two",
+        max_tokens=6,
+        logprobs=3,
+        seed=5,
+        extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True},
+    )
     lp2 = r2.choices[0].logprobs
     assert lp2.tokens == [f"token_id:{t}" for t in ids]
     assert lp2.token_logprobs == lp["token_logprobs"]
@@ -114,8 +138,18 @@ def test_completion_boolean_logprobs(http: httpx.Client) -> None:
 
 def test_echo_and_prompt_scoring(http: httpx.Client) -> None:
     ids = tokenize(http, prompt="alpha beta gamma")
-    r = http.post("/v1/completions", json={"prompt": "alpha beta gamma", "echo": True, "logprobs": 1, "max_tokens": 3,
-                                           "seed": 4, "ignore_eos": True, "return_token_ids": True}).json()
+    r = http.post(
+        "/v1/completions",
+        json={
+            "prompt": "alpha beta gamma",
+            "echo": True,
+            "logprobs": 1,
+            "max_tokens": 3,
+            "seed": 4,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+    ).json()
     choice = r["choices"][0]
     assert choice["text"].startswith("alpha beta gamma")
     lp = choice["logprobs"]
@@ -123,8 +157,17 @@ def test_echo_and_prompt_scoring(http: httpx.Client) -> None:
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     assert all(isinstance(v, float) for v in lp["token_logprobs"][1:])
     # max_tokens 0 scores the prompt only
-    r = http.post("/v1/completions", json={"prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 0,
-                                           "return_token_ids": True, "prompt_logprobs": 1}).json()
+    r = http.post(
+        "/v1/completions",
+        json={
+            "prompt": ids,
+            "echo": True,
+            "logprobs": 1,
+            "max_tokens": 0,
+            "return_token_ids": True,
+            "prompt_logprobs": 1,
+        },
+    ).json()
     choice = r["choices"][0]
     assert choice["token_ids"] == [] and r["usage"]["completion_tokens"] == 0
     assert choice["text"] == "alpha beta gamma"
@@ -144,15 +187,22 @@ def test_prompt_logprobs_shape(http: httpx.Client) -> None:
         ranks = sorted(e["rank"] for e in entry.values())
         assert ranks[0] == 1 and all(isinstance(e["decoded_token"], str) for e in entry.values())
     # chat puts them at the top level
-    r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1, "prompt_logprobs": 0,
-                                                "return_token_ids": True}).json()
+    r = http.post(
+        "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1, "prompt_logprobs": 0, "return_token_ids": True}
+    ).json()
     assert len(r["prompt_logprobs"]) == len(r["prompt_token_ids"]) and r["prompt_logprobs"][0] is None
     assert all(len(e) == 1 for e in r["prompt_logprobs"][1:])
 
 
 def test_chat_basic_and_token_fields(client: openai.OpenAI, http: httpx.Client, hf_tokenizer) -> None:
-    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=50, max_completion_tokens=5, seed=1,
-                                       extra_body={"return_token_ids": True, "ignore_eos": True})
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=50,
+        max_completion_tokens=5,
+        seed=1,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
     assert r.id.startswith("chatcmpl-") and r.object == "chat.completion"
     choice = r.choices[0]
     assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
@@ -165,8 +215,9 @@ def test_chat_basic_and_token_fields(client: openai.OpenAI, http: httpx.Client, 
 
 def test_chat_logprobs_match_completions(client: openai.OpenAI, http: httpx.Client) -> None:
     extra = {"return_token_ids": True, "return_tokens_as_token_ids": True, "ignore_eos": True}
-    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, seed=9, logprobs=True,
-                                       top_logprobs=3, extra_body=extra)
+    r = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=6, seed=9, logprobs=True, top_logprobs=3, extra_body=extra
+    )
     choice = r.choices[0]
     content = choice.logprobs.content
     assert [c.token for c in content] == [f"token_id:{t}" for t in choice.token_ids]
@@ -178,8 +229,9 @@ def test_chat_logprobs_match_completions(client: openai.OpenAI, http: httpx.Clie
         assert values == sorted(values, reverse=True)
         assert isinstance(c.bytes, list)
     # the same ids and seed through /v1/completions give the same tokens and logprobs
-    comp = http.post("/v1/completions", json={"prompt": r.prompt_token_ids, "max_tokens": 6, "seed": 9,
-                                              "logprobs": 0, **extra}).json()["choices"][0]
+    comp = http.post(
+        "/v1/completions", json={"prompt": r.prompt_token_ids, "max_tokens": 6, "seed": 9, "logprobs": 0, **extra}
+    ).json()["choices"][0]
     assert comp["token_ids"] == choice.token_ids
     assert comp["logprobs"]["token_logprobs"] == [c.logprob for c in content]
     # top_logprobs 0 -> empty lists; logprobs false -> null
@@ -195,27 +247,46 @@ def test_chat_message_forms_render_like_hf(http: httpx.Client, hf_tokenizer) -> 
     messages = [
         {"role": "system", "content": "Be brief"},
         {"role": "user", "content": [{"type": "text", "text": "weather in"}, {"type": "text", "text": "SF?"}]},
-        {"role": "assistant", "content": None, "reasoning": "need tool",
-         "tool_calls": [{"id": "call_1", "type": "function",
-                         "function": {"name": "get_weather", "arguments": "{\"city\": \"SF\"}"}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "reasoning": "need tool",
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "SF"}'}}
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "60F"},
     ]
     hf_messages = [
         messages[0],
         {"role": "user", "content": "weather in\nSF?"},
-        {"role": "assistant", "content": None, "reasoning_content": "need tool",
-         "tool_calls": [{"id": "call_1", "type": "function",
-                         "function": {"name": "get_weather", "arguments": {"city": "SF"}}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "reasoning_content": "need tool",
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "SF"}}}
+            ],
+        },
         messages[3],
     ]
     kwargs = {"enable_thinking": False}
-    expected = hf_tokenizer.apply_chat_template(hf_messages, tools=tools, add_generation_prompt=True, tokenize=True,
-                                                return_dict=False, **kwargs)
+    expected = hf_tokenizer.apply_chat_template(
+        hf_messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs
+    )
     got = tokenize(http, messages=messages, tools=tools, chat_template_kwargs=kwargs)
     assert got == list(expected)
-    r = http.post("/v1/chat/completions", json={"messages": messages, "tools": tools, "tool_choice": "none",
-                                                "chat_template_kwargs": kwargs, "max_tokens": 2,
-                                                "return_token_ids": True}).json()
+    r = http.post(
+        "/v1/chat/completions",
+        json={
+            "messages": messages,
+            "tools": tools,
+            "tool_choice": "none",
+            "chat_template_kwargs": kwargs,
+            "max_tokens": 2,
+            "return_token_ids": True,
+        },
+    ).json()
     assert r["prompt_token_ids"] == got
     # continue_final_message renders the last assistant turn open
     partial = [*CHAT, {"role": "assistant", "content": "Sure, the"}]
@@ -251,8 +322,9 @@ def test_sampling_knobs(http: httpx.Client) -> None:
     for top_k in (0, -1):  # both mean off
         r = http.post("/v1/completions", json={**body, "top_k": top_k, "min_p": 0.05, "top_p": 0.9, "seed": 1})
         assert r.status_code == 200, r.text
-    seeded = [http.post("/v1/completions", json={**body, "seed": 42}).json()["choices"][0]["token_ids"]
-              for _ in range(2)]
+    seeded = [
+        http.post("/v1/completions", json={**body, "seed": 42}).json()["choices"][0]["token_ids"] for _ in range(2)
+    ]
     assert seeded[0] == seeded[1]
     r = http.post("/v1/completions", json={**body, "min_tokens": 10, "max_tokens": 10}).json()
     assert len(r["choices"][0]["token_ids"]) == 10
@@ -293,11 +365,18 @@ def _sse(response: httpx.Response) -> list[dict]:
 
 
 def test_completion_stream_concatenates_to_nonstream(client: openai.OpenAI, http: httpx.Client) -> None:
-    body = {"prompt": "stream me", "max_tokens": 12, "seed": 7, "logprobs": 2, "return_token_ids": True,
-            "ignore_eos": True}
+    body = {
+        "prompt": "stream me",
+        "max_tokens": 12,
+        "seed": 7,
+        "logprobs": 2,
+        "return_token_ids": True,
+        "ignore_eos": True,
+    }
     full = http.post("/v1/completions", json=body).json()
-    with http.stream("POST", "/v1/completions",
-                     json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+    with http.stream(
+        "POST", "/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}}
+    ) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         chunks = _sse(r)
     *deltas, last = chunks
@@ -311,8 +390,9 @@ def test_completion_stream_concatenates_to_nonstream(client: openai.OpenAI, http
     assert all("prompt_token_ids" not in c["choices"][0] for c in deltas[1:])
     assert [c["choices"][0]["finish_reason"] for c in deltas] == [None] * (len(deltas) - 1) + ["length"]
     # the SDK reads the same stream
-    stream = client.completions.create(model=MODEL, prompt="stream me", max_tokens=12, seed=7, stream=True,
-                                       extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model=MODEL, prompt="stream me", max_tokens=12, seed=7, stream=True, extra_body={"ignore_eos": True}
+    )
     assert "".join(c.choices[0].text for c in stream) == choice["text"]
 
 
@@ -320,8 +400,9 @@ def test_chat_stream_concatenates_to_nonstream(client: openai.OpenAI) -> None:
     kwargs = {"model": MODEL, "messages": CHAT, "max_tokens": 10, "seed": 21, "n": 2, "logprobs": True}
     extra = {"return_token_ids": True, "ignore_eos": True}
     full = client.chat.completions.create(**kwargs, extra_body=extra)
-    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True},
-                                                 extra_body=extra))
+    chunks = list(
+        client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}, extra_body=extra)
+    )
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens == 20
     assert chunks[0].model_extra["prompt_token_ids"] == full.prompt_token_ids
     assert all("prompt_token_ids" not in c.model_extra for c in chunks[1:])
@@ -332,7 +413,8 @@ def test_chat_stream_concatenates_to_nonstream(client: openai.OpenAI) -> None:
         assert "".join(c.delta.content or "" for c in mine) == want.message.content
         assert [t for c in mine for t in (c.model_extra.get("token_ids") or [])] == want.token_ids
         assert [x.logprob for c in mine if c.logprobs for x in c.logprobs.content] == [
-            x.logprob for x in want.logprobs.content]
+            x.logprob for x in want.logprobs.content
+        ]
         assert mine[-1].finish_reason == "length" and all(c.finish_reason is None for c in mine[:-1])
         assert mine[-1].model_extra["weight_versions"][0]["end"] == 10
 
@@ -356,8 +438,16 @@ def test_max_tokens_beyond_context_is_capped(http: httpx.Client) -> None:
 
 
 def test_multi_prompt_stream_with_echo_matches_nonstream(http: httpx.Client) -> None:
-    body = {"prompt": ["ab cd", [66, 67, 68]], "n": 2, "max_tokens": 4, "seed": 5, "echo": True, "logprobs": 1,
-            "ignore_eos": True, "return_token_ids": True}
+    body = {
+        "prompt": ["ab cd", [66, 67, 68]],
+        "n": 2,
+        "max_tokens": 4,
+        "seed": 5,
+        "echo": True,
+        "logprobs": 1,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     full = http.post("/v1/completions", json=body).json()["choices"]
     with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
         chunks = _sse(r)

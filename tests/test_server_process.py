@@ -22,24 +22,40 @@ from rlserve.server.listen import bind, check_admin_exposure
 def test_open_host_without_admin_key_refuses_to_start():
     # the check runs before anything binds: nothing is ever served on 0.0.0.0 here
     proc = subprocess.run(
-        [sys.executable, "-m", "rlserve.cli", "serve", "--server.host", "0.0.0.0", "--server.port", "0", *SERVER_DEFAULTS],
-        capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "rlserve.cli",
+            "serve",
+            "--server.host",
+            "0.0.0.0",
+            "--server.port",
+            "0",
+            *SERVER_DEFAULTS,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
     )
     assert proc.returncode != 0
     assert "server.admin_api_key" in proc.stderr and "--server.allow_open_admin true" in proc.stderr
     assert "rlserve: serving" not in proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("host, extra, ok", [
-    ("0.0.0.0", {}, False),
-    ("::", {}, False),
-    ("0.0.0.0", {"admin_api_key": "k"}, True),
-    ("0.0.0.0", {"allow_open_admin": True}, True),
-    ("127.0.0.1", {}, True),
-    ("127.0.0.2", {}, True),
-    ("::1", {}, True),
-    ("localhost", {}, True),
-])
+@pytest.mark.parametrize(
+    "host, extra, ok",
+    [
+        ("0.0.0.0", {}, False),
+        ("::", {}, False),
+        ("0.0.0.0", {"admin_api_key": "k"}, True),
+        ("0.0.0.0", {"allow_open_admin": True}, True),
+        ("127.0.0.1", {}, True),
+        ("127.0.0.2", {}, True),
+        ("::1", {}, True),
+        ("localhost", {}, True),
+    ],
+)
 def test_admin_exposure_rule(host, extra, ok):
     config = Config(server={"host": host, **extra})
     if ok:
@@ -52,8 +68,13 @@ def test_admin_exposure_rule(host, extra, ok):
 def test_keys_are_checked_on_every_admin_route_form():
     url, proc = start_server("--server.admin_api_key", "s3cret")
     try:
-        for headers in ({}, {"Authorization": "Bearer s3cre"}, {"Authorization": "Bearer s3cret-longer"},
-                        {"Authorization": "Basic s3cret"}, {"Authorization": "Bearer s\xe9cret".encode("latin-1")}):
+        for headers in (
+            {},
+            {"Authorization": "Bearer s3cre"},
+            {"Authorization": "Bearer s3cret-longer"},
+            {"Authorization": "Basic s3cret"},
+            {"Authorization": "Bearer s\xe9cret".encode("latin-1")},
+        ):
             assert httpx.post(f"{url}/pause", headers=headers).status_code == 401
         assert httpx.post(f"{url}/resume", headers={"Authorization": "Bearer s3cret"}).status_code == 200
     finally:

@@ -9,12 +9,17 @@ import httpx
 import openai
 import pytest
 
-
 MODEL = "rlserve-default"
 EOS = 2043
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "SF"}}\n</tool_call>'
-TOOLS = [{"type": "function", "name": "get_weather", "description": "weather in a city",
-          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    }
+]
 CHAT_TOOLS = [{"type": "function", "function": {k: v for k, v in TOOLS[0].items() if k != "type"}}]
 
 
@@ -41,8 +46,14 @@ def comparable(response) -> dict:
 
 
 def test_plain_response_shape(client: openai.OpenAI) -> None:
-    r = client.responses.create(model=MODEL, input="hello there", max_output_tokens=6, temperature=0.7,
-                                metadata={"run": "a"}, extra_body={"seed": 1, "ignore_eos": True})
+    r = client.responses.create(
+        model=MODEL,
+        input="hello there",
+        max_output_tokens=6,
+        temperature=0.7,
+        metadata={"run": "a"},
+        extra_body={"seed": 1, "ignore_eos": True},
+    )
     assert r.id.startswith("resp_") and r.object == "response" and r.model == MODEL
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.metadata == {"run": "a"} and r.temperature == 0.7 and r.max_output_tokens == 6
@@ -56,9 +67,12 @@ def test_plain_response_shape(client: openai.OpenAI) -> None:
     assert u.input_tokens_details.cached_tokens >= 0 and u.input_tokens_details.cache_write_tokens == 0
     assert r.model_extra["policy_version"] == 0 and r.model_extra["weight_versions"][0]["end"] == 6
 
-    r = client.responses.create(model=MODEL, input="hello there", max_output_tokens=6,
-                                extra_body={"seed": 1, "ignore_eos": True,
-                                            "chat_template_kwargs": {"enable_thinking": False}})
+    r = client.responses.create(
+        model=MODEL,
+        input="hello there",
+        max_output_tokens=6,
+        extra_body={"seed": 1, "ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}},
+    )
     (msg,) = r.output
     assert msg.type == "message" and msg.role == "assistant" and msg.status == "completed"
     assert msg.content[0].type == "output_text" and msg.content[0].annotations == []
@@ -67,9 +81,17 @@ def test_plain_response_shape(client: openai.OpenAI) -> None:
 
 def test_stream_matches_nonstream(client: openai.OpenAI, tok) -> None:
     forced = tok.encode("<think>\nhmm</think>\n\nhi", add_special_tokens=False)
-    kwargs = {"model": MODEL, "input": [{"role": "user", "content": "stream please"}], "max_output_tokens": 12,
-              "extra_body": {"seed": 5, "ignore_eos": True, "return_token_ids": True,
-                             "vllm_xargs": {"forced_token_ids": forced}}}
+    kwargs = {
+        "model": MODEL,
+        "input": [{"role": "user", "content": "stream please"}],
+        "max_output_tokens": 12,
+        "extra_body": {
+            "seed": 5,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "vllm_xargs": {"forced_token_ids": forced},
+        },
+    }
     full = client.responses.create(**kwargs)
     assert [i.type for i in full.output] == ["reasoning", "message"]
     assert full.output[0].summary[0].text == "\nhmm" and full.output_text.startswith("\n\nhi")
@@ -92,13 +114,18 @@ def test_stream_matches_nonstream(client: openai.OpenAI, tok) -> None:
     assert "".join(deltas) == final.output_text == full.output_text
     assert comparable(final) == comparable(full)
     last = final.output[-1].model_extra
-    assert last["generation_token_ids"][:len(forced)] == forced and len(last["generation_log_probs"]) == 12
+    assert last["generation_token_ids"][: len(forced)] == forced and len(last["generation_log_probs"]) == 12
 
 
 def test_tool_call_output_items(client: openai.OpenAI, tok) -> None:
     forced = tok.encode("<think>\nplan</think>\n\n" + CALL, add_special_tokens=False) + [EOS]
-    kwargs = {"model": MODEL, "input": "weather in SF?", "tools": TOOLS, "max_output_tokens": 64,
-              "extra_body": {"vllm_xargs": {"forced_token_ids": forced}}}
+    kwargs = {
+        "model": MODEL,
+        "input": "weather in SF?",
+        "tools": TOOLS,
+        "max_output_tokens": 64,
+        "extra_body": {"vllm_xargs": {"forced_token_ids": forced}},
+    }
     r = client.responses.create(**kwargs)
     # only whitespace before the call: no message item (vLLM 0.32's hermes sends no content then)
     assert [i.type for i in r.output] == ["reasoning", "function_call"]
@@ -120,9 +147,14 @@ def test_tool_call_output_items(client: openai.OpenAI, tok) -> None:
 def test_multi_turn_tool_use_reuses_exact_tokens(client: openai.OpenAI, http: httpx.Client, tok) -> None:
     forced = tok.encode("<think>\nplan</think>\n\n" + CALL, add_special_tokens=False) + [EOS]
     first_input = [{"role": "developer", "content": "use tools"}, {"role": "user", "content": "weather in SF?"}]
-    r1 = client.responses.create(model=MODEL, input=first_input, instructions="be brief", tools=TOOLS,
-                                 max_output_tokens=64,
-                                 extra_body={"return_token_ids": True, "vllm_xargs": {"forced_token_ids": forced}})
+    r1 = client.responses.create(
+        model=MODEL,
+        input=first_input,
+        instructions="be brief",
+        tools=TOOLS,
+        max_output_tokens=64,
+        extra_body={"return_token_ids": True, "vllm_xargs": {"forced_token_ids": forced}},
+    )
     last = r1.output[-1].model_extra
     prompt1, gen1 = last["prompt_token_ids"], last["generation_token_ids"]
     assert gen1 == forced and len(last["generation_log_probs"]) == len(forced)
@@ -132,13 +164,22 @@ def test_multi_turn_tool_use_reuses_exact_tokens(client: openai.OpenAI, http: ht
     assert prompt1 == tokenize(http, messages=chat, tools=CHAT_TOOLS)
 
     call = r1.output[-1]
-    second_input = [*first_input, *[i.model_dump(exclude_none=True) for i in r1.output],
-                    {"type": "function_call_output", "call_id": call.call_id, "output": "60F"}]
-    r2 = client.responses.create(model=MODEL, input=second_input, instructions="be brief", tools=TOOLS,
-                                 max_output_tokens=3, extra_body={"return_token_ids": True, "ignore_eos": True})
+    second_input = [
+        *first_input,
+        *[i.model_dump(exclude_none=True) for i in r1.output],
+        {"type": "function_call_output", "call_id": call.call_id, "output": "60F"},
+    ]
+    r2 = client.responses.create(
+        model=MODEL,
+        input=second_input,
+        instructions="be brief",
+        tools=TOOLS,
+        max_output_tokens=3,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
     prompt2 = r2.output[-1].model_extra["prompt_token_ids"]
-    assert prompt2[:len(prompt1) + len(gen1)] == prompt1 + gen1
-    rest = tok.decode(prompt2[len(prompt1) + len(gen1):])
+    assert prompt2[: len(prompt1) + len(gen1)] == prompt1 + gen1
+    rest = tok.decode(prompt2[len(prompt1) + len(gen1) :])
     assert rest == "\n<|im_start|>user\n<tool_response>\n60F\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     assert r2.usage.input_tokens == len(prompt2)
     assert r2.usage.input_tokens_details.cached_tokens >= len(prompt1) // 16 * 16 - 16  # the prefix cache hit
@@ -163,8 +204,9 @@ def test_metadata_json_strings_merge_under_request_fields(http: httpx.Client) ->
     off = {"chat_template_kwargs": {"enable_thinking": False}}
     assert r["output"][-1]["prompt_token_ids"] == tokenize(http, messages=[{"role": "user", "content": "hi"}], **off)
     assert r["metadata"] == meta
-    again = http.post("/v1/responses", json={**body, "metadata": {"chat_template_kwargs": meta["chat_template_kwargs"]},
-                                             "seed": 3}).json()
+    again = http.post(
+        "/v1/responses", json={**body, "metadata": {"chat_template_kwargs": meta["chat_template_kwargs"]}, "seed": 3}
+    ).json()
     assert again["output"][-1]["generation_token_ids"] == r["output"][-1]["generation_token_ids"]
     bad = http.post("/v1/responses", json={**body, "metadata": {"extra_body": "{not json"}})
     assert bad.status_code == 400 and "metadata.extra_body" in bad.json()["error"]["message"]
@@ -182,15 +224,18 @@ def test_context_overflow_is_an_empty_incomplete_response(client: openai.OpenAI)
     assert final.status == "incomplete" and final.output_text == "" and final.usage.output_tokens == 0
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"input": "x", "tool_choice": "required"}, "tool_choice"),
-    ({"input": [{"type": "item_reference", "id": "x"}]}, "input.0"),
-    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input.0.call_id"),
-    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input.0.content"),
-    ({"input": [{"role": "assistant", "content": "x", "prompt_token_ids": [1]}]}, "input.0"),
-    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"input": "x", "tool_choice": "required"}, "tool_choice"),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "input.0"),
+        ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input.0.call_id"),
+        ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input.0.content"),
+        ({"input": [{"role": "assistant", "content": "x", "prompt_token_ids": [1]}]}, "input.0"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0"),
+    ],
+)
 def test_bad_requests_are_400(http: httpx.Client, body: dict, param: str) -> None:
     r = http.post("/v1/responses", json={"max_output_tokens": 1, **body})
     assert r.status_code == 400, r.text

@@ -54,7 +54,9 @@ def choice_lps(choice):
 def hf_check(model_dir, prompt, choice):
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = choice["token_ids"]
-    ref = hf.generate(torch.tensor([prompt]), max_new_tokens=len(ids), do_sample=False, eos_token_id=None, pad_token_id=0)
+    ref = hf.generate(
+        torch.tensor([prompt]), max_new_tokens=len(ids), do_sample=False, eos_token_id=None, pad_token_id=0
+    )
     assert ids == ref[0, len(prompt) :].tolist()
     with torch.no_grad():
         logits = hf(torch.tensor([prompt + ids])).logits[0].float()
@@ -82,7 +84,7 @@ def test_update_weights_from_dir(rl_server, next_weights, root):
     # a retried update of the same unchanged directory is a no-op
     r = httpx.post(f"{rl_server}/update_weights/", json={"weight_dir": str(next_weights)}, headers=ADMIN, timeout=60)
     assert r.status_code == 200 and r.json()["policy_version"] == version + 1
-    for prompt, old in zip(PROMPTS, before):
+    for prompt, _old in zip(PROMPTS, before):
         new = generate(rl_server, prompt)["choices"][0]
         assert new["policy_version"] == version + 1
         hf_check(next_weights, prompt, new)
@@ -120,9 +122,13 @@ def test_policy_version_window_gives_409(rl_server):
     body = {"token_ids": [1, 2], "sampling_params": {"max_tokens": 1}, "min_policy_version": current + 1}
     r = httpx.post(f"{rl_server}/inference/v1/generate", json=body)
     assert r.status_code == 409 and "older" in r.json()["error"]["message"]
-    r = httpx.post(f"{rl_server}/v1/completions", json={"prompt": [1, 2], "max_tokens": 1, "max_policy_version": current - 1})
+    r = httpx.post(
+        f"{rl_server}/v1/completions", json={"prompt": [1, 2], "max_tokens": 1, "max_policy_version": current - 1}
+    )
     assert (r.status_code == 409) == (current >= 1)
-    r = httpx.post(f"{rl_server}/v1/completions", json={"prompt": [1, 2], "max_tokens": 1, "min_policy_version": current})
+    r = httpx.post(
+        f"{rl_server}/v1/completions", json={"prompt": [1, 2], "max_tokens": 1, "min_policy_version": current}
+    )
     assert r.status_code == 200 and r.json()["choices"][0]["policy_version"] == current
 
 
@@ -133,7 +139,10 @@ LONG = 500  # new tokens: with the 5-token prompt, within the test server's 512-
 def test_pause_modes_with_an_update_in_between(rl_server, root, mode):
     async def scenario():
         async with httpx.AsyncClient(base_url=rl_server, timeout=120) as client:
-            body = {"token_ids": PROMPTS[0], "sampling_params": {"temperature": 0, "max_tokens": LONG, "ignore_eos": True, "logprobs": 0}}
+            body = {
+                "token_ids": PROMPTS[0],
+                "sampling_params": {"temperature": 0, "max_tokens": LONG, "ignore_eos": True, "logprobs": 0},
+            }
             tasks = [asyncio.create_task(client.post("/inference/v1/generate", json=body)) for _ in range(3)]
             # paused while all three decode: admitted, and thousands of steps from done (no sleep that a
             # fast engine outruns)
@@ -178,8 +187,12 @@ TRAINER = textwrap.dedent(
 
 def trainer_push(url: str, model_dir: Path, timeout: float, trainer: str = TRAINER) -> list[int]:
     """Push `model_dir`'s weights from a trainer process over torch.distributed; the policy versions it got."""
-    proc = subprocess.run([sys.executable, "-c", trainer, url, str(free_port()), str(model_dir / "model.safetensors")],
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-c", trainer, url, str(free_port()), str(model_dir / "model.safetensors")],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -195,20 +208,30 @@ def test_trainer_push_over_gloo(rl_server, root):
 
 
 def test_mlx_generate_and_metrics_json(rl_server):
-    r = httpx.post(f"{rl_server}/generate", json={"prompt": "hello", "max_tokens": 5, "policy_version": 99, "step_id": 3, "request_id": "abc"})
+    r = httpx.post(
+        f"{rl_server}/generate",
+        json={"prompt": "hello", "max_tokens": 5, "policy_version": 99, "step_id": 3, "request_id": "abc"},
+    )
     assert r.status_code == 200, r.text
     out = r.json()
     current = httpx.get(f"{rl_server}/metrics", params={"format": "json"}).json()["current_policy_version"]
     assert out["request_id"] == "abc" and out["step_id"] == 3 and out["policy_version"] == current
-    assert len(out["logprobs"]) == len(out["completion_ids"]) == 5 and out["metadata"]["current_policy_version"] == current
+    assert (
+        len(out["logprobs"]) == len(out["completion_ids"]) == 5 and out["metadata"]["current_policy_version"] == current
+    )
     r = httpx.post(f"{rl_server}/generate", json={"prompt": ["a", "b"], "max_tokens": 2, "request_id": "x"})
     assert [x["request_id"] for x in r.json()["results"]] == ["x-0", "x-1"]
     assert httpx.get(f"{rl_server}/metrics", headers={"Accept": "application/json"}).json()["queue_depth"] == 0
     assert "vllm:num_requests_running" in httpx.get(f"{rl_server}/metrics").text
     assert "rlserve:policy_version" in httpx.get(f"{rl_server}/metrics").text
-    trl = httpx.post(f"{rl_server}/generate/", json={"prompts": [[1, 2, 3]], "n": 2, "max_tokens": 3, "logprobs": 1}).json()
+    trl = httpx.post(
+        f"{rl_server}/generate/", json={"prompts": [[1, 2, 3]], "n": 2, "max_tokens": 3, "logprobs": 1}
+    ).json()
     assert trl["prompt_ids"] == [[1, 2, 3]] and len(trl["completion_ids"]) == 2 and len(trl["logprobs"][0]) == 3
-    sg = httpx.post(f"{rl_server}/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}, "return_logprob": True}).json()
+    sg = httpx.post(
+        f"{rl_server}/generate",
+        json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}, "return_logprob": True},
+    ).json()
     assert len(sg["output_ids"]) == 4 and len(sg["meta_info"]["output_token_logprobs"]) == 4
     assert httpx.post(f"{rl_server}/generate", json={"nothing": 1}).status_code == 400
 
@@ -226,8 +249,15 @@ def test_lora_over_http(root, peft_adapter):
         assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]][1:] == ["policy"]
 
         def complete(model, prompt, client):
-            body = {"model": model, "prompt": prompt, "max_tokens": 6, "temperature": 1.0, "seed": 3, "logprobs": 0,
-                    "return_token_ids": True}
+            body = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": 6,
+                "temperature": 1.0,
+                "seed": 3,
+                "logprobs": 0,
+                "return_token_ids": True,
+            }
             return client.post(f"{url}/v1/completions", json=body, timeout=60)
 
         alone = {}
@@ -239,14 +269,30 @@ def test_lora_over_http(root, peft_adapter):
             c = alone[("policy", i)]
             with torch.no_grad():
                 logits = peft(torch.tensor([prompt + c["token_ids"]])).logits[0].float()
-            lp = torch.log_softmax(logits[len(prompt) - 1 : -1], -1).gather(1, torch.tensor(c["token_ids"]).unsqueeze(1))
+            lp = torch.log_softmax(logits[len(prompt) - 1 : -1], -1).gather(
+                1, torch.tensor(c["token_ids"]).unsqueeze(1)
+            )
             assert torch.allclose(torch.tensor(c["logprobs"]["token_logprobs"]), lp.squeeze(1), atol=1e-4)
 
         async def mixed():
             async with httpx.AsyncClient() as client:
-                jobs = [client.post(f"{url}/v1/completions", json={"model": m, "prompt": p, "max_tokens": 6, "temperature": 1.0,
-                                                                  "seed": 3, "logprobs": 0, "return_token_ids": True}, timeout=60)
-                        for m in ("policy", None) for p in PROMPTS]
+                jobs = [
+                    client.post(
+                        f"{url}/v1/completions",
+                        json={
+                            "model": m,
+                            "prompt": p,
+                            "max_tokens": 6,
+                            "temperature": 1.0,
+                            "seed": 3,
+                            "logprobs": 0,
+                            "return_token_ids": True,
+                        },
+                        timeout=60,
+                    )
+                    for m in ("policy", None)
+                    for p in PROMPTS
+                ]
                 return [r.json()["choices"][0] for r in await asyncio.gather(*jobs)]
 
         together = asyncio.run(mixed())
@@ -254,7 +300,10 @@ def test_lora_over_http(root, peft_adapter):
         for key, c in zip(keys, together):
             assert c["token_ids"] == alone[key]["token_ids"]
         assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "policy"}).status_code == 200
-        assert httpx.post(f"{url}/v1/completions", json={"model": "policy", "prompt": [1], "max_tokens": 1}).status_code == 404
+        assert (
+            httpx.post(f"{url}/v1/completions", json={"model": "policy", "prompt": [1], "max_tokens": 1}).status_code
+            == 404
+        )
         r = httpx.post(f"{url}/load_adapter", json={"adapter_path": str(path)})
         assert r.json()["status"] == "success" and r.json()["policy_version"] == 3
     finally:
@@ -263,14 +312,25 @@ def test_lora_over_http(root, peft_adapter):
 
 def test_chat_completions_tokens_uses_the_ids_verbatim(server):
     messages = [{"role": "user", "content": "hi there"}]
-    rendered = httpx.post(f"{server}/tokenize", json={"messages": messages, "add_generation_prompt": True}).json()["tokens"]
+    rendered = httpx.post(f"{server}/tokenize", json={"messages": messages, "add_generation_prompt": True}).json()[
+        "tokens"
+    ]
     tokens = rendered[:-2] + [7, 8] + rendered[-2:]  # differs from the rendering: used anyway
-    body = {"messages": messages, "tokens": tokens, "max_tokens": 4, "logprobs": True, "return_token_ids": True, "seed": 1}
+    body = {
+        "messages": messages,
+        "tokens": tokens,
+        "max_tokens": 4,
+        "logprobs": True,
+        "return_token_ids": True,
+        "seed": 1,
+    }
     out = httpx.post(f"{server}/v1/chat/completions/tokens", json=body, timeout=60).json()
     assert out["prompt_token_ids"] == tokens and len(out["choices"][0]["token_ids"]) == 4
     assert len(out["choices"][0]["logprobs"]["content"]) == 4
-    plain = httpx.post(f"{server}/inference/v1/generate", json={
-        "token_ids": tokens, "sampling_params": {"max_tokens": 4, "seed": 1, "logprobs": 0}}).json()
+    plain = httpx.post(
+        f"{server}/inference/v1/generate",
+        json={"token_ids": tokens, "sampling_params": {"max_tokens": 4, "seed": 1, "logprobs": 0}},
+    ).json()
     assert plain["choices"][0]["token_ids"] == out["choices"][0]["token_ids"]
     r = httpx.post(f"{server}/v1/chat/completions/tokens", json={**body, "tokens": [1] * 600})
     assert r.status_code == 400 and "maximum context length is 512 tokens" in r.json()["error"]["message"]
@@ -286,10 +346,19 @@ def test_sglang_and_trl_control_aliases(rl_server, root):
     choice = generate(rl_server, PROMPTS[2])["choices"][0]
     assert choice["weight_version"] == "step-42"
     target = make_model("tiny", root / "sglang", seed=5)
-    r = httpx.post(f"{rl_server}/update_weights_from_disk", json={"model_path": str(target), "weight_version": "step-43"},
-                   headers=ADMIN, timeout=60)
-    assert r.json()["success"] is True and httpx.get(f"{rl_server}/get_weight_version").json()["weight_version"] == "step-43"
-    assert httpx.post(f"{rl_server}/pause_generation", json={"mode": "in_place"}, headers=ADMIN).json()["status"] == "ok"
+    r = httpx.post(
+        f"{rl_server}/update_weights_from_disk",
+        json={"model_path": str(target), "weight_version": "step-43"},
+        headers=ADMIN,
+        timeout=60,
+    )
+    assert (
+        r.json()["success"] is True
+        and httpx.get(f"{rl_server}/get_weight_version").json()["weight_version"] == "step-43"
+    )
+    assert (
+        httpx.post(f"{rl_server}/pause_generation", json={"mode": "in_place"}, headers=ADMIN).json()["status"] == "ok"
+    )
     assert httpx.get(f"{rl_server}/is_paused").json() == {"is_paused": True}
     assert httpx.post(f"{rl_server}/continue_generation", json={}, headers=ADMIN).json()["status"] == "ok"
     assert httpx.post(f"{rl_server}/flush_cache", headers=ADMIN).status_code == 200

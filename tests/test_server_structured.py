@@ -12,18 +12,43 @@ import httpx
 import jsonschema
 import openai
 import pytest
+
 from conftest import start_server, stop_server
 
 MODEL = "rlserve-default"
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["answer", "score"],
-          "properties": {"answer": {"enum": ["yes", "no"]}, "score": {"type": "integer", "minimum": 0, "maximum": 9}}}
+SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["answer", "score"],
+    "properties": {"answer": {"enum": ["yes", "no"]}, "score": {"type": "integer", "minimum": 0, "maximum": 9}},
+}
 REGEX = r"[a-d]{3}-[0-9]{2}"
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-             "type": "object", "additionalProperties": False, "required": ["city"],
-             "properties": {"city": {"enum": ["SF", "NYC"]}}}}},
-         {"type": "function", "function": {"name": "get_time", "parameters": {
-             "type": "object", "additionalProperties": False, "required": ["zone"],
-             "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 12}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["city"],
+                "properties": {"city": {"enum": ["SF", "NYC"]}},
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["zone"],
+                "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 12}},
+            },
+        },
+    },
+]
 USER = [{"role": "user", "content": "answer in JSON"}]
 
 
@@ -64,12 +89,15 @@ def completion_text(client: openai.OpenAI, stream: bool, **kwargs) -> list[str]:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("shape", [
-    {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}},
-    {"extra_body": {"structured_outputs": {"json": SCHEMA}}},
-    {"extra_body": {"guided_json": SCHEMA}},
-    {"extra_body": {"guided_json": json.dumps(SCHEMA)}},
-])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}},
+        {"extra_body": {"structured_outputs": {"json": SCHEMA}}},
+        {"extra_body": {"guided_json": SCHEMA}},
+        {"extra_body": {"guided_json": json.dumps(SCHEMA)}},
+    ],
+)
 def test_chat_json_schema_shapes_validate(client, stream, shape):
     for text in chat_text(client, stream, n=2, **shape):
         jsonschema.validate(json.loads(text), SCHEMA)
@@ -93,8 +121,14 @@ def test_choice_and_grammar_shapes(client, stream):
 
 
 def test_json_object_and_logprobs_header(base_url):
-    body = {"model": MODEL, "messages": USER, "max_tokens": 8, "seed": 1, "logprobs": True,
-            "response_format": {"type": "json_object"}}
+    body = {
+        "model": MODEL,
+        "messages": USER,
+        "max_tokens": 8,
+        "seed": 1,
+        "logprobs": True,
+        "response_format": {"type": "json_object"},
+    }
     r = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"].startswith("{")
@@ -105,8 +139,14 @@ def test_json_object_and_logprobs_header(base_url):
 
 def test_allowed_token_ids(base_url):
     allowed = [40, 41, 42]
-    body = {"model": MODEL, "prompt": "hi", "max_tokens": 8, "allowed_token_ids": allowed, "ignore_eos": True,
-            "return_token_ids": True}
+    body = {
+        "model": MODEL,
+        "prompt": "hi",
+        "max_tokens": 8,
+        "allowed_token_ids": allowed,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     r = httpx.post(f"{base_url}/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     assert set(r.json()["choices"][0]["token_ids"]) <= set(allowed)
@@ -115,8 +155,16 @@ def test_allowed_token_ids(base_url):
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
 def test_tool_choice_is_enforced_and_always_parses(client, stream, choice):
-    args = {"model": MODEL, "messages": USER, "tools": TOOLS, "tool_choice": choice, "max_tokens": 80,
-            "temperature": 1.0, "n": 3, "seed": 7}
+    args = {
+        "model": MODEL,
+        "messages": USER,
+        "tools": TOOLS,
+        "tool_choice": choice,
+        "max_tokens": 80,
+        "temperature": 1.0,
+        "n": 3,
+        "seed": 7,
+    }
     calls: dict[int, list] = {}
     finish: dict[int, str] = {}
     if stream:
@@ -140,17 +188,23 @@ def test_tool_choice_is_enforced_and_always_parses(client, stream, choice):
             jsonschema.validate(json.loads(arguments), schemas[name])
 
 
-@pytest.mark.parametrize("body, param, needle", [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "objectx"}}}},
-     None, "objectx"),
-    ({"guided_regex": "a(b"}, None, "unclosed group"),
-    ({"structured_outputs": {"grammar": "start: nothing_defined"}}, None, "nothing_defined"),
-    ({"guided_json": "{not json"}, None, "not valid JSON"),
-    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "one output constraint"),
-    ({"response_format": {"type": "xml"}}, "response_format", "xml"),
-    ({"allowed_token_ids": ["a"]}, "allowed_token_ids", "allowed_token_ids"),
-    ({"allowed_token_ids": [10**9]}, None, "allowed_token_ids"),
-])
+@pytest.mark.parametrize(
+    "body, param, needle",
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "objectx"}}}},
+            None,
+            "objectx",
+        ),
+        ({"guided_regex": "a(b"}, None, "unclosed group"),
+        ({"structured_outputs": {"grammar": "start: nothing_defined"}}, None, "nothing_defined"),
+        ({"guided_json": "{not json"}, None, "not valid JSON"),
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "one output constraint"),
+        ({"response_format": {"type": "xml"}}, "response_format", "xml"),
+        ({"allowed_token_ids": ["a"]}, "allowed_token_ids", "allowed_token_ids"),
+        ({"allowed_token_ids": [10**9]}, None, "allowed_token_ids"),
+    ],
+)
 def test_bad_constraints_are_400s(base_url, body, param, needle):
     for path, base in (("chat/completions", {"messages": USER}), ("completions", {"prompt": "x"})):
         r = httpx.post(f"{base_url}/v1/{path}", json={"model": MODEL, "max_tokens": 4, **base, **body}, timeout=120)
@@ -168,8 +222,9 @@ def test_constraints_cross_to_data_parallel_engine_cores():
         for seed in (1, 2):  # two requests, so both cores are likely to take one; each must hold either way
             for text in chat_text(client, False, n=2, seed=seed, extra_body={"guided_json": SCHEMA}):
                 jsonschema.validate(json.loads(text), SCHEMA)
-        r = client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, tool_choice="required",
-                                           max_tokens=80, seed=3)
+        r = client.chat.completions.create(
+            model=MODEL, messages=USER, tools=TOOLS, tool_choice="required", max_tokens=80, seed=3
+        )
         assert r.choices[0].message.tool_calls and r.choices[0].finish_reason == "tool_calls"
     finally:
         stop_server(proc)

@@ -12,14 +12,20 @@ import json
 import httpx
 import openai
 
-
 MODEL = "rlserve-default"
 EOS = 2043
 THINK_END = 2045
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "SF"}}\n</tool_call>'
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 USER = [{"role": "user", "content": "weather in SF?"}]
 
 
@@ -49,8 +55,15 @@ def collect(chunks) -> dict:
     body = [c.choices[0] for c in chunks if c.choices]
     assert body[0].delta.role == "assistant" and all(c.delta.role is None for c in body[1:])
     assert all(c.finish_reason is None for c in body[:-1])
-    out = {"content": "", "reasoning": "", "calls": {}, "token_ids": [], "logprobs": 0,
-           "finish_reason": body[-1].finish_reason, "usage": usage}
+    out = {
+        "content": "",
+        "reasoning": "",
+        "calls": {},
+        "token_ids": [],
+        "logprobs": 0,
+        "finish_reason": body[-1].finish_reason,
+        "usage": usage,
+    }
     for c in body:
         extra = c.delta.model_extra or {}
         assert extra.get("reasoning") == extra.get("reasoning_content")
@@ -120,9 +133,12 @@ def test_named_and_required_tool_choice(client: openai.OpenAI, http: httpx.Clien
     assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
     r = chat(client, ids, thinking=False, tool_choice="required")
     assert r.choices[0].finish_reason == "tool_calls"
-    cases = [{"tool_choice": "required"}, {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
-             {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-             {"tools": TOOLS, "tool_choice": "sometimes"}]
+    cases = [
+        {"tool_choice": "required"},
+        {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+        {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        {"tools": TOOLS, "tool_choice": "sometimes"},
+    ]
     for extra in cases:
         resp = http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2, **extra})
         assert resp.status_code == 400, extra
@@ -155,15 +171,22 @@ def test_token_splice_on_assistant_messages(client: openai.OpenAI, http: httpx.C
     r1 = chat(client, ids, logprobs=True)
     call = r1.choices[0].message.tool_calls[0]
     prompt1, gen1 = r1.model_extra["prompt_token_ids"], r1.choices[0].model_extra["token_ids"]
-    assistant = {"role": "assistant", "content": None, "reasoning_content": "plan",
-                 "tool_calls": [call.model_dump()], "prompt_token_ids": prompt1, "generation_token_ids": gen1,
-                 "generation_log_probs": [c.logprob for c in r1.choices[0].logprobs.content]}
+    assistant = {
+        "role": "assistant",
+        "content": None,
+        "reasoning_content": "plan",
+        "tool_calls": [call.model_dump()],
+        "prompt_token_ids": prompt1,
+        "generation_token_ids": gen1,
+        "generation_log_probs": [c.logprob for c in r1.choices[0].logprobs.content],
+    }
     messages = [*USER, assistant, {"role": "tool", "tool_call_id": call.id, "content": "60F"}]
-    r2 = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=2,
-                                        extra_body={"return_token_ids": True})
+    r2 = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, max_tokens=2, extra_body={"return_token_ids": True}
+    )
     prompt2 = r2.model_extra["prompt_token_ids"]
-    assert prompt2[:len(prompt1) + len(gen1)] == prompt1 + gen1
-    rest = tok.decode(prompt2[len(prompt1) + len(gen1):])
+    assert prompt2[: len(prompt1) + len(gen1)] == prompt1 + gen1
+    rest = tok.decode(prompt2[len(prompt1) + len(gen1) :])
     assert rest == "\n<|im_start|>user\n<tool_response>\n60F\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     # /tokenize renders the same splice; without the token fields the template re-renders the turn
     assert http.post("/tokenize", json={"messages": messages, "tools": TOOLS}).json()["tokens"] == prompt2

@@ -96,6 +96,7 @@ async def _drive(url: str, until: float | None, rss: list, pid: int) -> dict:
     limits = httpx.Limits(max_connections=CLIENTS, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         if until is not None:  # the longer run samples RSS at its middle
+
             async def sample() -> None:
                 await asyncio.sleep((until - time.monotonic()) / 2)
                 rss.append(psutil.Process(pid).memory_info().rss)
@@ -122,7 +123,10 @@ def test_soak_loses_nothing(soak_server, request):
     until = time.monotonic() + minutes * 60 if minutes else None
     # warm-up: the first requests allocate the allocator's working set
     for _ in range(3):
-        assert httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 8}, timeout=120).status_code == 200
+        assert (
+            httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 8}, timeout=120).status_code
+            == 200
+        )
     rss = [psutil.Process(proc.pid).memory_info().rss]
     started = time.monotonic()
     stats = asyncio.run(_drive(url, until, rss, proc.pid))
@@ -134,13 +138,19 @@ def test_soak_loses_nothing(soak_server, request):
         idle = status["num_running"] == 0 and status["queue_depth"] == 0
         if idle and _metric(text, "vllm:kv_cache_usage_perc") == 0:
             break
-        assert time.monotonic() < deadline, (stats, status, _metric(text, "vllm:kv_cache_usage_perc"),
-                                             server_log(proc)[-3000:])
+        assert time.monotonic() < deadline, (
+            stats,
+            status,
+            _metric(text, "vllm:kv_cache_usage_perc"),
+            server_log(proc)[-3000:],
+        )
         time.sleep(0.1)
     rss.append(psutil.Process(proc.pid).memory_info().rss)
     mib = [round(r / 2**20) for r in rss]
-    print(f"\nsoak: {CLIENTS} clients, {stats['ok'] + stats['cancelled']} requests ({stats['cancelled']} cancelled) "
-          f"in {elapsed:.0f} s, errors {len(stats['errors'])}, RSS start/middle/end MiB {mib}")
+    print(
+        f"\nsoak: {CLIENTS} clients, {stats['ok'] + stats['cancelled']} requests ({stats['cancelled']} cancelled) "
+        f"in {elapsed:.0f} s, errors {len(stats['errors'])}, RSS start/middle/end MiB {mib}"
+    )
     problems = [line for line in server_log(proc).splitlines() if "ERROR" in line or "Traceback" in line]
     assert stats["errors"] == [] and problems == [], (stats["errors"], problems)
     assert httpx.get(f"{url}/health").status_code == 200

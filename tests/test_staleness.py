@@ -7,8 +7,8 @@ import threading
 
 import httpx
 import pytest
-from conftest import start_server, stop_server
 
+from conftest import start_server, stop_server
 from rlserve.model.make import make_model
 
 ADMIN = {"Authorization": "Bearer admin"}
@@ -16,8 +16,16 @@ ADMIN = {"Authorization": "Bearer admin"}
 
 @pytest.fixture(scope="module")
 def held_server(root):
-    url, proc = start_server("--weight_roots", json.dumps([str(root)]), "--server.admin_api_key", "admin",
-                             "--server.max_off_policy_steps", "1", "--server.policy_wait_s", "600")
+    url, proc = start_server(
+        "--weight_roots",
+        json.dumps([str(root)]),
+        "--server.admin_api_key",
+        "admin",
+        "--server.max_off_policy_steps",
+        "1",
+        "--server.policy_wait_s",
+        "600",
+    )
     try:
         yield url
     finally:

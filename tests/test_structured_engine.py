@@ -12,13 +12,20 @@ import llguidance.hf
 import llguidance.torch as lt
 import pytest
 import torch
-from test_engine import hf_logprobs, make_engine, random_prompts
 
 from rlserve.engine.params import SamplingParams
 from rlserve.engine.structured import DEAD_END
+from test_engine import hf_logprobs, make_engine, random_prompts
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0, "maximum": 150}},
-          "required": ["name", "age"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +35,11 @@ def engine(model_dir):
 
 def test_json_schema_regex_and_choice_hold_on_random_weights(engine):
     prompts = random_prompts(3, engine.vocab_size, seed=7)
-    cases = [({"json": SCHEMA}, lambda t: jsonschema.validate(json.loads(t), SCHEMA)),
-             ({"regex": r"[a-c]{2,5}-\d{1,3}"}, lambda t: re.fullmatch(r"[a-c]{2,5}-\d{1,3}", t) or pytest.fail(t)),
-             ({"choice": ["yes", "no", "maybe"]}, lambda t: t in ("yes", "no", "maybe") or pytest.fail(t))]
+    cases = [
+        ({"json": SCHEMA}, lambda t: jsonschema.validate(json.loads(t), SCHEMA)),
+        ({"regex": r"[a-c]{2,5}-\d{1,3}"}, lambda t: re.fullmatch(r"[a-c]{2,5}-\d{1,3}", t) or pytest.fail(t)),
+        ({"choice": ["yes", "no", "maybe"]}, lambda t: t in ("yes", "no", "maybe") or pytest.fail(t)),
+    ]
     for spec, check in cases:
         params = SamplingParams(temperature=1.0, max_tokens=120, seed=11, n=2, structured_outputs=spec)
         for out in engine.generate(prompts, params):
@@ -78,7 +87,9 @@ def _masks_along(engine, grammar: str, tokens: list[int]) -> list[torch.Tensor]:
 def test_processed_logprobs_are_the_masked_renormalised_distribution(engine, hf):
     prompt = random_prompts(1, engine.vocab_size, seed=9)[0]
     t = 0.8
-    params = SamplingParams(temperature=t, top_k=40, max_tokens=40, seed=2, logprobs=2, structured_outputs={"json": SCHEMA})
+    params = SamplingParams(
+        temperature=t, top_k=40, max_tokens=40, seed=2, logprobs=2, structured_outputs={"json": SCHEMA}
+    )
     comp = engine.generate([prompt], params)[0].outputs[0]
     grammar = engine.structured.check({"json": SCHEMA}, None)
     masks = _masks_along(engine, grammar, comp.token_ids)
@@ -95,15 +106,23 @@ def test_processed_logprobs_are_the_masked_renormalised_distribution(engine, hf)
 def test_raw_logprobs_are_the_unmasked_model_distribution(engine, hf):
     prompt = random_prompts(1, engine.vocab_size, seed=10)[0]
     allowed = [5, 17, 300, 1001]
-    params = SamplingParams(temperature=0.7, max_tokens=6, seed=4, logprobs=0, ignore_eos=True,
-                            allowed_token_ids=allowed, logprobs_mode="raw")
+    params = SamplingParams(
+        temperature=0.7,
+        max_tokens=6,
+        seed=4,
+        logprobs=0,
+        ignore_eos=True,
+        allowed_token_ids=allowed,
+        logprobs_mode="raw",
+    )
     comp = engine.generate([prompt], params)[0].outputs[0]
     assert set(comp.token_ids) <= set(allowed)
     raw = hf_logprobs(hf, prompt, comp.token_ids, 1.0)
     for pos, token in enumerate(comp.token_ids):
         assert abs(comp.logprobs[pos] - raw[pos, token].item()) < 1e-4
-    processed = SamplingParams(temperature=0.7, max_tokens=6, seed=4, logprobs=0, ignore_eos=True,
-                               allowed_token_ids=allowed)
+    processed = SamplingParams(
+        temperature=0.7, max_tokens=6, seed=4, logprobs=0, ignore_eos=True, allowed_token_ids=allowed
+    )
     comp = engine.generate([prompt], processed)[0].outputs[0]
     scaled = hf_logprobs(hf, prompt, comp.token_ids, 0.7)
     for pos, token in enumerate(comp.token_ids):
@@ -111,14 +130,17 @@ def test_raw_logprobs_are_the_unmasked_model_distribution(engine, hf):
         assert abs(comp.logprobs[pos] - want.item()) < 1e-4
 
 
-@pytest.mark.parametrize("spec, needle", [
-    ({"json": {"type": "objectx"}}, "objectx"),
-    ({"json": "{not json"}, "not valid JSON"),
-    ({"regex": "a(b"}, "unclosed group"),
-    ({"grammar": "start: foo"}, "foo"),
-    ({"choice": []}, "choice"),
-    ({"regex": "a", "choice": ["b"]}, "exactly one"),
-])
+@pytest.mark.parametrize(
+    "spec, needle",
+    [
+        ({"json": {"type": "objectx"}}, "objectx"),
+        ({"json": "{not json"}, "not valid JSON"),
+        ({"regex": "a(b"}, "unclosed group"),
+        ({"grammar": "start: foo"}, "foo"),
+        ({"choice": []}, "choice"),
+        ({"regex": "a", "choice": ["b"]}, "exactly one"),
+    ],
+)
 def test_bad_grammars_are_rejected_at_the_boundary(engine, spec, needle):
     with pytest.raises(ValueError, match=re.escape(needle)):
         engine.make_request("bad", [1, 2, 3], SamplingParams(structured_outputs=spec))

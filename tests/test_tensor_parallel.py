@@ -46,8 +46,9 @@ def base(root):
 
 @pytest.fixture(scope="module")
 def tp_server(root, base):
-    url, proc = start_server("--model.name", str(base), "--weight_roots", json.dumps([str(root)]),
-                             "--server.admin_api_key", "admin", *TP2)
+    url, proc = start_server(
+        "--model.name", str(base), "--weight_roots", json.dumps([str(root)]), "--server.admin_api_key", "admin", *TP2
+    )
     try:
         yield url, proc
     finally:
@@ -58,8 +59,11 @@ def one_rank_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) 
     from rlserve.engine.engine import Engine
     from rlserve.engine.params import SamplingParams
 
-    engine = Engine(Config.model_validate({"model": {"name": str(model_dir), "max_model_len": 512},
-                                           "engine": {"kv_cache_bytes": 16 << 20}}))
+    engine = Engine(
+        Config.model_validate(
+            {"model": {"name": str(model_dir), "max_model_len": 512}, "engine": {"kv_cache_bytes": 16 << 20}}
+        )
+    )
     try:
         outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0))
         return [o.outputs[0].token_ids for o in outs]
@@ -118,24 +122,38 @@ def test_lora_is_sliced_like_its_base_layers(tp_server, root, base):
     torch.manual_seed(7)
     peft = get_peft_model(
         AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
-        LoraConfig(r=4, lora_alpha=16, init_lora_weights=False,
-                   target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+        LoraConfig(
+            r=4,
+            lora_alpha=16,
+            init_lora_weights=False,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        ),
     ).eval()
     path = root / "adapter"
     peft.save_pretrained(path)
-    r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "policy", "lora_path": str(path)},
-                   headers=ADMIN, timeout=120)
+    r = httpx.post(
+        f"{url}/v1/load_lora_adapter", json={"lora_name": "policy", "lora_path": str(path)}, headers=ADMIN, timeout=120
+    )
     assert r.status_code == 200, r.text
     for prompt in PROMPTS:
-        body = {"model": "policy", "prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 0,
-                "return_token_ids": True}
+        body = {
+            "model": "policy",
+            "prompt": prompt,
+            "max_tokens": 6,
+            "temperature": 0,
+            "logprobs": 0,
+            "return_token_ids": True,
+        }
         c = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]
         with torch.no_grad():
             logits = peft(torch.tensor([prompt + c["token_ids"]])).logits[0].float()
         lp = torch.log_softmax(logits[len(prompt) - 1 : -1], -1)
         assert c["token_ids"] == lp.argmax(-1).tolist()
-        assert torch.allclose(torch.tensor(c["logprobs"]["token_logprobs"]),
-                              lp.gather(1, torch.tensor(c["token_ids"]).unsqueeze(1)).squeeze(1), atol=1e-4)
+        assert torch.allclose(
+            torch.tensor(c["logprobs"]["token_logprobs"]),
+            lp.gather(1, torch.tensor(c["token_ids"]).unsqueeze(1)).squeeze(1),
+            atol=1e-4,
+        )
     # the base model still answers as before next to it; unloading reaches every rank
     hf_check(base, PROMPTS[1], generate(url, PROMPTS[1])["choices"][0])
     r = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "policy"}, headers=ADMIN, timeout=60)
@@ -200,10 +218,11 @@ def test_sigterm_of_the_server_stops_every_rank(base):
 
 
 def test_config_checks_say_what_to_change(base):
-    from rlserve.runtime.data_parallel import check_parallel
+    from transformers import AutoConfig
+
     from rlserve.model.shape import ModelShape
     from rlserve.model.tensor_parallel import check_tp
-    from transformers import AutoConfig
+    from rlserve.runtime.data_parallel import check_parallel
 
     shape = ModelShape.from_hf(AutoConfig.from_pretrained(base))
     with pytest.raises(ValueError, match=r"parallel.tp=3 must divide the model's attention heads \(4\)"):
@@ -242,8 +261,12 @@ def test_step_inputs_cross_as_fixed_schema_msgspec_never_pickle():
     from rlserve.model.batch import AttentionBatch, PrefillSeq
 
     attn = AttentionBatch(
-        slot_mapping=torch.tensor([5, 6, 7]), num_decode=1, decode_blocks=torch.tensor([0, 1]),
-        decode_mask=torch.tensor([[True, False]]).view(1, 1, 1, 2), decode_lens=torch.tensor([17]), cascade=None,
+        slot_mapping=torch.tensor([5, 6, 7]),
+        num_decode=1,
+        decode_blocks=torch.tensor([0, 1]),
+        decode_mask=torch.tensor([[True, False]]).view(1, 1, 1, 2),
+        decode_lens=torch.tensor([17]),
+        cascade=None,
         prefills=[PrefillSeq(1, 2, 4, torch.tensor([0, 1, 2, 3]), torch.ones(2, 4, dtype=torch.bool).tril(2))],
     )
     raw = parallel.encode_step(torch.tensor([3, 4, 5]), torch.tensor([16, 2, 3]), attn, [(1, 2)])
@@ -254,7 +277,9 @@ def test_step_inputs_cross_as_fixed_schema_msgspec_never_pickle():
     assert torch.equal(step.prefills[0].mask.to(cpu), attn.prefills[0].mask)
     assert torch.equal(step.input_ids.to(cpu), torch.tensor([3, 4, 5]))
     bf16 = torch.randn(3, 2).bfloat16()
-    assert torch.equal(msgspec.msgpack.decode(msgspec.msgpack.encode(parallel.Tensor.of(bf16)), type=parallel.Tensor).to(cpu), bf16)
+    assert torch.equal(
+        msgspec.msgpack.decode(msgspec.msgpack.encode(parallel.Tensor.of(bf16)), type=parallel.Tensor).to(cpu), bf16
+    )
     with pytest.raises(msgspec.DecodeError):
         parallel.to_worker.decode(pickle.dumps(step))
     with pytest.raises(KeyError):  # only the dtypes a step uses

@@ -8,6 +8,7 @@ import threading
 
 import httpx
 import pytest
+
 from conftest import start_server, stop_server
 
 
@@ -80,7 +81,9 @@ def test_weight_checker_checksum_compare_reset(url):
     assert sums and all(k.startswith("dp0:pp0:pcp0:tp0:") and len(v) == 64 for k, v in sums.items())
     assert httpx.get(f"{url}/weight_info", params={"checksums": "true"}).json()["checksums"] == sums
     assert httpx.post(f"{url}/weight_checker", json={"action": "compare", "baseline": sums}).json() == {
-        "match": True, "mismatches": []}
+        "match": True,
+        "mismatches": [],
+    }
     assert httpx.post(f"{url}/weight_checker", json={"action": "compare"}).status_code == 400
     assert httpx.post(f"{url}/weight_checker", json={"action": "nope"}).status_code == 400
     assert httpx.post(f"{url}/weight_checker", json={"action": "reset"}).json() == {"status": "reset"}

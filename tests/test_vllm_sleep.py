@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 import httpx
+
 from conftest import start_server, stop_server
 
 KV_BYTES = 256 << 20
@@ -20,8 +21,10 @@ def rss(pid: int) -> int:
 
 
 def greedy(url: str) -> dict:
-    body = {"token_ids": [5, 6, 7, 8], "sampling_params": {"max_tokens": 8, "temperature": 0, "ignore_eos": True,
-                                                          "logprobs": 0}}
+    body = {
+        "token_ids": [5, 6, 7, 8],
+        "sampling_params": {"max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 0},
+    }
     choice = httpx.post(f"{url}/inference/v1/generate", json=body, timeout=120).json()["choices"][0]
     return {"ids": choice["token_ids"], "logprobs": [e["logprob"] for e in choice["logprobs"]["content"]]}
 
@@ -29,11 +32,11 @@ def greedy(url: str) -> dict:
 def test_sleep_frees_and_wake_restores_kv_memory():
     url, proc = start_server(defaults=("--engine.kv_cache_bytes", str(KV_BYTES), "--model.max_model_len", "512"))
     try:
-        engine_pid = int(subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True,
-                                        check=True).stdout.split()[0])
+        engine_pid = int(
+            subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True, check=True).stdout.split()[0]
+        )
         before = greedy(url)
-        for route, params in (("/sleep", {"level": "1"}), ("/sleep", {"level": "2"}),
-                              ("/release_kv_cache_memory", {})):
+        for route, params in (("/sleep", {"level": "1"}), ("/sleep", {"level": "2"}), ("/release_kv_cache_memory", {})):
             awake_rss = rss(engine_pid)
             r = httpx.post(f"{url}{route}", params=params, timeout=60)
             assert r.status_code == 200, r.text

@@ -17,17 +17,18 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from conftest import start_server, stop_server
 from transformers import AutoModelForCausalLM
 
+from conftest import start_server, stop_server
 from rlserve.model.make import make_model
 
 TRAINER = str(Path(__file__).with_name("vllm_trainer.py"))
 
 
 def run_trainer(url: str, plan: list) -> list[dict]:
-    proc = subprocess.run([sys.executable, TRAINER, url, json.dumps(plan)], capture_output=True, text=True,
-                          timeout=600, check=False)
+    proc = subprocess.run(
+        [sys.executable, TRAINER, url, json.dumps(plan)], capture_output=True, text=True, timeout=600, check=False
+    )
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == len(plan) or plan[-1][2].get("die_after") is not None, proc.stderr[-3000:]
     return lines
@@ -63,8 +64,13 @@ def check_push_cycle(url: str, ckpts: list[Path]) -> None:
         assert_serves(step["choice"], ckpt)
     assert out[4] == {"step": "shutdown", "status": 200, "body": {"message": "Weight transfer shut down"}}
     # a second trainer joins after the first closed; one killed mid-push leaves the old weights serving
-    out = run_trainer(url, [["join", {"packed_buffer_size_bytes": 1 << 16}],
-                            ["push", files[0], {"buffer_bytes": 1 << 16, "die_after": 1}]])
+    out = run_trainer(
+        url,
+        [
+            ["join", {"packed_buffer_size_bytes": 1 << 16}],
+            ["push", files[0], {"buffer_bytes": 1 << 16, "die_after": 1}],
+        ],
+    )
     assert out[0]["status"] == 200
     out = run_trainer(url, [["join"], ["push", files[1]], ["shutdown"]])
     assert out[0]["status"] == 200 and out[1]["status"] == 200 and out[1]["after"] == out[1]["before"] + 1
@@ -83,15 +89,24 @@ def test_mismatched_pushes_are_refused_naming_the_tensor(ckpts):
     url, proc = start_server()
     try:
         good, other = str(ckpts[0] / "model.safetensors"), str(ckpts[1] / "model.safetensors")
-        plan = [["join"], ["push", good],
-                ["push", other, {"form": "unknown"}], ["push", other, {"form": "shape"}],
-                ["push", other, {"form": "checksum"}],
-                ["push", other, {"form": "short"}], ["join"],
-                ["push", other, {"form": "dtype"}], ["join"],
-                # init_info's buffer size is what the server expects; the trainer packs 1 GiB chunks
-                ["join", {"packed_buffer_size_bytes": 4096}], ["push", other],
-                ["join", {"packed": False}], ["push", other],
-                ["join"], ["push", good]]
+        plan = [
+            ["join"],
+            ["push", good],
+            ["push", other, {"form": "unknown"}],
+            ["push", other, {"form": "shape"}],
+            ["push", other, {"form": "checksum"}],
+            ["push", other, {"form": "short"}],
+            ["join"],
+            ["push", other, {"form": "dtype"}],
+            ["join"],
+            # init_info's buffer size is what the server expects; the trainer packs 1 GiB chunks
+            ["join", {"packed_buffer_size_bytes": 4096}],
+            ["push", other],
+            ["join", {"packed": False}],
+            ["push", other],
+            ["join"],
+            ["push", good],
+        ]
         out = run_trainer(url, plan)
         version = out[1]["after"]
         refused = {i: out[i] for i in (2, 3, 4, 5, 7, 10, 12)}
@@ -131,11 +146,13 @@ def test_sigterm_during_pending_rendezvous_exits_clean():
         listener.bind(("127.0.0.1", 0))
         listener.listen(4)
         port = listener.getsockname()[1]
-        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True,
-                                  check=False).stdout.split()
+        children = subprocess.run(
+            ["pgrep", "-P", str(proc.pid)], capture_output=True, text=True, check=False
+        ).stdout.split()
         init = {"init_info": {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2}}
-        pending = threading.Thread(target=lambda: httpx.post(f"{url}/init_weight_transfer_engine", json=init,
-                                                             timeout=120), daemon=True)
+        pending = threading.Thread(
+            target=lambda: httpx.post(f"{url}/init_weight_transfer_engine", json=init, timeout=120), daemon=True
+        )
         pending.start()
         conn, _ = listener.accept()  # the engine process is now waiting in the rendezvous
         proc.send_signal(signal.SIGTERM)

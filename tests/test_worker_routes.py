@@ -24,16 +24,22 @@ def test_health_generate_runs_one_token(server):
 
 def test_render_routes_give_generate_requests(server):
     tokens = httpx.post(f"{server}/tokenize", json={"prompt": PROMPT}, timeout=30).json()["tokens"]
-    r = httpx.post(f"{server}/v1/completions/render", json={"prompt": [PROMPT, [5, 6]], "max_tokens": 3,
-                                                            "temperature": 0, "cache_salt": "7"}, timeout=30)
+    r = httpx.post(
+        f"{server}/v1/completions/render",
+        json={"prompt": [PROMPT, [5, 6]], "max_tokens": 3, "temperature": 0, "cache_salt": "7"},
+        timeout=30,
+    )
     assert r.status_code == 200, r.text
     first, second = r.json()
     assert first["token_ids"] == tokens and second["token_ids"] == [5, 6]
     assert first["sampling_params"] == {"max_tokens": 3, "temperature": 0} and first["cache_salt"] == "7"
     # the rendered request, sent to /inference/v1/generate, gives what /v1/completions gives
     generated = httpx.post(f"{server}/inference/v1/generate", json=first, timeout=60).json()["choices"][0]
-    completed = httpx.post(f"{server}/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "temperature": 0,
-                                                             "return_token_ids": True}, timeout=60).json()
+    completed = httpx.post(
+        f"{server}/v1/completions",
+        json={"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "return_token_ids": True},
+        timeout=60,
+    ).json()
     assert generated["token_ids"] == completed["choices"][0]["token_ids"]
 
     messages = [{"role": "user", "content": PROMPT}]

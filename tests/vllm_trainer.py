@@ -50,8 +50,14 @@ def broadcast(flats: list[torch.Tensor], buffer_bytes: int, packed: bool, die_af
 def join(extra: dict) -> dict:
     world = session.get(base + "/get_world_size").json()["world_size"] + 1
     port = free_port()
-    info = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": world, "packed": True,
-            **extra}
+    info = {
+        "master_address": "127.0.0.1",
+        "master_port": port,
+        "rank_offset": 1,
+        "world_size": world,
+        "packed": True,
+        **extra,
+    }
     if dist.is_initialized():
         dist.destroy_process_group()
     for _ in range(20):  # a server still unwinding a dead trainer's push answers 409 for a moment
@@ -100,8 +106,10 @@ def push(ckpt: str, form: str, info_extra: dict, buffer_bytes: int, packed: bool
     fin = post("/finish_weight_update", {}) if status == 200 else None
     out = {"status": status, "body": body, "before": before, "after": version(), "finish": fin}
     if status == 200:
-        gen = {"token_ids": [5, 6, 7, 8], "sampling_params": {"max_tokens": 6, "temperature": 0, "ignore_eos": True,
-                                                             "logprobs": 0}}
+        gen = {
+            "token_ids": [5, 6, 7, 8],
+            "sampling_params": {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 0},
+        }
         out["choice"] = session.post(base + "/inference/v1/generate", json=gen, timeout=120).json()["choices"][0]
     return out
 
@@ -112,8 +120,14 @@ for step in plan:
         result = join(step[1] if len(step) > 1 else {})
     elif kind == "push":
         opts = step[2] if len(step) > 2 else {}
-        result = push(step[1], opts.get("form", "ok"), opts.get("info", {}), opts.get("buffer_bytes", 1 << 30),
-                      opts.get("packed", True), opts.get("die_after"))
+        result = push(
+            step[1],
+            opts.get("form", "ok"),
+            opts.get("info", {}),
+            opts.get("buffer_bytes", 1 << 30),
+            opts.get("packed", True),
+            opts.get("die_after"),
+        )
     elif kind == "shutdown":
         status, body = post("/shutdown_weight_transfer_engine", {})
         if dist.is_initialized():

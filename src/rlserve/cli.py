@@ -47,9 +47,12 @@ def inference_main(argv: list[str] | None = None) -> int:
 
 def _serve(argv: list[str], prog: str) -> int:
     if "-h" in argv or "--help" in argv:
-        print(f"usage: {prog} [@ FILE ...] [--section.key VALUE ...]\n"
-              f"       {prog} MODEL [vLLM flags]  |  {prog} --model M [MLX server flags]   (docs/launch.md)\n\n"
-              f"{help_text()}", end="")
+        print(
+            f"usage: {prog} [@ FILE ...] [--section.key VALUE ...]\n"
+            f"       {prog} MODEL [vLLM flags]  |  {prog} --model M [MLX server flags]   (docs/launch.md)\n\n"
+            f"{help_text()}",
+            end="",
+        )
         return 0
     from rlserve.config.dialects import translate_launch_line
 

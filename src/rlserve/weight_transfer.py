@@ -57,7 +57,9 @@ def _broadcast_header(header: list | None, device: str) -> list:
     return header if header is not None else json.loads(raw.cpu().numpy().tobytes().decode())
 
 
-def send(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: str = "cpu") -> int:
+def send(
+    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: str = "cpu"
+) -> int:
     """Broadcast from rank 0; returns the number of bytes sent.
 
     One JSON header describes every bucket; then the buckets go out as asynchronous broadcasts
@@ -128,8 +130,14 @@ def vllm_chunks(sizes: list[int], buffer_bytes: int = VLLM_PACKED_BUFFER_BYTES) 
     return chunks
 
 
-def receive_vllm(names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]], packed: bool,
-                 buffer_bytes: int = VLLM_PACKED_BUFFER_BYTES, device: str = "cpu") -> list[tuple[str, torch.Tensor]]:
+def receive_vllm(
+    names: list[str],
+    dtypes: list[torch.dtype],
+    shapes: list[list[int]],
+    packed: bool,
+    buffer_bytes: int = VLLM_PACKED_BUFFER_BYTES,
+    device: str = "cpu",
+) -> list[tuple[str, torch.Tensor]]:
     """Receive the tensors vLLM's trainer side broadcasts from rank 0, in metadata order: one
     broadcast per tensor, or (packed) their bytes concatenated into chunks of ~buffer_bytes."""
     sizes = [int(torch.Size(s).numel()) * d.itemsize for s, d in zip(shapes, dtypes)]

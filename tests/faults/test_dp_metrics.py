@@ -9,8 +9,9 @@ from collections import Counter
 
 import httpx
 import pytest
-from conftest import start_server, stop_server
 from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import start_server, stop_server
 
 PINNED = {"0": 2, "1": 3}  # engine -> requests sent to it
 MAX_TOKENS = 4
@@ -45,18 +46,27 @@ def test_per_request_series_name_the_engine_that_served(dp_server: str) -> None:
     with httpx.Client(base_url=dp_server, timeout=120) as client:
         for engine, count in PINNED.items():
             for _ in range(count):
-                r = client.post("/v1/completions", headers={"X-data-parallel-rank": engine},
-                                json={"prompt": "hello", "max_tokens": MAX_TOKENS, "ignore_eos": True})
+                r = client.post(
+                    "/v1/completions",
+                    headers={"X-data-parallel-rank": engine},
+                    json={"prompt": "hello", "max_tokens": MAX_TOKENS, "ignore_eos": True},
+                )
                 assert r.status_code == 200, r.text
         families = strict_families(client.get("/metrics").text)
     success = families["vllm:request_success"]
     for engine, count in PINNED.items():
         assert value(success, "vllm:request_success_total", engine=engine, finished_reason="length") == count
-        assert value(families["vllm:e2e_request_latency_seconds"], "vllm:e2e_request_latency_seconds_count",
-                     engine=engine) == count
-        assert value(families["vllm:request_generation_tokens"], "vllm:request_generation_tokens_sum",
-                     engine=engine) == count * MAX_TOKENS
+        assert (
+            value(families["vllm:e2e_request_latency_seconds"], "vllm:e2e_request_latency_seconds_count", engine=engine)
+            == count
+        )
+        assert (
+            value(families["vllm:request_generation_tokens"], "vllm:request_generation_tokens_sum", engine=engine)
+            == count * MAX_TOKENS
+        )
         # the engine's own token counter agrees with the server's per-request series
-        assert value(families["vllm:generation_tokens"], "vllm:generation_tokens_total", engine=engine) == \
-            count * MAX_TOKENS
+        assert (
+            value(families["vllm:generation_tokens"], "vllm:generation_tokens_total", engine=engine)
+            == count * MAX_TOKENS
+        )
     assert value(success, "vllm:request_success_total") == sum(PINNED.values())

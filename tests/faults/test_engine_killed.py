@@ -11,6 +11,7 @@ import threading
 
 import httpx
 import psutil
+
 from conftest import server_log, start_server, stop_server
 
 STREAMS = 3

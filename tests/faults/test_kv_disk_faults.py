@@ -8,6 +8,7 @@ import random
 import shutil
 
 import httpx
+
 from conftest import server_log, start_server, stop_server
 
 BLOCK = 16
@@ -35,10 +36,13 @@ def test_unusable_disk_tier_stops_offload_and_keeps_answers_unchanged(tmp_path) 
     disk = tmp_path / "kv"
     disk.mkdir()
     config = tmp_path / "offload.toml"
-    config.write_text(f'[kv_cache_offload]\ntype = "native"\n[kv_cache_offload.cpu]\nnum_bytes = {4 * BLOCK * 2048}\n'
-                      f'[kv_cache_offload.disk]\npath = "{disk}"\n')
-    url, proc = start_server("@", str(config), "--engine.kv_cache_bytes", str(32 * BLOCK * 2048),
-                             "--model.max_model_len", "512")
+    config.write_text(
+        f'[kv_cache_offload]\ntype = "native"\n[kv_cache_offload.cpu]\nnum_bytes = {4 * BLOCK * 2048}\n'
+        f'[kv_cache_offload.disk]\npath = "{disk}"\n'
+    )
+    url, proc = start_server(
+        "@", str(config), "--engine.kv_cache_bytes", str(32 * BLOCK * 2048), "--model.max_model_len", "512"
+    )
     try:
         rng = random.Random(9)
         prompts = [[rng.randrange(250) for _ in range(200)] for _ in range(4)]  # 4 x 13 blocks; the pool holds 32

@@ -9,6 +9,7 @@ import shutil
 
 import httpx
 import pytest
+
 from conftest import start_server, stop_server
 
 
@@ -57,8 +58,9 @@ def test_adapter_that_is_not_plain_lora_is_refused(adapter_server, root, peft_ad
     shutil.copytree(source, target, dirs_exist_ok=True)
     cfg = json.loads((source / "adapter_config.json").read_text())
     (target / "adapter_config.json").write_text(json.dumps({**cfg, **change}))
-    r = httpx.post(f"{adapter_server}/v1/load_lora_adapter", json={"lora_name": case, "lora_path": str(target)},
-                   timeout=60)
+    r = httpx.post(
+        f"{adapter_server}/v1/load_lora_adapter", json={"lora_name": case, "lora_path": str(target)}, timeout=60
+    )
     assert r.status_code == 400, r.text
     assert field in r.json()["error"]["message"]
     assert case not in [m["id"] for m in httpx.get(f"{adapter_server}/v1/models", timeout=30).json()["data"]]
@@ -69,8 +71,9 @@ def test_adapter_config_that_is_not_json_is_a_400(adapter_server, root, peft_ada
     target = root / "adapter-not-json"
     shutil.copytree(source, target, dirs_exist_ok=True)
     (target / "adapter_config.json").write_text("r: 4\nlora_alpha: 16\n")
-    r = httpx.post(f"{adapter_server}/v1/load_lora_adapter", json={"lora_name": "nj", "lora_path": str(target)},
-                   timeout=60)
+    r = httpx.post(
+        f"{adapter_server}/v1/load_lora_adapter", json={"lora_name": "nj", "lora_path": str(target)}, timeout=60
+    )
     assert r.status_code == 400, r.text
     assert "is not JSON" in r.json()["error"]["message"]
 
@@ -79,6 +82,7 @@ def test_plain_lora_still_loads(adapter_server, root, peft_adapter) -> None:
     source, _ = peft_adapter
     cfg = json.loads((source / "adapter_config.json").read_text())
     assert not cfg.get("use_dora") and not cfg.get("modules_to_save")
-    r = httpx.post(f"{adapter_server}/v1/load_lora_adapter", json={"lora_name": "plain", "lora_path": str(source)},
-                   timeout=60)
+    r = httpx.post(
+        f"{adapter_server}/v1/load_lora_adapter", json={"lora_name": "plain", "lora_path": str(source)}, timeout=60
+    )
     assert r.status_code == 200, r.text

@@ -13,8 +13,8 @@ import threading
 
 import httpx
 import pytest
-from conftest import start_server, stop_server
 
+from conftest import start_server, stop_server
 from rlserve.model.make import make_model
 
 TRAINER = textwrap.dedent(
@@ -67,8 +67,12 @@ def free_port() -> int:
 
 
 def trainer(url: str, ckpt, mode: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", TRAINER, url, str(free_port()), str(ckpt), mode],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", TRAINER, url, str(free_port()), str(ckpt), mode],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
 
 
 def finish(proc: subprocess.Popen) -> tuple[int, str]:
@@ -125,8 +129,13 @@ def test_trainer_dying_mid_broadcast_keeps_the_old_weights_and_the_next_trainer_
     try:
         assert dying.stdout.readline().strip() == "joined"
         result: dict = {}
-        update = threading.Thread(target=lambda: result.update(r=httpx.post(
-            f"{server}/update_weights", json={"weight_dir": None, "weight_version": "never"}, timeout=300)))
+        update = threading.Thread(
+            target=lambda: result.update(
+                r=httpx.post(
+                    f"{server}/update_weights", json={"weight_dir": None, "weight_version": "never"}, timeout=300
+                )
+            )
+        )
         update.start()
         dying.stdin.write("go\n")
         dying.stdin.flush()
@@ -142,7 +151,9 @@ def test_trainer_dying_mid_broadcast_keeps_the_old_weights_and_the_next_trainer_
             dying.wait()
     after = policy(server)
     assert (after["current_policy_version"], after["weight_version"]) == (
-        before["current_policy_version"], before["weight_version"])
+        before["current_policy_version"],
+        before["weight_version"],
+    )
     assert greedy(server) == tokens
     code, out = finish(trainer(server, ckpt, "push"))
     assert code == 0, out

@@ -63,7 +63,9 @@ async def _streamed(client: httpx.AsyncClient, body: dict, record: RequestRecord
     record.output_tokens = record.output_tokens or chunks
 
 
-async def run_level(base_url: str, concurrency: int, prompts: list[list[int]], args, headers: dict | None = None) -> dict:
+async def run_level(
+    base_url: str, concurrency: int, prompts: list[list[int]], args, headers: dict | None = None
+) -> dict:
     """All prompts at one concurrency level; the summary of that run."""
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     timeout = httpx.Timeout(args.timeout, connect=30.0)

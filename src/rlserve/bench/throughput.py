@@ -15,7 +15,9 @@ from rlserve.engine.params import SamplingParams
 
 
 def run_engine(engine: Engine, prompts: list[list[int]], args, desc: str = "throughput") -> list[RequestRecord]:
-    params = SamplingParams(n=args.n, temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True, seed=args.seed)
+    params = SamplingParams(
+        n=args.n, temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True, seed=args.seed
+    )
     records: dict[str, RequestRecord] = {}
     last: dict[str, float] = {}
     bar = tqdm(total=len(prompts) * args.n * args.output_len, desc=desc, unit="tok", disable=args.no_progress)

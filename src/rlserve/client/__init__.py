@@ -21,10 +21,23 @@ from rlserve.client.sample import Sample, TrainingBatch, build_training_batch, h
 from rlserve.client.sync import SyncInferenceClient
 
 __all__ = [
-    "AdminError", "BadRequest", "ContextLengthExceeded", "EndpointUnavailable", "InferenceClient", "RetryableError",
-    "RLServeError", "Sample", "ServerError", "StreamInterrupted", "SyncInferenceClient", "TrainingBatch",
-    "WeightBroadcaster", "WeightSyncTimeout",
-    "build_training_batch", "hf_tokenizer", "to_nexrl",
+    "AdminError",
+    "BadRequest",
+    "ContextLengthExceeded",
+    "EndpointUnavailable",
+    "InferenceClient",
+    "RetryableError",
+    "RLServeError",
+    "Sample",
+    "ServerError",
+    "StreamInterrupted",
+    "SyncInferenceClient",
+    "TrainingBatch",
+    "WeightBroadcaster",
+    "WeightSyncTimeout",
+    "build_training_batch",
+    "hf_tokenizer",
+    "to_nexrl",
 ]
 
 

@@ -59,10 +59,19 @@ class InferenceClient:
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
         self.model, self.allow_mixed_versions, self.on_overflow = model, allow_mixed_versions, on_overflow
         self.transport = Transport(
-            urls, api_key=api_key, admin_api_key=admin_api_key, connect_timeout=connect_timeout,
-            read_timeout=read_timeout, retry_deadline=retry_deadline, backoff_base=backoff_base,
-            backoff_max=backoff_max, probe_interval=probe_interval, weight_sync_timeout=weight_sync_timeout,
-            max_connections=max_connections, admin_url=admin_url)
+            urls,
+            api_key=api_key,
+            admin_api_key=admin_api_key,
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            retry_deadline=retry_deadline,
+            backoff_base=backoff_base,
+            backoff_max=backoff_max,
+            probe_interval=probe_interval,
+            weight_sync_timeout=weight_sync_timeout,
+            max_connections=max_connections,
+            admin_url=admin_url,
+        )
         self.completions = Completions(self, "/v1/completions")
         self.chat = Chat(self)
 
@@ -138,12 +147,31 @@ class InferenceClient:
             raise ValueError("pass exactly one of prompt (a string) or token_ids")
         if token_ids is None:
             token_ids = await self.tokenize(prompt, add_special_tokens=add_special_tokens, session_id=session_id)
-        params = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p, "logprobs": 0,
-                  "max_tokens": max_tokens, "stop": stop, "stop_token_ids": stop_token_ids, "seed": seed, "n": n}
+        params = {
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": top_k,
+            "min_p": min_p,
+            "logprobs": 0,
+            "max_tokens": max_tokens,
+            "stop": stop,
+            "stop_token_ids": stop_token_ids,
+            "seed": seed,
+            "n": n,
+        }
         params = {k: v for k, v in params.items() if v is not None} | (sampling_params or {})
-        body = _compact({"token_ids": list(token_ids), "sampling_params": params, "model": self.model,
-                         "request_id": request_id, "cache_salt": cache_salt, "min_policy_version": min_policy_version,
-                         "policy_version": policy_version, "step_id": step_id})
+        body = _compact(
+            {
+                "token_ids": list(token_ids),
+                "sampling_params": params,
+                "model": self.model,
+                "request_id": request_id,
+                "cache_salt": cache_salt,
+                "min_policy_version": min_policy_version,
+                "policy_version": policy_version,
+                "step_id": step_id,
+            }
+        )
         try:
             data, ep = await self._generation("/inference/v1/generate", body, session_id, allow_mixed_versions)
         except ContextLengthExceeded as exc:
@@ -180,11 +208,26 @@ class InferenceClient:
     ) -> Sample:
         """One chat turn as a Sample: the server's prompt ids (template applied), completion ids,
         their logprobs, and the parsed message (content, tool_calls, reasoning) in Sample.message."""
-        body = _compact({"messages": messages, "tools": tools, "max_tokens": max_tokens, "temperature": temperature,
-                         "top_p": top_p, "top_k": top_k, "min_p": min_p, "stop": stop, "seed": seed,
-                         "chat_template_kwargs": chat_template_kwargs, "model": self.model, "request_id": request_id,
-                         "cache_salt": cache_salt, "logprobs": True, "return_token_ids": True,
-                         "min_policy_version": min_policy_version}) | (extra_body or {})
+        body = _compact(
+            {
+                "messages": messages,
+                "tools": tools,
+                "max_tokens": max_tokens,
+                "temperature": temperature,
+                "top_p": top_p,
+                "top_k": top_k,
+                "min_p": min_p,
+                "stop": stop,
+                "seed": seed,
+                "chat_template_kwargs": chat_template_kwargs,
+                "model": self.model,
+                "request_id": request_id,
+                "cache_salt": cache_salt,
+                "logprobs": True,
+                "return_token_ids": True,
+                "min_policy_version": min_policy_version,
+            }
+        ) | (extra_body or {})
         try:
             data, ep = await self._generation("/v1/chat/completions", body, session_id, allow_mixed_versions)
         except ContextLengthExceeded as exc:
@@ -193,11 +236,13 @@ class InferenceClient:
         content = (choice.get("message") or {}).get("content") or ""
         return Sample.from_choice(choice, data.get("prompt_token_ids") or [], content, ep.url)
 
-    async def _generation(self, path: str, body: dict[str, Any], session_id: str | None,
-                          allow_mixed_versions: bool | None) -> tuple[Any, Endpoint]:
+    async def _generation(
+        self, path: str, body: dict[str, Any], session_id: str | None, allow_mixed_versions: bool | None
+    ) -> tuple[Any, Endpoint]:
         allow = self.allow_mixed_versions if allow_mixed_versions is None else allow_mixed_versions
-        return await self.transport.call("POST", path, json=body, session_id=session_id, generation=True,
-                                         allow_mixed_versions=allow)
+        return await self.transport.call(
+            "POST", path, json=body, session_id=session_id, generation=True, allow_mixed_versions=allow
+        )
 
     def _overflow(self, exc: ContextLengthExceeded, mode: str | None) -> Sample:
         mode = mode or self.on_overflow
@@ -224,8 +269,16 @@ class InferenceClient:
         """A string (add_special_tokens defaults to true) or a conversation rendered exactly as chat does."""
         if (prompt is None) == (messages is None):
             raise ValueError("pass exactly one of prompt or messages")
-        body = _compact({"model": self.model, "prompt": prompt, "messages": messages, "tools": tools,
-                         "add_special_tokens": add_special_tokens, "chat_template_kwargs": chat_template_kwargs})
+        body = _compact(
+            {
+                "model": self.model,
+                "prompt": prompt,
+                "messages": messages,
+                "tools": tools,
+                "add_special_tokens": add_special_tokens,
+                "chat_template_kwargs": chat_template_kwargs,
+            }
+        )
         if messages is not None:
             body |= {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message}
         data, _ = await self.transport.call("POST", "/tokenize", json=body, session_id=session_id)
@@ -241,9 +294,13 @@ class InferenceClient:
     ) -> list[int]:
         """Hugging Face's `apply_chat_template(..., tokenize=True)`, rendered by the server; extra
         keyword arguments reach the template (e.g. enable_thinking=False)."""
-        return await self.tokenize(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                   continue_final_message=continue_final_message,
-                                   chat_template_kwargs=chat_template_kwargs or None)
+        return await self.tokenize(
+            messages=messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs or None,
+        )
 
     async def detokenize(self, token_ids: list[int], *, session_id: str | None = None) -> str:
         body = _compact({"model": self.model, "tokens": list(token_ids)})
@@ -254,37 +311,52 @@ class InferenceClient:
         """Score a finished sample again, alone, at the version that produced it (POST /v1/rescore) and
         return the report of logprobs that differ. Raises BadRequest (409) when the server has moved
         to another version, or, under engine.batch_invariant, when any logprob differs at all."""
-        body = _compact({"model": self.model, "prompt_ids": list(sample.prompt_ids),
-                         "completion_ids": list(sample.completion_ids), "logprobs": list(sample.logprobs),
-                         "policy_version": None if sample.mixed_versions else sample.policy_version})
+        body = _compact(
+            {
+                "model": self.model,
+                "prompt_ids": list(sample.prompt_ids),
+                "completion_ids": list(sample.completion_ids),
+                "logprobs": list(sample.logprobs),
+                "policy_version": None if sample.mixed_versions else sample.policy_version,
+            }
+        )
         data, _ = await self.transport.call("POST", "/v1/rescore", json=body, session_id=session_id)
         return data
 
     # ---- control: every endpoint ---------------------------------------------------------------
 
-    async def update_weights(self, weight_dir: str, *, pause_mode: str | None = "wait",
-                             weight_version: str | None = None) -> dict[str, int]:
+    async def update_weights(
+        self, weight_dir: str, *, pause_mode: str | None = "wait", weight_version: str | None = None
+    ) -> dict[str, int]:
         """Load a safetensors directory on every endpoint; returns each one's new policy_version.
         pause_mode decides what happens to generations already running (module docstring); None
         lets each server quiesce by itself (as "keep"). Raises AdminError if any endpoint failed."""
-        return await self._mutate("/update_weights", _compact({"weight_dir": weight_dir,
-                                                                 "weight_version": weight_version}), pause_mode)
+        return await self._mutate(
+            "/update_weights", _compact({"weight_dir": weight_dir, "weight_version": weight_version}), pause_mode
+        )
 
-    async def load_adapter(self, name: str, path: str | None = None, *,
-                           pause_mode: str | None = "wait") -> dict[str, Any]:
+    async def load_adapter(
+        self, name: str, path: str | None = None, *, pause_mode: str | None = "wait"
+    ) -> dict[str, Any]:
         """Load (or reload in place) a LoRA adapter (PEFT or mlx-lm layout) on every endpoint; select it with
         model=name; returns each endpoint's new policy_version. With the path alone (`load_adapter(path)`,
         the MLX client's call): every request of the base model uses it from now on, and the answer is
         {"status", "policy_version", "message", "policy_versions": {endpoint: version}}."""
         if path is None:
             versions = await self._mutate("/load_adapter", {"adapter_path": name}, pause_mode)
-            return {"status": "success", "policy_version": max(versions.values()),
-                    "message": f"Loaded adapter from {name}", "policy_versions": versions}
+            return {
+                "status": "success",
+                "policy_version": max(versions.values()),
+                "message": f"Loaded adapter from {name}",
+                "policy_versions": versions,
+            }
         return await self._mutate("/load_lora_adapter", {"lora_name": name, "lora_path": path}, pause_mode)
 
     async def unload_adapter(self, name: str) -> dict[str, Any]:
-        return _checked("unload_adapter", await self.transport.broadcast(
-            "POST", "/v1/unload_lora_adapter", json={"lora_name": name}))
+        return _checked(
+            "unload_adapter",
+            await self.transport.broadcast("POST", "/v1/unload_lora_adapter", json={"lora_name": name}),
+        )
 
     async def pause(self, mode: str = "keep") -> dict[str, Any]:
         """Pause every endpoint; this client also holds its new generations until resume()."""
@@ -306,8 +378,9 @@ class InferenceClient:
 
     async def metrics(self) -> dict[str, dict[str, Any]]:
         """Each endpoint's JSON status: current_policy_version, queue_depth, num_running, is_paused, ..."""
-        return _checked("metrics", await self.transport.broadcast("GET", "/metrics", params={"format": "json"},
-                                                                  admin=False))
+        return _checked(
+            "metrics", await self.transport.broadcast("GET", "/metrics", params={"format": "json"}, admin=False)
+        )
 
     async def models(self) -> dict[str, Any]:
         data, _ = await self.transport.call("GET", "/v1/models")
@@ -350,7 +423,7 @@ class InferenceClient:
     async def close(self) -> None:
         await self.transport.aclose()
 
-    async def __aenter__(self) -> "InferenceClient":
+    async def __aenter__(self) -> InferenceClient:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -367,14 +440,20 @@ class Completions:
     def __init__(self, client: InferenceClient, path: str):
         self._client, self._path = client, path
 
-    async def create(self, *, session_id: str | None = None, allow_mixed_versions: bool | None = None,
-                     extra_body: dict[str, Any] | None = None,
-                     **kwargs: Any) -> dict[str, Any] | AsyncIterator[dict[str, Any]]:
+    async def create(
+        self,
+        *,
+        session_id: str | None = None,
+        allow_mixed_versions: bool | None = None,
+        extra_body: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Any] | AsyncIterator[dict[str, Any]]:
         body = _compact({"model": self._client.model}) | kwargs | (extra_body or {})
         if body.get("stream"):
             allow = self._client.allow_mixed_versions if allow_mixed_versions is None else allow_mixed_versions
-            return self._client.transport.stream(self._path, json=body, session_id=session_id,
-                                                 allow_mixed_versions=allow)
+            return self._client.transport.stream(
+                self._path, json=body, session_id=session_id, allow_mixed_versions=allow
+            )
         data, _ = await self._client._generation(self._path, body, session_id, allow_mixed_versions)
         return data
 
@@ -403,6 +482,9 @@ def _compact(d: dict[str, Any]) -> dict[str, Any]:
 def _checked(what: str, results: dict[str, Any]) -> dict[str, Any]:
     failed = {url: r for url, r in results.items() if isinstance(r, Exception)}
     if failed:
-        raise AdminError(f"{what} failed on {len(failed)} of {len(results)} endpoints: "
-                         + "; ".join(f"{url}: {r}" for url, r in failed.items()), results)
+        raise AdminError(
+            f"{what} failed on {len(failed)} of {len(results)} endpoints: "
+            + "; ".join(f"{url}: {r}" for url, r in failed.items()),
+            results,
+        )
     return results

@@ -84,8 +84,12 @@ class Pool:
     def due(self, now: float) -> list[Endpoint]:
         """Endpoints whose state is older than probe_interval (at most 1 s for those not serving:
         callers may be waiting on them) and not being probed already."""
-        return [e for e in self.endpoints if e.probe is None
-                and now - e.checked_at >= (self.probe_interval if e.serving else min(self.probe_interval, 1.0))]
+        return [
+            e
+            for e in self.endpoints
+            if e.probe is None
+            and now - e.checked_at >= (self.probe_interval if e.serving else min(self.probe_interval, 1.0))
+        ]
 
 
 def normalize_url(url: str) -> str:

@@ -49,7 +49,7 @@ class Sample:
         return versions
 
     @classmethod
-    def from_choice(cls, choice: dict[str, Any], prompt_ids: list[int], text: str, endpoint: str) -> "Sample":
+    def from_choice(cls, choice: dict[str, Any], prompt_ids: list[int], text: str, endpoint: str) -> Sample:
         content = (choice.get("logprobs") or {}).get("content") or []
         return cls(
             prompt_ids=list(prompt_ids),
@@ -64,7 +64,7 @@ class Sample:
         )
 
     @classmethod
-    def overflow(cls, endpoint: str = "") -> "Sample":
+    def overflow(cls, endpoint: str = "") -> Sample:
         """What on_overflow="truncate_sample" returns for a prompt over the context: nothing to train on."""
         return cls([], [], [], "", "length", None, endpoint=endpoint)
 
@@ -75,14 +75,14 @@ class TrainingBatch:
     padding), so with logits from `input_ids` compare `logits[:, :-1]` gathered at `input_ids[:, 1:]`
     against `logprobs[:, 1:]` under `loss_mask[:, 1:]`."""
 
-    input_ids: "torch.Tensor"  # int64: prompt + completion, pad_id after
-    attention_mask: "torch.Tensor"  # int64: 1 on real tokens
-    loss_mask: "torch.Tensor"  # float32: 1 on completion tokens, 0 on prompt and padding
-    logprobs: "torch.Tensor"  # float32: sampling logprobs at completion positions
-    token_policy_versions: "torch.Tensor"  # int64: version per completion token, -1 elsewhere
-    policy_versions: "torch.Tensor"  # int64 [batch]: version of each sample's last token, -1 if none
-    prompt_lengths: "torch.Tensor"  # int64 [batch]
-    lengths: "torch.Tensor"  # int64 [batch]: prompt + completion
+    input_ids: torch.Tensor  # int64: prompt + completion, pad_id after
+    attention_mask: torch.Tensor  # int64: 1 on real tokens
+    loss_mask: torch.Tensor  # float32: 1 on completion tokens, 0 on prompt and padding
+    logprobs: torch.Tensor  # float32: sampling logprobs at completion positions
+    token_policy_versions: torch.Tensor  # int64: version per completion token, -1 elsewhere
+    policy_versions: torch.Tensor  # int64 [batch]: version of each sample's last token, -1 if none
+    prompt_lengths: torch.Tensor  # int64 [batch]
+    lengths: torch.Tensor  # int64 [batch]: prompt + completion
 
 
 def build_training_batch(samples: list[Sample], pad_id: int = 0) -> TrainingBatch:
@@ -108,10 +108,14 @@ def build_training_batch(samples: list[Sample], pad_id: int = 0) -> TrainingBatc
         logprobs[b, p:n] = torch.tensor(s.logprobs, dtype=torch.float32)
         token_versions[b, p:n] = torch.tensor(s.token_policy_versions(), dtype=torch.int64)
     return TrainingBatch(
-        input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask, logprobs=logprobs,
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        loss_mask=loss_mask,
+        logprobs=logprobs,
         token_policy_versions=token_versions,
         policy_versions=torch.tensor([-1 if s.policy_version is None else s.policy_version for s in samples]),
-        prompt_lengths=torch.tensor([len(s.prompt_ids) for s in samples]), lengths=torch.tensor(lengths),
+        prompt_lengths=torch.tensor([len(s.prompt_ids) for s in samples]),
+        lengths=torch.tensor(lengths),
     )
 
 

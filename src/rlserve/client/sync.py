@@ -36,6 +36,7 @@ class SyncInferenceClient:
 
     def _iterate(self, chunks: AsyncIterator[T]) -> Iterator[T]:
         """A stream of the loop thread's async iterator, one item per blocking step."""
+
         async def step() -> T:
             return await anext(chunks)
 
@@ -100,7 +101,7 @@ class SyncInferenceClient:
         self._thread.join()
         self._loop.close()
 
-    def __enter__(self) -> "SyncInferenceClient":
+    def __enter__(self) -> SyncInferenceClient:
         return self
 
     def __exit__(self, *exc: Any) -> None:

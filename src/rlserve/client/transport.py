@@ -115,8 +115,9 @@ class Transport:
             attempt += 1
             await self._backoff(attempt, deadline, error)
 
-    async def stream(self, path: str, *, json: dict[str, Any], session_id: str | None = None,
-                     allow_mixed_versions: bool = False) -> AsyncIterator[Any]:
+    async def stream(
+        self, path: str, *, json: dict[str, Any], session_id: str | None = None, allow_mixed_versions: bool = False
+    ) -> AsyncIterator[Any]:
         """POST a streamed generation; yield each SSE `data:` object until `[DONE]`. Until the first
         chunk arrived, failures are retried like call() (nothing reached the caller yet); after it, a
         broken connection, a 5xx error event or a stream ending without `[DONE]` raise StreamInterrupted."""
@@ -155,14 +156,18 @@ class Transport:
                                 received += 1
                                 yield chunk
                         except (*_RETRYABLE, ServerError, StreamInterrupted) as exc:
-                            raise StreamInterrupted(f"stream from {ep.url}{path} broke after {received} chunk(s): "
-                                                    f"{exc}; send the request again", received) from exc
+                            raise StreamInterrupted(
+                                f"stream from {ep.url}{path} broke after {received} chunk(s): "
+                                f"{exc}; send the request again",
+                                received,
+                            ) from exc
                         return
             attempt += 1
             await self._backoff(attempt, deadline, error)
 
-    async def _events(self, ep: Endpoint, path: str, body: dict[str, Any] | None,
-                      headers: dict[str, str]) -> AsyncIterator[Any]:
+    async def _events(
+        self, ep: Endpoint, path: str, body: dict[str, Any] | None, headers: dict[str, str]
+    ) -> AsyncIterator[Any]:
         """One streamed POST: its SSE data objects; a non-2xx answer or an in-band error event raises
         the typed error; a body that ends without `[DONE]` (a proxy that closed it cleanly) is cut."""
         with self._calling(ep):
@@ -185,8 +190,9 @@ class Transport:
                     yield chunk
             raise StreamInterrupted(f"stream from {ep.url}{path} ended without [DONE]", 0)
 
-    async def _acquire(self, session_id: str | None, gated: bool, avoid: Endpoint | None,
-                       held_since: list[float]) -> Endpoint | None:
+    async def _acquire(
+        self, session_id: str | None, gated: bool, avoid: Endpoint | None, held_since: list[float]
+    ) -> Endpoint | None:
         """The endpoint to send to, once no weight sync holds it; None when no endpoint is up."""
         while True:
             self._probe_due()
@@ -203,8 +209,9 @@ class Transport:
                 held_since.append(now)
             remaining = held_since[0] + self.weight_sync_timeout - now
             if remaining <= 0:
-                raise WeightSyncTimeout(f"waited {self.weight_sync_timeout:.1f}s for a weight sync to end: "
-                                        f"{self.sync_state()}")
+                raise WeightSyncTimeout(
+                    f"waited {self.weight_sync_timeout:.1f}s for a weight sync to end: {self.sync_state()}"
+                )
             await self._wait_change(min(remaining, _WAIT_POLL_S))
 
     def sync_state(self) -> str:
@@ -215,19 +222,29 @@ class Transport:
             if e.paused:
                 parts.append(f"{e.url} is paused")
             if e.behind:
-                parts.append(f"{e.url} serves policy_version {e.policy_version} < {e.floor} it served before "
-                             "(restarted? push the weights again through update_weights)")
+                parts.append(
+                    f"{e.url} serves policy_version {e.policy_version} < {e.floor} it served before "
+                    "(restarted? push the weights again through update_weights)"
+                )
         return "; ".join(parts) or "nothing in progress"
 
     # ---- admin: every endpoint -----------------------------------------------------------------
 
-    async def broadcast(self, method: str, path: str, *, json: dict[str, Any] | None = None,
-                        params: dict[str, str] | None = None, admin: bool = True) -> dict[str, Any]:
+    async def broadcast(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: dict[str, Any] | None = None,
+        params: dict[str, str] | None = None,
+        admin: bool = True,
+    ) -> dict[str, Any]:
         """Send to every endpoint (down ones too), or to the admin address when there is one, each with
         its own retries; maps URL to the decoded answer or the exception it ended with."""
         targets = [self.admin] if admin and self.admin is not None else self.pool.endpoints
         results = await asyncio.gather(
-            *(self._admin_call(ep, method, path, json, params) for ep in targets), return_exceptions=True)
+            *(self._admin_call(ep, method, path, json, params) for ep in targets), return_exceptions=True
+        )
         return {ep.url: r for ep, r in zip(targets, results, strict=True)}
 
     def governed(self, url: str) -> list[Endpoint]:
@@ -236,8 +253,9 @@ class Transport:
             return self.pool.endpoints
         return [self.endpoint(url)]
 
-    async def _admin_call(self, ep: Endpoint, method: str, path: str, json: dict[str, Any] | None,
-                          params: dict[str, str] | None) -> Any:
+    async def _admin_call(
+        self, ep: Endpoint, method: str, path: str, json: dict[str, Any] | None, params: dict[str, str] | None
+    ) -> Any:
         deadline, attempt = time.monotonic() + self.retry_deadline, 0
         while True:
             try:
@@ -315,8 +333,15 @@ class Transport:
     def endpoint(self, url: str) -> Endpoint:
         return next(e for e in self.pool.endpoints if e.url == url)
 
-    async def _send(self, ep: Endpoint, method: str, path: str, json: dict[str, Any] | None,
-                    headers: dict[str, str], params: dict[str, str] | None = None) -> httpx.Response:
+    async def _send(
+        self,
+        ep: Endpoint,
+        method: str,
+        path: str,
+        json: dict[str, Any] | None,
+        headers: dict[str, str],
+        params: dict[str, str] | None = None,
+    ) -> httpx.Response:
         with self._calling(ep):
             return await self.http.request(method, f"{ep.url}{path}", json=json, headers=headers, params=params)
 
@@ -336,7 +361,7 @@ class Transport:
 
     async def _backoff(self, attempt: int, deadline: float, error: Exception) -> None:
         """Exponential backoff with full jitter; give up with `error` when the deadline would pass."""
-        delay = random.uniform(0, min(self.backoff_max, self.backoff_base * 2 ** attempt))
+        delay = random.uniform(0, min(self.backoff_max, self.backoff_base * 2**attempt))
         if time.monotonic() + delay > deadline:
             raise error
         await asyncio.sleep(delay)

@@ -42,8 +42,13 @@ class WeightBroadcaster:
         sizes = [self._http.get(f"{url}/get_world_size").json()["world_size"] for url in self.server_urls]
         n, offset = sum(sizes), 0
         for url, size in zip(self.server_urls, sizes):
-            body = {"host": self.host, "port": self.port, "rank_offset": offset, "inference_world_size": n,
-                    "timeout": self.timeout_s}
+            body = {
+                "host": self.host,
+                "port": self.port,
+                "rank_offset": offset,
+                "inference_world_size": n,
+                "timeout": self.timeout_s,
+            }
             self._http.post(f"{url}/init_broadcaster", json=body).raise_for_status()
             offset += size
         weight_transfer.init_group(self.host, self.port, 0, n + 1, self.timeout_s)
@@ -66,7 +71,7 @@ class WeightBroadcaster:
         self._http.close()
         self._pool.shutdown()
 
-    def __enter__(self) -> "WeightBroadcaster":
+    def __enter__(self) -> WeightBroadcaster:
         self.connect()
         return self
 

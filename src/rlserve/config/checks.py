@@ -10,51 +10,71 @@ if TYPE_CHECKING:
     from rlserve.config.schema import Config
 
 
-def check_combinations(config: "Config") -> None:
+def check_combinations(config: Config) -> None:
     if config.model.max_model_len is not None and config.engine.max_num_batched_tokens < config.engine.block_size:
         raise ValueError("engine.max_num_batched_tokens must be at least engine.block_size")
     check_deployment(config)
 
 
-def check_deployment(config: "Config") -> None:
+def check_deployment(config: Config) -> None:
     d = config.deployment
     if d.type == "disaggregated":
         if d.replicas != 1 or d.num_nodes != 1:
-            raise ValueError("deployment.type = 'disaggregated' counts its servers in num_prefill_replicas and "
-                             "num_decode_replicas: leave deployment.replicas and num_nodes at 1")
+            raise ValueError(
+                "deployment.type = 'disaggregated' counts its servers in num_prefill_replicas and "
+                "num_decode_replicas: leave deployment.replicas and num_nodes at 1"
+            )
         if d.on_ray:
             _check_ray_roles(d)
         if config.enable_return_routed_experts:
-            raise ValueError("enable_return_routed_experts cannot be used with deployment.type = 'disaggregated': "
-                             "transferred KV carries no routed experts")
-    elif (d.num_prefill_replicas, d.num_decode_replicas, d.num_prefill_nodes, d.num_decode_nodes) != (1, 1, None, None) \
-            or d.prefill_env_vars or d.decode_env_vars or d.non_cached_tokens:
-        raise ValueError("deployment.num_prefill_*/num_decode_*, prefill_env_vars, decode_env_vars and "
-                         "non_cached_tokens need deployment.type = 'disaggregated'")
+            raise ValueError(
+                "enable_return_routed_experts cannot be used with deployment.type = 'disaggregated': "
+                "transferred KV carries no routed experts"
+            )
+    elif (
+        (d.num_prefill_replicas, d.num_decode_replicas, d.num_prefill_nodes, d.num_decode_nodes) != (1, 1, None, None)
+        or d.prefill_env_vars
+        or d.decode_env_vars
+        or d.non_cached_tokens
+    ):
+        raise ValueError(
+            "deployment.num_prefill_*/num_decode_*, prefill_env_vars, decode_env_vars and "
+            "non_cached_tokens need deployment.type = 'disaggregated'"
+        )
     if d.type == "multi_node":
         if d.replicas != 1:
-            raise ValueError("deployment.replicas counts replicas on one machine; with type 'multi_node' set "
-                             "deployment.num_nodes (one replica per Ray node) and leave replicas at 1")
+            raise ValueError(
+                "deployment.replicas counts replicas on one machine; with type 'multi_node' set "
+                "deployment.num_nodes (one replica per Ray node) and leave replicas at 1"
+            )
     elif d.num_nodes != 1:
-        raise ValueError("deployment.num_nodes needs deployment.type = 'multi_node' (Ray); "
-                         "for several replicas on this machine set deployment.replicas")
+        raise ValueError(
+            "deployment.num_nodes needs deployment.type = 'multi_node' (Ray); "
+            "for several replicas on this machine set deployment.replicas"
+        )
     if d.on_ray and importlib.util.find_spec("ray") is None:
         how = "type 'multi_node'" if d.type == "multi_node" else "num_prefill_nodes / num_decode_nodes"
-        raise ValueError(f"deployment {how} runs on Ray, which is not installed: pip install 'rlserve[ray]' "
-                         "(or keep every server on this machine)")
+        raise ValueError(
+            f"deployment {how} runs on Ray, which is not installed: pip install 'rlserve[ray]' "
+            "(or keep every server on this machine)"
+        )
     if not d.enabled:
         return
     port = config.server.port
     if d.admin_port is not None and port and d.admin_port == port:
-        raise ValueError(f"deployment.admin_port {d.admin_port} equals server.port: give the admin address "
-                         "its own port (default server.port + 1)")
+        raise ValueError(
+            f"deployment.admin_port {d.admin_port} equals server.port: give the admin address "
+            "its own port (default server.port + 1)"
+        )
     if d.backend_port:
         backends = range(d.backend_port, d.backend_port + d.size)
         admin = d.admin_port if d.admin_port is not None else (port + 1 if port else None)
         clash = [p for p in (port, admin) if p and p in backends]
         if clash:
-            raise ValueError(f"deployment.backend_port {d.backend_port}..{backends[-1]} (one port per replica) "
-                             f"overlaps port {clash[0]}; move deployment.backend_port")
+            raise ValueError(
+                f"deployment.backend_port {d.backend_port}..{backends[-1]} (one port per replica) "
+                f"overlaps port {clash[0]}; move deployment.backend_port"
+            )
         if backends[-1] > 65535:
             raise ValueError(f"deployment.backend_port {d.backend_port} + {d.size} replicas passes port 65535")
     if not d.on_ray:
@@ -66,20 +86,26 @@ def _check_ray_roles(d) -> None:
     for kind in ("prefill", "decode"):
         nodes, replicas = getattr(d, f"num_{kind}_nodes") or 1, getattr(d, f"num_{kind}_replicas")
         if replicas not in (1, nodes):
-            raise ValueError(f"deployment.num_{kind}_replicas = {replicas} with num_{kind}_nodes = {nodes}: on Ray "
-                             f"every {kind} node runs its own server (one server cannot span nodes); leave "
-                             f"num_{kind}_replicas at 1 or set it to num_{kind}_nodes")
+            raise ValueError(
+                f"deployment.num_{kind}_replicas = {replicas} with num_{kind}_nodes = {nodes}: on Ray "
+                f"every {kind} node runs its own server (one server cannot span nodes); leave "
+                f"num_{kind}_replicas at 1 or set it to num_{kind}_nodes"
+            )
 
 
-def _check_devices(config: "Config") -> None:
+def _check_devices(config: Config) -> None:
     device, n = config.model.device, config.deployment.size
     if device.startswith("cuda") and ":" in device:
-        raise ValueError(f"model.device {device!r} pins one GPU, but each of the deployment's {n} replicas needs "
-                         "its own: set model.device = 'cuda' (replica i gets cuda:i)")
+        raise ValueError(
+            f"model.device {device!r} pins one GPU, but each of the deployment's {n} replicas needs "
+            "its own: set model.device = 'cuda' (replica i gets cuda:i)"
+        )
     if device == "cuda":
         import torch
 
         if torch.cuda.device_count() < n:
-            raise ValueError(f"the deployment has {n} GPU replicas but this machine has "
-                             f"{torch.cuda.device_count()} GPU(s): lower deployment.replicas (or the prefill/decode "
-                             "replica counts)")
+            raise ValueError(
+                f"the deployment has {n} GPU replicas but this machine has "
+                f"{torch.cuda.device_count()} GPU(s): lower deployment.replicas (or the prefill/decode "
+                "replica counts)"
+            )

@@ -12,11 +12,12 @@ from __future__ import annotations
 import difflib
 import json
 import os
-import tomllib
 import types
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Literal, Union, get_args, get_origin
+from typing import Any, Literal, Union, get_args, get_origin
 
+import tomllib
 import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
@@ -119,7 +120,9 @@ def _parse_value(raw: str, field: FieldInfo, names: list[str], base: type[BaseMo
         try:
             value = json.loads(raw)
         except json.JSONDecodeError as e:
-            raise ConfigError(f"--{'.'.join(names)} expects JSON ({_type_name(field.annotation)}), got {raw!r}: {e}")
+            raise ConfigError(
+                f"--{'.'.join(names)} expects JSON ({_type_name(field.annotation)}), got {raw!r}: {e}"
+            ) from None
         if section is not None and isinstance(value, dict):
             value = _normalize(value, section, names, _cli_spell, root=base)
         return value
@@ -250,7 +253,7 @@ def _strip_optional(annotation: Any) -> tuple[Any, bool]:
     if get_origin(annotation) in (Union, types.UnionType):
         args = [a for a in get_args(annotation) if a is not type(None)]
         nullable = len(args) < len(get_args(annotation))
-        return (args[0] if len(args) == 1 else Union[tuple(args)]), nullable
+        return (args[0] if len(args) == 1 else Union[tuple(args)]), nullable  # noqa: UP007 (built at run time)
     return annotation, False
 
 

@@ -37,21 +37,56 @@ class ModelConfig(Section):
     )
     enforce_eager: bool = Field(False, description="never capture CUDA graphs")
     trust_remote_code: bool = Field(False, description="allow custom code from the model directory")
-    chat_template: str | None = Field(None, description="a Jinja chat template (file path or inline) replacing the model's")
+    chat_template: str | None = Field(
+        None, description="a Jinja chat template (file path or inline) replacing the model's"
+    )
     served_model_name: str | None = Field(None, description="the name clients use; default = model.name")
     # vLLM's names; rlserve.server.parsers holds one parser per name (docs/parsers.md).
-    tool_call_parser: Literal[
-        "hermes", "qwen3_json", "qwen3_coder", "qwen3_xml", "glm45", "glm47", "deepseek_v3", "deepseek_v31",
-        "kimi_k2", "openai", "llama3_json", "llama4_json", "llama4_pythonic", "pythonic", "mistral", "granite",
-        "internlm", "minimax_m2", "seed_oss", "xlam", "phi4_mini_json",
-    ] | None = Field(None, description="parse tool calls out of chat output when a request has tools; none = raw text")
-    reasoning_parser: Literal[
-        "qwen3", "deepseek_r1", "deepseek_v3", "glm45", "kimi_k2", "openai_gptoss", "granite", "minimax_m2",
-        "seed_oss", "mistral",
-    ] | None = Field(None, description="split reasoning from chat content; none = raw text")
+    tool_call_parser: (
+        Literal[
+            "hermes",
+            "qwen3_json",
+            "qwen3_coder",
+            "qwen3_xml",
+            "glm45",
+            "glm47",
+            "deepseek_v3",
+            "deepseek_v31",
+            "kimi_k2",
+            "openai",
+            "llama3_json",
+            "llama4_json",
+            "llama4_pythonic",
+            "pythonic",
+            "mistral",
+            "granite",
+            "internlm",
+            "minimax_m2",
+            "seed_oss",
+            "xlam",
+            "phi4_mini_json",
+        ]
+        | None
+    ) = Field(None, description="parse tool calls out of chat output when a request has tools; none = raw text")
+    reasoning_parser: (
+        Literal[
+            "qwen3",
+            "deepseek_r1",
+            "deepseek_v3",
+            "glm45",
+            "kimi_k2",
+            "openai_gptoss",
+            "granite",
+            "minimax_m2",
+            "seed_oss",
+            "mistral",
+        ]
+        | None
+    ) = Field(None, description="split reasoning from chat content; none = raw text")
     adapter_path: str | None = Field(
-        None, description="a LoRA adapter (PEFT or mlx-lm layout) loaded at start as policy version 1; every "
-        "request of the base model uses it, as after an MLX-style /load_adapter"
+        None,
+        description="a LoRA adapter (PEFT or mlx-lm layout) loaded at start as policy version 1; every "
+        "request of the base model uses it, as after an MLX-style /load_adapter",
     )
 
 
@@ -59,13 +94,19 @@ class ServerConfig(Section):
     host: str = Field("127.0.0.1", description="interface to bind")
     port: int = Field(8000, ge=0, le=65535, description="TCP port (0 = any free port)")
     api_key: str | None = Field(None, description="Bearer key required on every route but /health and /metrics")
-    admin_api_key: str | None = Field(None, description="Bearer key required on admin routes (updates, pause, adapters)")
+    admin_api_key: str | None = Field(
+        None, description="Bearer key required on admin routes (updates, pause, adapters)"
+    )
     policy_wait_s: float = Field(
-        0.0, ge=0, description="how long a request whose min_policy_version (or policy_version - max_off_policy_steps) "
+        0.0,
+        ge=0,
+        description="how long a request whose min_policy_version (or policy_version - max_off_policy_steps) "
         "is ahead of the server waits for an update before 409; per request: policy_wait_s",
     )
     max_off_policy_steps: int | None = Field(
-        None, ge=0, description="a request carrying the trainer's policy_version starts only when the server is at most "
+        None,
+        ge=0,
+        description="a request carrying the trainer's policy_version starts only when the server is at most "
         "this many versions behind it (held for policy_wait_s, then 409)",
     )
     log_level: str = Field("info", description="uvicorn log level")
@@ -77,9 +118,13 @@ class ServerConfig(Section):
         30.0, ge=0, description="after SIGTERM: how long in-flight requests may run before they are aborted"
     )
     # request caps (over one: a 4xx naming the cap; docs/errors.md)
-    max_body_bytes: int = Field(8 << 20, ge=1024, description="largest request body; bigger ones get 413 before they are read")
+    max_body_bytes: int = Field(
+        8 << 20, ge=1024, description="largest request body; bigger ones get 413 before they are read"
+    )
     max_waiting_requests: int = Field(
-        8192, ge=0, description="requests queued in the engine beyond which new ones get 429 with Retry-After (0 = no cap)"
+        8192,
+        ge=0,
+        description="requests queued in the engine beyond which new ones get 429 with Retry-After (0 = no cap)",
     )
     max_stop_strings: int = Field(64, ge=0, description="most stop strings one request may send")
     max_stop_string_chars: int = Field(1024, ge=1, description="longest stop string")
@@ -87,8 +132,9 @@ class ServerConfig(Section):
         128, ge=1, description="max_tokens of an MLX-style /generate request that omits it (the MLX --max-tokens)"
     )
     metrics_format: Literal["prometheus", "json"] = Field(
-        "prometheus", description="what a plain GET /metrics returns; an Accept header (Prometheus/OpenMetrics "
-        "text or application/json) or ?format=json still picks per request. The MLX-style launch sets json"
+        "prometheus",
+        description="what a plain GET /metrics returns; an Accept header (Prometheus/OpenMetrics "
+        "text or application/json) or ?format=json still picks per request. The MLX-style launch sets json",
     )
     trust_request_chat_template: bool = Field(
         False, description="accept a per-request chat_template (rendered sandboxed, bounded in time and size)"
@@ -99,9 +145,11 @@ class EngineConfig(Section):
     max_num_seqs: int = Field(256, ge=1, description="most sequences in one batch")
     max_num_batched_tokens: int = Field(2048, ge=16, description="token budget of one engine step")
     batch_window_ms: float = Field(
-        0.0, ge=0, description="batch-forming window: when the engine is idle and a request arrives, admission "
+        0.0,
+        ge=0,
+        description="batch-forming window: when the engine is idle and a request arrives, admission "
         "waits up to this long (or until max_num_seqs sequences wait) before the first step; never while busy; "
-        "0 = off (the MLX --flush-interval-ms)"
+        "0 = off (the MLX --flush-interval-ms)",
     )
     block_size: int = Field(16, ge=1, description="tokens per KV-cache block")
     kv_cache_bytes: int | None = Field(
@@ -136,12 +184,14 @@ class EngineConfig(Section):
         False, description="testing only: accept vllm_xargs.forced_token_ids (the first completion tokens)"
     )
     inflight_update_policy: str = Field(
-        "keep", pattern=r"^(keep|recompute|abort|recompute_if_older_than:\d+)$",
+        "keep",
+        pattern=r"^(keep|recompute|abort|recompute_if_older_than:\d+)$",
         description="sequences in flight at a weight update: keep (go on over the old KV), recompute (their KV "
         "recomputed with the new weights first), abort (end with their tokens), recompute_if_older_than:N",
     )
     batch_invariant: bool = Field(
-        False, description="a request's tokens and logprobs are bitwise the same alone or in any batch, chunked or "
+        False,
+        description="a request's tokens and logprobs are bitwise the same alone or in any batch, chunked or "
         "prefix-cached (CPU, dense models, tp=1; also VLLM_BATCH_INVARIANT=1 or --batch-invariant); "
         "see docs/batch-invariance.md",
     )
@@ -154,15 +204,17 @@ class RouterConfig(Section):
     )
     extra_args: list[str] = Field(default_factory=list, description="more vllm-router arguments, passed as given")
     allow_open_worker_routes: bool = Field(
-        False, description="run the router on a non-loopback server.host although its worker routes "
-        "(/add_worker, /remove_worker) take no key (behind a firewall that admits only your clients)"
+        False,
+        description="run the router on a non-loopback server.host although its worker routes "
+        "(/add_worker, /remove_worker) take no key (behind a firewall that admits only your clients)",
     )
 
 
 class DeploymentConfig(Section):
     type: Literal["single_node", "multi_node", "disaggregated"] = Field(
-        "single_node", description="single_node: replicas on this machine; multi_node: one replica per Ray node; "
-        "disaggregated: prefill and decode replicas behind vllm-router's P/D mode, KV moved between them"
+        "single_node",
+        description="single_node: replicas on this machine; multi_node: one replica per Ray node; "
+        "disaggregated: prefill and decode replicas behind vllm-router's P/D mode, KV moved between them",
     )
     replicas: int = Field(1, ge=1, description="engine servers on this machine (single_node); 1 = no router")
     num_nodes: int = Field(1, ge=1, description="multi_node: Ray nodes, one replica each")
@@ -177,31 +229,39 @@ class DeploymentConfig(Section):
     num_prefill_replicas: int = Field(1, ge=1, description="disaggregated: prefill servers on this machine")
     num_decode_replicas: int = Field(1, ge=1, description="disaggregated: decode servers on this machine")
     num_prefill_nodes: int | None = Field(
-        None, ge=1, description="disaggregated on Ray: Ray nodes with one prefill server each; setting it (or "
-        "num_decode_nodes) places the servers on the cluster at ray_address instead of this machine"
+        None,
+        ge=1,
+        description="disaggregated on Ray: Ray nodes with one prefill server each; setting it (or "
+        "num_decode_nodes) places the servers on the cluster at ray_address instead of this machine",
     )
     num_decode_nodes: int | None = Field(
         None, ge=1, description="disaggregated on Ray: Ray nodes with one decode server each (default 1 on Ray)"
     )
-    prefill_env_vars: dict[str, str] = Field(default_factory=dict, description="disaggregated: extra environment "
-                                             "of every prefill server")
-    decode_env_vars: dict[str, str] = Field(default_factory=dict, description="disaggregated: extra environment "
-                                            "of every decode server")
+    prefill_env_vars: dict[str, str] = Field(
+        default_factory=dict, description="disaggregated: extra environment of every prefill server"
+    )
+    decode_env_vars: dict[str, str] = Field(
+        default_factory=dict, description="disaggregated: extra environment of every decode server"
+    )
     non_cached_tokens: int = Field(
-        0, ge=0, description="disaggregated: a request with fewer prompt tokens missing from the decode server's "
-        "prefix cache is prefilled there instead of pulling KV (kv_transfer.non_cached_tokens)"
+        0,
+        ge=0,
+        description="disaggregated: a request with fewer prompt tokens missing from the decode server's "
+        "prefix cache is prefilled there instead of pulling KV (kv_transfer.non_cached_tokens)",
     )
     bind_cores: bool = Field(
-        True, description="replicas on this machine: give each its own CPU cores (sched_setaffinity, inherited by its "
+        True,
+        description="replicas on this machine: give each its own CPU cores (sched_setaffinity, inherited by its "
         "threads and engine processes) when their threads fit the cores this process may use; false = the OS "
-        "places them. Unbound, the scheduler puts a KV pull's sender and receiver on one core"
+        "places them. Unbound, the scheduler puts a KV pull's sender and receiver on one core",
     )
 
     @property
     def on_ray(self) -> bool:
         """multi_node, or disaggregated with num_prefill_nodes / num_decode_nodes: one server per Ray node."""
         return self.type == "multi_node" or (
-            self.type == "disaggregated" and (self.num_prefill_nodes, self.num_decode_nodes) != (None, None))
+            self.type == "disaggregated" and (self.num_prefill_nodes, self.num_decode_nodes) != (None, None)
+        )
 
     @property
     def prefill_servers(self) -> int:
@@ -246,7 +306,9 @@ class GibberishDetectionConfig(Section):
 
 class RepetitionDetectionConfig(Section):
     window: int = Field(3000, ge=1, description="fire after this many consecutive confident tokens")
-    prob_threshold: float = Field(0.99, gt=0, lt=1, description="a token is confident when the top probability exceeds this")
+    prob_threshold: float = Field(
+        0.99, gt=0, lt=1, description="a token is confident when the top probability exceeds this"
+    )
 
 
 class LogitsProcessorsConfig(Section):
@@ -266,7 +328,9 @@ class KVOffloadCPUConfig(Section):
 
 
 class KVOffloadDiskConfig(Section):
-    path: str = Field(..., description="an existing, writable directory; blocks the CPU tier spills go to files under it")
+    path: str = Field(
+        ..., description="an existing, writable directory; blocks the CPU tier spills go to files under it"
+    )
     num_bytes: int | None = Field(None, ge=1, description="cap on the disk tier's files; none = until the disk is full")
 
 
@@ -274,12 +338,14 @@ class KVMooncakeConfig(Section):
     """type = "mooncake" (docs/kv-mooncake.md): where the shared Mooncake store is."""
 
     master_address: str | None = Field(
-        None, description="host:port of a running mooncake_master; none = rlserve starts one (a deployment: one "
-        "for all its replicas) and stops it on exit"
+        None,
+        description="host:port of a running mooncake_master; none = rlserve starts one (a deployment: one "
+        "for all its replicas) and stops it on exit",
     )
     metadata_server: str | None = Field(
-        None, description="the transfer engine's metadata URL; none = the master's own HTTP metadata server "
-        "(rlserve's master: filled in; a master of yours: http://<master host>:8080/metadata)"
+        None,
+        description="the transfer engine's metadata URL; none = the master's own HTTP metadata server "
+        "(rlserve's master: filled in; a master of yours: http://<master host>:8080/metadata)",
     )
     local_hostname: str = Field("127.0.0.1", description="the address other replicas reach this one's memory on")
     protocol: Literal["tcp", "rdma"] = Field("tcp", description="the transfer engine's transport")
@@ -287,24 +353,29 @@ class KVMooncakeConfig(Section):
 
 class KVOffloadConfig(Section):
     type: Literal["native", "mooncake"] = Field(
-        "native", description="the offload implementation: rlserve's own tiers, or one Mooncake store shared by "
-        "every replica (cpu.num_bytes: the DRAM each replica contributes to it)"
+        "native",
+        description="the offload implementation: rlserve's own tiers, or one Mooncake store shared by "
+        "every replica (cpu.num_bytes: the DRAM each replica contributes to it)",
     )
     cpu: KVOffloadCPUConfig | None = Field(None, description="the CPU tier (required)")
     disk: KVOffloadDiskConfig | None = Field(None, description="an optional disk tier behind the CPU tier")
     mooncake: KVMooncakeConfig | None = Field(None, description="type = 'mooncake': the store's addresses")
 
     @model_validator(mode="after")
-    def _needs_cpu(self) -> "KVOffloadConfig":
+    def _needs_cpu(self) -> KVOffloadConfig:
         if self.cpu is None:
             what = "a disk tier alone is not supported: " if self.disk is not None else ""
             raise ValueError(f"{what}kv_cache_offload needs a CPU tier: set kv_cache_offload.cpu.num_bytes")
         if self.mooncake is not None and self.type != "mooncake":
-            raise ValueError("kv_cache_offload.mooncake is set but kv_cache_offload.type is "
-                             f"{self.type!r}: set type = 'mooncake' or drop [kv_cache_offload.mooncake]")
+            raise ValueError(
+                "kv_cache_offload.mooncake is set but kv_cache_offload.type is "
+                f"{self.type!r}: set type = 'mooncake' or drop [kv_cache_offload.mooncake]"
+            )
         if self.mooncake is not None and self.mooncake.metadata_server and not self.mooncake.master_address:
-            raise ValueError("kv_cache_offload.mooncake.metadata_server needs master_address too (rlserve starts "
-                             "its own master with its own metadata server)")
+            raise ValueError(
+                "kv_cache_offload.mooncake.metadata_server needs master_address too (rlserve starts "
+                "its own master with its own metadata server)"
+            )
         return self
 
 
@@ -318,10 +389,14 @@ class KVTransferConfig(Section):
     pin_timeout_s: float = Field(
         120.0, gt=0, description="a prefilled request's KV stays pinned this long for its decode server, at most"
     )
-    pull_timeout_s: float = Field(60.0, gt=0, description="socket timeout of a decode server's pull; then it prefills itself")
+    pull_timeout_s: float = Field(
+        60.0, gt=0, description="socket timeout of a decode server's pull; then it prefills itself"
+    )
     non_cached_tokens: int = Field(
-        0, ge=0, description="decode side: below this many prompt tokens missing from its own prefix cache, "
-        "prefill locally instead of pulling"
+        0,
+        ge=0,
+        description="decode side: below this many prompt tokens missing from its own prefix cache, "
+        "prefill locally instead of pulling",
     )
     peer_hosts: list[str] = Field(
         ["127.0.0.1", "::1", "localhost"],
@@ -333,7 +408,9 @@ class KVTransferConfig(Section):
 class Config(Section):
     seed: int = Field(0, description="seed of the engine's generator for unseeded requests")
     gpu_memory_utilization: float | None = Field(
-        None, gt=0, le=1,
+        None,
+        gt=0,
+        le=1,
         description="fraction of the device's memory (CPU: of the memory available at start) that weights plus "
         "the KV cache may use; sizes the KV pool when engine.kv_cache_bytes and memory_budget_bytes are not set",
     )
@@ -362,14 +439,17 @@ class Config(Section):
         None, description="keep KV blocks evicted from the pool in CPU memory (and on disk); enables prefix caching"
     )
     kv_transfer: KVTransferConfig | None = Field(
-        None, description="serve and pull KV blocks for prefill/decode disaggregation (set by deployment.type = "
-        "'disaggregated'); enables prefix caching"
+        None,
+        description="serve and pull KV blocks for prefill/decode disaggregation (set by deployment.type = "
+        "'disaggregated'); enables prefix caching",
     )
 
     @model_validator(mode="after")
-    def _check_combinations(self) -> "Config":
+    def _check_combinations(self) -> Config:
         check_combinations(self)
-        if (self.kv_cache_offload is not None or self.kv_transfer is not None) and not self.engine.enable_prefix_caching:
+        if (
+            self.kv_cache_offload is not None or self.kv_transfer is not None
+        ) and not self.engine.enable_prefix_caching:
             self.engine.enable_prefix_caching = True  # the tiers and pulled KV sit behind the prefix cache
         return self
 

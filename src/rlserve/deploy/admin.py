@@ -30,8 +30,10 @@ def build_admin_app(dep: Deployment) -> FastAPI:
     @app.get("/health")
     async def health() -> JSONResponse:
         up = dep.router is not None and dep.router.exited() is None and bool(dep.serving())
-        return JSONResponse({"status": "healthy" if up else "unhealthy", "replicas_serving": len(dep.serving())},
-                            status_code=200 if up else 503)
+        return JSONResponse(
+            {"status": "healthy" if up else "unhealthy", "replicas_serving": len(dep.serving())},
+            status_code=200 if up else 503,
+        )
 
     @app.get("/get_world_size")
     async def world_size() -> dict:
@@ -68,9 +70,15 @@ async def _fan_out(dep: Deployment, path: str, request: Request) -> Response:
         if not targets:
             raise APIError(503, "no replica is serving; GET /deployment shows why")
         contents = _bodies(dep, path, body, raw, targets)
-        results = await asyncio.gather(*(
-            dep.http.request(request.method, f"{slot.url}{path}", params=request.query_params, content=content,
-                             headers=headers) for slot, content in zip(targets, contents)), return_exceptions=True)
+        results = await asyncio.gather(
+            *(
+                dep.http.request(
+                    request.method, f"{slot.url}{path}", params=request.query_params, content=content, headers=headers
+                )
+                for slot, content in zip(targets, contents)
+            ),
+            return_exceptions=True,
+        )
         return await _settle(dep, path, body, request, targets, results)
 
 
@@ -85,8 +93,12 @@ def _json(raw: bytes, request: Request) -> dict[str, Any]:
 
 
 def _is_push(path: str, body: dict[str, Any]) -> bool:
-    return path == "/update_weights" and "weight_path" not in body and "update_info" not in body \
+    return (
+        path == "/update_weights"
+        and "weight_path" not in body
+        and "update_info" not in body
         and body.get("weight_dir") is None
+    )
 
 
 def _targets(dep: Deployment, path: str, body: dict[str, Any]) -> list[Slot]:
@@ -101,16 +113,22 @@ def _bodies(dep: Deployment, path: str, body: dict[str, Any], raw: bytes, target
     # one group: the trainer (rank 0) and every replica, each with its own rank
     offset, world = int(body.get("rank_offset", 0)), body.get("inference_world_size")
     if world is not None and int(world) < offset + len(targets):
-        raise APIError(400, f"this deployment has {len(targets)} serving replicas: set inference_world_size to at "
-                            f"least rank_offset + {len(targets)} (GET /get_world_size tells the count)",
-                       param="inference_world_size")
+        raise APIError(
+            400,
+            f"this deployment has {len(targets)} serving replicas: set inference_world_size to at "
+            f"least rank_offset + {len(targets)} (GET /get_world_size tells the count)",
+            param="inference_world_size",
+        )
     world = int(world) if world is not None else offset + len(targets)
-    return [json.dumps(body | {"rank_offset": offset + i, "inference_world_size": world}).encode()
-            for i in range(len(targets))]
+    return [
+        json.dumps(body | {"rank_offset": offset + i, "inference_world_size": world}).encode()
+        for i in range(len(targets))
+    ]
 
 
-async def _settle(dep: Deployment, path: str, body: dict[str, Any], request: Request, targets: list[Slot],
-                  results: list) -> Response:
+async def _settle(
+    dep: Deployment, path: str, body: dict[str, Any], request: Request, targets: list[Slot], results: list
+) -> Response:
     ok = [(s, r) for s, r in zip(targets, results) if isinstance(r, httpx.Response) and r.status_code < 400]
     failed = [(s, r) for s, r in zip(targets, results) if (s, r) not in ok]
     if not ok:  # nobody changed: pass the (first) refusal through as it is
@@ -126,9 +144,13 @@ async def _settle(dep: Deployment, path: str, body: dict[str, Any], request: Req
         await dep.rejoin(slot)
     if failed:
         names = ", ".join(f"{s.name} ({s.url})" for s, _ in failed)
-        raise APIError(502, f"{path} failed on {names}: " + "; ".join(_why(s, r) for s, r in failed)
-                       + f". It left the router's rotation and rejoins after a restart at the current weights; "
-                         f"the other replicas applied it and serve policy_version {dep.state.policy_version}")
+        raise APIError(
+            502,
+            f"{path} failed on {names}: "
+            + "; ".join(_why(s, r) for s, r in failed)
+            + f". It left the router's rotation and rejoins after a restart at the current weights; "
+            f"the other replicas applied it and serve policy_version {dep.state.policy_version}",
+        )
     first = ok[0][1]
     return Response(first.content, status_code=first.status_code, media_type=first.headers.get("content-type"))
 

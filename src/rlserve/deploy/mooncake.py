@@ -55,8 +55,10 @@ def find_binary() -> str:
     beside = Path(sys.executable).with_name(MASTER_BINARY)
     found = str(beside) if beside.exists() else shutil.which(MASTER_BINARY)
     if found is None:
-        raise RuntimeError(f"kv_cache_offload.type = 'mooncake' needs the {MASTER_BINARY} program: pip install "
-                           "'rlserve[mooncake]' (or set kv_cache_offload.mooncake.master_address to a running master)")
+        raise RuntimeError(
+            f"kv_cache_offload.type = 'mooncake' needs the {MASTER_BINARY} program: pip install "
+            "'rlserve[mooncake]' (or set kv_cache_offload.mooncake.master_address to a running master)"
+        )
     return found
 
 
@@ -73,7 +75,9 @@ class MooncakeMaster:
                 if self._start(binary, start_timeout_s):
                     break
             else:
-                raise RuntimeError(f"{MASTER_BINARY} did not start (its errors are above, exit code {self.proc.returncode})")
+                raise RuntimeError(
+                    f"{MASTER_BINARY} did not start (its errors are above, exit code {self.proc.returncode})"
+                )
         except BaseException:
             self.stop()
             raise
@@ -92,14 +96,20 @@ class MooncakeMaster:
         return f"http://{self.host}:{self.http_port}/metadata"
 
     def _start(self, binary: str, timeout_s: float) -> bool:
-        argv = [binary, f"--rpc_address={self.host}", f"--rpc_port={self.rpc_port}",
-                "--enable_http_metadata_server=true", f"--http_metadata_server_host={self.host}",
-                f"--http_metadata_server_port={self.http_port}", f"--metrics_port={_free_port(self.host)}",
-                "--logtostderr=true", "--minloglevel=1"]
+        argv = [
+            binary,
+            f"--rpc_address={self.host}",
+            f"--rpc_port={self.rpc_port}",
+            "--enable_http_metadata_server=true",
+            f"--http_metadata_server_host={self.host}",
+            f"--http_metadata_server_port={self.http_port}",
+            f"--metrics_port={_free_port(self.host)}",
+            "--logtostderr=true",
+            "--minloglevel=1",
+        ]
         if self.disk:  # the replicas' kv_cache_offload.disk: blocks the memory evicts go to their local disks
             argv += ["--enable_offload=true", "--offload_on_evict=true", "--promotion_on_hit=true"]
-        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     preexec_fn=_child_setup)  # noqa: PLW1509 - setsid and prctl only
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, preexec_fn=_child_setup)  # noqa: PLW1509 - setsid and prctl only
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -123,7 +133,8 @@ class MooncakeMaster:
         o = config.kv_cache_offload
         assert o is not None
         mc = (o.mooncake or KVMooncakeConfig()).model_copy(
-            update={"master_address": self.master_address, "metadata_server": self.metadata_server})
+            update={"master_address": self.master_address, "metadata_server": self.metadata_server}
+        )
         return config.model_copy(update={"kv_cache_offload": o.model_copy(update={"mooncake": mc})})
 
 

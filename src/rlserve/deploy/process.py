@@ -28,21 +28,35 @@ def _die_with_parent() -> None:
 def _child_setup(cores: list[int] | None) -> Callable[[], None]:
     """Runs in the child before exec: its own session, death with the parent, and (if given) its cores, which
     every thread and process it starts inherits."""
+
     def setup() -> None:
         _die_with_parent()
         if cores:
             os.sched_setaffinity(0, cores)
+
     return setup
 
 
 class Child:
     """One child process; `name` prefixes its log lines; `on_line` sees each line (e.g. to find its URL)."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None,
-                 on_line: Callable[[str], None] | None = None, cores: list[int] | None = None):
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str] | None = None,
+        on_line: Callable[[str], None] | None = None,
+        cores: list[int] | None = None,
+    ):
         self.name, self.argv = name, argv
-        self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, preexec_fn=_child_setup(cores))
+        self.proc = subprocess.Popen(
+            argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_child_setup(cores),
+        )
         self._on_line = on_line
         self._pump = threading.Thread(target=self._copy_lines, name=f"log-{name}", daemon=True)
         self._pump.start()

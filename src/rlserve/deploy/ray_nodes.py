@@ -57,8 +57,9 @@ class ReplicaHost:
 class RayReplica:
     """The supervisor's handle on a replica in bundle `index` of the placement group."""
 
-    def __init__(self, index: int, config: Config, key: str, admin_url: str, group,
-                 prefill_hosts: list[str] | None = None):
+    def __init__(
+        self, index: int, config: Config, key: str, admin_url: str, group, prefill_hosts: list[str] | None = None
+    ):
         d = config.deployment
         self.index, self.role, self.group = index, d.role(index), group
         self.name = f"replica {index}" if self.role is None else f"{self.role} replica {index}"
@@ -75,8 +76,9 @@ class RayReplica:
     def start(self) -> None:
         strategy = PlacementGroupSchedulingStrategy(placement_group=self.group, placement_group_bundle_index=self.index)
         # threaded: a poll must not queue behind `start`, which blocks until the server listens
-        self.actor = ray.remote(num_cpus=1, max_concurrency=4)(ReplicaHost).options(
-            scheduling_strategy=strategy).remote()
+        self.actor = (
+            ray.remote(num_cpus=1, max_concurrency=4)(ReplicaHost).options(scheduling_strategy=strategy).remote()
+        )
         self._url_ref = self.actor.start.remote(self.index, self.config, self.env)
         self._poll_ref = None
         self._exit_code = None
@@ -126,12 +128,16 @@ def ray_replicas(config: Config, key: str, admin_url: str) -> list[RayReplica]:
     except ray.exceptions.GetTimeoutError:
         remove_placement_group(group)
         if d.type == "disaggregated":
-            what, lower = (f"{d.prefill_servers} prefill + {d.decode_servers} decode servers",
-                           "deployment.num_prefill_nodes / num_decode_nodes")
+            what, lower = (
+                f"{d.prefill_servers} prefill + {d.decode_servers} decode servers",
+                "deployment.num_prefill_nodes / num_decode_nodes",
+            )
         else:
             what, lower = f"{d.size} replicas", "deployment.num_nodes"
-        raise RuntimeError(f"Ray could not place {what} on {d.size} distinct nodes with a free CPU each: add nodes "
-                           f"(ray start --address ...) or lower {lower}") from None
+        raise RuntimeError(
+            f"Ray could not place {what} on {d.size} distinct nodes with a free CPU each: add nodes "
+            f"(ray start --address ...) or lower {lower}"
+        ) from None
     prefill_hosts = None
     if d.type == "disaggregated":
         ips = _bundle_ips(group)

@@ -16,8 +16,9 @@ KEY_ENV = "RLSERVE_DEPLOYMENT_KEY"
 ADMIN_URL_ENV = "RLSERVE_DEPLOYMENT_ADMIN_URL"
 
 
-def replica_config(config: Config, index: int, host: str, cpu_count: int | None = None,
-                   prefill_hosts: list[str] | None = None) -> dict:
+def replica_config(
+    config: Config, index: int, host: str, cpu_count: int | None = None, prefill_hosts: list[str] | None = None
+) -> dict:
     """The deployment's config as one plain server: its own port, one replica, its share of threads;
     in a disaggregated deployment also a KV block server (prefill) or puller (decode) that may pull from
     `prefill_hosts` (default: `host`, where the prefill replicas of one machine listen)."""
@@ -65,8 +66,16 @@ def replica_cores(config: Config, allowed: list[int] | None = None) -> list[list
 class LocalReplica:
     """A replica on this machine, restartable: each start() is a new process (a new incarnation)."""
 
-    def __init__(self, index: int, config: Config, workdir: Path, key: str, admin_url: str, gpu: bool = False,
-                 cores: list[int] | None = None):
+    def __init__(
+        self,
+        index: int,
+        config: Config,
+        workdir: Path,
+        key: str,
+        admin_url: str,
+        gpu: bool = False,
+        cores: list[int] | None = None,
+    ):
         d = config.deployment
         self.index, self.role, self.cores = index, d.role(index), cores
         self.name = f"replica {index}" if self.role is None else f"{self.role} replica {index}"

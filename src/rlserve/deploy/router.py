@@ -17,8 +17,14 @@ from rlserve.deploy.process import Child, free_port
 log = logging.getLogger("rlserve.deploy")
 
 
-def router_argv(config: Config, host: str, port: int, worker_urls: list[str], prometheus_port: int,
-                roles: list[str | None] | None = None) -> list[str]:
+def router_argv(
+    config: Config,
+    host: str,
+    port: int,
+    worker_urls: list[str],
+    prometheus_port: int,
+    roles: list[str | None] | None = None,
+) -> list[str]:
     """`roles` (disaggregated): "prefill" or "decode" per worker URL, for the router's P/D mode (§1.2)."""
     r = config.deployment.router
     argv = [_binary(), "--host", host, "--port", str(port), "--policy", r.policy]
@@ -28,11 +34,19 @@ def router_argv(config: Config, host: str, port: int, worker_urls: list[str], pr
             argv += ["--prefill", url] if role == "prefill" else ["--decode", url]
     else:
         argv += ["--worker-urls", *worker_urls]
-    argv += ["--request-id-headers", "x-session-id",
-            "--worker-startup-timeout-secs", "4200",
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus_port),
-            # its INFO level logs every routing decision: too much to pass through the supervisor
-            "--log-level", "debug" if config.server.log_level.lower() == "debug" else "warning"]
+    argv += [
+        "--request-id-headers",
+        "x-session-id",
+        "--worker-startup-timeout-secs",
+        "4200",
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(prometheus_port),
+        # its INFO level logs every routing decision: too much to pass through the supervisor
+        "--log-level",
+        "debug" if config.server.log_level.lower() == "debug" else "warning",
+    ]
     dp = getattr(getattr(config, "parallel", None), "dp", None)  # engines behind one port, when configured
     if isinstance(dp, int) and dp > 1:
         argv += ["--intra-node-data-parallel-size", str(dp)]

@@ -80,10 +80,16 @@ async def _main(config: Config) -> None:
         assert dep.router is not None
         d = config.deployment
         where = " on Ray nodes" if d.on_ray else ""
-        shape = (f"{d.prefill_servers} prefill + {d.decode_servers} decode replicas{where} behind vllm-router "
-                 "in P/D mode" if d.type == "disaggregated" else f"{len(dep.slots)} replicas behind vllm-router")
-        print(f"rlserve: serving {config.model.served_model_name or config.model.name or 'rlserve-default'} on "
-              f"{dep.router.url} ({shape}; admin: {admin_url})", flush=True)
+        shape = (
+            f"{d.prefill_servers} prefill + {d.decode_servers} decode replicas{where} behind vllm-router in P/D mode"
+            if d.type == "disaggregated"
+            else f"{len(dep.slots)} replicas behind vllm-router"
+        )
+        print(
+            f"rlserve: serving {config.model.served_model_name or config.model.name or 'rlserve-default'} on "
+            f"{dep.router.url} ({shape}; admin: {admin_url})",
+            flush=True,
+        )
         await asyncio.wait([serving, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
         watching.cancel()
         server.should_exit = True
@@ -106,8 +112,11 @@ def _admin_host(config: Config) -> str:
     host = config.server.host
     if host in ("127.0.0.1", "localhost", "::1") or config.server.admin_api_key or config.server.api_key:
         return host
-    log.warning("server.host is %s but no server.admin_api_key is set: the admin address listens on 127.0.0.1 "
-                "only (set server.admin_api_key to open it)", host)
+    log.warning(
+        "server.host is %s but no server.admin_api_key is set: the admin address listens on 127.0.0.1 "
+        "only (set server.admin_api_key to open it)",
+        host,
+    )
     return "127.0.0.1"
 
 
@@ -122,7 +131,10 @@ def _replicas(config: Config, key: str, admin_url: str, workdir) -> list[Replica
     gpu = config.model.device in ("auto", "cuda") and _has_cuda()
     cores = replica_cores(config)
     if d.bind_cores and cores[0] is None:
-        log.info("not binding replicas to cores: their threads do not fit the %d usable cores, or this OS cannot bind", len(usable_cores()))
+        log.info(
+            "not binding replicas to cores: their threads do not fit the %d usable cores, or this OS cannot bind",
+            len(usable_cores()),
+        )
     return [LocalReplica(i, config, workdir, key, admin_url, gpu=gpu, cores=c) for i, c in enumerate(cores)]
 
 
@@ -132,4 +144,3 @@ def _has_cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
-

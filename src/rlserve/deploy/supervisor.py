@@ -86,7 +86,9 @@ class Deployment:
         info = await self._versions(self.slots[0])
         self.state.policy_version, self.state.weight_version = info
         self.router = Router(self.config, self.host, self.port)
-        await self.router.start([s.url for s in self.slots], roles=[getattr(s.replica, "role", None) for s in self.slots])
+        await self.router.start(
+            [s.url for s in self.slots], roles=[getattr(s.replica, "role", None) for s in self.slots]
+        )
 
     async def _wait_ready(self, slot: Slot) -> str:
         url = await asyncio.to_thread(slot.replica.wait_listening, HEALTH_TIMEOUT_S)
@@ -167,8 +169,11 @@ class Deployment:
                 await self._post(slot, "/update_weights", s.base)
             for route, body in s.adapters.values():
                 await self._post(slot, route, body)
-            await self._post(slot, "/deployment/sync_version",
-                             {"policy_version": s.policy_version, "weight_version": s.weight_version})
+            await self._post(
+                slot,
+                "/deployment/sync_version",
+                {"policy_version": s.policy_version, "weight_version": s.weight_version},
+            )
             if await self._versions(slot) != (s.policy_version, s.weight_version):
                 raise RuntimeError("versions differ after the replay")
             if s.paused is not None:
@@ -195,10 +200,12 @@ class Deployment:
 
     # ---- talking to replicas ---------------------------------------------------------------------
 
-    async def _post(self, slot: Slot, path: str, body: dict[str, Any] | None,
-                    params: dict[str, str] | None = None) -> Any:
-        r = await self.http.post(f"{slot.url}{path}", json=body, params=params,
-                                 headers=self.headers | self.admin_auth())
+    async def _post(
+        self, slot: Slot, path: str, body: dict[str, Any] | None, params: dict[str, str] | None = None
+    ) -> Any:
+        r = await self.http.post(
+            f"{slot.url}{path}", json=body, params=params, headers=self.headers | self.admin_auth()
+        )
         if r.status_code >= 400:
             raise RuntimeError(f"{path} answered {r.status_code}: {r.text[:300]}")
         return r
@@ -215,17 +222,31 @@ class Deployment:
 
     async def describe(self) -> dict[str, Any]:
         """GET /deployment: every replica with its URL, health, versions and load."""
+
         async def one(slot: Slot) -> dict[str, Any]:
-            row = {"index": slot.replica.index, "role": getattr(slot.replica, "role", None), "url": slot.url,
-                   "status": slot.status, "detail": slot.detail,
-                   "restarts": slot.incarnation, "pid": getattr(slot.replica, "pid", None), "healthy": False}
+            row = {
+                "index": slot.replica.index,
+                "role": getattr(slot.replica, "role", None),
+                "url": slot.url,
+                "status": slot.status,
+                "detail": slot.detail,
+                "restarts": slot.incarnation,
+                "pid": getattr(slot.replica, "pid", None),
+                "healthy": False,
+            }
             try:
-                r = await self.http.get(f"{slot.url}/metrics", params={"format": "json"}, headers=self.admin_auth(),
-                                        timeout=5)
+                r = await self.http.get(
+                    f"{slot.url}/metrics", params={"format": "json"}, headers=self.admin_auth(), timeout=5
+                )
                 m = r.json()
-                row |= {"healthy": r.status_code == 200, "policy_version": m.get("current_policy_version"),
-                        "weight_version": m.get("weight_version"), "running": m.get("num_running"),
-                        "waiting": m.get("queue_depth"), "is_paused": m.get("is_paused")}
+                row |= {
+                    "healthy": r.status_code == 200,
+                    "policy_version": m.get("current_policy_version"),
+                    "weight_version": m.get("weight_version"),
+                    "running": m.get("num_running"),
+                    "waiting": m.get("queue_depth"),
+                    "is_paused": m.get("is_paused"),
+                }
             except (httpx.HTTPError, ValueError, AttributeError):
                 pass
             return row
@@ -233,9 +254,14 @@ class Deployment:
         rows = await asyncio.gather(*(one(s) for s in self.slots))
         s = self.state
         router = self.router.child if self.router else None
-        return {"router": self.router.url if self.router else None, "router_pid": router.pid if router else None,
-                "policy_version": s.policy_version,
-                "weight_version": s.weight_version, "paused": s.paused, "replicas": rows}
+        return {
+            "router": self.router.url if self.router else None,
+            "router_pid": router.pid if router else None,
+            "policy_version": s.policy_version,
+            "weight_version": s.weight_version,
+            "paused": s.paused,
+            "replicas": rows,
+        }
 
 
 def new_key() -> str:
@@ -248,4 +274,3 @@ def private_dir(prefix: str) -> Path:
     path = Path(tempfile.mkdtemp(prefix=prefix))
     os.chmod(path, 0o700)
     return path
-

@@ -27,15 +27,18 @@ def leave_earlier_group(joining: Future | None, peer: str | None) -> None:
     if joining is None:
         return
     if not joining.done():
-        raise TrainerStillConnected(f"the engine is still joining the weight-broadcast group of the trainer at "
-                                    f"{peer}: wait for that /init_broadcaster to finish or time out")
+        raise TrainerStillConnected(
+            f"the engine is still joining the weight-broadcast group of the trainer at "
+            f"{peer}: wait for that /init_broadcaster to finish or time out"
+        )
     if joining.exception() is not None or not dist.is_initialized():
         return  # that join failed: there is no group to leave
     if _trainer_answers():
         raise TrainerStillConnected(
             f"the engine is still in the weight-broadcast group of an earlier trainer at {peer}, which is still "
             "running: stop that trainer (or call its WeightBroadcaster.close()) before starting another, or "
-            "restart this server")
+            "restart this server"
+        )
     dist.destroy_process_group()
     log.warning("left the weight-broadcast group of the trainer at %s: that trainer is gone", peer)
 
@@ -58,5 +61,7 @@ def receive_push(device: str, staging) -> list:
     try:
         return weight_transfer.receive(device, staging)
     except RuntimeError as exc:
-        raise RuntimeError(f"the weight push was cut off ({str(exc).splitlines()[0]}); the previous weights keep "
-                           "serving; the next trainer's /init_broadcaster starts a new group") from None
+        raise RuntimeError(
+            f"the weight push was cut off ({str(exc).splitlines()[0]}); the previous weights keep "
+            "serving; the next trainer's /init_broadcaster starts a new group"
+        ) from None

@@ -46,8 +46,11 @@ class Detectors:
         return self.gibberish is not None or self.repetition is not None
 
     def probe(self, logits: torch.Tensor, rows: list[SamplingRow]) -> Probe:
-        edited = {i: logits[i].clone() for i, r in enumerate(rows)
-                  if r.logit_bias or r.penalties or r.banned_ids or r.top_p < 1 or r.min_p > 0 or r.forced_id is not None}
+        edited = {
+            i: logits[i].clone()
+            for i, r in enumerate(rows)
+            if r.logit_bias or r.penalties or r.banned_ids or r.top_p < 1 or r.min_p > 0 or r.forced_id is not None
+        }
         return Probe(torch.logsumexp(logits, dim=-1).cpu(), logits.amax(dim=-1).cpu(), logits, edited)
 
     def check(self, probe: Probe, row: int, seq, token: int) -> str | None:

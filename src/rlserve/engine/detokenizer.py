@@ -20,7 +20,7 @@ class IncrementalDetokenizer:
     text: str = ""
 
     @classmethod
-    def create(cls, tokenizer, prompt_ids: list[int], params) -> "IncrementalDetokenizer":
+    def create(cls, tokenizer, prompt_ids: list[int], params) -> IncrementalDetokenizer:
         context = list(prompt_ids[-_CONTEXT_TOKENS:])
         d = cls(tokenizer, params.skip_special_tokens, params.stop, params.include_stop_str_in_output)
         d.ids = context
@@ -44,7 +44,9 @@ class IncrementalDetokenizer:
         """At the end of generation, emit whatever is still held back (even a broken character)."""
         if self.read_offset < len(self.ids):
             decode = self.tokenizer.decode
-            prefix = decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=self.skip_special_tokens)
+            prefix = decode(
+                self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=self.skip_special_tokens
+            )
             full = decode(self.ids[self.prefix_offset :], skip_special_tokens=self.skip_special_tokens)
             self.read_offset = len(self.ids)
             self.text += full[len(prefix) :]

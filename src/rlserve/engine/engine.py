@@ -16,32 +16,32 @@ from rlserve.config.schema import Config
 from rlserve.engine.allocator import keep_freed_memory
 from rlserve.engine.detectors import Detectors
 from rlserve.engine.detokenizer import IncrementalDetokenizer
-from rlserve.engine.kv.pool import BlockPool, extra_key
-from rlserve.engine.kv.mooncake import KVMooncake
-from rlserve.engine.kv.offload import KVOffload
-from rlserve.engine.kv.transfer import KVTransfer
-from rlserve.engine.memory import kv_budget, memory_at_start, num_kv_blocks
-from rlserve.engine.prompt_logprobs import record_prompt_logprobs
-from rlserve.engine.outputs import RequestOutput
-from rlserve.engine.tp.leader import TensorParallelLeader
-from rlserve.engine.tp.comm import device_of_rank
-from rlserve.engine.params import SamplingParams
-from rlserve.engine.routing import RoutedExpertsPool, offload_routed_experts
-from rlserve.engine.runner import ModelRunner, kv_bytes_per_token
-from rlserve.engine.sampler import Sampler, sampling_row
-from rlserve.engine.structured import DEAD_END, StructuredOutputs
+from rlserve.engine.devices import resolve_device, resolve_dtype, resolve_head_dtype
 from rlserve.engine.inflight import InflightPolicy, mark_kv_version
 from rlserve.engine.inflight import apply as apply_inflight_policy
 from rlserve.engine.invariant import InvariantSampler, check_supported
+from rlserve.engine.kv.mooncake import KVMooncake
+from rlserve.engine.kv.offload import KVOffload
+from rlserve.engine.kv.pool import BlockPool, extra_key
+from rlserve.engine.kv.transfer import KVTransfer
+from rlserve.engine.memory import kv_budget, memory_at_start, num_kv_blocks
+from rlserve.engine.outputs import RequestOutput
+from rlserve.engine.params import SamplingParams
+from rlserve.engine.prompt_logprobs import record_prompt_logprobs
+from rlserve.engine.routing import RoutedExpertsPool, offload_routed_experts
+from rlserve.engine.runner import ModelRunner, kv_bytes_per_token
+from rlserve.engine.sampler import Sampler, sampling_row
 from rlserve.engine.scheduler import Scheduler
-from rlserve.engine.weights import StagedWeights, commit
 from rlserve.engine.sequence import Request, Sequence, Status
-from rlserve.model.shape import ModelShape
+from rlserve.engine.stats import EngineStats, engine_stats
+from rlserve.engine.structured import DEAD_END, StructuredOutputs
+from rlserve.engine.tp.comm import device_of_rank
+from rlserve.engine.tp.leader import TensorParallelLeader
+from rlserve.engine.weights import StagedWeights, commit
 from rlserve.model.loader import eos_token_ids, load_model, resolve_model_dir
 from rlserve.model.lora import LoraAdapter
+from rlserve.model.shape import ModelShape
 from rlserve.model.tensor_parallel import check_tp
-from rlserve.engine.stats import EngineStats, engine_stats
-from rlserve.engine.devices import resolve_device, resolve_dtype, resolve_head_dtype
 
 log = logging.getLogger(__name__)
 
@@ -64,18 +64,24 @@ class Engine:
         self.shape = ModelShape.from_hf(self.hf_config)
         self.max_model_len = config.model.max_model_len or self.shape.max_position_embeddings
         if self.max_model_len > self.shape.max_position_embeddings:  # the rope table ends there (as vLLM refuses)
-            raise ValueError(f"model.max_model_len={self.max_model_len} is longer than this model's context: its "
-                             f"config.json has max_position_embeddings={self.shape.max_position_embeddings}; set "
-                             f"model.max_model_len to {self.shape.max_position_embeddings} or less")
+            raise ValueError(
+                f"model.max_model_len={self.max_model_len} is longer than this model's context: its "
+                f"config.json has max_position_embeddings={self.shape.max_position_embeddings}; set "
+                f"model.max_model_len to {self.shape.max_position_embeddings} or less"
+            )
         tp = config.parallel.tp
         check_tp(self.shape, tp)
         # each rank holds its heads' slice of every block: offload and transfer would move rank 0's alone
         if tp > 1 and config.kv_cache_offload is not None:
-            raise ValueError(f"parallel.tp={tp}: KV cache offload does not run under tensor parallelism yet; "
-                             "drop [kv_cache_offload] or set parallel.tp=1")
+            raise ValueError(
+                f"parallel.tp={tp}: KV cache offload does not run under tensor parallelism yet; "
+                "drop [kv_cache_offload] or set parallel.tp=1"
+            )
         if tp > 1 and config.kv_transfer is not None:
-            raise ValueError(f"parallel.tp={tp}: prefill/decode KV transfer does not run under tensor parallelism "
-                             "yet; drop [kv_transfer] (or deployment.type = 'disaggregated') or set parallel.tp=1")
+            raise ValueError(
+                f"parallel.tp={tp}: prefill/decode KV transfer does not run under tensor parallelism "
+                "yet; drop [kv_transfer] (or deployment.type = 'disaggregated') or set parallel.tp=1"
+            )
         if tp > 1 and self.device.type == "cuda":
             self.device = device_of_rank(self.device, 0)
         self.vocab_size = self.shape.vocab_size
@@ -118,7 +124,9 @@ class Engine:
         )
         if config.enable_return_routed_experts:
             if self.shape.moe is None:
-                raise ValueError("enable_return_routed_experts needs a mixture-of-experts model (Qwen3-MoE); this one is dense")
+                raise ValueError(
+                    "enable_return_routed_experts needs a mixture-of-experts model (Qwen3-MoE); this one is dense"
+                )
             self.runner.routing = RoutedExpertsPool(self.shape.moe, num_blocks, ec.block_size)
         # the expert blocks size their matmuls from the routing on the host: no graph capture
         self.tp: TensorParallelLeader | None = None
@@ -132,8 +140,13 @@ class Engine:
         self.offload: KVOffload | KVMooncake | None = None
         if config.kv_cache_offload is not None:
             if config.kv_cache_offload.type == "mooncake":  # one store shared by every replica
-                self.offload = KVMooncake(config.kv_cache_offload, self.runner.kv_cache, ec.block_size,
-                                          str(config.model.name), lambda: self.weight_version)
+                self.offload = KVMooncake(
+                    config.kv_cache_offload,
+                    self.runner.kv_cache,
+                    ec.block_size,
+                    str(config.model.name),
+                    lambda: self.weight_version,
+                )
             else:
                 self.offload = KVOffload(config.kv_cache_offload, self.runner.kv_cache, ec.block_size)
             self.scheduler.offload = self.offload
@@ -142,13 +155,22 @@ class Engine:
                 offload_routed_experts(self.offload, self.runner.routing, ec.block_size)
         self.kv_transfer: KVTransfer | None = None
         if config.kv_transfer is not None:
-            self.kv_transfer = KVTransfer(config.kv_transfer, self.pool, self.runner.kv_cache, self.scheduler,
-                                          self._cache_key, lambda: self.weight_generation, self.runner.routing is not None)
+            self.kv_transfer = KVTransfer(
+                config.kv_transfer,
+                self.pool,
+                self.runner.kv_cache,
+                self.scheduler,
+                self._cache_key,
+                lambda: self.weight_generation,
+                self.runner.routing is not None,
+            )
         self.sampler = (InvariantSampler if ec.batch_invariant else Sampler)(torch.Generator().manual_seed(config.seed))
         self.detectors = Detectors(config.logits_processors, self.vocab_size)
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids)
         eos = getattr(self.hf_config, "eos_token_id", None)
-        self.detector_eos = (eos[0] if isinstance(eos, list) else eos) if eos is not None else self.tokenizer.eos_token_id
+        self.detector_eos = (
+            (eos[0] if isinstance(eos, list) else eos) if eos is not None else self.tokenizer.eos_token_id
+        )
         self.policy_version = 0
         self.weight_version = config.weight_version  # the trainer's label for the current weights
         self.weight_generation = 0  # bumps at every committed update: prefix-cache entries never cross it
@@ -268,7 +290,9 @@ class Engine:
         pending, self._pending = self._pending, []
         return pending
 
-    def commit_weights(self, staged: StagedWeights, weight_version: str | None = None, inflight: str | None = None) -> int:
+    def commit_weights(
+        self, staged: StagedWeights, weight_version: str | None = None, inflight: str | None = None
+    ) -> int:
         """Swap in validated weights between steps; every later token carries the new version.
         `inflight` (engine/inflight.py; default engine.inflight_update_policy): what the sequences
         in flight do."""
@@ -282,8 +306,10 @@ class Engine:
         """Load or reload (in place, same name) an adapter; requests already using the name go on
         with the new weights from the next step, like a weight update."""
         if self.config.engine.batch_invariant:
-            raise ValueError("LoRA adapters are not batch-invariant yet (their matmuls follow the step's rows); "
-                             "load adapters on a server without engine.batch_invariant")
+            raise ValueError(
+                "LoRA adapters are not batch-invariant yet (their matmuls follow the step's rows); "
+                "load adapters on a server without engine.batch_invariant"
+            )
         self.adapters[adapter.name] = adapter
         self.adapter_generations[adapter.name] = self.adapter_generations.get(adapter.name, 0) + 1
         return self._bump_version(None)
@@ -366,7 +392,9 @@ class Engine:
         return touched_list
 
     def generate(
-        self, prompts: str | list[int] | Iterable[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None
+        self,
+        prompts: str | list[int] | Iterable[str | list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Run prompts to completion; outputs come back in prompt order."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
@@ -409,8 +437,9 @@ class Engine:
         for seq, mask in zip(rows_seqs, masks):
             if mask is not None and seq.detected is None and not bool(mask.any()):
                 seq.detected = DEAD_END  # nothing may follow: EOS comes next, one-hot, as after a detection
-        sampling_rows = [sampling_row(s, self.eos_token_ids, self.config.engine.logprobs_mode, self.detector_eos)
-                         for s in rows_seqs]
+        sampling_rows = [
+            sampling_row(s, self.eos_token_ids, self.config.engine.logprobs_mode, self.detector_eos) for s in rows_seqs
+        ]
         for row, mask in zip(sampling_rows, masks):
             row.allowed = mask if row.forced_id is None else None
         probe = self.detectors.probe(logits, sampling_rows) if self.detectors.active else None
@@ -492,4 +521,6 @@ class Engine:
         return list(prompt)
 
     def _cache_key(self, req: Request) -> bytes:
-        return extra_key(self.weight_generation, req.adapter, self.adapter_generations.get(req.adapter or "", 0), req.cache_salt)
+        return extra_key(
+            self.weight_generation, req.adapter, self.adapter_generations.get(req.adapter or "", 0), req.cache_salt
+        )

@@ -9,8 +9,16 @@ from rlserve.model.lora import AdapterError
 # the exception types that cross the boundary by name; anything else arrives as RuntimeError
 ERRORS: dict[str, type[Exception]] = {
     cls.__name__: cls
-    for cls in (ValueError, WeightUpdateError, AdapterError, FileNotFoundError, PermissionError, KeyError,
-                RuntimeError, TimeoutError)
+    for cls in (
+        ValueError,
+        WeightUpdateError,
+        AdapterError,
+        FileNotFoundError,
+        PermissionError,
+        KeyError,
+        RuntimeError,
+        TimeoutError,
+    )
 }
 
 

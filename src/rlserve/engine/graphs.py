@@ -75,7 +75,12 @@ class DecodeGraphs:
         return b, w
 
     def forward(
-        self, key: tuple[int, int], input_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]]
+        self,
+        key: tuple[int, int],
+        input_ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        tables: list[list[int]],
     ) -> torch.Tensor:
         """Hidden states [len(input_ids), hidden] of a decode-only batch, through the key's graph."""
         b, w = key
@@ -83,7 +88,12 @@ class DecodeGraphs:
         bs, scratch = self.block_size, self.scratch_block
         rows = [padded_blocks(table, w) for table in tables] + [[scratch] * w] * pad
         host = torch.tensor(
-            [input_ids + [0] * pad, positions + [0] * pad, slots + [scratch * bs] * pad, [p + 1 for p in positions] + [1] * pad]
+            [
+                input_ids + [0] * pad,
+                positions + [0] * pad,
+                slots + [scratch * bs] * pad,
+                [p + 1 for p in positions] + [1] * pad,
+            ]
         )
         self.input_ids[:b].copy_(host[0], non_blocking=True)
         self.positions[:b].copy_(host[1], non_blocking=True)

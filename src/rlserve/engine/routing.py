@@ -18,7 +18,9 @@ class RoutedExpertsPool:
     def __init__(self, moe: MoeShape, num_blocks: int, block_size: int):
         self.block_size = block_size
         # one block more than the pool hands out, like the KV cache (scratch block of padded rows)
-        self.ids = torch.zeros((num_blocks + 1) * block_size, len(moe.sparse_layers), moe.top_k, dtype=moe.expert_id_dtype)
+        self.ids = torch.zeros(
+            (num_blocks + 1) * block_size, len(moe.sparse_layers), moe.top_k, dtype=moe.expert_id_dtype
+        )
 
     def record(self, slots: torch.Tensor, experts: torch.Tensor) -> None:
         """experts: [tokens, sparse layers, top_k] chosen for the tokens written to `slots`."""
@@ -48,8 +50,12 @@ def encode_routed_experts(rows: np.ndarray, start: int) -> dict:
     part = rows[start:]
     dtype = np.dtype("<u1") if part.size == 0 or int(part.max()) <= 255 else np.dtype("<u2")
     part = np.ascontiguousarray(part, dtype=dtype)
-    return {"data": base64.b64encode(part.tobytes()).decode("ascii"), "shape": list(part.shape), "start": start,
-            "dtype": dtype.name}
+    return {
+        "data": base64.b64encode(part.tobytes()).decode("ascii"),
+        "shape": list(part.shape),
+        "start": start,
+        "dtype": dtype.name,
+    }
 
 
 def offload_routed_experts(offload, routing: RoutedExpertsPool, bs: int) -> None:

@@ -14,10 +14,10 @@ from rlserve.engine.invariant import token_rows
 from rlserve.engine.kv.pool import padded_blocks
 from rlserve.engine.routing import RoutedExpertsPool
 from rlserve.engine.scheduler import ScheduledBatch
-from rlserve.model.cpu_kernels import CpuKernels, cpu_kernels
 from rlserve.model.batch import AttentionBatch, CascadePlan, PrefillSeq
-from rlserve.model.llama import CausalLM
+from rlserve.model.cpu_kernels import CpuKernels, cpu_kernels
 from rlserve.model.invariant_ops import BatchInvarianceUnavailable, invariant_kernels
+from rlserve.model.llama import CausalLM
 from rlserve.model.lora import LoraAdapter, LoraBatch
 from rlserve.model.moe import routed_experts
 
@@ -55,7 +55,9 @@ class ModelRunner:
     ):
         self.model, self.block_size, self.device = model, block_size, device
         self.kernels = self._cpu_kernels(dtype) if use_cpu_kernels and device.type == "cpu" else None
-        self.batch_invariant = batch_invariant  # engine/invariant.py: every token its own row, the GEMV at any row count
+        self.batch_invariant = (
+            batch_invariant  # engine/invariant.py: every token its own row, the GEMV at any row count
+        )
         if batch_invariant:
             self.kernels, pack_weights = self._invariant_kernels(dtype), False
         # The split attention needs the CPU SDPA kernel that returns log-sum-exp. The C attention
@@ -76,7 +78,7 @@ class ModelRunner:
         self._block_offsets = torch.arange(block_size, device=device)
         self.graphs: DecodeGraphs | None = None
         self.routing: RoutedExpertsPool | None = None  # set by the engine when router replay is on
-        self.tp: "TensorParallelLeader | None" = None  # set by the engine under tensor parallelism (rank 0)
+        self.tp: TensorParallelLeader | None = None  # set by the engine under tensor parallelism (rank 0)
 
     def _cpu_kernels(self, dtype: torch.dtype) -> CpuKernels | None:
         kernels = cpu_kernels()
@@ -101,7 +103,9 @@ class ModelRunner:
         if need and available is not None and need > available // 2:
             log.warning(
                 "not packing the weights: the packed copies need %.1f GiB and %.1f GiB of memory is "
-                "available (set engine.pack_weights=false to silence this)", need / 2**30, available / 2**30
+                "available (set engine.pack_weights=false to silence this)",
+                need / 2**30,
+                available / 2**30,
             )
             return
         self.model.pack_weights()
@@ -109,7 +113,9 @@ class ModelRunner:
     def use_decode_graphs(self, max_batch: int, max_model_len: int, capture: bool = True) -> None:
         """Run decode-only steps through static-shape forwards, captured as CUDA graphs (`capture`)."""
         max_blocks = -(-max_model_len // self.block_size)
-        self.graphs = DecodeGraphs(self.model, self.kv_cache, self.block_size, self.scratch_block, max_batch, max_blocks, capture)
+        self.graphs = DecodeGraphs(
+            self.model, self.kv_cache, self.block_size, self.scratch_block, max_batch, max_blocks, capture
+        )
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, adapters: dict[str, LoraAdapter]) -> StepLogits:
@@ -237,7 +243,9 @@ class ModelRunner:
         own = [-(-c // bs) - p for c, p in zip(ctx_lens, prefix_len)]
         suffix_width = max(own)
         suffix_blocks = [
-            blk for s, p, n in zip(ordered, prefix_len, own) for blk in padded_blocks(s.block_table[p : p + n], suffix_width)
+            blk
+            for s, p, n in zip(ordered, prefix_len, own)
+            for blk in padded_blocks(s.block_table[p : p + n], suffix_width)
         ]
         start = torch.tensor([p * bs for p in prefix_len]).unsqueeze(1)
         valid = start + torch.arange(suffix_width * bs) < torch.tensor(ctx_lens).unsqueeze(1)

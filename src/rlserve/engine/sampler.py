@@ -145,8 +145,14 @@ class Sampler:
         return tokens, lse
 
 
-def _penalize(row: torch.Tensor, repetition: float, presence: float, frequency: float,
-              prompt_ids: list[int], output_ids: list[int]) -> None:
+def _penalize(
+    row: torch.Tensor,
+    repetition: float,
+    presence: float,
+    frequency: float,
+    prompt_ids: list[int],
+    output_ids: list[int],
+) -> None:
     """vLLM's penalties, in place on one row of logits."""
     device = row.device
     if repetition != 1.0:
@@ -190,7 +196,9 @@ def _filter(scaled: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return scaled
 
 
-def sampling_row(seq: Sequence, eos_token_ids: frozenset[int], logprobs_mode: str, detector_eos: int | None) -> SamplingRow:
+def sampling_row(
+    seq: Sequence, eos_token_ids: frozenset[int], logprobs_mode: str, detector_eos: int | None
+) -> SamplingRow:
     """What the sampler needs for one sequence's next token: its params, bans (min_tokens), forced tokens."""
     p = seq.params
     banned = None
@@ -213,8 +221,13 @@ def sampling_row(seq: Sequence, eos_token_ids: frozenset[int], logprobs_mode: st
         forced_id=forced_id,
         logit_bias=p.logit_bias,
         penalties=(
-            (p.repetition_penalty, p.presence_penalty, p.frequency_penalty, seq.request.prompt_token_ids,
-             seq.output_token_ids)
+            (
+                p.repetition_penalty,
+                p.presence_penalty,
+                p.frequency_penalty,
+                seq.request.prompt_token_ids,
+                seq.output_token_ids,
+            )
             if p.penalized
             else None
         ),

@@ -13,8 +13,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from rlserve.engine.kv.pool import BlockPool, block_hash
 from rlserve.engine.kv.offload import KVOffload
+from rlserve.engine.kv.pool import BlockPool, block_hash
 from rlserve.engine.sequence import Request, Sequence, Status
 
 

@@ -28,7 +28,7 @@ class Request:
     cache_salt: str | None = None
     adapter: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
-    seqs: list["Sequence"] = field(default_factory=list)
+    seqs: list[Sequence] = field(default_factory=list)
     forked: bool = False  # siblings of an n > 1 request exist once the prompt is computed
     started: bool = False  # admitted to the running batch at least once
     num_cached_tokens: int = 0
@@ -40,7 +40,7 @@ class Request:
     max_batch_size: int = 0  # most sequences in any engine step that ran this request
 
     @property
-    def live_seqs(self) -> list["Sequence"]:
+    def live_seqs(self) -> list[Sequence]:
         """Sample 0 alone until the prompt is computed and its siblings are forked from it."""
         return self.seqs if self.forked else self.seqs[:1]
 

@@ -84,6 +84,9 @@ def _transfer_stats(t: Any) -> dict[str, float]:
 
 
 def _offload_stats(o: Any) -> dict[str, int]:
-    usage = {"cpu_used_bytes": o.cpu_used_bytes, "cpu_capacity_bytes": o.cpu_capacity_bytes,
-             "disk_used_bytes": o.disk.used_bytes if o.disk is not None else 0}
+    usage = {
+        "cpu_used_bytes": o.cpu_used_bytes,
+        "cpu_capacity_bytes": o.cpu_capacity_bytes,
+        "disk_used_bytes": o.disk.used_bytes if o.disk is not None else 0,
+    }
     return {f"kv_offload_{k}": v for k, v in (asdict(o.stats) | usage).items()}

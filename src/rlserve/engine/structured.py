@@ -78,8 +78,9 @@ def _structural_tag(value: Any) -> str:
 
     tag = json.loads(value) if isinstance(value, str) else value
     if not isinstance(tag, dict) or not isinstance(tag.get("structures"), list) or not tag["structures"]:
-        raise ValueError('structured_outputs structural_tag must be {"structures": [{"begin", "schema", "end"}], '
-                         '"triggers": [...]}')
+        raise ValueError(
+            'structured_outputs structural_tag must be {"structures": [{"begin", "schema", "end"}], "triggers": [...]}'
+        )
     triggers = tag.get("triggers") or []
     tags = []
     for s in tag["structures"]:
@@ -114,8 +115,10 @@ class GrammarChecker:
         if allowed_token_ids is not None:
             bad = [t for t in allowed_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
             if bad or not allowed_token_ids:
-                raise ValueError(f"allowed_token_ids must be a non-empty list of ids in [0, {self.vocab_size}), "
-                                 f"got {bad or allowed_token_ids}")
+                raise ValueError(
+                    f"allowed_token_ids must be a non-empty list of ids in [0, {self.vocab_size}), "
+                    f"got {bad or allowed_token_ids}"
+                )
 
     def grammar(self, spec: dict[str, Any]) -> str:
         """The validated grammar text of a spec; ValueError says what is wrong with it."""

@@ -102,5 +102,7 @@ def commit(model: CausalLM, staged: StagedWeights) -> None:
 
     params = dict(model.named_parameters())
     for name, tensor in staged.tensors.items():
-        target_of(model, params, name).copy_(tensor if staged.sharded else shard(name, tensor, model.tp_rank, model.tp_size))
+        target_of(model, params, name).copy_(
+            tensor if staged.sharded else shard(name, tensor, model.tp_rank, model.tp_size)
+        )
     model.refresh_packed()

@@ -24,8 +24,7 @@ def fits_wire(value: int) -> bool:
     return WIRE_MIN <= value <= INT64_MAX
 
 
-def wire_safe(prompt: list[int] | str, params: SamplingParams, vocab_size: int,
-              max_logprobs: int) -> SamplingParams:
+def wire_safe(prompt: list[int] | str, params: SamplingParams, vocab_size: int, max_logprobs: int) -> SamplingParams:
     """`params` with every integer inside 64 bits; ValueError naming the field where it cannot be."""
     if not isinstance(prompt, str):
         for t in prompt:

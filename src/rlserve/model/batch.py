@@ -57,6 +57,6 @@ class AttentionBatch:
     cascade: CascadePlan | None
     prefills: list[PrefillSeq]
     block_size: int = 16
-    lora: "LoraBatch | None" = None  # adapters by row group, when any request in the step uses one
+    lora: LoraBatch | None = None  # adapters by row group, when any request in the step uses one
     # C kernels for decode attention and the element-wise steps (cpu_kernels.py); None = PyTorch ops
-    kernels: "CpuKernels | None" = None
+    kernels: CpuKernels | None = None

@@ -82,7 +82,8 @@ def cpu_has_native_bf16() -> bool:
 def warn_slow_half_precision(dtype: str) -> None:
     log.warning(
         "model.dtype=%s on a CPU without native bf16 (no avx512_bf16/amx_bf16 flag): half-precision "
-        "matmuls are emulated here and several times slower than float32; use model.dtype=auto", dtype
+        "matmuls are emulated here and several times slower than float32; use model.dtype=auto",
+        dtype,
     )
 
 
@@ -90,7 +91,11 @@ def _build(cc: str, defines: tuple[str, ...] = ()) -> Path:
     flags = [*FLAGS, *defines]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     digest = hashlib.sha256()
-    for part in [src.read_bytes() for src in sorted(KERNEL_DIR.glob("*.[ch]"))] + [version.encode(), " ".join(flags).encode(), _cpu_id().encode()]:
+    for part in [src.read_bytes() for src in sorted(KERNEL_DIR.glob("*.[ch]"))] + [
+        version.encode(),
+        " ".join(flags).encode(),
+        _cpu_id().encode(),
+    ]:
         digest.update(part)
     lib = cache_root() / "kernels" / f"rlserve-kernels-{digest.hexdigest()[:16]}.so"
     if lib.exists():
@@ -123,14 +128,19 @@ class CpuKernels:
         self._attention, self._add_rms_norm, self._qk_rope_store, self._silu_mul = {}, {}, {}, {}
         self._gemv, self._gemv_f32out, self._decode = {}, {}, {}
         for dtype, suffix in DTYPES.items():
-            fn = lambda name: getattr(lib, f"rlserve_{name}_{suffix}")  # noqa: E731
+            fn = lambda name, suffix=suffix: getattr(lib, f"rlserve_{name}_{suffix}")  # noqa: E731
             self._attention[dtype] = self._fn(fn("paged_attention"), [ptr, i64] + [ptr] * 5 + [i64] * 6 + [f32, i32])
             self._add_rms_norm[dtype] = self._fn(fn("add_rms_norm"), [ptr] * 4 + [i64] * 2 + [f32, i32])
-            self._qk_rope_store[dtype] = self._fn(fn("qk_rope_store"), [ptr] * 5 + [f32] + [ptr] * 3 + [i64] * 4 + [i32])
+            self._qk_rope_store[dtype] = self._fn(
+                fn("qk_rope_store"), [ptr] * 5 + [f32] + [ptr] * 3 + [i64] * 4 + [i32]
+            )
             self._silu_mul[dtype] = self._fn(fn("silu_mul"), [ptr, ptr, i64, i64, i32])
             self._gemv[dtype] = self._fn(fn("gemv"), [ptr] * 4 + [i64] * 3 + [i32])
             self._gemv_f32out[dtype] = self._fn(fn("gemv_f32out"), [ptr] * 4 + [i64] * 3 + [i32])
-            self._decode[dtype] = self._fn(fn("decode_layers"), [ptr, i64] + [ptr] * 7 + [i64] + [ptr] * 2 + [i64] * 2 + [ptr] * 5 + [i64] * 6 + [f32, f32, i32, i32])
+            self._decode[dtype] = self._fn(
+                fn("decode_layers"),
+                [ptr, i64] + [ptr] * 7 + [i64] + [ptr] * 2 + [i64] * 2 + [ptr] * 5 + [i64] * 6 + [f32, f32, i32, i32],
+            )
         self.decode_layer_ptrs = self._fn(lib.rlserve_decode_layer_ptrs, [], ctypes.c_int)()
         self._limits = self._fn(lib.rlserve_paged_attention_limits, [i64] * 3, ctypes.c_int)
 
@@ -154,13 +164,30 @@ class CpuKernels:
         )  # fmt: skip
         return out
 
-    def add_rms_norm(self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, out: torch.Tensor, eps: float) -> None:
+    def add_rms_norm(
+        self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, out: torch.Tensor, eps: float
+    ) -> None:
         """hidden += delta (the residual stream, in place); out = RMSNorm(hidden) * weight."""
         rows, dim = hidden.shape
         delta = None if delta is None else delta.contiguous()  # a swapped GEMM's output is a transposed view
-        self._add_rms_norm[hidden.dtype](hidden.data_ptr(), _ptr(delta), weight.data_ptr(), out.data_ptr(), rows, dim, eps, torch.get_num_threads())
+        self._add_rms_norm[hidden.dtype](
+            hidden.data_ptr(), _ptr(delta), weight.data_ptr(), out.data_ptr(), rows, dim, eps, torch.get_num_threads()
+        )
 
-    def qk_rope_store(self, qkv, cos, sin_signed, q_norm, k_norm, eps: float, slots, k_cache, v_cache, num_heads: int, num_kv_heads: int) -> None:
+    def qk_rope_store(
+        self,
+        qkv,
+        cos,
+        sin_signed,
+        q_norm,
+        k_norm,
+        eps: float,
+        slots,
+        k_cache,
+        v_cache,
+        num_heads: int,
+        num_kv_heads: int,
+    ) -> None:
         """In place on qkv [T, (H + 2 KVH) * D]: per-head q/k RMSNorm (when given), RoPE on q and k;
         then k and v written to their KV slots."""
         d = k_cache.shape[-1]
@@ -200,7 +227,14 @@ class CpuKernels:
             act.data_ptr(), rows, hidden, nh, nkv, d, inter, eps, scale, threads, GEMV_THREADS or threads,
         )  # fmt: skip
 
-    def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, threads: int | None = None, fp32_out: bool = False) -> torch.Tensor:
+    def gemv(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        threads: int | None = None,
+        fp32_out: bool = False,
+    ) -> torch.Tensor:
         """x [rows, K] @ weight[N, K]^T (+ bias [N]) -> [rows, N]: F.linear for a few rows, split
         over `threads` (default GEMV_THREADS) when the call has PARALLEL_MIN_WORK multiply-adds.
         fp32_out: the fp32 sums, unrounded (for bf16: an fp32 linear over the widened values)."""
@@ -220,7 +254,11 @@ def reference_paged_attention(q, k_cache, v_cache, blocks, ctx_lens, block_size:
     slots = (blocks.unsqueeze(2) * block_size + torch.arange(block_size)).view(b, w * block_size)
     mask = (torch.arange(w * block_size) < ctx_lens.unsqueeze(1)).view(b, 1, 1, -1)
     out = F.scaled_dot_product_attention(
-        q.reshape(b, nkv, -1, d), k_cache[slots].transpose(1, 2), v_cache[slots].transpose(1, 2), attn_mask=mask, scale=scale
+        q.reshape(b, nkv, -1, d),
+        k_cache[slots].transpose(1, 2),
+        v_cache[slots].transpose(1, 2),
+        attn_mask=mask,
+        scale=scale,
     )
     return out.reshape(q.shape)
 
@@ -277,7 +315,11 @@ def _self_check(kernels: CpuKernels) -> None:
     check("add_rms_norm", out, want, atol=0.1)
     gate_up = torch.randn(3, 80, generator=gen)
     check("silu_mul", kernels.silu_mul(gate_up), F.silu(gate_up[:, :40]) * gate_up[:, 40:])
-    x, weight, bias = torch.randn(5, 37, generator=gen), torch.randn(9, 37, generator=gen), torch.randn(9, generator=gen)
+    x, weight, bias = (
+        torch.randn(5, 37, generator=gen),
+        torch.randn(9, 37, generator=gen),
+        torch.randn(9, generator=gen),
+    )
     check("gemv", kernels.gemv(x, weight, bias), F.linear(x, weight, bias), atol=1e-4)
     want = F.linear(x.bfloat16().float(), weight.bfloat16().float(), bias.bfloat16().float())
     check("gemv", kernels.gemv(x.bfloat16(), weight.bfloat16(), bias.bfloat16()), want, atol=0.1)

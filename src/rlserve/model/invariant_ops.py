@@ -95,8 +95,10 @@ def _check_rows_independent(kernels: InvariantKernels, dtype: torch.dtype) -> No
         for rows in range(1, 12):
             for start in (0, 11 - rows):
                 part = x[start : start + rows]
-                if not (torch.equal(kernels.gemv(part, w), alone[start : start + rows])
-                        and torch.equal(kernels.gemv(part, w, fp32_out=True), alone_f32[start : start + rows])):
+                if not (
+                    torch.equal(kernels.gemv(part, w), alone[start : start + rows])
+                    and torch.equal(kernels.gemv(part, w, fp32_out=True), alone_f32[start : start + rows])
+                ):
                     raise BatchInvarianceUnavailable(
                         f"engine.batch_invariant: this CPU's {dtype} GEMV build computes a row differently at "
                         f"{rows} rows than alone; batch invariance cannot be guaranteed here"

@@ -146,7 +146,7 @@ class Projection(nn.Linear):
     through the C GEMV for a few rows once `CausalLM.use_gemv` has given it the kernels."""
 
     packed: PackedWeight | None = None
-    gemv: "CpuKernels | None" = None
+    gemv: CpuKernels | None = None
 
     def pack(self) -> bool:
         self.packed = PackedWeight() if PackedWeight.supported(self.weight) else None

@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rlserve.model.moe import SparseMoe
-from rlserve.model.shape import ModelShape
 from rlserve.model.batch import AttentionBatch, CascadePlan, PrefillSeq
 from rlserve.model.linear import CastWeight, PackedWeight, Projection
+from rlserve.model.moe import SparseMoe
 from rlserve.model.rope import RotaryEmbedding, apply_rope
+from rlserve.model.shape import ModelShape
 
 if TYPE_CHECKING:
     from rlserve.model.cpu_kernels import CpuKernels
@@ -43,7 +43,9 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.scale = shape.head_dim**-0.5
-        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # tensor parallel: sums the ranks' o_proj outputs
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = (
+            None  # tensor parallel: sums the ranks' o_proj outputs
+        )
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch, kv: torch.Tensor):
         t, nh, nkv = x.shape[0], self.num_heads, self.num_kv_heads
@@ -55,12 +57,20 @@ class Attention(nn.Module):
             qkv = qkv.contiguous()  # the swapped GEMM of unpacked weights returns a transposed view
             heads = qkv.view(t, nh + 2 * nkv, self.head_dim)
             cos, sin = rope
-            batch.kernels.qk_rope_store(qkv, cos, sin, self.q_norm, self.k_norm, self.eps, batch.slot_mapping, k_cache, v_cache, nh, nkv)
+            batch.kernels.qk_rope_store(
+                qkv, cos, sin, self.q_norm, self.k_norm, self.eps, batch.slot_mapping, k_cache, v_cache, nh, nkv
+            )
             q, k, v = heads[:, :nh], heads[:, nh : nh + nkv], heads[:, nh + nkv :]
         else:
             heads = qkv.reshape(t, nh + 2 * nkv, self.head_dim)
             if self.q_norm is not None:
-                qk = torch.cat((rms_norm(heads[:, :nh], self.q_norm, self.eps), rms_norm(heads[:, nh : nh + nkv], self.k_norm, self.eps)), 1)
+                qk = torch.cat(
+                    (
+                        rms_norm(heads[:, :nh], self.q_norm, self.eps),
+                        rms_norm(heads[:, nh : nh + nkv], self.k_norm, self.eps),
+                    ),
+                    1,
+                )
             else:
                 qk = heads[:, : nh + nkv]
             qk = apply_rope(qk, *rope)  # q and k in one pass
@@ -91,8 +101,12 @@ class Attention(nn.Module):
             blocks = batch.decode_blocks.view(q.shape[0], -1)
             return batch.kernels.attention(q, k_cache, v_cache, blocks, batch.decode_lens, batch.block_size, self.scale)
         b, block = q.shape[0], batch.block_size * self.num_kv_heads * self.head_dim
-        keys = k_cache.view(-1, block).index_select(0, batch.decode_blocks).view(b, -1, self.num_kv_heads, self.head_dim)
-        values = v_cache.view(-1, block).index_select(0, batch.decode_blocks).view(b, -1, self.num_kv_heads, self.head_dim)
+        keys = (
+            k_cache.view(-1, block).index_select(0, batch.decode_blocks).view(b, -1, self.num_kv_heads, self.head_dim)
+        )
+        values = (
+            v_cache.view(-1, block).index_select(0, batch.decode_blocks).view(b, -1, self.num_kv_heads, self.head_dim)
+        )
         # the query heads sharing a KV head become that head's "query positions": one small
         # attention per KV head instead of expanding K/V for every query head (~1.6x faster on CPU)
         group = self.num_heads // self.num_kv_heads
@@ -162,9 +176,11 @@ class MLP(nn.Module):
         self.layer = layer
         self.gate_up_proj = Projection(shape.hidden_size, 2 * shape.intermediate_size, bias=False)
         self.down_proj = Projection(shape.intermediate_size, shape.hidden_size, bias=False)
-        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # tensor parallel: sums the ranks' down_proj outputs
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = (
+            None  # tensor parallel: sums the ranks' down_proj outputs
+        )
 
-    def forward(self, x, lora: "LoraBatch | None", kernels: "CpuKernels | None" = None):
+    def forward(self, x, lora: LoraBatch | None, kernels: CpuKernels | None = None):
         gate_up = self.gate_up_proj(x)
         if lora is not None:
             lora.apply(gate_up, x, self.layer, ("gate_proj", "up_proj"))
@@ -200,14 +216,15 @@ class CausalLM(nn.Module):
         self.shape = shape
         # weights come from the checkpoint: no random init (Embedding's, even on the meta device, imports
         # torch._dynamo: ~1 s of every engine start)
-        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size,
-                                         _weight=torch.empty(shape.vocab_size, shape.hidden_size))
+        self.embed_tokens = nn.Embedding(
+            shape.vocab_size, shape.hidden_size, _weight=torch.empty(shape.vocab_size, shape.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(shape, i) for i in range(shape.num_layers))
         self.norm = nn.Parameter(torch.ones(shape.hidden_size))
         self.lm_head = None if shape.tie_word_embeddings else nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
         self.rope = RotaryEmbedding(shape, device)
         self.packed_head: PackedWeight | None = None
-        self.gemv: "CpuKernels | None" = None  # the C GEMV for projections of few rows (`use_gemv`)
+        self.gemv: CpuKernels | None = None  # the C GEMV for projections of few rows (`use_gemv`)
         self.head_cast: CastWeight | None = None  # the LM head in its own dtype, when it differs
         self._decode_plan: tuple[torch.Tensor, torch.dtype] | bool | None = None  # `_decode_in_one_call`, once known
         # tensor parallel (model/tensor_parallel.py): `shape` is this rank's part, `full_shape` the checkpoint's
@@ -227,11 +244,13 @@ class CausalLM(nn.Module):
     def pack_weights(self) -> int:
         """Keep MKL-packed copies of every projection's weight (fp32 on CPU); how many were packed."""
         packed = sum(m.pack() for m in self.modules() if isinstance(m, Projection))
-        self.packed_head = None if self._head_reads_bf16_weight() or not PackedWeight.supported(self.logits_weight) else PackedWeight()
+        self.packed_head = (
+            None if self._head_reads_bf16_weight() or not PackedWeight.supported(self.logits_weight) else PackedWeight()
+        )
         self.refresh_packed()
         return packed + (self.packed_head is not None)
 
-    def use_gemv(self, kernels: "CpuKernels | None") -> None:
+    def use_gemv(self, kernels: CpuKernels | None) -> None:
         """Run projections (the LM head too) of few rows through the kernels' GEMV (None: never)."""
         self.gemv = kernels
         for m in self.modules():
@@ -286,7 +305,13 @@ class CausalLM(nn.Module):
     def _decode_in_one_call(self, h: torch.Tensor, batch: AttentionBatch, kv_cache: torch.Tensor) -> bool:
         """Whether this step's layers can run as one C call (`CpuKernels.decode_layers`): decode
         only, few enough rows for the GEMV, dense layers with no LoRA and no tensor parallelism."""
-        if batch.prefills or batch.lora is not None or batch.cascade is not None or self.gemv is None or not kv_cache.is_contiguous():
+        if (
+            batch.prefills
+            or batch.lora is not None
+            or batch.cascade is not None
+            or self.gemv is None
+            or not kv_cache.is_contiguous()
+        ):
             return False
         if h.shape[0] > self.gemv.gemv_rows(h.dtype):
             return False
@@ -294,7 +319,7 @@ class CausalLM(nn.Module):
             self._decode_plan = self._plan_decode_in_one_call()
         return self._decode_plan is not False and self._decode_plan[1] == h.dtype
 
-    def _plan_decode_in_one_call(self) -> "tuple[torch.Tensor, torch.dtype] | bool":
+    def _plan_decode_in_one_call(self) -> tuple[torch.Tensor, torch.dtype] | bool:
         """Each layer's weight addresses in decode_impl.h's order and their dtype, or False when a
         layer is not plain attention + MLP or the weights differ in dtype. Kept until
         `refresh_packed` (weight updates copy in place, so the addresses hold; whoever replaces a
@@ -315,7 +340,9 @@ class CausalLM(nn.Module):
             a, m = layer.self_attn, layer.mlp
             rows.append((ptr(layer.input_layernorm), ptr(a.qkv_proj.weight), ptr(a.qkv_proj.bias), ptr(a.q_norm), ptr(a.k_norm),
                          ptr(a.o_proj.weight), ptr(layer.post_attention_layernorm), ptr(m.gate_up_proj.weight), ptr(m.down_proj.weight)))  # fmt: skip
-        assert len(rows[0]) == self.gemv.decode_layer_ptrs, "decode_impl.h and the model disagree on the layer's weights"
+        assert len(rows[0]) == self.gemv.decode_layer_ptrs, (
+            "decode_impl.h and the model disagree on the layer's weights"
+        )
         return torch.tensor(rows, dtype=torch.int64), dtypes.pop()
 
     def _head_reads_bf16_weight(self) -> bool:
@@ -326,7 +353,11 @@ class CausalLM(nn.Module):
         cores, AVX512_BF16), the weight's 4-output tiles staying in L1 while the rows pass."""
         if self.gemv is None or self.head_cast is None or self.head_cast.dtype != torch.float32:
             return False
-        return self.head_weight.dtype == torch.bfloat16 and self.head_weight.device.type == "cpu" and self.gemv.gemv_rows(torch.bfloat16) > 0
+        return (
+            self.head_weight.dtype == torch.bfloat16
+            and self.head_weight.device.type == "cpu"
+            and self.gemv.gemv_rows(torch.bfloat16) > 0
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [T, vocab]; computed in the head's dtype (`set_head_dtype`)."""
@@ -334,7 +365,11 @@ class CausalLM(nn.Module):
             return self.gemv.gemv(hidden, self.head_weight, fp32_out=True)
         weight = self.logits_weight
         hidden = hidden.to(weight.dtype)
-        if self.gemv is not None and hidden.device.type == "cpu" and hidden.shape[0] <= self.gemv.gemv_rows(weight.dtype):
+        if (
+            self.gemv is not None
+            and hidden.device.type == "cpu"
+            and hidden.shape[0] <= self.gemv.gemv_rows(weight.dtype)
+        ):
             return self.gemv.gemv(hidden, weight).float()
         if self.packed_head is not None:
             return self.packed_head.linear(hidden, weight).float()

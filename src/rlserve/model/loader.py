@@ -184,7 +184,11 @@ def checkpoint_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
                 p + "mlp.down_proj.weight": (h, shape.intermediate_size),
             }
         if shape.qkv_bias:
-            out |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,), p + "self_attn.v_proj.bias": (kv,)}
+            out |= {
+                p + "self_attn.q_proj.bias": (q,),
+                p + "self_attn.k_proj.bias": (kv,),
+                p + "self_attn.v_proj.bias": (kv,),
+            }
         if shape.qk_norm:
             out |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
     return out
@@ -232,7 +236,11 @@ def target_of(model: CausalLM, params: dict[str, torch.Tensor], hf_name: str) ->
 
 def _fused_sizes(shape: ModelShape, fused: str) -> list[int]:
     if fused == "self_attn.qkv_proj":
-        return [shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim]
+        return [
+            shape.num_heads * shape.head_dim,
+            shape.num_kv_heads * shape.head_dim,
+            shape.num_kv_heads * shape.head_dim,
+        ]
     return [shape.intermediate_size, shape.intermediate_size]
 
 

@@ -12,12 +12,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import load
 
+from rlserve.model.loader import checked_file, read_regular
 from rlserve.model.lora_targets import MODULES, AdapterError
 from rlserve.model.shape import ModelShape
-from rlserve.model.loader import checked_file, read_regular
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-_NAME = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
+_NAME = re.compile(
+    r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$"
+)
 
 
 # PEFT initialisations that rewrite the base model's weights: the adapter alone is not the policy
@@ -82,12 +84,16 @@ def load_peft_adapter(
     if not os.path.lexists(weights_file) and os.path.lexists(mlx_weights):
         weights_file = mlx_weights
     if not os.path.lexists(config_file) or not os.path.lexists(weights_file):
-        raise FileNotFoundError(f"{path} needs adapter_config.json and adapter_model.safetensors (PEFT layout) "
-                                "or adapters.safetensors (mlx-lm layout)")
+        raise FileNotFoundError(
+            f"{path} needs adapter_config.json and adapter_model.safetensors (PEFT layout) "
+            "or adapters.safetensors (mlx-lm layout)"
+        )
     try:
         cfg = json.loads(read_regular(checked_file(config_file, roots)))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise AdapterError(f"{config_file} is not JSON ({exc}): write the adapter with PEFT's save_pretrained") from None
+        raise AdapterError(
+            f"{config_file} is not JSON ({exc}): write the adapter with PEFT's save_pretrained"
+        ) from None
     if weights_file == mlx_weights:
         if not isinstance(cfg, dict):
             raise AdapterError(f"{config_file}: not a LoRA adapter config (adapter_config.json must hold an object)")
@@ -103,12 +109,22 @@ def load_peft_adapter(
         )
     if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
         raise AdapterError(f"{config_file}: rank_pattern / alpha_pattern are not supported")
-    return _from_peft(name, path, cfg, config_file, _read_tensors(weights_file, roots), weights_file, shape, dtype,
-                      device)
+    return _from_peft(
+        name, path, cfg, config_file, _read_tensors(weights_file, roots), weights_file, shape, dtype, device
+    )
 
 
-def _load_mlx(name: str, path: Path, cfg: dict, config_file: Path, weights_file: Path, shape: ModelShape,
-              dtype: torch.dtype, device: torch.device, roots: list[str] | None) -> LoraAdapter:
+def _load_mlx(
+    name: str,
+    path: Path,
+    cfg: dict,
+    config_file: Path,
+    weights_file: Path,
+    shape: ModelShape,
+    dtype: torch.dtype,
+    device: torch.device,
+    roots: list[str] | None,
+) -> LoraAdapter:
     from rlserve.model.mlx_adapter import mlx_to_peft
 
     peft, tensors = mlx_to_peft(cfg, _read_tensors(weights_file, roots), shape, str(config_file))
@@ -124,8 +140,17 @@ def _read_tensors(weights_file: Path, roots: list[str] | None) -> dict[str, torc
         raise AdapterError(f"cannot read {weights_file}: {exc}") from None
 
 
-def _from_peft(name: str, path: Path, cfg: dict, config_file: Path, tensors: dict[str, torch.Tensor],
-               weights_file: Path, shape: ModelShape, dtype: torch.dtype, device: torch.device) -> LoraAdapter:
+def _from_peft(
+    name: str,
+    path: Path,
+    cfg: dict,
+    config_file: Path,
+    tensors: dict[str, torch.Tensor],
+    weights_file: Path,
+    shape: ModelShape,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> LoraAdapter:
     r, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
     scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
     dims = module_dims(shape)
@@ -133,10 +158,14 @@ def _from_peft(name: str, path: Path, cfg: dict, config_file: Path, tensors: dic
     for key, t in tensors.items():
         m = _NAME.match(key)
         if m is None or m.group(2) not in MODULES or int(m.group(1)) >= shape.num_layers:
-            raise AdapterError(f"{weights_file}: tensor {key!r} does not fit this model (only attention/MLP projections)")
+            raise AdapterError(
+                f"{weights_file}: tensor {key!r} does not fit this model (only attention/MLP projections)"
+            )
         if shape.moe is not None and int(m.group(1)) in shape.moe.sparse_layers and m.group(2) not in _ATTENTION:
-            raise AdapterError(f"{weights_file}: {key!r}: layer {m.group(1)} is a mixture-of-experts layer; "
-                               "LoRA applies to its attention projections only")
+            raise AdapterError(
+                f"{weights_file}: {key!r}: layer {m.group(1)} is a mixture-of-experts layer; "
+                "LoRA applies to its attention projections only"
+            )
         pairs.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = t
     weights = {}
     for (layer, module), ab in pairs.items():

@@ -32,11 +32,29 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MARKUP_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
 # The rest of Qwen3's added tokens, so renderers written for Qwen3 (verifiers') accept this
 # tokenizer. They take the ids just below the ones above, which stay where they were.
-QWEN3_SPECIAL_TOKENS = ["<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>", "<|box_end|>",
-                        "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>",
-                        "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
-QWEN3_MARKUP_TOKENS = ["<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>",
-                       "<|file_sep|>", "<tool_response>", "</tool_response>"]
+QWEN3_SPECIAL_TOKENS = [
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+QWEN3_MARKUP_TOKENS = [
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+    "<tool_response>",
+    "</tool_response>",
+]
 EOS_TOKEN, PAD_TOKEN = "<|im_end|>", "<|endoftext|>"
 # Tied embeddings: logits = embedding @ rms_normed_hidden, so their std is about
 # embed_std * sqrt(hidden): peaked enough for stable greedy ties, flat enough to sample from.
@@ -44,60 +62,135 @@ LOGIT_STD = 6.0
 # Scale of what o_proj/down_proj write into the residual stream. Well above the embedding's, so the
 # last token's own embedding does not dominate its tied logit (greedy would then repeat it).
 RESIDUAL_GAIN = 2 * LOGIT_STD
-MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-               "tokenizer_config.json", "special_tokens_map.json")
+MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+)
 
 _COMMON = {
-    "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
-    "initializer_range": 0.02, "tie_word_embeddings": True, "use_cache": True, "rope_scaling": None,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "mlp_bias": False,
+    "initializer_range": 0.02,
+    "tie_word_embeddings": True,
+    "use_cache": True,
+    "rope_scaling": None,
 }
-_QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
-          "use_sliding_window": False, "sliding_window": None}
+_QWEN3 = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "use_sliding_window": False,
+    "sliding_window": None,
+}
 PRESETS: dict[str, dict] = {
     "tiny": {
-        **_COMMON, **_QWEN3, "hidden_size": 128, "intermediate_size": 384,
-        "num_hidden_layers": 4, "max_window_layers": 4, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 32, "vocab_size": TOKENIZER_SIZE,
-        "max_position_embeddings": 4096, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+        **_COMMON,
+        **_QWEN3,
+        "hidden_size": 128,
+        "intermediate_size": 384,
+        "num_hidden_layers": 4,
+        "max_window_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "vocab_size": TOKENIZER_SIZE,
+        "max_position_embeddings": 4096,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
         "torch_dtype": "float32",
     },
     "smollm2-135m": {
-        **_COMMON, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
-        "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
-        "vocab_size": 49152, "max_position_embeddings": 8192, "rope_theta": 100000.0,
-        "rms_norm_eps": 1e-5, "pretraining_tp": 1, "torch_dtype": "float32",
+        **_COMMON,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "vocab_size": 49152,
+        "max_position_embeddings": 8192,
+        "rope_theta": 100000.0,
+        "rms_norm_eps": 1e-5,
+        "pretraining_tp": 1,
+        "torch_dtype": "float32",
     },
     "qwen3-0.6b": {
-        **_COMMON, **_QWEN3, "hidden_size": 1024, "intermediate_size": 3072,
-        "num_hidden_layers": 28, "max_window_layers": 28, "num_attention_heads": 16,
-        "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
-        "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+        **_COMMON,
+        **_QWEN3,
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "max_window_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
         "torch_dtype": "bfloat16",
     },
 }
-_QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "use_sliding_window": False,
-              "sliding_window": None, "decoder_sparse_step": 1, "norm_topk_prob": True,
-              "output_router_logits": False, "router_aux_loss_coef": 0.001}
+_QWEN3_MOE = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "use_sliding_window": False,
+    "sliding_window": None,
+    "decoder_sparse_step": 1,
+    "norm_topk_prob": True,
+    "output_router_logits": False,
+    "router_aux_loss_coef": 0.001,
+}
 PRESETS |= {
     # test size: 8 experts, top-2, one dense layer (mlp_only_layers) among the sparse ones
     "tiny-moe": {
-        **_COMMON, **_QWEN3_MOE, "hidden_size": 128, "intermediate_size": 384, "moe_intermediate_size": 64,
-        "num_experts": 8, "num_experts_per_tok": 2, "mlp_only_layers": [2],
-        "num_hidden_layers": 4, "max_window_layers": 4, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 32, "vocab_size": TOKENIZER_SIZE,
-        "max_position_embeddings": 4096, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+        **_COMMON,
+        **_QWEN3_MOE,
+        "hidden_size": 128,
+        "intermediate_size": 384,
+        "moe_intermediate_size": 64,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "mlp_only_layers": [2],
+        "num_hidden_layers": 4,
+        "max_window_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "vocab_size": TOKENIZER_SIZE,
+        "max_position_embeddings": 4096,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
         "torch_dtype": "float32",
     },
     # Qwen3-30B-A3B's routing (128 experts, top-8, renormalised) and vocabulary at a quarter of its
     # width and layers (0.54B parameters, 2.2 GB in fp32): what fits a 2-core benchmark next to a
     # transformers copy of itself, with the real experts-per-token and expert-grouping pattern
     "qwen3-30b-a3b-mini": {
-        **_COMMON, **_QWEN3_MOE, "hidden_size": 512, "intermediate_size": 1536, "moe_intermediate_size": 192,
-        "num_experts": 128, "num_experts_per_tok": 8, "mlp_only_layers": [],
-        "num_hidden_layers": 12, "max_window_layers": 12, "num_attention_heads": 8,
-        "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 151936,
-        "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+        **_COMMON,
+        **_QWEN3_MOE,
+        "hidden_size": 512,
+        "intermediate_size": 1536,
+        "moe_intermediate_size": 192,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "mlp_only_layers": [],
+        "num_hidden_layers": 12,
+        "max_window_layers": 12,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
         "torch_dtype": "bfloat16",
     },
 }
@@ -109,8 +202,12 @@ ROUTER_GAIN = 4.0
 CHAT_TEMPLATE = (ASSETS / "chat_template.jinja").read_text()
 
 
-_ADDED_TOKENS = [(QWEN3_SPECIAL_TOKENS, True), (QWEN3_MARKUP_TOKENS, False), (SPECIAL_TOKENS, True),
-                 (MARKUP_TOKENS, False)]
+_ADDED_TOKENS = [
+    (QWEN3_SPECIAL_TOKENS, True),
+    (QWEN3_MARKUP_TOKENS, False),
+    (SPECIAL_TOKENS, True),
+    (MARKUP_TOKENS, False),
+]
 
 
 def build_tokenizer() -> Tokenizer:
@@ -162,8 +259,11 @@ def param_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
             shapes.append((p + "mlp.gate.weight", (cfg["num_experts"], h)))
             for e in range(cfg["num_experts"]):
                 x = f"{p}mlp.experts.{e}."
-                shapes += [(x + "gate_proj.weight", (e_inter, h)), (x + "up_proj.weight", (e_inter, h)),
-                           (x + "down_proj.weight", (h, e_inter))]
+                shapes += [
+                    (x + "gate_proj.weight", (e_inter, h)),
+                    (x + "up_proj.weight", (e_inter, h)),
+                    (x + "down_proj.weight", (h, e_inter)),
+                ]
             continue
         shapes += [
             (p + "mlp.gate_proj.weight", (inter, h)),
@@ -178,8 +278,11 @@ def param_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
 
 def _is_sparse(cfg: dict, layer: int) -> bool:
     """transformers' rule for which Qwen3-MoE layers hold experts."""
-    return (cfg.get("num_experts", 0) > 0 and layer not in cfg.get("mlp_only_layers", [])
-            and (layer + 1) % cfg.get("decoder_sparse_step", 1) == 0)
+    return (
+        cfg.get("num_experts", 0) > 0
+        and layer not in cfg.get("mlp_only_layers", [])
+        and (layer + 1) % cfg.get("decoder_sparse_step", 1) == 0
+    )
 
 
 def _init_tensor(name: str, shape: tuple[int, ...], hidden: int, gen: torch.Generator) -> torch.Tensor:
@@ -200,15 +303,23 @@ def _init_tensor(name: str, shape: tuple[int, ...], hidden: int, gen: torch.Gene
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
-def _write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype,
-                       make: Iterator[torch.Tensor], metadata: dict[str, str]) -> None:
+def _write_safetensors(
+    path: Path,
+    tensors: list[tuple[str, tuple[int, ...]]],
+    dtype: torch.dtype,
+    make: Iterator[torch.Tensor],
+    metadata: dict[str, str],
+) -> None:
     """Write the header from shapes, then each tensor as it is made: memory peaks at one tensor."""
     header: dict = {"__metadata__": metadata}
     offset = 0
     for name, shape in tensors:
         size = math.prod(shape) * dtype.itemsize
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
-                        "data_offsets": [offset, offset + size]}
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
@@ -224,8 +335,12 @@ def _write_json(path: Path, obj: dict) -> None:
 
 
 def _provenance(preset: str, seed: int) -> dict[str, str]:
-    return {"format": "pt", "rlserve_preset": preset, "rlserve_seed": str(seed),
-            "rlserve_format_version": str(FORMAT_VERSION)}
+    return {
+        "format": "pt",
+        "rlserve_preset": preset,
+        "rlserve_seed": str(seed),
+        "rlserve_format_version": str(FORMAT_VERSION),
+    }
 
 
 def _write_model(d: Path, preset: str, seed: int) -> None:
@@ -233,20 +348,32 @@ def _write_model(d: Path, preset: str, seed: int) -> None:
     cfg = model_config(preset, tok)
     eot, eos = cfg["pad_token_id"], cfg["eos_token_id"]
     _write_json(d / "config.json", cfg)
-    _write_json(d / "generation_config.json",
-                {"bos_token_id": eot, "eos_token_id": [eos, eot], "pad_token_id": eot})
+    _write_json(d / "generation_config.json", {"bos_token_id": eot, "eos_token_id": [eos, eot], "pad_token_id": eot})
     tok.save(str(d / "tokenizer.json"))
-    _write_json(d / "tokenizer_config.json", {
-        # The generic fast class loads tokenizer.json as is; Qwen2Tokenizer would rebuild it with NFC.
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": None, "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN, "unk_token": None,
-        "add_prefix_space": False, "clean_up_tokenization_spaces": False,
-        "split_special_tokens": False, "model_max_length": cfg["max_position_embeddings"],
-        "chat_template": CHAT_TEMPLATE,
-    })
-    _write_json(d / "special_tokens_map.json", {
-        "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN,
-        "additional_special_tokens": SPECIAL_TOKENS + QWEN3_SPECIAL_TOKENS})
+    _write_json(
+        d / "tokenizer_config.json",
+        {
+            # The generic fast class loads tokenizer.json as is; Qwen2Tokenizer would rebuild it with NFC.
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": None,
+            "eos_token": EOS_TOKEN,
+            "pad_token": PAD_TOKEN,
+            "unk_token": None,
+            "add_prefix_space": False,
+            "clean_up_tokenization_spaces": False,
+            "split_special_tokens": False,
+            "model_max_length": cfg["max_position_embeddings"],
+            "chat_template": CHAT_TEMPLATE,
+        },
+    )
+    _write_json(
+        d / "special_tokens_map.json",
+        {
+            "eos_token": EOS_TOKEN,
+            "pad_token": PAD_TOKEN,
+            "additional_special_tokens": SPECIAL_TOKENS + QWEN3_SPECIAL_TOKENS,
+        },
+    )
     gen = torch.Generator().manual_seed(seed)
     shapes = param_shapes(cfg)
     tensors = (_init_tensor(n, s, cfg["hidden_size"], gen) for n, s in shapes)
@@ -259,13 +386,15 @@ def _is_complete(out: Path, expected: dict[str, str]) -> bool:
     if not out.exists() or (out.is_dir() and not any(out.iterdir())):
         return False
     if not all((out / f).is_file() for f in MODEL_FILES):
-        raise FileExistsError(f"{out} exists but is not a complete model directory; remove it "
-                              "or choose another output path")
+        raise FileExistsError(
+            f"{out} exists but is not a complete model directory; remove it or choose another output path"
+        )
     with safe_open(out / "model.safetensors", framework="pt") as f:
         found = f.metadata() or {}
     if found != expected:
-        raise FileExistsError(f"{out} already holds a different model ({found}); remove it or "
-                              "choose another output path")
+        raise FileExistsError(
+            f"{out} already holds a different model ({found}); remove it or choose another output path"
+        )
     return True
 
 
@@ -321,8 +450,8 @@ def generator_hash() -> str:
 def make_model_main(argv: list[str] | None = None) -> int:
     """`rlserve make-model --preset NAME --out DIR [--seed N]`."""
     parser = argparse.ArgumentParser(
-        prog="rlserve make-model",
-        description="Write a deterministic random-weight model as a Hugging Face directory.")
+        prog="rlserve make-model", description="Write a deterministic random-weight model as a Hugging Face directory."
+    )
     parser.add_argument("--preset", required=True, choices=list(PRESETS))
     parser.add_argument("--out", required=True, type=Path, help="directory to create")
     parser.add_argument("--seed", type=int, default=0)

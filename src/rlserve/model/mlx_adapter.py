@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load, save_file
 
-from rlserve.model.shape import ModelShape
 from rlserve.model.lora_targets import MODULES, AdapterError
+from rlserve.model.shape import ModelShape
 
 _NAME = re.compile(r"^(?:language_model\.)?(?:model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([ab])$")
 
@@ -32,8 +32,10 @@ def mlx_to_peft(
     """(PEFT adapter_config, PEFT tensors) of an mlx-lm adapter; AdapterError naming what cannot be honoured."""
     kind = cfg.get("fine_tune_type", "lora")
     if kind != "lora":
-        raise AdapterError(f"{where}: fine_tune_type {kind!r} is not supported; rlserve serves plain LoRA adapters "
-                           "(fine_tune_type \"lora\") only")
+        raise AdapterError(
+            f"{where}: fine_tune_type {kind!r} is not supported; rlserve serves plain LoRA adapters "
+            '(fine_tune_type "lora") only'
+        )
     if cfg.get("quantization") or cfg.get("quantize"):
         raise AdapterError(f"{where}: quantization: quantized adapters are not supported; save it unquantized")
     params = cfg.get("lora_parameters")
@@ -47,8 +49,10 @@ def mlx_to_peft(
         raise AdapterError(f"{where}: lora_parameters.rank must be >= 1 and scale finite, got {rank}, {scale}")
     for key in params.get("keys") or []:
         if str(key).rsplit(".", 1)[-1] not in MODULES:
-            raise AdapterError(f"{where}: lora_parameters.keys: {key!r} is not a projection this model has "
-                               f"(known: {', '.join(MODULES)})")
+            raise AdapterError(
+                f"{where}: lora_parameters.keys: {key!r} is not a projection this model has "
+                f"(known: {', '.join(MODULES)})"
+            )
     num_layers = cfg.get("num_layers")
     if isinstance(num_layers, int) and num_layers > shape.num_layers:
         raise AdapterError(f"{where}: num_layers {num_layers} exceeds the model's {shape.num_layers} layers")
@@ -57,8 +61,13 @@ def mlx_to_peft(
     for key, t in tensors.items():
         m = _NAME.match(key)
         if m is None or m.group(3) not in MODULES:
-            what = "a DoRA magnitude" if key.endswith(".m") else "a quantized weight" if key.endswith(
-                (".scales", ".biases")) else "not a LoRA weight of an attention or MLP projection"
+            what = (
+                "a DoRA magnitude"
+                if key.endswith(".m")
+                else "a quantized weight"
+                if key.endswith((".scales", ".biases"))
+                else "not a LoRA weight of an attention or MLP projection"
+            )
             raise AdapterError(f"{where}: tensor {key!r} is {what}")
         if not t.is_floating_point():
             raise AdapterError(f"{where}: tensor {key!r} is {t.dtype}: quantized adapters are not supported")

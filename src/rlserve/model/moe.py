@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
+
 from rlserve.model.shape import MoeShape
 
 if TYPE_CHECKING:
@@ -25,7 +26,11 @@ def checkpoint_shapes(moe: MoeShape, hidden: int, layer: int) -> dict[str, tuple
     out: dict[str, tuple[int, ...]] = {p + "gate.weight": (moe.num_experts, hidden)}
     for e in range(moe.num_experts):
         q = f"{p}experts.{e}."
-        out |= {q + "gate_proj.weight": (i, hidden), q + "up_proj.weight": (i, hidden), q + "down_proj.weight": (hidden, i)}
+        out |= {
+            q + "gate_proj.weight": (i, hidden),
+            q + "up_proj.weight": (i, hidden),
+            q + "down_proj.weight": (hidden, i),
+        }
     return out
 
 
@@ -79,7 +84,9 @@ class SparseMoe(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), experts
 
-    def forward(self, x: torch.Tensor, lora: "LoraBatch | None" = None, kernels: "CpuKernels | None" = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, lora: LoraBatch | None = None, kernels: CpuKernels | None = None
+    ) -> torch.Tensor:
         weights, experts = self.route(x)
         self.last_experts = experts
         flat = experts.view(-1)

@@ -24,7 +24,9 @@ class RotaryEmbedding(nn.Module):
 
         # rotate_half(x) * sin == roll(x, half) * sin_signed: one op fewer per application
         half = dim // 2
-        self.register_buffer("sin_signed", torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1), persistent=False)
+        self.register_buffer(
+            "sin_signed", torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1), persistent=False
+        )
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin for the step's positions, [T, 1, head_dim]; computed once per step."""

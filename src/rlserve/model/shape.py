@@ -27,10 +27,12 @@ class ModelShape:
     moe: MoeShape | None = None  # Qwen3-MoE: the expert blocks
 
     @classmethod
-    def from_hf(cls, cfg) -> "ModelShape":
+    def from_hf(cls, cfg) -> ModelShape:
         model_type = getattr(cfg, "model_type", "llama")
         if model_type not in ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral"):
-            raise ValueError(f"model_type {model_type!r} is not supported; rlserve serves llama, mistral, qwen2, qwen3 and qwen3_moe")
+            raise ValueError(
+                f"model_type {model_type!r} is not supported; rlserve serves llama, mistral, qwen2, qwen3 and qwen3_moe"
+            )
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         rope_scaling = getattr(cfg, "rope_scaling", None)
         if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (None, "default", "llama3"):
@@ -52,7 +54,9 @@ class ModelShape:
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
-            rope_scaling=rope_scaling if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) == "llama3" else None,
+            rope_scaling=rope_scaling
+            if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) == "llama3"
+            else None,
             moe=MoeShape.from_hf(cfg, cfg.num_hidden_layers) if model_type == "qwen3_moe" else None,
         )
 
@@ -66,13 +70,15 @@ class MoeShape:
     sparse_layers: tuple[int, ...]  # the layers whose MLP is the expert block
 
     @classmethod
-    def from_hf(cls, cfg, num_layers: int) -> "MoeShape":
+    def from_hf(cls, cfg, num_layers: int) -> MoeShape:
         step = getattr(cfg, "decoder_sparse_step", 1) or 1
         dense = set(getattr(cfg, "mlp_only_layers", None) or [])
         sparse = tuple(i for i in range(num_layers) if i not in dense and cfg.num_experts > 0 and (i + 1) % step == 0)
         if cfg.num_experts_per_tok > cfg.num_experts:
             raise ValueError(f"num_experts_per_tok ({cfg.num_experts_per_tok}) exceeds num_experts ({cfg.num_experts})")
-        return cls(cfg.num_experts, cfg.num_experts_per_tok, bool(cfg.norm_topk_prob), cfg.moe_intermediate_size, sparse)
+        return cls(
+            cfg.num_experts, cfg.num_experts_per_tok, bool(cfg.norm_topk_prob), cfg.moe_intermediate_size, sparse
+        )
 
     @property
     def expert_id_dtype(self) -> torch.dtype:

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from rlserve.model.shape import ModelShape
     from rlserve.model.lora import LoraAdapter
+    from rlserve.model.shape import ModelShape
 
 _COLUMN = re.compile(r"\.(self_attn\.(q_proj|k_proj|v_proj)|mlp\.(gate_proj|up_proj))\.(weight|bias)$")
 _ROW = re.compile(r"\.(self_attn\.o_proj|mlp\.down_proj)\.weight$")
@@ -26,27 +26,38 @@ COLUMN_MODULES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # LoRA:
 ROW_MODULES = ("o_proj", "down_proj")  # LoRA: A split by input columns
 
 
-def check_tp(shape: "ModelShape", tp: int) -> None:
+def check_tp(shape: ModelShape, tp: int) -> None:
     """Raises ValueError saying what to change when the model cannot be split `tp` ways."""
     if tp == 1:
         return
     if shape.moe is not None:
-        raise ValueError(f"parallel.tp={tp}: tensor parallelism does not split mixture-of-experts models yet; "
-                         "serve this model with parallel.tp=1 (parallel.dp scales it across cores or devices)")
-    for what, n in (("attention heads", shape.num_heads), ("KV heads", shape.num_kv_heads),
-                    ("intermediate size", shape.intermediate_size)):
+        raise ValueError(
+            f"parallel.tp={tp}: tensor parallelism does not split mixture-of-experts models yet; "
+            "serve this model with parallel.tp=1 (parallel.dp scales it across cores or devices)"
+        )
+    for what, n in (
+        ("attention heads", shape.num_heads),
+        ("KV heads", shape.num_kv_heads),
+        ("intermediate size", shape.intermediate_size),
+    ):
         if n % tp:
-            raise ValueError(f"parallel.tp={tp} must divide the model's {what} ({n}): pick a tp that divides "
-                             f"{shape.num_heads} attention heads, {shape.num_kv_heads} KV heads and intermediate "
-                             f"size {shape.intermediate_size}")
+            raise ValueError(
+                f"parallel.tp={tp} must divide the model's {what} ({n}): pick a tp that divides "
+                f"{shape.num_heads} attention heads, {shape.num_kv_heads} KV heads and intermediate "
+                f"size {shape.intermediate_size}"
+            )
 
 
-def local_shape(shape: "ModelShape", tp: int) -> "ModelShape":
+def local_shape(shape: ModelShape, tp: int) -> ModelShape:
     """The part of the model one rank computes."""
     if tp == 1:
         return shape
-    return dataclasses.replace(shape, num_heads=shape.num_heads // tp, num_kv_heads=shape.num_kv_heads // tp,
-                               intermediate_size=shape.intermediate_size // tp)
+    return dataclasses.replace(
+        shape,
+        num_heads=shape.num_heads // tp,
+        num_kv_heads=shape.num_kv_heads // tp,
+        intermediate_size=shape.intermediate_size // tp,
+    )
 
 
 def shard_dim(name: str) -> int | None:
@@ -67,7 +78,7 @@ def shard(name: str, tensor: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
     return tensor.narrow(dim, rank * size, size)
 
 
-def shard_adapter(adapter: "LoraAdapter", rank: int, tp: int) -> "LoraAdapter":
+def shard_adapter(adapter: LoraAdapter, rank: int, tp: int) -> LoraAdapter:
     """A LoRA adapter cut like its base layers: B by output rows on column-parallel projections
     (each rank adds its own output slice), A by input columns on row-parallel ones (each rank adds
     B(A_r x_r) before the layer's all-reduce sums them to B(A x))."""

@@ -26,12 +26,11 @@ import zmq
 
 from rlserve.config.schema import Config
 from rlserve.engine import child, error_kinds
-from rlserve.runtime import ipc
-from rlserve.runtime.pause import PauseState
-from rlserve.runtime import sleep, vllm_receiver
 from rlserve.engine.engine import Engine
 from rlserve.engine.sequence import Request
 from rlserve.engine.weights import StagingBuffers, check_under_roots, stage, stage_from_dir
+from rlserve.runtime import ipc, sleep, vllm_receiver
+from rlserve.runtime.pause import PauseState
 
 log = logging.getLogger("rlserve.runtime.core")
 IDLE_POLL_MS = 50  # how long an idle loop sleeps on its inbox before looking at helpers and its parent
@@ -125,8 +124,9 @@ class EngineCore:
     def handle(self, msg: ipc.ToEngine) -> None:
         if isinstance(msg, ipc.Add):
             try:
-                req = self.engine.make_request(msg.request_id, msg.prompt, msg.params, cache_salt=msg.cache_salt,
-                                               adapter=msg.adapter)
+                req = self.engine.make_request(
+                    msg.request_id, msg.prompt, msg.params, cache_salt=msg.cache_salt, adapter=msg.adapter
+                )
             except ValueError as exc:
                 self.outbox.send(ipc.encode(ipc.Rejected(msg.key, str(exc))))
                 return
@@ -157,8 +157,13 @@ class EngineCore:
 
     def state(self) -> ipc.State:
         e = self.engine
-        return ipc.State(e.policy_version, e.weight_version, {n: a.path for n, a in e.adapters.items()},
-                         self.pause.paused, dataclasses.asdict(e.stats))
+        return ipc.State(
+            e.policy_version,
+            e.weight_version,
+            {n: a.path for n, a in e.adapters.items()},
+            self.pause.paused,
+            dataclasses.asdict(e.stats),
+        )
 
     def receive(self, raw: bytes) -> None:
         try:
@@ -236,9 +241,14 @@ class EngineCore:
         model = self.engine.model
         return self.off_loop(
             call_id,
-            lambda: self.on_ranks(call_id, "dir", [weight_dir, roots], lambda: stage_from_dir(
-                model, check_under_roots(weight_dir, roots), self.staging, roots)),
-            lambda staged: self.commit_on_ranks(call_id, lambda: self.engine.commit_weights(staged, label)))
+            lambda: self.on_ranks(
+                call_id,
+                "dir",
+                [weight_dir, roots],
+                lambda: stage_from_dir(model, check_under_roots(weight_dir, roots), self.staging, roots),
+            ),
+            lambda staged: self.commit_on_ranks(call_id, lambda: self.engine.commit_weights(staged, label)),
+        )
 
     def op_init_broadcaster(self, call_id: int, host: str, port: int, rank: int, world: int, timeout: float) -> object:
         from rlserve import weight_transfer
@@ -247,8 +257,12 @@ class EngineCore:
         earlier, peer = self.group, self.group_peer
 
         def join(_: None) -> None:
-            self.group, self.group_peer = ThreadPoolExecutor(1, thread_name_prefix="rlserve-group").submit(
-                weight_transfer.init_group, host, port, rank, world, timeout), f"{host}:{port}"
+            self.group, self.group_peer = (
+                ThreadPoolExecutor(1, thread_name_prefix="rlserve-group").submit(
+                    weight_transfer.init_group, host, port, rank, world, timeout
+                ),
+                f"{host}:{port}",
+            )
 
         return self.off_loop(call_id, lambda: leave_earlier_group(earlier, peer), join)
 
@@ -267,12 +281,14 @@ class EngineCore:
                 self.engine.tp.push(call_id, staged.tensors)
             return staged
 
-        return self.off_loop(call_id, receive, lambda staged: self.commit_on_ranks(
-            call_id, lambda: self.engine.commit_weights(staged, label)))
+        return self.off_loop(
+            call_id,
+            receive,
+            lambda staged: self.commit_on_ranks(call_id, lambda: self.engine.commit_weights(staged, label)),
+        )
 
     def op_load_adapter(self, call_id: int, name: str, path: str, roots: list[str]) -> object:
         from rlserve.model.lora import load_peft_adapter
-
         from rlserve.model.tensor_parallel import shard_adapter
 
         e, tp = self.engine, self.engine.config.parallel.tp
@@ -281,8 +297,11 @@ class EngineCore:
             adapter = load_peft_adapter(name, check_under_roots(path, roots), e.shape, e.dtype, e.device, roots)
             return shard_adapter(adapter, 0, tp)
 
-        return self.off_loop(call_id, lambda: self.on_ranks(call_id, "adapter", [name, path, roots], load),
-                             lambda adapter: self.commit_on_ranks(call_id, lambda: e.add_adapter(adapter)))
+        return self.off_loop(
+            call_id,
+            lambda: self.on_ranks(call_id, "adapter", [name, path, roots], load),
+            lambda adapter: self.commit_on_ranks(call_id, lambda: e.add_adapter(adapter)),
+        )
 
     def op_remove_adapter(self, call_id: int, name: str) -> int:
         if name not in self.engine.adapters:
@@ -315,9 +334,7 @@ class EngineCore:
 
 
 DEFERRED = object()  # the operation replies later (helper thread, or pause waiting for a drain)
-OPS: dict[str, Callable[..., Any]] = {
-    name[3:]: fn for name, fn in vars(EngineCore).items() if name.startswith("op_")
-}
+OPS: dict[str, Callable[..., Any]] = {name[3:]: fn for name, fn in vars(EngineCore).items() if name.startswith("op_")}
 OPS.update(vllm_receiver.OPS)  # vLLM's weight-transfer routes, received in this process
 OPS.update(sleep.OPS)  # vLLM's sleep mode
 
@@ -361,9 +378,17 @@ def _serve(config: Config, inbox: zmq.Socket, outbox: zmq.Socket) -> int:
         outbox.send(ipc.encode(ipc.Failed(str(exc) if isinstance(exc, ValueError) else repr(exc))))
         return 1
     core = EngineCore(engine, inbox, outbox)
-    outbox.send(ipc.encode(ipc.Ready(str(engine.model_dir), engine.max_model_len, engine.vocab_size,
-                                     {f.name: getattr(engine.shape, f.name) for f in dataclasses.fields(engine.shape)},
-                                     core.state())))
+    outbox.send(
+        ipc.encode(
+            ipc.Ready(
+                str(engine.model_dir),
+                engine.max_model_len,
+                engine.vocab_size,
+                {f.name: getattr(engine.shape, f.name) for f in dataclasses.fields(engine.shape)},
+                core.state(),
+            )
+        )
+    )
     # SIGTERM ends the loop between two steps, so the engine still closes (the KV disk tier's files)
     signal.signal(signal.SIGTERM, lambda *_: setattr(core, "stop", True))
     try:

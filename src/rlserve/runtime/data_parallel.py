@@ -16,10 +16,10 @@ from contextvars import ContextVar
 from typing import Any
 
 from rlserve.config.schema import Config
-from rlserve.runtime.proc_client import EngineClient
-from rlserve.runtime.face import FaceRules
 from rlserve.engine.outputs import RequestOutput
 from rlserve.engine.params import SamplingParams
+from rlserve.runtime.face import FaceRules
+from rlserve.runtime.proc_client import EngineClient
 
 # (X-data-parallel-rank, X-Session-ID) of the HTTP request being served; set by the server's middleware
 routing_hint: ContextVar[tuple[str | None, str | None]] = ContextVar("routing_hint", default=(None, None))
@@ -33,19 +33,24 @@ def check_parallel(config: Config) -> None:
     if dp > 1 and not config.engine.core_process:
         raise ValueError("parallel.dp > 1 runs each engine in its own process: drop engine.core_process=false")
     if tp > 1 and not config.engine.core_process:
-        raise ValueError("parallel.tp > 1 runs the engine core process with its worker ranks: drop "
-                         "engine.core_process=false")
+        raise ValueError(
+            "parallel.tp > 1 runs the engine core process with its worker ranks: drop engine.core_process=false"
+        )
     device = config.model.device
     if device.startswith("cuda") or (device == "auto" and _cuda_devices()):
         have, what = _cuda_devices(), "CUDA devices"
     else:
         have, what = os.cpu_count() or 1, "CPU cores"
     if tp * dp > have:
-        raise ValueError(f"parallel.tp * parallel.dp = {tp} * {dp} = {tp * dp} needs that many {what}, this machine "
-                         f"has {have}: lower parallel.dp or parallel.tp")
+        raise ValueError(
+            f"parallel.tp * parallel.dp = {tp} * {dp} = {tp * dp} needs that many {what}, this machine "
+            f"has {have}: lower parallel.dp or parallel.tp"
+        )
     if tp * dp > 1 and config.num_threads and config.num_threads * tp * dp > have and what == "CPU cores":
-        raise ValueError(f"num_threads={config.num_threads} per engine rank times {tp * dp} ranks oversubscribes the "
-                         f"{have} CPU cores: lower num_threads (or leave it unset to split the cores evenly)")
+        raise ValueError(
+            f"num_threads={config.num_threads} per engine rank times {tp * dp} ranks oversubscribes the "
+            f"{have} CPU cores: lower num_threads (or leave it unset to split the cores evenly)"
+        )
 
 
 def _cuda_devices() -> int:
@@ -122,22 +127,32 @@ class DataParallelClient(FaceRules):
             except ValueError:
                 index = -1
             if not 0 <= index < len(self.engines):
-                raise ValueError(f"X-data-parallel-rank {rank!r} names no engine: this server runs ranks "
-                                 f"0..{len(self.engines) - 1} (parallel.dp={len(self.engines)})")
+                raise ValueError(
+                    f"X-data-parallel-rank {rank!r} names no engine: this server runs ranks "
+                    f"0..{len(self.engines) - 1} (parallel.dp={len(self.engines)})"
+                )
             return index
         if session:
             return zlib.crc32(session.encode()) % len(self.engines)
         return min(range(len(self.engines)), key=self.in_flight.__getitem__)
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
-                       cache_salt: str | None = None, adapter: str | None = None,
-                       stream: bool = True) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        cache_salt: str | None = None,
+        adapter: str | None = None,
+        stream: bool = True,
+    ) -> AsyncIterator[RequestOutput]:
         index = self.pick()
         served_by.set(index)  # an async generator shares its caller's context: the caller reads it
         self.in_flight[index] += 1
         try:
-            async for out in self.engines[index].generate(prompt, params, request_id, cache_salt=cache_salt,
-                                                          adapter=adapter, stream=stream):
+            async for out in self.engines[index].generate(
+                prompt, params, request_id, cache_salt=cache_salt, adapter=adapter, stream=stream
+            ):
                 yield out
         finally:
             self.in_flight[index] -= 1
@@ -168,18 +183,23 @@ class DataParallelClient(FaceRules):
     async def reset_prefix_cache(self) -> bool:
         return all(await self._all("reset_prefix_cache"))
 
-    async def update_weights_from_dir(self, weight_dir: str, roots: list[str], weight_version: str | None = None,
-                                      started: asyncio.Event | None = None) -> int:
+    async def update_weights_from_dir(
+        self, weight_dir: str, roots: list[str], weight_version: str | None = None, started: asyncio.Event | None = None
+    ) -> int:
         async with self._update_turn(started):
             return (await self._all("update_weights_from_dir", weight_dir, roots, weight_version))[0]
 
-    async def init_broadcaster(self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 300.0) -> None:
+    async def init_broadcaster(
+        self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 300.0
+    ) -> None:
         # each engine is its own member of the trainer's group, at consecutive ranks
-        await asyncio.gather(*(e.init_broadcaster(host, port, rank + i, world_size, timeout_s)
-                               for i, e in enumerate(self.engines)))
+        await asyncio.gather(
+            *(e.init_broadcaster(host, port, rank + i, world_size, timeout_s) for i, e in enumerate(self.engines))
+        )
 
-    async def update_weights_from_broadcast(self, weight_version: str | None = None,
-                                            started: asyncio.Event | None = None) -> int:
+    async def update_weights_from_broadcast(
+        self, weight_version: str | None = None, started: asyncio.Event | None = None
+    ) -> int:
         async with self._update_turn(started):
             return (await self._all("update_weights_from_broadcast", weight_version))[0]
 

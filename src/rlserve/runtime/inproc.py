@@ -15,12 +15,12 @@ from typing import Any, TypeVar
 
 from rlserve.config.schema import Config
 from rlserve.engine.engine import Engine
-from rlserve.runtime.face import EngineDeadError, FaceRules, check_pause_mode
-from rlserve.runtime.pause import PauseState
 from rlserve.engine.outputs import RequestOutput
 from rlserve.engine.params import SamplingParams
 from rlserve.engine.sequence import Request
 from rlserve.engine.weights import StagingBuffers, check_under_roots, stage, stage_from_dir
+from rlserve.runtime.face import EngineDeadError, FaceRules, check_pause_mode
+from rlserve.runtime.pause import PauseState
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -104,8 +104,9 @@ class AsyncEngine(FaceRules):
         from rlserve.model.lora import load_peft_adapter
 
         e = self.engine
-        adapter = await asyncio.to_thread(lambda: load_peft_adapter(name, check_under_roots(path, roots), e.shape,
-                                                                    e.dtype, e.device, roots))
+        adapter = await asyncio.to_thread(
+            lambda: load_peft_adapter(name, check_under_roots(path, roots), e.shape, e.dtype, e.device, roots)
+        )
         return await self.call(lambda e: e.add_adapter(adapter))
 
     async def set_versions(self, policy_version: int, label: str) -> None:
@@ -207,7 +208,9 @@ class AsyncEngine(FaceRules):
             staged = await asyncio.to_thread(stage_from_dir, self.engine.model, path, self._staging, roots)
             return await self.call(lambda e: e.commit_weights(staged, weight_version))
 
-    async def init_broadcaster(self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 300.0) -> None:
+    async def init_broadcaster(
+        self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 300.0
+    ) -> None:
         """Join the trainer's group in the background: the trainer joins whenever it is ready."""
         from rlserve import weight_transfer
         from rlserve.engine.broadcast_group import leave_earlier_group

@@ -23,14 +23,14 @@ from transformers import AutoTokenizer
 
 from rlserve.config.schema import Config
 from rlserve.engine.error_kinds import rebuild_error
-from rlserve.runtime import ipc
-from rlserve.engine.stats import EngineStats
-from rlserve.runtime.face import EngineDeadError, FaceRules, check_pause_mode
 from rlserve.engine.outputs import RequestOutput
 from rlserve.engine.params import SamplingParams
-from rlserve.runtime.spawn import EngineProcess
+from rlserve.engine.stats import EngineStats
 from rlserve.engine.wire_ints import wire_safe
 from rlserve.model.shape import ModelShape
+from rlserve.runtime import ipc
+from rlserve.runtime.face import EngineDeadError, FaceRules, check_pause_mode
+from rlserve.runtime.spawn import EngineProcess
 
 log = logging.getLogger(__name__)
 WATCH_INTERVAL_S = 0.2  # how often the process is checked for an exit no message announced
@@ -239,16 +239,20 @@ class EngineClient(FaceRules):
     async def reset_prefix_cache(self) -> bool:
         return await self._call("reset_prefix_cache")
 
-    async def update_weights_from_dir(self, weight_dir: str, roots: list[str], weight_version: str | None = None,
-                                      started: asyncio.Event | None = None) -> int:
+    async def update_weights_from_dir(
+        self, weight_dir: str, roots: list[str], weight_version: str | None = None, started: asyncio.Event | None = None
+    ) -> int:
         async with self._update_turn(started):
             return await self._call("update_from_dir", weight_dir, roots, weight_version)
 
-    async def init_broadcaster(self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 300.0) -> None:
+    async def init_broadcaster(
+        self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 300.0
+    ) -> None:
         await self._call("init_broadcaster", host, port, rank, world_size, timeout_s)
 
-    async def update_weights_from_broadcast(self, weight_version: str | None = None,
-                                            started: asyncio.Event | None = None) -> int:
+    async def update_weights_from_broadcast(
+        self, weight_version: str | None = None, started: asyncio.Event | None = None
+    ) -> int:
         async with self._update_turn(started):
             return await self._call("update_from_broadcast", weight_version)
 

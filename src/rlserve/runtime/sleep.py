@@ -25,8 +25,10 @@ def _asleep(core: Any) -> set[str]:
 def _check_supported(core: Any) -> None:
     e = core.engine
     if e.tp is not None or e.kv_transfer is not None or getattr(e, "offload", None) is not None:
-        raise ValueError("sleep frees the KV cache, which tensor parallelism, KV transfer and KV offload keep "
-                         "views of: it is refused with those on")
+        raise ValueError(
+            "sleep frees the KV cache, which tensor parallelism, KV transfer and KV offload keep "
+            "views of: it is refused with those on"
+        )
 
 
 def _free_kv(core: Any) -> None:

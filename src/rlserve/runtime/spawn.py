@@ -27,8 +27,9 @@ class EngineProcess:
         self.ctx = zmq.Context()
         self.to_engine = self._socket(zmq.PUSH, in_addr)
         self.from_engine = self._socket(zmq.PULL, out_addr)
-        self.proc = subprocess.Popen([sys.executable, "-m", "rlserve.runtime.core", in_addr, out_addr],
-                                     stdin=subprocess.PIPE, env=child_env())
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rlserve.runtime.core", in_addr, out_addr], stdin=subprocess.PIPE, env=child_env()
+        )
         try:
             self.proc.stdin.write(config.model_dump_json().encode())
             self.proc.stdin.close()

@@ -52,8 +52,17 @@ def _drop_group() -> None:
             log.warning("dropping the trainer group: %s", exc)
 
 
-def op_vllm_init(core: Any, call_id: int, host: str, port: int, rank: int, world: int, timeout: float,
-                 packed: bool | None, buffer_bytes: int | None) -> object:
+def op_vllm_init(
+    core: Any,
+    call_id: int,
+    host: str,
+    port: int,
+    rank: int,
+    world: int,
+    timeout: float,
+    packed: bool | None,
+    buffer_bytes: int | None,
+) -> object:
     """Join the trainer's group in a thread of its own; reply once the rendezvous completed.
     A new trainer replaces the previous one's group (it may have died without a shutdown)."""
     r = receiver_of(core)
@@ -70,8 +79,9 @@ def op_vllm_init(core: Any, call_id: int, host: str, port: int, rank: int, world
 
     def join() -> None:
         try:
-            weight_transfer.init_group(host, port, rank, world, timeout, backend="nccl" if
-                                       core.engine.device.type == "cuda" else "gloo")
+            weight_transfer.init_group(
+                host, port, rank, world, timeout, backend="nccl" if core.engine.device.type == "cuda" else "gloo"
+            )
         except Exception as exc:
             error = TimeoutError(f"the weight-transfer rendezvous at {host}:{port} failed: {exc}")
 
@@ -121,17 +131,20 @@ def verify(received: list[tuple[str, torch.Tensor]], checksums: dict[str, str] |
         if name not in got:
             raise WeightUpdateError(f"update_info: checksums names {name!r}, which names does not list")
         if _sha256(got[name]) != str(digest).lower():
-            raise WeightUpdateError(f"update_info: {name} arrived with sha256 {_sha256(got[name])}, the trainer "
-                                    f"declared {digest}: its bytes were not received as sent (check packed and "
-                                    "packed_buffer_size_bytes on both sides)")
+            raise WeightUpdateError(
+                f"update_info: {name} arrived with sha256 {_sha256(got[name])}, the trainer "
+                f"declared {digest}: its bytes were not received as sent (check packed and "
+                "packed_buffer_size_bytes on both sides)"
+            )
 
 
 class LayoutError(WeightUpdateError):
     """The trainer's broadcasts did not match what its update_info declared: the group is out of step."""
 
 
-def receive_checked(names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]], packed: bool,
-                    buffer_bytes: int, device: str) -> list[tuple[str, torch.Tensor]]:
+def receive_checked(
+    names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]], packed: bool, buffer_bytes: int, device: str
+) -> list[tuple[str, torch.Tensor]]:
     """Receive vLLM's stream into one buffer filled with 0xFF first, with as much room again behind it.
 
     gloo accepts a broadcast shorter than the posted buffer without a word (the tail keeps what was there),
@@ -147,33 +160,47 @@ def receive_checked(names: list[str], dtypes: list[torch.dtype], shapes: list[li
         length = sum(sizes[i] for i in chunk)
         dist.broadcast(flat[offset:], src=0)
         end = offset + length
-        if bool((flat[end:end + 64] != 0xFF).any()):
-            raise LayoutError(f"update_info: {names[chunk[-1]]}: the trainer broadcast more bytes than the "
-                              f"{length} declared for the broadcast ending with it")
+        if bool((flat[end : end + 64] != 0xFF).any()):
+            raise LayoutError(
+                f"update_info: {names[chunk[-1]]}: the trainer broadcast more bytes than the "
+                f"{length} declared for the broadcast ending with it"
+            )
         start = offset
         for i in chunk:
-            tail = flat[start + sizes[i] - dtypes[i].itemsize:start + sizes[i]]
+            tail = flat[start + sizes[i] - dtypes[i].itemsize : start + sizes[i]]
             if sizes[i] and bool((tail == 0xFF).all()):
-                raise LayoutError(f"update_info: {names[i]}: fewer bytes arrived than its declared dtype "
-                                  f"{str(dtypes[i]).removeprefix('torch.')} and shape {list(shapes[i])} need "
-                                  f"({sizes[i]})")
+                raise LayoutError(
+                    f"update_info: {names[i]}: fewer bytes arrived than its declared dtype "
+                    f"{str(dtypes[i]).removeprefix('torch.')} and shape {list(shapes[i])} need "
+                    f"({sizes[i]})"
+                )
             start += sizes[i]
         offset = end
     out, offset = [], 0
     for name, dtype, shape, size in zip(names, dtypes, shapes, sizes):
-        out.append((name, flat[offset:offset + size].view(dtype).view(shape)))
+        out.append((name, flat[offset : offset + size].view(dtype).view(shape)))
         offset += size
     return out
 
 
-_LAYOUT_HINT = ("; check packed and packed_buffer_size_bytes (init_info or update_info) and every tensor's dtype "
-                "and shape; the previous weights keep serving and the group is dropped: join again with "
-                "/init_weight_transfer_engine")
+_LAYOUT_HINT = (
+    "; check packed and packed_buffer_size_bytes (init_info or update_info) and every tensor's dtype "
+    "and shape; the previous weights keep serving and the group is dropped: join again with "
+    "/init_weight_transfer_engine"
+)
 
 
-def op_vllm_receive(core: Any, call_id: int, names: list[str], dtype_names: list[str], shapes: list[list[int]],
-                    packed: bool | None, buffer_bytes: int | None, checksums: dict[str, str] | None,
-                    label: str | None) -> object:
+def op_vllm_receive(
+    core: Any,
+    call_id: int,
+    names: list[str],
+    dtype_names: list[str],
+    shapes: list[list[int]],
+    packed: bool | None,
+    buffer_bytes: int | None,
+    checksums: dict[str, str] | None,
+    label: str | None,
+) -> object:
     """Receive one /update_weights in the helper thread; without an open update, commit it at once."""
     r = receiver_of(core)
     if not r.joined:
@@ -195,8 +222,10 @@ def op_vllm_receive(core: Any, call_id: int, names: list[str], dtype_names: list
                 raise LayoutError(f"{exc}{_LAYOUT_HINT}") from None
             except Exception as exc:
                 core.done.put(lambda: _lost(core))
-                raise RuntimeError(f"the trainer's broadcast failed ({exc}); the previous weights keep serving "
-                                   "and the group is dropped: join again with /init_weight_transfer_engine") from None
+                raise RuntimeError(
+                    f"the trainer's broadcast failed ({exc}); the previous weights keep serving "
+                    "and the group is dropped: join again with /init_weight_transfer_engine"
+                ) from None
             verify(received, checksums)
             staged = stage(model, received, "update_info", require_all=False).tensors
             if commit_now:
@@ -211,8 +240,9 @@ def op_vllm_receive(core: Any, call_id: int, names: list[str], dtype_names: list
         if not commit_now:
             r.staged.update(staged)
             return core.engine.policy_version
-        return core.commit_on_ranks(call_id, lambda: core.engine.commit_weights(StagedWeights(staged, "update_info"),
-                                                                               label))
+        return core.commit_on_ranks(
+            call_id, lambda: core.engine.commit_weights(StagedWeights(staged, "update_info"), label)
+        )
 
     return core.off_loop(call_id, work, commit)
 
@@ -238,9 +268,12 @@ def op_vllm_finish(core: Any, call_id: int, label: str | None) -> object:
             core.engine.weight_version = label
         return core.engine.policy_version
     return core.off_loop(
-        call_id, lambda: _push_to_ranks(core, call_id, staged) or staged,
+        call_id,
+        lambda: _push_to_ranks(core, call_id, staged) or staged,
         lambda tensors: core.commit_on_ranks(
-            call_id, lambda: core.engine.commit_weights(StagedWeights(tensors, "update_info"), label)))
+            call_id, lambda: core.engine.commit_weights(StagedWeights(tensors, "update_info"), label)
+        ),
+    )
 
 
 def op_vllm_checksums(core: Any, call_id: int, prefix: str) -> dict[str, str]:

@@ -17,25 +17,25 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rlserve.config.schema import Config, warn_unapplied
+from rlserve.runtime.data_parallel import DataParallelClient, check_parallel, routing_hint
 from rlserve.runtime.face import EngineDeadError, EngineFace
 from rlserve.runtime.inproc import AsyncEngine
 from rlserve.runtime.proc_client import EngineClient
-from rlserve.runtime.data_parallel import DataParallelClient, check_parallel, routing_hint
 from rlserve.runtime.spawn import EngineProcess
 from rlserve.server import early_stop
+from rlserve.server.auth import Gate
+from rlserve.server.engine_death import engine_died
+from rlserve.server.errors import APIError, install_error_handlers
 from rlserve.server.fleet import deployment_guard, worker_routes
+from rlserve.server.limits import BodyGuard
+from rlserve.server.listen import bind, check_admin_exposure
+from rlserve.server.metrics import Metrics, wants_json_metrics
 from rlserve.server.openai import chat, chat_batch, completions, responses, responses_store, tokenization
+from rlserve.server.openai.chat_template import load_template
+from rlserve.server.openapi import install_openapi
 from rlserve.server.rl import control, generate, rescore, vllm_rl
 from rlserve.server.rl import weights as vllm_weights
-from rlserve.server.openai.chat_template import load_template
-from rlserve.server.errors import APIError, install_error_handlers
-from rlserve.server.engine_death import engine_died
-from rlserve.server.listen import bind, check_admin_exposure
-from rlserve.server.limits import BodyGuard
-from rlserve.server.openapi import install_openapi
-from rlserve.server.metrics import Metrics, wants_json_metrics
 from rlserve.server.state import ServerState
-from rlserve.server.auth import Gate
 
 log = logging.getLogger("rlserve.server")
 
@@ -57,8 +57,9 @@ def build_app(engine: EngineFace, config: Config) -> FastAPI:
 
     app = FastAPI(title="rlserve", redirect_slashes=False, lifespan=lifespan)
     name = served_model_name(config)
-    app.state.rlserve = ServerState(engine, config, Metrics(engine, name), name,
-                                    chat_template=load_template(config.model.chat_template))
+    app.state.rlserve = ServerState(
+        engine, config, Metrics(engine, name), name, chat_template=load_template(config.model.chat_template)
+    )
     install_error_handlers(app)
 
     @app.exception_handler(EngineDeadError)
@@ -66,13 +67,26 @@ def build_app(engine: EngineFace, config: Config) -> FastAPI:
         return APIError(503, str(exc), type="ServiceUnavailableError").response()
 
     install_openapi(app, _schema_limits(engine, config))
-    for r in (router, completions.router, chat.router, tokenization.router, generate.router, control.router,
-              responses.router, worker_routes.router, vllm_weights.router, rescore.router,
-              vllm_rl.router, responses_store.router, chat_batch.router):
+    for r in (
+        router,
+        completions.router,
+        chat.router,
+        tokenization.router,
+        generate.router,
+        control.router,
+        responses.router,
+        worker_routes.router,
+        vllm_weights.router,
+        rescore.router,
+        vllm_rl.router,
+        responses_store.router,
+        chat_batch.router,
+    ):
         app.include_router(r)
     app.add_middleware(BodyGuard, max_body_bytes=config.server.max_body_bytes)
-    app.add_middleware(Gate, api_key=config.server.api_key, admin_api_key=config.server.admin_api_key,
-                       state=app.state.rlserve)
+    app.add_middleware(
+        Gate, api_key=config.server.api_key, admin_api_key=config.server.admin_api_key, state=app.state.rlserve
+    )
     deployment_guard.install(app)
     if config.parallel.dp > 1:
         app.add_middleware(RoutingHints)
@@ -97,8 +111,9 @@ def _schema_limits(engine: EngineFace, config: Config) -> dict[str, int]:
     """Caps of this configuration that /openapi.json states as maxima."""
     limits = {"n": config.engine.max_num_seqs}
     if config.engine.max_logprobs != -1:
-        limits |= dict.fromkeys(("logprobs", "top_logprobs", "top_logprobs_num", "prompt_logprobs"),
-                                config.engine.max_logprobs)
+        limits |= dict.fromkeys(
+            ("logprobs", "top_logprobs", "top_logprobs_num", "prompt_logprobs"), config.engine.max_logprobs
+        )
     vocab_max = engine.vocab_size - 1
     return limits | dict.fromkeys(("token_ids", "input_ids", "tokens", "stop_token_ids"), vocab_max)
 
@@ -109,9 +124,16 @@ def _state(request: Request) -> ServerState:
 
 def _model_card(state: ServerState) -> dict:
     config = state.config
-    return {"id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "rlserve",
-            "root": config.model.name or str(state.engine.model_dir), "parent": None,
-            "max_model_len": state.max_model_len, "permission": []}
+    return {
+        "id": state.served_model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "rlserve",
+        "root": config.model.name or str(state.engine.model_dir),
+        "parent": None,
+        "max_model_len": state.max_model_len,
+        "permission": [],
+    }
 
 
 @router.get("/v1/models")
@@ -154,12 +176,18 @@ async def metrics(request: Request) -> Response:
     if wants_json_metrics(request, state.config.server.metrics_format):
         await state.engine.refresh()
         stats = state.engine.stats
-        return JSONResponse({
-            "current_policy_version": stats.policy_version, "queue_depth": stats.num_waiting,
-            "num_running": stats.num_running, "max_batch_size": state.config.engine.max_num_seqs,
-            "flush_interval_ms": _number(state.config.engine.batch_window_ms), "is_paused": state.engine.paused,
-            "weight_version": state.engine.weight_version, "num_steps": stats.num_steps,
-        })
+        return JSONResponse(
+            {
+                "current_policy_version": stats.policy_version,
+                "queue_depth": stats.num_waiting,
+                "num_running": stats.num_running,
+                "max_batch_size": state.config.engine.max_num_seqs,
+                "flush_interval_ms": _number(state.config.engine.batch_window_ms),
+                "is_paused": state.engine.paused,
+                "weight_version": state.engine.weight_version,
+                "num_steps": stats.num_steps,
+            }
+        )
     await state.engine.refresh()
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -175,8 +203,9 @@ def serve(config: Config, engine_process: EngineProcess | None = None) -> int:
     Returns the exit code: 0, or ENGINE_DIED_EXIT_CODE when the engine died under it (docs/faults.md)."""
     try:
         check_admin_exposure(config)
-        logging.basicConfig(level=config.server.log_level.upper(),
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(
+            level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
         warn_unapplied(config, log)
         try:
             check_parallel(config)
@@ -198,7 +227,9 @@ def serve(config: Config, engine_process: EngineProcess | None = None) -> int:
         try:
             sock = bind(config.server.host, config.server.port)
         except OSError as e:
-            raise SystemExit(f"rlserve: error: cannot listen on {config.server.host}:{config.server.port}: {e}") from None
+            raise SystemExit(
+                f"rlserve: error: cannot listen on {config.server.host}:{config.server.port}: {e}"
+            ) from None
         host, port = sock.getsockname()[:2]
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
         print(f"rlserve: serving {served_model_name(config)} on {url}", flush=True)

@@ -17,19 +17,53 @@ if TYPE_CHECKING:
     from rlserve.server.state import ServerState
 
 # routes that change what every user is served: admin_api_key guards them, deployments own them
-ADMIN_PATHS = frozenset({
-    "/update_weights", "/init_broadcaster", "/pause", "/resume", "/abort_requests", "/reset_prefix_cache",
-    "/load_lora_adapter", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/load_adapter", "/upload_adapter",
-    "/update_weights_from_disk", "/pause_generation", "/continue_generation", "/flush_cache", "/abort_request",
-    "/update_weight_version",
-    "/init_weight_transfer_engine", "/start_weight_update", "/finish_weight_update",  # vLLM's (server/rl/weights.py)
-    "/shutdown_weight_transfer_engine", "/weight_checker", "/sleep", "/wake_up", "/release_kv_cache_memory",
-    "/collective_rpc",
-})
+ADMIN_PATHS = frozenset(
+    {
+        "/update_weights",
+        "/init_broadcaster",
+        "/pause",
+        "/resume",
+        "/abort_requests",
+        "/reset_prefix_cache",
+        "/load_lora_adapter",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
+        "/load_adapter",
+        "/upload_adapter",
+        "/update_weights_from_disk",
+        "/pause_generation",
+        "/continue_generation",
+        "/flush_cache",
+        "/abort_request",
+        "/update_weight_version",
+        "/init_weight_transfer_engine",
+        "/start_weight_update",
+        "/finish_weight_update",  # vLLM's (server/rl/weights.py)
+        "/shutdown_weight_transfer_engine",
+        "/weight_checker",
+        "/sleep",
+        "/wake_up",
+        "/release_kv_cache_memory",
+        "/collective_rpc",
+    }
+)
 
 # no key needed: router health probes and Prometheus scrapers carry none (§2.13)
-PUBLIC_PATHS = frozenset({"/health", "/liveness", "/ping", "/version", "/load", "/get_load", "/metrics", "/docs",
-                          "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+PUBLIC_PATHS = frozenset(
+    {
+        "/health",
+        "/liveness",
+        "/ping",
+        "/version",
+        "/load",
+        "/get_load",
+        "/metrics",
+        "/docs",
+        "/docs/oauth2-redirect",
+        "/redoc",
+        "/openapi.json",
+    }
+)
 
 
 class Gate:
@@ -37,8 +71,9 @@ class Gate:
     admin routes need admin_api_key when it is set; every other non-public route needs api_key
     (the admin key is accepted there too). While shutting down, new work gets 503."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, admin_api_key: str | None = None,
-                 state: ServerState | None = None):
+    def __init__(
+        self, app: ASGIApp, api_key: str | None, admin_api_key: str | None = None, state: ServerState | None = None
+    ):
         self.app, self.api_key, self.admin_api_key, self.state = app, api_key, admin_api_key, state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -16,7 +16,6 @@ from rlserve.engine.detokenizer import IncrementalDetokenizer
 from rlserve.engine.outputs import CompletionOutput
 from rlserve.engine.params import SamplingParams
 from rlserve.server.errors import bad_request
-from rlserve.server.protocol import ChatCompletionRequest
 from rlserve.server.parsers import HARMONY, TOOL_PARSER_NAMES, get_tool_parser
 from rlserve.server.parsers.base import CallError, CallFormat, Tools
 from rlserve.server.parsers.harmony import HarmonyStreamer, parse_harmony
@@ -26,6 +25,7 @@ from rlserve.server.parsers.reasoning import (
     count_reasoning_tokens,
     extract_reasoning,
 )
+from rlserve.server.protocol import ChatCompletionRequest
 
 
 @dataclass
@@ -62,14 +62,18 @@ class OutputParser:
         text = SpecialText(self).feed(o)
         if self.harmony:
             h = parse_harmony(text, self.harmony_tools)
-            calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                     for c in h.calls]
-            return ParsedMessage(h.content or None, (h.reasoning or None) if self.include_reasoning else None,
-                                 calls, h.errors)
+            calls = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in h.calls
+            ]
+            return ParsedMessage(
+                h.content or None, (h.reasoning or None) if self.include_reasoning else None, calls, h.errors
+            )
         reasoning, content = None, text or None
         if self.reasoning_parser is not None:
-            reasoning, content = extract_reasoning(text, parser=self.reasoning_parser,
-                                                   enable_thinking=self.enable_thinking)
+            reasoning, content = extract_reasoning(
+                text, parser=self.reasoning_parser, enable_thinking=self.enable_thinking
+            )
         calls: list[dict[str, Any]] = []
         errors: list[CallError] = []
         if self.tool_parser is not None and content is not None:
@@ -77,8 +81,10 @@ class OutputParser:
             errors = found.errors
             content = found.content
             if found.tools_called:
-                calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                         for c in found.tool_calls]
+                calls = [
+                    {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                    for c in found.tool_calls
+                ]
         return ParsedMessage(content, reasoning if self.include_reasoning else None, calls, errors)
 
     def reasoning_tokens(self, token_ids: list[int]) -> int:
@@ -89,8 +95,9 @@ class OutputParser:
         end_id = self.tokenizer.convert_tokens_to_ids(end)
         if not isinstance(end_id, int) or self.tokenizer.convert_ids_to_tokens(end_id) != end:
             end_id = -1  # `</think>` is not one token here (convert_tokens_to_ids gave the unknown token)
-        return count_reasoning_tokens(token_ids, end_id, parser=self.reasoning_parser,
-                                      enable_thinking=self.enable_thinking)
+        return count_reasoning_tokens(
+            token_ids, end_id, parser=self.reasoning_parser, enable_thinking=self.enable_thinking
+        )
 
     def streamer(self) -> MessageStreamer:
         return MessageStreamer(self)
@@ -110,17 +117,21 @@ class SpecialText:
     def feed(self, o: CompletionOutput) -> str:
         """The text that became certain since the last call (all of it once `o` is finished)."""
         end = len(o.token_ids)
-        if end and o.finish_reason == "stop" and not isinstance(o.stop_reason, str) and not (
-                o.stop_reason is not None and self._include_stop):
+        if (
+            end
+            and o.finish_reason == "stop"
+            and not isinstance(o.stop_reason, str)
+            and not (o.stop_reason is not None and self._include_stop)
+        ):
             end -= 1  # EOS or a stop token id
-        for token in o.token_ids[self._fed:end]:
+        for token in o.token_ids[self._fed : end]:
             if not self._stopped:
                 self._stopped = self._detok.feed(token) is not None
         self._fed = max(self._fed, end)
         if o.finished and not self._stopped:
             self._detok.flush()
         text = self._detok.visible_text(o.finished)
-        new, self._sent = text[self._sent:], len(text)
+        new, self._sent = text[self._sent :], len(text)
         return new
 
 
@@ -132,8 +143,11 @@ class MessageStreamer:
         self.tool_call_errors: list[CallError] = []
         self._include_reasoning = parser.include_reasoning
         self._text = None if parser.raw else SpecialText(parser)
-        self._reasoning = None if parser.reasoning_parser is None else ReasoningStreamer(
-            parser=parser.reasoning_parser, enable_thinking=parser.enable_thinking)
+        self._reasoning = (
+            None
+            if parser.reasoning_parser is None
+            else ReasoningStreamer(parser=parser.reasoning_parser, enable_thinking=parser.enable_thinking)
+        )
         self._tools = None if parser.tool_parser is None else parser.tool_parser.streamer()
         self._harmony = HarmonyStreamer(parser.harmony_tools) if parser.harmony else None
         self._sent = 0  # raw: characters of `text` sent
@@ -144,7 +158,7 @@ class MessageStreamer:
             return {}
         self._done = o.finished
         if self._text is None:
-            new, self._sent = o.text[self._sent:], len(o.text)
+            new, self._sent = o.text[self._sent :], len(o.text)
             return {"content": new} if new else {}
         reasoning, content = "", self._text.feed(o)
         calls: list[dict[str, Any]] = []
@@ -175,18 +189,27 @@ class MessageStreamer:
         return delta
 
 
-def output_parser(config_model, tokenizer, body: ChatCompletionRequest, params: SamplingParams,
-                  prompt_ids: list[int]) -> OutputParser:
+def output_parser(
+    config_model, tokenizer, body: ChatCompletionRequest, params: SamplingParams, prompt_ids: list[int]
+) -> OutputParser:
     """The parsers configured on the server (config.model) that apply to this request."""
     tool_parser_name = config_model.tool_call_parser
     _check_tool_choice(body, tool_parser_name)
     parse_tools = tool_parser_name is not None and bool(body.tools) and body.tool_choice != "none"
     tools = [t.model_dump() for t in body.tools or []]
     if HARMONY in (tool_parser_name, "openai" if config_model.reasoning_parser == "openai_gptoss" else None):
-        return OutputParser(tokenizer, params, prompt_ids, include_reasoning=body.include_reasoning, harmony=True,
-                            harmony_tools=Tools(tools) if parse_tools else None)
+        return OutputParser(
+            tokenizer,
+            params,
+            prompt_ids,
+            include_reasoning=body.include_reasoning,
+            harmony=True,
+            harmony_tools=Tools(tools) if parse_tools else None,
+        )
     return OutputParser(
-        tokenizer, params, prompt_ids,
+        tokenizer,
+        params,
+        prompt_ids,
         reasoning_parser=config_model.reasoning_parser,
         enable_thinking=(body.chat_template_kwargs or {}).get("enable_thinking"),
         include_reasoning=body.include_reasoning,
@@ -200,17 +223,23 @@ def _check_tool_choice(body: ChatCompletionRequest, tool_parser_name: str | None
         return
     named = isinstance(choice, dict)
     if not named and choice != "required":
-        raise bad_request(f"tool_choice must be \"none\", \"auto\", \"required\" or "
-                          f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {choice!r}", "tool_choice")
-    what = "a named tool_choice" if named else "tool_choice \"required\""
+        raise bad_request(
+            f'tool_choice must be "none", "auto", "required" or '
+            f'{{"type": "function", "function": {{"name": ...}}}}, got {choice!r}',
+            "tool_choice",
+        )
+    what = "a named tool_choice" if named else 'tool_choice "required"'
     if not body.tools:
-        raise bad_request(f"{what} needs tools; send tools or use tool_choice \"none\" or \"auto\"", "tool_choice")
+        raise bad_request(f'{what} needs tools; send tools or use tool_choice "none" or "auto"', "tool_choice")
     if named:
         name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
         names = [t.function.name for t in body.tools]
         if name not in names:
-            raise bad_request(f"tool_choice names function {name!r}, which is not among the tools "
-                              f"{names}", "tool_choice")
+            raise bad_request(
+                f"tool_choice names function {name!r}, which is not among the tools {names}", "tool_choice"
+            )
     if tool_parser_name is None:
-        raise bad_request(f"{what} needs a server started with --model.tool_call_parser "
-                          f"({', '.join(TOOL_PARSER_NAMES)})", "tool_choice")
+        raise bad_request(
+            f"{what} needs a server started with --model.tool_call_parser ({', '.join(TOOL_PARSER_NAMES)})",
+            "tool_choice",
+        )

@@ -19,8 +19,12 @@ ENGINE_DIED_EXIT_CODE = 3
 async def engine_died(state) -> int:
     """Start the stop of a server whose engine is dead; the code it exits with. Under parallel.dp the other
     engines' requests are aborted (finish_reason "abort") rather than cut off when the server stops."""
-    log.error("the engine is gone (%r): in-flight requests got 503; stopping with exit code %d so the "
-              "supervisor starts a fresh replica", state.engine.dead, ENGINE_DIED_EXIT_CODE)
+    log.error(
+        "the engine is gone (%r): in-flight requests got 503; stopping with exit code %d so the "
+        "supervisor starts a fresh replica",
+        state.engine.dead,
+        ENGINE_DIED_EXIT_CODE,
+    )
     state.draining = True
     for engine in getattr(state.engine, "engines", []):
         if engine.dead is None:

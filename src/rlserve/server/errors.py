@@ -31,7 +31,11 @@ _TYPES = {
 
 class APIError(Exception):
     def __init__(
-        self, status: int, message: str, param: str | None = None, type: str | None = None,
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        type: str | None = None,
         headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
@@ -70,9 +74,7 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         loc = [str(p) for p in err.get("loc", ()) if p != "body" and not _is_union_tag(p)]
         where = ".".join(loc)
         if err.get("type") == "json_invalid":
-            text = (
-                f"request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}"
-            )
+            text = f"request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}"
         elif not where:
             text = f"request body: {err.get('msg')}"
         else:
@@ -84,9 +86,7 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def _is_union_tag(part: object) -> bool:
-    return isinstance(part, str) and (
-        "[" in part or part in ("str", "int", "float", "bool", "list", "dict", "none")
-    )
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "list", "dict", "none"))
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -118,6 +118,4 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         log.exception("internal error on %s %s", request.method, request.url.path)
-        return APIError(
-            500, f"internal server error: {exc!r}", type="InternalServerError"
-        ).response()
+        return APIError(500, f"internal server error: {exc!r}", type="InternalServerError").response()

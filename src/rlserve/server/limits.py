@@ -60,8 +60,11 @@ class BodyGuard:
                 await APIError(400, problem).response()(scope, receive, send)
                 return
             if content_type != b"application/json":
-                scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k != b"content-type"]
-                         + [(b"content-type", b"application/json")]}
+                scope = {
+                    **scope,
+                    "headers": [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+                    + [(b"content-type", b"application/json")],
+                }
         await self.app(scope, _replay(body, receive), send)
 
     @staticmethod
@@ -71,8 +74,12 @@ class BodyGuard:
 
 
 def _too_large(cap: int) -> APIError:
-    return APIError(413, f"request body is larger than {cap} bytes (server.max_body_bytes); send less, or "
-                         "raise the cap", param="server.max_body_bytes", type="RequestTooLargeError")
+    return APIError(
+        413,
+        f"request body is larger than {cap} bytes (server.max_body_bytes); send less, or raise the cap",
+        param="server.max_body_bytes",
+        type="RequestTooLargeError",
+    )
 
 
 async def _check_json(body: bytes) -> str | None:
@@ -89,8 +96,10 @@ def _json_problem(body: bytes) -> str | None:
         return "request body is not valid JSON: it is nested too deeply"
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         if _has_lone_surrogate(body):
-            return ("request body is not valid JSON text: it holds a lone UTF-16 surrogate escape (\\ud800-\\udfff "
-                    "without its pair); send valid Unicode")
+            return (
+                "request body is not valid JSON text: it holds a lone UTF-16 surrogate escape (\\ud800-\\udfff "
+                "without its pair); send valid Unicode"
+            )
         return f"request body is not valid JSON: {exc} (NaN, Infinity and numbers beyond float range are not JSON)"
     return None
 
@@ -115,9 +124,14 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 def _admit(engine, cap: int) -> None:
     """429 with Retry-After when the engine's waiting queue is full (server.max_waiting_requests)."""
     if cap and engine.stats.num_waiting >= cap:
-        raise APIError(429, f"the server's waiting queue is full ({cap} requests, server.max_waiting_requests); "
-                            f"retry after {RETRY_AFTER_S} s", param="server.max_waiting_requests",
-                       type="RateLimitError", headers={"Retry-After": str(RETRY_AFTER_S)})
+        raise APIError(
+            429,
+            f"the server's waiting queue is full ({cap} requests, server.max_waiting_requests); "
+            f"retry after {RETRY_AFTER_S} s",
+            param="server.max_waiting_requests",
+            type="RateLimitError",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
 
 
 def check_text_fits(state, chars: int, field: str) -> None:
@@ -125,18 +139,29 @@ def check_text_fits(state, chars: int, field: str) -> None:
     if state._longest_token is None:
         state._longest_token = max(map(len, state.tokenizer.get_vocab()), default=1)
     if chars > state.max_model_len * state._longest_token:
-        raise APIError(400, f"{field} has {chars} characters; this model's maximum context length is "
-                            f"{state.max_model_len} tokens, and no token is longer than {state._longest_token} "
-                            "characters", field)
+        raise APIError(
+            400,
+            f"{field} has {chars} characters; this model's maximum context length is "
+            f"{state.max_model_len} tokens, and no token is longer than {state._longest_token} "
+            "characters",
+            field,
+        )
 
 
 def check_request_caps(state, params) -> None:
     """server.max_stop_strings / max_stop_string_chars, then the waiting-queue cap (429)."""
     server = state.config.server
     if len(params.stop) > server.max_stop_strings:
-        raise APIError(400, f"stop holds {len(params.stop)} strings; at most {server.max_stop_strings} are allowed "
-                            "(server.max_stop_strings)", "stop")
+        raise APIError(
+            400,
+            f"stop holds {len(params.stop)} strings; at most {server.max_stop_strings} are allowed "
+            "(server.max_stop_strings)",
+            "stop",
+        )
     if params.stop and max(map(len, params.stop)) > server.max_stop_string_chars:
-        raise APIError(400, f"a stop string is longer than {server.max_stop_string_chars} characters "
-                            "(server.max_stop_string_chars)", "stop")
+        raise APIError(
+            400,
+            f"a stop string is longer than {server.max_stop_string_chars} characters (server.max_stop_string_chars)",
+            "stop",
+        )
     _admit(state.engine, server.max_waiting_requests)

@@ -14,14 +14,15 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from rlserve.engine.outputs import RequestOutput
 from rlserve.runtime.data_parallel import served_by
 from rlserve.runtime.face import EngineFace
-from rlserve.engine.outputs import RequestOutput
 
 
 def weight_version(engine: EngineFace) -> str:
     """The trainer-owned label (§2.15); "default" until weight updates set one on the engine."""
     return engine.weight_version or "default"
+
 
 def wants_json_metrics(request, default_format: str) -> bool:
     """GET /metrics: ?format=json|prometheus, else the Accept header (Prometheus/OpenMetrics text for scrapers,
@@ -36,12 +37,74 @@ def wants_json_metrics(request, default_format: str) -> bool:
 
 
 LABELS = ("model_name", "engine")
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
-               80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-               480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 
 def token_buckets(limit: int) -> list[float]:
@@ -67,19 +130,35 @@ class Metrics:
         self.request_success = Counter(
             "vllm:request_success", "Finished requests by finish reason.", (*labels, "finished_reason"), registry=reg
         )
-        self._prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of requests (cached ones included).",
-                                      labels, registry=reg)
-        self._ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", labels,
-                               buckets=TTFT_BUCKETS, registry=reg)
-        self._itl = Histogram("vllm:inter_token_latency_seconds", "Time between two output steps.", labels,
-                              buckets=ITL_BUCKETS, registry=reg)
-        self._e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to last token.", labels,
-                              buckets=E2E_BUCKETS, registry=reg)
-        self._request_prompt_tokens = Histogram("vllm:request_prompt_tokens", "Prompt length per request.", labels,
-                                                buckets=token_buckets(limit), registry=reg)
+        self._prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Prompt tokens of requests (cached ones included).", labels, registry=reg
+        )
+        self._ttft = Histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token.", labels, buckets=TTFT_BUCKETS, registry=reg
+        )
+        self._itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Time between two output steps.",
+            labels,
+            buckets=ITL_BUCKETS,
+            registry=reg,
+        )
+        self._e2e = Histogram(
+            "vllm:e2e_request_latency_seconds", "Arrival to last token.", labels, buckets=E2E_BUCKETS, registry=reg
+        )
+        self._request_prompt_tokens = Histogram(
+            "vllm:request_prompt_tokens",
+            "Prompt length per request.",
+            labels,
+            buckets=token_buckets(limit),
+            registry=reg,
+        )
         self._request_generation_tokens = Histogram(
-            "vllm:request_generation_tokens", "Generated tokens per sample.", labels,
-            buckets=token_buckets(limit), registry=reg,
+            "vllm:request_generation_tokens",
+            "Generated tokens per sample.",
+            labels,
+            buckets=token_buckets(limit),
+            registry=reg,
         )
         self._series: dict[int, EngineSeries] = {}
         for index in range(len(getattr(engine, "engines", [engine]))):
@@ -94,8 +173,12 @@ class Metrics:
             for reason in ("stop", "length", "abort"):
                 self.request_success.labels(**labels, finished_reason=reason)
             found = self._series[index] = EngineSeries(
-                labels, self._prompt_tokens.labels(**labels), self._ttft.labels(**labels), self._itl.labels(**labels),
-                self._e2e.labels(**labels), self._request_prompt_tokens.labels(**labels),
+                labels,
+                self._prompt_tokens.labels(**labels),
+                self._ttft.labels(**labels),
+                self._itl.labels(**labels),
+                self._e2e.labels(**labels),
+                self._request_prompt_tokens.labels(**labels),
                 self._request_generation_tokens.labels(**labels),
             )
         return found
@@ -195,21 +278,30 @@ class _EngineCollector(Collector):
         yield gauge("vllm:num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting)
         yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", s.kv_cache_usage)
         yield gauge(
-            "vllm:cache_config_info", "KV-cache configuration.", 1,
-            block_size=str(s.block_size), num_gpu_blocks=str(s.num_blocks),
+            "vllm:cache_config_info",
+            "KV-cache configuration.",
+            1,
+            block_size=str(s.block_size),
+            num_gpu_blocks=str(s.num_blocks),
             kv_cache_size_tokens=str(s.num_blocks * s.block_size),
             enable_prefix_caching=str(self.engine.config.engine.enable_prefix_caching),
         )
         yield counter("vllm:num_preemptions", "Preempted sequences.", s.num_preemptions)
-        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      s.prefix_cache_queries)
+        yield counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries
+        )
         yield counter("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.prefix_cache_hits)
         yield counter("vllm:generation_tokens", "Generated tokens.", s.generation_tokens)
-        yield counter("rlserve:prompt_tokens_computed", "Prompt tokens run through the model.",
-                      s.prompt_tokens_computed)
+        yield counter(
+            "rlserve:prompt_tokens_computed", "Prompt tokens run through the model.", s.prompt_tokens_computed
+        )
         yield gauge("rlserve:policy_version", "Policy version of the served weights.", s.policy_version)
-        yield gauge("rlserve:weight_version_info", "Trainer-owned weight version label.", 1,
-                    weight_version=weight_version(engine))
+        yield gauge(
+            "rlserve:weight_version_info",
+            "Trainer-owned weight version label.",
+            1,
+            weight_version=weight_version(engine),
+        )
         yield gauge("rlserve:is_paused", "1 while generation is paused.", float(engine.paused))
         yield from _offload_metrics(s, names, values)
         yield from _transfer_metrics(s, names, values)
@@ -224,23 +316,51 @@ def _offload_metrics(s, names: list[str], values: list[str]):
             m.add_metric(values + [key], value)
         return m
 
-    yield family(CounterMetricFamily, "rlserve:kv_offload_queries", "Prompt tokens looked up in an offload tier.",
-                 "tier", {"cpu": s.kv_offload_cpu_queries, "disk": s.kv_offload_disk_queries,
-                          "mooncake": s.kv_offload_mooncake_queries})
-    yield family(CounterMetricFamily, "rlserve:kv_offload_hits", "Prompt tokens loaded from an offload tier.",
-                 "tier", {"cpu": s.kv_offload_cpu_hits, "disk": s.kv_offload_disk_hits,
-                          "mooncake": s.kv_offload_mooncake_hits})
-    yield family(CounterMetricFamily, "rlserve:kv_offload_bytes", "KV bytes moved between the pool and the tiers.",
-                 "direction", {"pool_to_cpu": s.kv_offload_bytes_to_cpu, "cpu_to_pool": s.kv_offload_bytes_from_cpu,
-                               "cpu_to_disk": s.kv_offload_bytes_to_disk, "disk_to_pool": s.kv_offload_bytes_from_disk,
-                               "pool_to_mooncake": s.kv_offload_bytes_to_mooncake,
-                               "mooncake_to_pool": s.kv_offload_bytes_from_mooncake})
-    yield family(GaugeMetricFamily, "rlserve:kv_offload_usage_bytes", "Bytes of KV held by an offload tier.",
-                 "tier", {"cpu": s.kv_offload_cpu_used_bytes, "disk": s.kv_offload_disk_used_bytes})
-    yield family(GaugeMetricFamily, "rlserve:kv_offload_capacity_bytes", "Size of the CPU offload tier.",
-                 "tier", {"cpu": s.kv_offload_cpu_capacity_bytes})
-    c = CounterMetricFamily("rlserve:kv_offload_rejected_blocks", "Disk blocks failing their checksum (recomputed).",
-                            labels=names)
+    yield family(
+        CounterMetricFamily,
+        "rlserve:kv_offload_queries",
+        "Prompt tokens looked up in an offload tier.",
+        "tier",
+        {"cpu": s.kv_offload_cpu_queries, "disk": s.kv_offload_disk_queries, "mooncake": s.kv_offload_mooncake_queries},
+    )
+    yield family(
+        CounterMetricFamily,
+        "rlserve:kv_offload_hits",
+        "Prompt tokens loaded from an offload tier.",
+        "tier",
+        {"cpu": s.kv_offload_cpu_hits, "disk": s.kv_offload_disk_hits, "mooncake": s.kv_offload_mooncake_hits},
+    )
+    yield family(
+        CounterMetricFamily,
+        "rlserve:kv_offload_bytes",
+        "KV bytes moved between the pool and the tiers.",
+        "direction",
+        {
+            "pool_to_cpu": s.kv_offload_bytes_to_cpu,
+            "cpu_to_pool": s.kv_offload_bytes_from_cpu,
+            "cpu_to_disk": s.kv_offload_bytes_to_disk,
+            "disk_to_pool": s.kv_offload_bytes_from_disk,
+            "pool_to_mooncake": s.kv_offload_bytes_to_mooncake,
+            "mooncake_to_pool": s.kv_offload_bytes_from_mooncake,
+        },
+    )
+    yield family(
+        GaugeMetricFamily,
+        "rlserve:kv_offload_usage_bytes",
+        "Bytes of KV held by an offload tier.",
+        "tier",
+        {"cpu": s.kv_offload_cpu_used_bytes, "disk": s.kv_offload_disk_used_bytes},
+    )
+    yield family(
+        GaugeMetricFamily,
+        "rlserve:kv_offload_capacity_bytes",
+        "Size of the CPU offload tier.",
+        "tier",
+        {"cpu": s.kv_offload_cpu_capacity_bytes},
+    )
+    c = CounterMetricFamily(
+        "rlserve:kv_offload_rejected_blocks", "Disk blocks failing their checksum (recomputed).", labels=names
+    )
     c.add_metric(values, s.kv_offload_disk_rejected)
     yield c
 
@@ -259,23 +379,58 @@ def _transfer_metrics(s, names: list[str], values: list[str]):
         m.add_metric(values, value)
         return m
 
-    yield family(CounterMetricFamily, "rlserve:kv_transfers", "KV transfers: pulled into this pool (in) or served "
-                 "to a decode server (out).", {"in": s.kv_transfer_pulls, "out": s.kv_transfer_serves})
-    yield family(CounterMetricFamily, "rlserve:kv_transfer_bytes", "KV bytes pulled (in) or served (out).",
-                 {"in": s.kv_transfer_bytes_in, "out": s.kv_transfer_bytes_out})
-    yield family(CounterMetricFamily, "rlserve:kv_transfer_seconds",
-                 "Seconds from a pull's start to its blocks usable in the pool (in), or serving pulls (out).",
-                 {"in": s.kv_transfer_seconds_in, "out": s.kv_transfer_seconds_out})
-    yield single(CounterMetricFamily, "rlserve:kv_transfer_tokens", "Prompt tokens whose KV was pulled, not computed.",
-                 s.kv_transfer_tokens_in)
-    yield single(CounterMetricFamily, "rlserve:kv_transfer_failures", "KV pulls that failed (then prefilled locally).",
-                 s.kv_transfer_pull_failures)
-    yield single(CounterMetricFamily, "rlserve:kv_transfer_local_fallbacks", "Remote-prefill requests prefilled "
-                 "locally: weight generation, dtype, block size or shape mismatch, or a failed pull.",
-                 s.kv_transfer_fallbacks)
-    yield single(CounterMetricFamily, "rlserve:kv_transfer_skipped", "Remote-prefill requests prefilled locally "
-                 "because fewer than non_cached_tokens prompt tokens were missing.", s.kv_transfer_skipped)
-    yield single(CounterMetricFamily, "rlserve:kv_transfer_expired", "Pinned transfers freed by the timeout.",
-                 s.kv_transfer_expired)
-    yield single(GaugeMetricFamily, "rlserve:kv_transfer_pinned_blocks", "KV blocks pinned for decode servers.",
-                 s.kv_transfer_pinned_blocks)
+    yield family(
+        CounterMetricFamily,
+        "rlserve:kv_transfers",
+        "KV transfers: pulled into this pool (in) or served to a decode server (out).",
+        {"in": s.kv_transfer_pulls, "out": s.kv_transfer_serves},
+    )
+    yield family(
+        CounterMetricFamily,
+        "rlserve:kv_transfer_bytes",
+        "KV bytes pulled (in) or served (out).",
+        {"in": s.kv_transfer_bytes_in, "out": s.kv_transfer_bytes_out},
+    )
+    yield family(
+        CounterMetricFamily,
+        "rlserve:kv_transfer_seconds",
+        "Seconds from a pull's start to its blocks usable in the pool (in), or serving pulls (out).",
+        {"in": s.kv_transfer_seconds_in, "out": s.kv_transfer_seconds_out},
+    )
+    yield single(
+        CounterMetricFamily,
+        "rlserve:kv_transfer_tokens",
+        "Prompt tokens whose KV was pulled, not computed.",
+        s.kv_transfer_tokens_in,
+    )
+    yield single(
+        CounterMetricFamily,
+        "rlserve:kv_transfer_failures",
+        "KV pulls that failed (then prefilled locally).",
+        s.kv_transfer_pull_failures,
+    )
+    yield single(
+        CounterMetricFamily,
+        "rlserve:kv_transfer_local_fallbacks",
+        "Remote-prefill requests prefilled "
+        "locally: weight generation, dtype, block size or shape mismatch, or a failed pull.",
+        s.kv_transfer_fallbacks,
+    )
+    yield single(
+        CounterMetricFamily,
+        "rlserve:kv_transfer_skipped",
+        "Remote-prefill requests prefilled locally because fewer than non_cached_tokens prompt tokens were missing.",
+        s.kv_transfer_skipped,
+    )
+    yield single(
+        CounterMetricFamily,
+        "rlserve:kv_transfer_expired",
+        "Pinned transfers freed by the timeout.",
+        s.kv_transfer_expired,
+    )
+    yield single(
+        GaugeMetricFamily,
+        "rlserve:kv_transfer_pinned_blocks",
+        "KV blocks pinned for decode servers.",
+        s.kv_transfer_pinned_blocks,
+    )

@@ -29,8 +29,9 @@ def install_openapi(app: FastAPI, limits: dict[str, int]) -> None:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            _, defs = models_json_schema([(m, "validation") for m in _MODELS.values()],
-                                         ref_template="#/components/schemas/{model}")
+            _, defs = models_json_schema(
+                [(m, "validation") for m in _MODELS.values()], ref_template="#/components/schemas/{model}"
+            )
             components = schema.setdefault("components", {}).setdefault("schemas", {})
             for name, definition in defs.get("$defs", {}).items():
                 components.setdefault(name, definition)

@@ -96,10 +96,17 @@ class GenerationFields(PolicyWindow):
 
 class CompletionRequest(GenerationFields):
     # checked in openai/completions.py for a clearer message than a union's
-    prompt: Any = Field(None, json_schema_extra={"anyOf": [
-        {"type": "string"}, {"type": "array", "items": {"type": "string"}},
-        {"type": "array", "items": {"type": "integer"}},
-        {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}}]})
+    prompt: Any = Field(
+        None,
+        json_schema_extra={
+            "anyOf": [
+                {"type": "string"},
+                {"type": "array", "items": {"type": "string"}},
+                {"type": "array", "items": {"type": "integer"}},
+                {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}},
+            ]
+        },
+    )
     echo: bool = False
     logprobs: bool | int | None = None
     add_special_tokens: bool = True

@@ -54,9 +54,7 @@ def _held_tag_len(text: str, tags: Sequence[str]) -> int:
     return 0
 
 
-def extract_reasoning(
-    text: str, *, parser: str, enable_thinking: bool | None = None
-) -> tuple[str | None, str | None]:
+def extract_reasoning(text: str, *, parser: str, enable_thinking: bool | None = None) -> tuple[str | None, str | None]:
     """Return (reasoning, content) of a finished output; empty parts become None."""
     _check_parser(parser)
     thinking = _thinking(parser, enable_thinking)

@@ -15,7 +15,11 @@ LOGIT_BIAS_LIMIT = 100.0
 
 
 def sampling_params(
-    state: ServerState, body: GenerationFields, *, max_tokens: int | None, logprobs: int | None,
+    state: ServerState,
+    body: GenerationFields,
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
     prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     _reject_unsupported(body)
@@ -26,14 +30,26 @@ def sampling_params(
         raise bad_request("prompt_logprobs is not available with stream=true", "prompt_logprobs")
     try:
         return SamplingParams(
-            n=body.n, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-            seed=body.seed, max_tokens=max_tokens, min_tokens=body.min_tokens, stop=body.stop or [],
-            stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs, skip_special_tokens=body.skip_special_tokens,
+            n=body.n,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            min_p=body.min_p,
+            seed=body.seed,
+            max_tokens=max_tokens,
+            min_tokens=body.min_tokens,
+            stop=body.stop or [],
+            stop_token_ids=list(body.stop_token_ids or []),
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output or body.no_stop_trim,
             forced_token_ids=forced_token_ids(state, body.model_extra or {}),
-            repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty, logit_bias=logit_bias(body.logit_bias),
+            repetition_penalty=body.repetition_penalty,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            logit_bias=logit_bias(body.logit_bias),
             kv_transfer_params=kv_transfer_params(body.kv_transfer_params, (body.model_extra or {}).get("extra_args")),
             structured_outputs=checked(state.engine, constraint(body.model_extra or {})),
             allowed_token_ids=allowed_token_ids(body.model_extra or {}),
@@ -66,7 +82,9 @@ def logit_bias(bias: dict | None) -> dict[int, float] | None:
 
 def forced_token_ids(state: ServerState, extra: dict[str, Any]) -> list[int] | None:
     """Test-only `vllm_xargs.forced_token_ids`, honoured when the server allows it."""
-    forced = (extra.get("vllm_xargs") or {}).get("forced_token_ids") if isinstance(extra.get("vllm_xargs"), dict) else None
+    forced = (
+        (extra.get("vllm_xargs") or {}).get("forced_token_ids") if isinstance(extra.get("vllm_xargs"), dict) else None
+    )
     if forced is None:
         return None
     if not state.config.engine.allow_forced_tokens:

@@ -22,9 +22,9 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from rlserve.config.schema import Config
-from rlserve.runtime.face import EngineDeadError, EngineFace
 from rlserve.engine.outputs import CompletionOutput, RequestOutput
 from rlserve.engine.params import SamplingParams
+from rlserve.runtime.face import EngineDeadError, EngineFace
 from rlserve.server.errors import APIError, bad_request, from_value_error
 from rlserve.server.metrics import Metrics, weight_version
 from rlserve.server.protocol import Body
@@ -49,7 +49,8 @@ class ServerState:
     # tokenizing and template rendering run here, never on the event loop; one thread, as the
     # Rust tokenizer is not safe for concurrent use ("Already borrowed")
     _tokenizer_thread: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="rlserve-tokenize"))
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="rlserve-tokenize")
+    )
     _longest_token: int | None = None
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
@@ -69,8 +70,12 @@ class ServerState:
             return model or self.served_model_name
         if model in self.engine.adapters:
             return model
-        raise APIError(404, f"the model `{model}` does not exist; this server serves `{self.served_model_name}`",
-                       param="model", type="NotFoundError")
+        raise APIError(
+            404,
+            f"the model `{model}` does not exist; this server serves `{self.served_model_name}`",
+            param="model",
+            type="NotFoundError",
+        )
 
     def check_adapter(self, name: str, param: str) -> str:
         """A loaded adapter by name (or the path it was loaded from); 404 otherwise, never the base model."""
@@ -80,8 +85,12 @@ class ServerState:
         for known, path in adapters.items():
             if path == name:
                 return known
-        raise APIError(404, f"LoRA adapter `{name}` is not loaded; load it first or drop {param}", param=param,
-                       type="NotFoundError")
+        raise APIError(
+            404,
+            f"LoRA adapter `{name}` is not loaded; load it first or drop {param}",
+            param=param,
+            type="NotFoundError",
+        )
 
     def adapter_for(self, model: str | None) -> str | None:
         """A request picks a LoRA adapter by naming it as its model; the base model name means none
@@ -98,13 +107,23 @@ class ServerState:
         if fields.get("max_staleness") is not None and fields.get("policy_version") is not None:
             base = int(fields["policy_version"])
             low = base if low is None else max(low, base)
-            high = base + int(fields["max_staleness"]) if high is None else min(high, base + int(fields["max_staleness"]))
+            high = (
+                base + int(fields["max_staleness"]) if high is None else min(high, base + int(fields["max_staleness"]))
+            )
         if low is not None and current < low:
-            raise APIError(409, f"server policy_version {current} is older than min_policy_version {low}",
-                           param="min_policy_version", type="ConflictError")
+            raise APIError(
+                409,
+                f"server policy_version {current} is older than min_policy_version {low}",
+                param="min_policy_version",
+                type="ConflictError",
+            )
         if high is not None and current > high:
-            raise APIError(409, f"server policy_version {current} is newer than allowed ({high})",
-                           param="max_policy_version", type="ConflictError")
+            raise APIError(
+                409,
+                f"server policy_version {current} is newer than allowed ({high})",
+                param="max_policy_version",
+                type="ConflictError",
+            )
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
@@ -145,8 +164,12 @@ def validated(body: dict[str, Any], model: type[Body]) -> dict[str, Any]:
 
 
 def request_id(request: Request, body: Any) -> str:
-    return request.headers.get("x-request-id") or getattr(body, "request_id", None) or getattr(
-        body, "rid", None) or uuid.uuid4().hex
+    return (
+        request.headers.get("x-request-id")
+        or getattr(body, "request_id", None)
+        or getattr(body, "rid", None)
+        or uuid.uuid4().hex
+    )
 
 
 def rid_header(rid: str) -> dict[str, str]:
@@ -199,11 +222,13 @@ def prompt_logprobs_json(state: ServerState, out: RequestOutput, k: int | None, 
             result.append(None)
             continue
         actual = out.prompt_token_ids[pos]
-        result.append({
-            str(t): {"logprob": clamp(lp), "rank": entry_ranks[t], "decoded_token": state.token_label(t, as_ids)}
-            for t, lp in entry.items()
-            if t == actual or k == -1 or entry_ranks[t] <= k
-        })
+        result.append(
+            {
+                str(t): {"logprob": clamp(lp), "rank": entry_ranks[t], "decoded_token": state.token_label(t, as_ids)}
+                for t, lp in entry.items()
+                if t == actual or k == -1 or entry_ranks[t] <= k
+            }
+        )
     return result
 
 

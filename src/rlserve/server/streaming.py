@@ -52,23 +52,42 @@ async def _wait_disconnect(request: Request) -> None:
 class Run:
     """The engine requests of one HTTP request (one per prompt), consumed as one event stream."""
 
-    def __init__(self, state: ServerState, prompts: list[list[int]], params: SamplingParams, rid: str,
-                 cache_salt: str | None, adapter: str | None = None, stream: bool = True):
+    def __init__(
+        self,
+        state: ServerState,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        rid: str,
+        cache_salt: str | None,
+        adapter: str | None = None,
+        stream: bool = True,
+    ):
         check_request_caps(state, params)
         self.state, self.n = state, params.n
         self._queue: asyncio.Queue = asyncio.Queue()
         self._started = [asyncio.Event() for _ in prompts]
         self._errors: list[BaseException | None] = [None] * len(prompts)
         # one id for all prompts: an abort by id reaches every one of them
-        self._tasks = [asyncio.create_task(self._pump(i, p, params, rid, cache_salt, adapter, stream))
-                       for i, p in enumerate(prompts)]
+        self._tasks = [
+            asyncio.create_task(self._pump(i, p, params, rid, cache_salt, adapter, stream))
+            for i, p in enumerate(prompts)
+        ]
 
-    async def _pump(self, i: int, prompt: list[int], params: SamplingParams, rid: str, salt: str | None,
-                    adapter: str | None, stream: bool) -> None:
+    async def _pump(
+        self,
+        i: int,
+        prompt: list[int],
+        params: SamplingParams,
+        rid: str,
+        salt: str | None,
+        adapter: str | None,
+        stream: bool,
+    ) -> None:
         timer, last = self.state.metrics.timer(), None
         try:
-            async for out in self.state.engine.generate(prompt, params, rid, cache_salt=salt, adapter=adapter,
-                                                        stream=stream):
+            async for out in self.state.engine.generate(
+                prompt, params, rid, cache_salt=salt, adapter=adapter, stream=stream
+            ):
                 timer.step(out)
                 last = out
                 self._started[i].set()

@@ -43,8 +43,9 @@ def constraint(extra: dict[str, Any]) -> dict[str, Any] | None:
     so = extra.get("structured_outputs")
     if so is not None:
         if not isinstance(so, dict):
-            raise bad_request("structured_outputs must be an object such as {\"json\": {...}} or {\"regex\": \"...\"}",
-                              "structured_outputs")
+            raise bad_request(
+                'structured_outputs must be an object such as {"json": {...}} or {"regex": "..."}', "structured_outputs"
+            )
         spec = {k: so[k] for k in SPEC_KEYS if so.get(k) not in (None, False)}
         if spec:
             found.append(("structured_outputs", spec))
@@ -81,16 +82,22 @@ def _response_format(fmt: Any) -> dict[str, Any] | None:
         body = fmt.get("json_schema")
         schema = body.get("schema", body.get("json_schema")) if isinstance(body, dict) else None
         if not isinstance(schema, (dict, str)):
-            raise bad_request("response_format json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": {...}}}",
-                              "response_format")
+            raise bad_request(
+                'response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}', "response_format"
+            )
         return {"json": schema}
     if kind == "structural_tag":
         if "structures" not in fmt:
-            raise bad_request("response_format structural_tag needs \"structures\" and \"triggers\" "
-                              "(the format-object form is not supported)", "response_format")
+            raise bad_request(
+                'response_format structural_tag needs "structures" and "triggers" '
+                "(the format-object form is not supported)",
+                "response_format",
+            )
         return {"structural_tag": json.dumps({"structures": fmt["structures"], "triggers": fmt.get("triggers", [])})}
-    raise bad_request(f"response_format type must be text, json_object, json_schema or structural_tag, got {kind!r}",
-                      "response_format")
+    raise bad_request(
+        f"response_format type must be text, json_object, json_schema or structural_tag, got {kind!r}",
+        "response_format",
+    )
 
 
 def allowed_token_ids(extra: dict[str, Any]) -> list[int] | None:
@@ -113,12 +120,17 @@ def logprobs_header(params: SamplingParams, server_mode: str) -> dict[str, str]:
 def enforce_tool_choice(parser: str | None, engine: Any, body: Any, params: SamplingParams) -> None:
     """tool_choice "required" / named: constrain decoding to the parser's call format (after its checks)."""
     tools = [t.model_dump() for t in body.tools] if body.tools else None
-    spec = tool_call_constraint(parser, tools, body.tool_choice, set(engine.tokenizer.get_added_vocab()) if tools else set())
+    spec = tool_call_constraint(
+        parser, tools, body.tool_choice, set(engine.tokenizer.get_added_vocab()) if tools else set()
+    )
     if spec is None:
         return
     if params.structured_outputs is not None:
-        raise bad_request("tool_choice \"required\" or a named function cannot be combined with another output "
-                          "constraint; drop response_format / structured_outputs", "tool_choice")
+        raise bad_request(
+            'tool_choice "required" or a named function cannot be combined with another output '
+            "constraint; drop response_format / structured_outputs",
+            "tool_choice",
+        )
     try:
         params.structured_outputs = checked(engine, spec)
     except ValueError as e:

@@ -17,8 +17,12 @@ from rlserve.engine.structured import JSON_WHITESPACE
 def _call_schema(tool: dict[str, Any], arguments_key: str) -> dict[str, Any]:
     fn = tool["function"]
     params = fn.get("parameters") or {"type": "object"}
-    return {"type": "object", "properties": {"name": {"const": fn["name"]}, arguments_key: params},
-            "required": ["name", arguments_key], "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": {"name": {"const": fn["name"]}, arguments_key: params},
+        "required": ["name", arguments_key],
+        "additionalProperties": False,
+    }
 
 
 def _calls_schema(tools: list[dict[str, Any]], arguments_key: str) -> dict[str, Any]:
@@ -35,8 +39,7 @@ def _marker(tag: str, added_tokens: set[str]) -> str:
 def hermes(tools: list[dict[str, Any]], added_tokens: set[str]) -> dict[str, Any]:
     """`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one or more."""
     schema = json.dumps(_calls_schema(tools, "arguments"))
-    body = (f'{_marker("<tool_call>", added_tokens)} "\\n" %json {schema} "\\n" '
-            f'{_marker("</tool_call>", added_tokens)}')
+    body = f'{_marker("<tool_call>", added_tokens)} "\\n" %json {schema} "\\n" {_marker("</tool_call>", added_tokens)}'
     return {"grammar": f'start: call ("\\n" call)*\ncall: {body}\n'}
 
 
@@ -45,11 +48,15 @@ def llama3_json(tools: list[dict[str, Any]], added_tokens: set[str]) -> dict[str
     return {"json": _calls_schema(tools, "parameters")}
 
 
-BUILDERS: dict[str, Callable[[list[dict[str, Any]], set[str]], dict[str, Any]]] = {"hermes": hermes, "llama3_json": llama3_json}
+BUILDERS: dict[str, Callable[[list[dict[str, Any]], set[str]], dict[str, Any]]] = {
+    "hermes": hermes,
+    "llama3_json": llama3_json,
+}
 
 
-def tool_call_constraint(parser: str | None, tools: list[dict[str, Any]] | None, tool_choice: Any,
-                         added_tokens: set[str]) -> dict[str, Any] | None:
+def tool_call_constraint(
+    parser: str | None, tools: list[dict[str, Any]] | None, tool_choice: Any, added_tokens: set[str]
+) -> dict[str, Any] | None:
     """The structured_outputs spec enforcing tool_choice, or None when nothing is to be enforced."""
     if not tools or parser not in BUILDERS or tool_choice in (None, "auto", "none"):
         return None

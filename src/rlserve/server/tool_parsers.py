@@ -57,9 +57,7 @@ def _arguments_json(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
-def _load_call(
-    obj: Any, arg_keys: tuple[str, ...], new_id: Callable[[], str] = _openai_id
-) -> ToolCall | None:
+def _load_call(obj: Any, arg_keys: tuple[str, ...], new_id: Callable[[], str] = _openai_id) -> ToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     key = next((k for k in arg_keys if k in obj), None)

@@ -14,8 +14,14 @@ from rlserve.config.errors import ConfigError
 log = logging.getLogger("rlserve.config.schema")
 
 RL_COMPONENTS = ("inference", "trainer", "orchestrator")  # top-level tables that make a file an RL config
-RL_DEPLOYMENT_KEYS = {"num_train_nodes", "num_infer_nodes", "num_infer_replicas", "num_train_gpus",
-                      "num_infer_gpus", "gpus_per_node"}
+RL_DEPLOYMENT_KEYS = {
+    "num_train_nodes",
+    "num_infer_nodes",
+    "num_infer_replicas",
+    "num_train_gpus",
+    "num_infer_gpus",
+    "gpus_per_node",
+}
 _UNSUPPORTED = {  # prime-rl switches rlserve has no implementation of yet: refused when turned on
     "enable_expert_parallel": "rlserve has no expert parallelism yet (mixture-of-experts layers run whole on every "
     "tensor-parallel rank)",
@@ -34,8 +40,10 @@ def from_prime_rl(data: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError("inference must be a table")
         rl_deployment = data.get("deployment") if _is_rl_deployment(data.get("deployment")) else None
         if ignored:
-            log.warning("prime-rl config: serving its [inference] table; ignored the other components' tables: %s",
-                     ", ".join(ignored))
+            log.warning(
+                "prime-rl config: serving its [inference] table; ignored the other components' tables: %s",
+                ", ".join(ignored),
+            )
         data = dict(inference)
     else:
         data = dict(data)
@@ -64,8 +72,10 @@ def _aliases(data: dict[str, Any]) -> None:
         if isinstance(router, dict):
             router = deployment["router"] = dict(router)
             if router.get("type") == "llm-d":
-                raise ConfigError('deployment.router.type "llm-d": llm-d\'s endpoint picker cannot run here; '
-                                  'use type = "vllm-router" (its consistent_hash policy keeps prefixes on one replica)')
+                raise ConfigError(
+                    'deployment.router.type "llm-d": llm-d\'s endpoint picker cannot run here; '
+                    'use type = "vllm-router" (its consistent_hash policy keeps prefixes on one replica)'
+                )
             if "non_cached_tokens" in router:
                 deployment["non_cached_tokens"] = router.pop("non_cached_tokens")
     extra = data.pop("vllm_extra", None)
@@ -84,8 +94,10 @@ def _apply_vllm_extra(extra: dict[str, Any], data: dict[str, Any]) -> None:
         flag = VLLM_FLAGS.get(flag_name)
         if flag is None or flag.target is None:
             why = REFUSED.get(flag_name, "rlserve has no such setting")
-            raise ConfigError(f"vllm_extra.{key}: {why} (vllm_extra sets only the vLLM engine arguments rlserve "
-                              "also has; see docs/launch.md)")
+            raise ConfigError(
+                f"vllm_extra.{key}: {why} (vllm_extra sets only the vLLM engine arguments rlserve "
+                "also has; see docs/launch.md)"
+            )
         if flag.switch:
             value = (flag.const == "true") == bool(value)
         elif flag.convert is not None:
@@ -101,15 +113,24 @@ def _read_rl_deployment(rl: dict[str, Any], data: dict[str, Any]) -> None:
     """RL-level [deployment]: the inference side is read, the trainer side ignored in one log line."""
     trainer_side = sorted(k for k in rl if k not in ("num_infer_nodes", "num_infer_replicas"))
     if trainer_side:
-        log.warning("prime-rl config: RL-level [deployment] fields for the trainer ignored: %s", ", ".join(trainer_side))
+        log.warning(
+            "prime-rl config: RL-level [deployment] fields for the trainer ignored: %s", ", ".join(trainer_side)
+        )
     replicas = rl.get("num_infer_replicas", 1)
     if replicas != 1:
-        raise ConfigError(f"deployment.num_infer_replicas = {replicas}: k copies of the inference deployment "
-                          "(each behind its own router) are not supported yet; use 1, or one deployment with "
-                          "inference.deployment.num_replicas")
+        raise ConfigError(
+            f"deployment.num_infer_replicas = {replicas}: k copies of the inference deployment "
+            "(each behind its own router) are not supported yet; use 1, or one deployment with "
+            "inference.deployment.num_replicas"
+        )
     nodes = rl.get("num_infer_nodes")
     deployment = data.setdefault("deployment", {})
-    if nodes is not None and deployment.get("type") == "multi_node" and deployment.setdefault(
-            "num_nodes", nodes) != nodes:
-        raise ConfigError(f"deployment.num_infer_nodes = {nodes} but inference.deployment.num_nodes = "
-                          f"{deployment['num_nodes']}; make them agree")
+    if (
+        nodes is not None
+        and deployment.get("type") == "multi_node"
+        and deployment.setdefault("num_nodes", nodes) != nodes
+    ):
+        raise ConfigError(
+            f"deployment.num_infer_nodes = {nodes} but inference.deployment.num_nodes = "
+            f"{deployment['num_nodes']}; make them agree"
+        )

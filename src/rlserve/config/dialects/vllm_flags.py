@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import re
 
-from rlserve.config.errors import ConfigError
 from rlserve.config.dialects import Flag
+from rlserve.config.errors import ConfigError
 
-_DTYPES = {"auto": "auto", "half": "float16", "float16": "float16", "bfloat16": "bfloat16", "float": "float32",
-           "float32": "float32"}
+_DTYPES = {
+    "auto": "auto",
+    "half": "float16",
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+    "float": "float32",
+    "float32": "float32",
+}
 _LOGPROBS_MODES = {"raw_logprobs": "raw", "processed_logprobs": "processed"}
 
 
@@ -20,8 +26,9 @@ def _dtype(value: str) -> str:
 
 def _logprobs_mode(value: str) -> str:
     if value not in _LOGPROBS_MODES:
-        raise ConfigError(f"--logprobs-mode {value!r}: rlserve returns logprobs, not logits: use raw_logprobs "
-                          "or processed_logprobs")
+        raise ConfigError(
+            f"--logprobs-mode {value!r}: rlserve returns logprobs, not logits: use raw_logprobs or processed_logprobs"
+        )
     return _LOGPROBS_MODES[value]
 
 
@@ -36,15 +43,19 @@ def _length(value: str) -> str:
 
 def _generation_config(value: str) -> str:
     if value not in ("auto", "vllm"):
-        raise ConfigError(f"--generation-config {value!r}: rlserve reads generation_config.json from the model "
-                          "directory only (pass auto or vllm)")
+        raise ConfigError(
+            f"--generation-config {value!r}: rlserve reads generation_config.json from the model "
+            "directory only (pass auto or vllm)"
+        )
     return value
 
 
 def _one(value: str) -> str:
     if value.strip() not in ("1", ""):
-        raise ConfigError(f"--pipeline-parallel-size {value}: rlserve has no pipeline parallelism; use "
-                          "--tensor-parallel-size or --data-parallel-size")
+        raise ConfigError(
+            f"--pipeline-parallel-size {value}: rlserve has no pipeline parallelism; use "
+            "--tensor-parallel-size or --data-parallel-size"
+        )
     return value
 
 
@@ -78,16 +89,24 @@ VLLM_FLAGS: dict[str, Flag] = {
     "--trust-remote-code": Flag("model.trust_remote_code", switch=True),
     "--enable-return-routed-experts": Flag("enable_return_routed_experts", switch=True),
     # accepted and ignored: rlserve already behaves as the flag asks, or has no such limit
-    "--enable-auto-tool-choice": Flag(None, switch=True, note="tool calls are parsed whenever --tool-call-parser "
-                                      "is set and a request has tools"),
+    "--enable-auto-tool-choice": Flag(
+        None, switch=True, note="tool calls are parsed whenever --tool-call-parser is set and a request has tools"
+    ),
     "--enable-lora": Flag(None, switch=True, note="LoRA adapters are always served"),
     "--max-lora-rank": Flag(None, note="any rank loads"),
     "--max-loras": Flag(None, note="adapters stay loaded until unloaded; requests of any mix share a batch"),
     "--max-cpu-loras": Flag(None, note="as --max-loras"),
-    "--enable-scale-out": Flag(None, switch=True, note="the scale-out and dev-mode routes are always served, "
-                               "behind server.admin_api_key (VLLM_SERVER_DEV_MODE is not needed either)"),
-    "--generation-config": Flag(None, convert=_generation_config, note="eos ids come from the model's "
-                                "generation_config.json; sampling defaults are vLLM's neutral ones"),
+    "--enable-scale-out": Flag(
+        None,
+        switch=True,
+        note="the scale-out and dev-mode routes are always served, "
+        "behind server.admin_api_key (VLLM_SERVER_DEV_MODE is not needed either)",
+    ),
+    "--generation-config": Flag(
+        None,
+        convert=_generation_config,
+        note="eos ids come from the model's generation_config.json; sampling defaults are vLLM's neutral ones",
+    ),
     "--disable-log-requests": Flag(None, switch=True, note="requests are not logged"),
     "--enable-log-requests": Flag(None, switch=True, note="requests are not logged"),
     "--disable-log-stats": Flag(None, switch=True, note="stats are on /metrics only"),
@@ -103,6 +122,6 @@ REFUSED = {
     "--enable-dbo": "rlserve has no dual-batch overlap; drop the flag",
     "--quantization": "rlserve serves unquantized checkpoints only; drop the flag",
     "--speculative-config": "rlserve has no speculative decoding; drop the flag",
-    "--kv-transfer-config": "rlserve moves KV between its own servers: use deployment.type = \"disaggregated\"",
+    "--kv-transfer-config": 'rlserve moves KV between its own servers: use deployment.type = "disaggregated"',
     "--headless": "rlserve has no headless engine ranks; a server always serves HTTP",
 }

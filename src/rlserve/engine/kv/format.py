@@ -88,10 +88,17 @@ def _tensor_entry(name: str, shape, dtype: torch.dtype, offset: int, nbytes: int
 
 def _head(block_hash: bytes, weight_generation: int, block_size: int, tensors: list[dict]) -> memoryview:
     """MAGIC, header length and header, padded so that the KV starts 64-byte aligned."""
-    header = json.dumps({
-        "format": FORMAT_VERSION, "hash": block_hash.hex(), "weight_generation": weight_generation,
-        "block_size": block_size, "layout": KV_LAYOUT, "tensors": tensors,
-    }, separators=(",", ":")).encode()
+    header = json.dumps(
+        {
+            "format": FORMAT_VERSION,
+            "hash": block_hash.hex(),
+            "weight_generation": weight_generation,
+            "block_size": block_size,
+            "layout": KV_LAYOUT,
+            "tensors": tensors,
+        },
+        separators=(",", ":"),
+    ).encode()
     header += b" " * (-(PREFIX_BYTES + len(header)) % 64)
     return memoryview(MAGIC + struct.pack("<I", len(header)) + header)
 
@@ -115,8 +122,9 @@ def kv_head(block_hash: bytes, weight_generation: int, shape: tuple[int, ...], d
     return bytes(_head(block_hash, weight_generation, shape[2], [_tensor_entry("kv", shape, dtype, 0, nbytes)]))
 
 
-def kv_heads(block_hashes: list[bytes], weight_generation: int, shape: tuple[int, ...],
-             dtype: torch.dtype) -> list[bytes]:
+def kv_heads(
+    block_hashes: list[bytes], weight_generation: int, shape: tuple[int, ...], dtype: torch.dtype
+) -> list[bytes]:
     """kv_head of each block: one header made, the others by putting each hash in its place (equal-length
     hashes give equal-length headers)."""
     if not block_hashes:
@@ -124,12 +132,23 @@ def kv_heads(block_hashes: list[bytes], weight_generation: int, shape: tuple[int
     template = kv_head(block_hashes[0], weight_generation, shape, dtype)
     at = template.index(block_hashes[0].hex().encode())
     end = at + 2 * len(block_hashes[0])
-    return [template[:at] + h.hex().encode() + template[end:] if len(h) == len(block_hashes[0])
-            else kv_head(h, weight_generation, shape, dtype) for h in block_hashes]
+    return [
+        template[:at] + h.hex().encode() + template[end:]
+        if len(h) == len(block_hashes[0])
+        else kv_head(h, weight_generation, shape, dtype)
+        for h in block_hashes
+    ]
 
 
-def kv_parts(block_hash: bytes, weight_generation: int, shape: tuple[int, ...], dtype: torch.dtype,
-             views: list[memoryview], head: bytes | None = None, digest: bytes | None = None) -> list[memoryview | bytes]:
+def kv_parts(
+    block_hash: bytes,
+    weight_generation: int,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    views: list[memoryview],
+    head: bytes | None = None,
+    digest: bytes | None = None,
+) -> list[memoryview | bytes]:
     """`encode_parts` of a block holding KV alone, given as the views of its bytes in order (PoolBlocks).
     `head` and `digest`: what an earlier call gave for the same block (its first and last part), when its
     bytes have not changed since."""
@@ -260,7 +279,9 @@ def _parse_header(raw: bytes | bytearray | memoryview) -> tuple[dict, dict[str, 
     return header, tensors, block_hash, generation
 
 
-def kv_only_header(raw: bytes | bytearray | memoryview, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[bytes, int]:
+def kv_only_header(
+    raw: bytes | bytearray | memoryview, shape: tuple[int, ...], dtype: torch.dtype
+) -> tuple[bytes, int]:
     """The hash and weight generation of a block whose payload is its KV alone, of this shape and dtype, at
     offset 0: a reader that streams the payload straight into place (P/D pulls) checks this before it."""
     header, tensors, block_hash, generation = _parse_header(raw)
@@ -283,7 +304,12 @@ def _tensor(payload: memoryview, spec: dict) -> torch.Tensor:
     except (KeyError, TypeError, ValueError) as e:
         raise BlockFormatError(f"bad tensor entry {spec!r}: {e}") from None
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    if min(shape, default=0) < 0 or math.prod(shape) * itemsize != nbytes or offset < 0 or offset + nbytes > len(payload):
+    if (
+        min(shape, default=0) < 0
+        or math.prod(shape) * itemsize != nbytes
+        or offset < 0
+        or offset + nbytes > len(payload)
+    ):
         raise BlockFormatError(f"tensor {spec.get('name')!r} does not fit its shape or the payload")
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)

@@ -45,9 +45,14 @@ def import_store() -> type:
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as e:  # the wheel links libibverbs and libnuma even for TCP
-        hint = ("pip install 'rlserve[mooncake]'" if isinstance(e, ModuleNotFoundError)
-                else "apt-get install -y libibverbs1 librdmacm1 libnuma1")
-        raise MooncakeUnavailable(f"kv_cache_offload.type = 'mooncake' cannot load the Mooncake store ({e}): {hint}") from None
+        hint = (
+            "pip install 'rlserve[mooncake]'"
+            if isinstance(e, ModuleNotFoundError)
+            else "apt-get install -y libibverbs1 librdmacm1 libnuma1"
+        )
+        raise MooncakeUnavailable(
+            f"kv_cache_offload.type = 'mooncake' cannot load the Mooncake store ({e}): {hint}"
+        ) from None
     return MooncakeDistributedStore
 
 
@@ -71,22 +76,35 @@ class MooncakeStats:
 
 
 class KVMooncake:
-    def __init__(self, config: KVOffloadConfig, kv_cache: torch.Tensor, block_size: int, model_name: str,
-                 weights: Callable[[], str], rank: int = 0):
+    def __init__(
+        self,
+        config: KVOffloadConfig,
+        kv_cache: torch.Tensor,
+        block_size: int,
+        model_name: str,
+        weights: Callable[[], str],
+        rank: int = 0,
+    ):
         mc = config.mooncake or KVMooncakeConfig()
         if not mc.master_address:
-            raise ValueError("kv_cache_offload.type = 'mooncake' has no store address: `rlserve serve` starts a "
-                             "master and fills it in; elsewhere set kv_cache_offload.mooncake.master_address")
+            raise ValueError(
+                "kv_cache_offload.type = 'mooncake' has no store address: `rlserve serve` starts a "
+                "master and fills it in; elsewhere set kv_cache_offload.mooncake.master_address"
+            )
         if kv_cache.device.type != "cpu":
-            raise ValueError("kv_cache_offload.type = 'mooncake' runs on the CPU engine only so far: use type = 'native'")
+            raise ValueError(
+                "kv_cache_offload.type = 'mooncake' runs on the CPU engine only so far: use type = 'native'"
+            )
         self.kv_cache, self.block_size = kv_cache, block_size
         layers, _, _, kv_heads, head_dim = kv_cache.shape
         self.block_shape = (layers, 2, block_size, kv_heads, head_dim)
         self.block_bytes = kv_cache[:, :, :block_size].numel() * kv_cache.element_size()
         if config.cpu.num_bytes < max(MIN_SEGMENT_BYTES, self.block_bytes):
-            raise ValueError(f"kv_cache_offload.cpu.num_bytes ({config.cpu.num_bytes}) is below what a replica can "
-                             f"contribute to the Mooncake store (16 MiB, and at least one {self.block_bytes}-byte "
-                             "KV block): raise it")
+            raise ValueError(
+                f"kv_cache_offload.cpu.num_bytes ({config.cpu.num_bytes}) is below what a replica can "
+                f"contribute to the Mooncake store (16 MiB, and at least one {self.block_bytes}-byte "
+                "KV block): raise it"
+            )
         dtype = str(kv_cache.dtype).removeprefix("torch.")
         self._prefix = f"rlserve-kv/{model_name}/{dtype}x{'x'.join(map(str, self.block_shape))}"
         self._weights, self.rank = weights, rank
@@ -109,16 +127,28 @@ class KVMooncake:
         if config.disk is not None:
             self._ssd_dir = tempfile.mkdtemp(prefix="rlserve-mooncake-", dir=config.disk.path)
             extra = {"enable_ssd_offload": True, "ssd_offload_path": self._ssd_dir}
-        rc = self.store.setup(mc.local_hostname, metadata_url(mc), config.cpu.num_bytes,
-                              max(_LOCAL_BUFFER_BYTES, 2 * (self.block_bytes + 65536)), mc.protocol, "",
-                              mc.master_address, **extra)
+        rc = self.store.setup(
+            mc.local_hostname,
+            metadata_url(mc),
+            config.cpu.num_bytes,
+            max(_LOCAL_BUFFER_BYTES, 2 * (self.block_bytes + 65536)),
+            mc.protocol,
+            "",
+            mc.master_address,
+            **extra,
+        )
         if rc != 0:
             self._remove_ssd_dir()
-            raise ValueError(f"the Mooncake store at {mc.master_address} (metadata {metadata_url(mc)}) refused this "
-                             f"client (setup returned {rc}): check that its master runs and the addresses")
+            raise ValueError(
+                f"the Mooncake store at {mc.master_address} (metadata {metadata_url(mc)}) refused this "
+                f"client (setup returned {rc}): check that its master runs and the addresses"
+            )
         self.enabled = True
-        log.info("KV offload: Mooncake store at %s, this replica contributes %d bytes", mc.master_address,
-                 config.cpu.num_bytes)
+        log.info(
+            "KV offload: Mooncake store at %s, this replica contributes %d bytes",
+            mc.master_address,
+            config.cpu.num_bytes,
+        )
 
     # the KVOffload surface the engine and its stats read
     @property
@@ -137,8 +167,12 @@ class KVMooncake:
 
     def _failed(self, what: str, rc) -> None:
         self.enabled = False
-        log.warning("KV offload to the Mooncake store is off: %s failed (%s); serving goes on, recomputing what "
-                    "it would have loaded", what, rc)
+        log.warning(
+            "KV offload to the Mooncake store is off: %s failed (%s); serving goes on, recomputing what "
+            "it would have loaded",
+            what,
+            rc,
+        )
 
     def save(self, block: int, h: bytes) -> None:
         """The pool is about to hand out `block`, cached under `h`: put it into the store."""
@@ -197,9 +231,13 @@ class KVMooncake:
         if not data:  # evicted since the lookup, or the store is gone
             return False
         try:
-            found = kv_format.decode(data, expect_hash=h, expect_shape=self.block_shape, expect_dtype=self.kv_cache.dtype)
+            found = kv_format.decode(
+                data, expect_hash=h, expect_shape=self.block_shape, expect_dtype=self.kv_cache.dtype
+            )
             if found.weight_generation != self.weight_generation:
-                raise BlockFormatError(f"weight generation {found.weight_generation}, expected {self.weight_generation}")
+                raise BlockFormatError(
+                    f"weight generation {found.weight_generation}, expected {self.weight_generation}"
+                )
         except BlockFormatError as e:
             log.warning("KV block %s from the Mooncake store is unusable (%s): recomputing it", h.hex()[:16], e)
             self.stats.mooncake_rejected += 1

@@ -57,13 +57,17 @@ class DiskTier:
     def __init__(self, root: str, max_bytes: int | None):
         base = Path(root)
         if not base.is_dir():
-            raise ValueError(f"kv_cache_offload.disk.path {root!r} is not an existing directory: create it or fix the path")
+            raise ValueError(
+                f"kv_cache_offload.disk.path {root!r} is not an existing directory: create it or fix the path"
+            )
         try:
             self.dir = Path(tempfile.mkdtemp(prefix="rlserve-kv-", dir=base))
             (self.dir / "probe").write_bytes(b"x")
             (self.dir / "probe").unlink()
         except OSError as e:
-            raise ValueError(f"kv_cache_offload.disk.path {root!r} is not writable ({e}): fix its permissions") from None
+            raise ValueError(
+                f"kv_cache_offload.disk.path {root!r} is not writable ({e}): fix its permissions"
+            ) from None
         self._remove_dir = weakref.finalize(self, shutil.rmtree, self.dir, True)  # also at interpreter exit
         self.max_bytes = max_bytes
         self.files: OrderedDict[bytes, int] = OrderedDict()  # hash -> file size, least recently used first
@@ -191,7 +195,7 @@ class KVOffload:
         self.free_slots.append(entry.slot)
 
     def where(self, h: bytes) -> str | None:
-        """"cpu", "disk" or None; a CPU hit becomes the most recently used."""
+        """ "cpu", "disk" or None; a CPU hit becomes the most recently used."""
         if h in self.cpu:
             self.cpu.move_to_end(h)
             return "cpu"

@@ -76,7 +76,7 @@ class _Pin:
 
 @dataclass(slots=True)
 class _Landing:
-    req: "Request"
+    req: Request
     first: int  # leading prompt blocks this pool had cached: held in req.held_blocks from the start
     blocks: list[int]  # pool blocks reserved for the pulled ones; on CPU the pull writes them directly
     staging: list[torch.Tensor]  # off CPU: host blocks the pull writes, copied into `blocks` on landing
@@ -93,8 +93,16 @@ class KVTransfer:
     goes back to it), the engine's prefix-cache key and its weight generation, and whether router replay is on
     (transfers carry no routed experts)."""
 
-    def __init__(self, config: KVTransferConfig, pool: BlockPool, kv_cache: torch.Tensor, scheduler: Scheduler,
-                 cache_key: Callable[[Request], bytes], weight_generation: Callable[[], int], routed_experts: bool):
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        pool: BlockPool,
+        kv_cache: torch.Tensor,
+        scheduler: Scheduler,
+        cache_key: Callable[[Request], bytes],
+        weight_generation: Callable[[], int],
+        routed_experts: bool,
+    ):
         self.config = config
         self.pool, self.kv_cache, self.scheduler = pool, kv_cache, scheduler
         self.cache_key, self.weight_generation, self.routed_experts = cache_key, weight_generation, routed_experts
@@ -123,7 +131,7 @@ class KVTransfer:
 
     # ---- prefill side ---------------------------------------------------------------------
 
-    def pin(self, seq: "Sequence") -> None:
+    def pin(self, seq: Sequence) -> None:
         """The request is finishing: keep its full prompt blocks for the decode server."""
         req = seq.request
         if req.kv_transfer_out is not None:  # n > 1: the samples share the prompt's blocks
@@ -141,18 +149,29 @@ class KVTransfer:
             # holds until they are sent
             shape, dtype = self.block_shape, self.kv_cache.dtype
             heads = kv_format.kv_heads(hashes, generation, shape, dtype)
-            digests = [kv_format.kv_parts(h, generation, shape, dtype, self.pool_blocks.views(b), head)[-1]
-                       for b, h, head in zip(blocks, hashes, heads)]
+            digests = [
+                kv_format.kv_parts(h, generation, shape, dtype, self.pool_blocks.views(b), head)[-1]
+                for b, h, head in zip(blocks, hashes, heads)
+            ]
         with self.lock:
-            self.pins[tid] = _Pin(req.request_id, blocks, hashes, generation,
-                                  time.monotonic() + self.config.pin_timeout_s, heads, digests)
+            self.pins[tid] = _Pin(
+                req.request_id, blocks, hashes, generation, time.monotonic() + self.config.pin_timeout_s, heads, digests
+            )
         self.stats.pinned += 1
         req.kv_transfer_out = {
-            "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
-            "remote_host": self.config.host, "remote_port": self.server.port, "remote_block_ids": blocks,
-            "remote_request_id": req.request_id, "transfer_id": tid, "block_hashes": [h.hex() for h in hashes],
-            "block_size": self.block_size, "weight_generation": generation,
-            "dtype": str(self.kv_cache.dtype).removeprefix("torch."), "kv_shape": list(self.block_shape),
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_host": self.config.host,
+            "remote_port": self.server.port,
+            "remote_block_ids": blocks,
+            "remote_request_id": req.request_id,
+            "transfer_id": tid,
+            "block_hashes": [h.hex() for h in hashes],
+            "block_size": self.block_size,
+            "weight_generation": generation,
+            "dtype": str(self.kv_cache.dtype).removeprefix("torch."),
+            "kv_shape": list(self.block_shape),
         }
 
     def release_request(self, request_id: str) -> int:
@@ -179,12 +198,20 @@ class KVTransfer:
             for i in range(first, first + count):
                 b = pin.blocks[i]
                 if self.pool_blocks is not None:
-                    yield kv_format.kv_parts(pin.hashes[i], pin.weight_generation, shape, dtype,
-                                             self.pool_blocks.views(b), pin.heads[i], pin.digests[i])
+                    yield kv_format.kv_parts(
+                        pin.hashes[i],
+                        pin.weight_generation,
+                        shape,
+                        dtype,
+                        self.pool_blocks.views(b),
+                        pin.heads[i],
+                        pin.digests[i],
+                    )
                 else:  # device to host: no host threads
                     host = self.kv_cache[:, :, b * bs : (b + 1) * bs].to("cpu")
-                    yield kv_format.kv_parts(pin.hashes[i], pin.weight_generation, shape, dtype,
-                                             kv_format.tensor_views(host))
+                    yield kv_format.kv_parts(
+                        pin.hashes[i], pin.weight_generation, shape, dtype, kv_format.tensor_views(host)
+                    )
         finally:
             with self.lock:
                 pin.serving -= 1
@@ -208,7 +235,7 @@ class KVTransfer:
 
     # ---- decode side ----------------------------------------------------------------------
 
-    def start_pull(self, req: "Request") -> bool:
+    def start_pull(self, req: Request) -> bool:
         """True when the request waits for pulled KV (it is scheduled once they land); False: run it now."""
         start = time.monotonic()
         kt = req.params.kv_transfer_params
@@ -220,8 +247,12 @@ class KVTransfer:
             self.stats.fallbacks += 1
             return False
         if host not in self.config.peer_hosts:
-            log.warning("request %s: kv_transfer_params.remote_host %r is not in kv_transfer.peer_hosts; prefilling "
-                        "locally (add the prefill servers' hosts to kv_transfer.peer_hosts)", req.request_id, host)
+            log.warning(
+                "request %s: kv_transfer_params.remote_host %r is not in kv_transfer.peer_hosts; prefilling "
+                "locally (add the prefill servers' hosts to kv_transfer.peer_hosts)",
+                req.request_id,
+                host,
+            )
             self.stats.fallbacks += 1
             return False
         mismatch = self._mismatch(kt, req)
@@ -257,12 +288,15 @@ class KVTransfer:
         blocks = [self.pool.allocate() for _ in range(count)]
         self.pulling += 1
         landing = _Landing(req, have, blocks, [], start)
-        threading.Thread(target=self._pull, args=(landing, host, port, str(tid), hashes[have : have + count],
-                                                  self.weight_generation()),
-                         name="rlserve-kv-pull", daemon=True).start()
+        threading.Thread(
+            target=self._pull,
+            args=(landing, host, port, str(tid), hashes[have : have + count], self.weight_generation()),
+            name="rlserve-kv-pull",
+            daemon=True,
+        ).start()
         return True
 
-    def _mismatch(self, kt: dict[str, Any], req: "Request") -> str | None:
+    def _mismatch(self, kt: dict[str, Any], req: Request) -> str | None:
         generation = self.weight_generation()
         if kt.get("weight_generation") != generation:
             return f"weight_generation {kt.get('weight_generation')} differs from this server's {generation}"
@@ -280,7 +314,7 @@ class KVTransfer:
             return "prefix caching is off"
         return None
 
-    def _hashes(self, req: "Request", n: int) -> list[bytes]:
+    def _hashes(self, req: Request, n: int) -> list[bytes]:
         """This engine's chained prefix-cache hashes of the prompt's first n blocks."""
         extra, parent, out, bs = self.cache_key(req), None, [], self.block_size
         for i in range(n):
@@ -301,8 +335,17 @@ class KVTransfer:
             return targets, [(head, h, generation) for head, h in zip(heads, hashes)]
 
         try:
-            landing.got, landing.nbytes = pull_into(host, port, tid, landing.first, len(landing.blocks), destinations,
-                                                    self.config.pull_timeout_s, shape, dtype)
+            landing.got, landing.nbytes = pull_into(
+                host,
+                port,
+                tid,
+                landing.first,
+                len(landing.blocks),
+                destinations,
+                self.config.pull_timeout_s,
+                shape,
+                dtype,
+            )
         except (OSError, TransferError) as e:
             landing.error = str(e) or type(e).__name__
         self.landed.put(landing)
@@ -331,19 +374,24 @@ class KVTransfer:
         if not req.finished:
             self.scheduler.add(req.seqs[0])
 
-    def _register(self, req: "Request", landing: _Landing) -> int:
+    def _register(self, req: Request, landing: _Landing) -> int:
         """Enter the pulled blocks into the prefix cache after the request's held ones; how many.
         Hashes are this engine's, under its current weights: KV from other weights never matches."""
         hashes = self._hashes(req, landing.first + len(landing.got))
         if any(self.pool.lookup(h) != b for h, b in zip(hashes, req.held_blocks)):
-            log.info("request %s: its cached prefix changed during the pull (new weights?); prefilling locally",
-                     req.request_id)
+            log.info(
+                "request %s: its cached prefix changed during the pull (new weights?); prefilling locally",
+                req.request_id,
+            )
             return 0
         written, bs = 0, self.block_size
         for h, (got_hash, generation), b in zip(hashes[landing.first :], landing.got, landing.blocks):
             if got_hash != h or generation != self.weight_generation():
-                log.info("request %s: a pulled block was computed for other tokens, weights or salt; prefilling "
-                         "from there locally", req.request_id)
+                log.info(
+                    "request %s: a pulled block was computed for other tokens, weights or salt; prefilling "
+                    "from there locally",
+                    req.request_id,
+                )
                 break
             cached = self.pool.lookup(h)
             if cached is None:
@@ -375,7 +423,9 @@ class KVTransfer:
         with self.lock:
             expired = [t for t, p in self.pins.items() if p.deadline < now and not p.serving]
         for tid in expired:
-            log.info("KV transfer %s: nobody pulled it within %s s; its blocks are freed", tid, self.config.pin_timeout_s)
+            log.info(
+                "KV transfer %s: nobody pulled it within %s s; its blocks are freed", tid, self.config.pin_timeout_s
+            )
             self.stats.expired += 1
             self._unpin(tid)
         while True:
@@ -384,7 +434,7 @@ class KVTransfer:
             except queue.Empty:
                 break
 
-    def release_held(self, req: "Request") -> None:
+    def release_held(self, req: Request) -> None:
         for b in reversed(req.held_blocks):
             self.pool.release(b)
         req.held_blocks.clear()

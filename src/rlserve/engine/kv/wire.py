@@ -131,8 +131,13 @@ def _recv_views(sock: socket.socket, views: list[memoryview]) -> None:
             views[first] = views[first][n:]
 
 
-def recv_blocks_into(sock: socket.socket, targets: list[list[memoryview]], heads: list[tuple[bytes, bytes, int]],
-                     shape: tuple[int, ...], dtype: torch.dtype) -> tuple[list[tuple[bytes, int]], int]:
+def recv_blocks_into(
+    sock: socket.socket,
+    targets: list[list[memoryview]],
+    heads: list[tuple[bytes, bytes, int]],
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+) -> tuple[list[tuple[bytes, int]], int]:
     """Blocks written straight into `targets` (each a destination pool block's per-layer k/v runs), a
     group of _CHECK_BYTES (at least one block) per recvmsg_into, and each block's checksum checked on them
     there while they are in cache; each block's (hash, weight generation) and the bytes read. `heads`: the
@@ -184,8 +189,14 @@ class BlockServer:
     """Accepts pulls on host:port, one thread per connection. `blocks(transfer_id, first, count)` yields
     the blocks as kv_format.kv_parts (KeyError: unknown transfer); `done(transfer_id)` is called when the connection ends."""
 
-    def __init__(self, host: str, port: int, blocks: Callable[[str, int, int], Iterator[list]],
-                 done: Callable[[str, int, float], None], timeout_s: float):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        blocks: Callable[[str, int, int], Iterator[list]],
+        done: Callable[[str, int, float], None],
+        timeout_s: float,
+    ):
         self.blocks, self.done, self.timeout_s = blocks, done, timeout_s
         self.sock = socket.create_server((host, port))
         self.port = self.sock.getsockname()[1]
@@ -232,9 +243,17 @@ class BlockServer:
         self.sock.close()
 
 
-def pull_into(host: str, port: int, transfer_id: str, first: int, count: int,
-              destinations: Callable[[], tuple[list[list[memoryview]], list[tuple[bytes, bytes, int]]]],
-              timeout_s: float, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[list[tuple[bytes, int]], int]:
+def pull_into(
+    host: str,
+    port: int,
+    transfer_id: str,
+    first: int,
+    count: int,
+    destinations: Callable[[], tuple[list[list[memoryview]], list[tuple[bytes, bytes, int]]]],
+    timeout_s: float,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+) -> tuple[list[tuple[bytes, int]], int]:
     """The decode side: blocks `first`.. `first + count` of a transfer, one into each of the targets that
     `destinations()` gives with their expected heads (recv_blocks_into). It is called once the pull is asked
     for: making the views overlaps the prefill server's start, whose first blocks wait in the socket buffer."""
@@ -252,11 +271,14 @@ def pull_into(host: str, port: int, transfer_id: str, first: int, count: int,
 
 def release_remote(host: str, port: int, transfer_id: str, timeout_s: float) -> None:
     """Tell the prefill server its pin is not needed (best effort: its timeout frees it anyway)."""
+
     def send() -> None:
         try:
             with socket.create_connection((host, port), timeout=timeout_s) as sock:
                 send_frame(sock, {"op": "release", "transfer_id": transfer_id})
         except OSError as e:
-            log.info("KV transfer %s: release not delivered (%s); the prefill server's timeout frees it", transfer_id, e)
+            log.info(
+                "KV transfer %s: release not delivered (%s); the prefill server's timeout frees it", transfer_id, e
+            )
 
     threading.Thread(target=send, name="rlserve-kv-release", daemon=True).start()

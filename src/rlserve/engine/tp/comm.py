@@ -21,8 +21,10 @@ POLL_MS = 200
 
 # ---- wire: rank 0 -> workers ---------------------------------------------------------------
 
-DTYPES = {str(d).removeprefix("torch."): d for d in (torch.int64, torch.int32, torch.bool, torch.float32,
-                                                          torch.bfloat16, torch.float16, torch.float64)}
+DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (torch.int64, torch.int32, torch.bool, torch.float32, torch.bfloat16, torch.float16, torch.float64)
+}
 
 
 class Tensor(msgspec.Struct, array_like=True):
@@ -31,7 +33,7 @@ class Tensor(msgspec.Struct, array_like=True):
     data: bytes
 
     @classmethod
-    def of(cls, t: torch.Tensor | None) -> "Tensor | None":
+    def of(cls, t: torch.Tensor | None) -> Tensor | None:
         if t is None:
             return None
         t = t.detach().contiguous().cpu()
@@ -39,7 +41,11 @@ class Tensor(msgspec.Struct, array_like=True):
 
     def to(self, device: torch.device) -> torch.Tensor:
         dtype = DTYPES[self.dtype]
-        raw = torch.frombuffer(bytearray(self.data), dtype=torch.uint8) if self.data else torch.empty(0, dtype=torch.uint8)
+        raw = (
+            torch.frombuffer(bytearray(self.data), dtype=torch.uint8)
+            if self.data
+            else torch.empty(0, dtype=torch.uint8)
+        )
         return raw.view(dtype).view(self.shape).to(device)
 
 
@@ -130,18 +136,41 @@ to_worker = msgspec.msgpack.Decoder(ToWorker)
 to_leader = msgspec.msgpack.Decoder(ToLeader)
 
 
-def encode_step(input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch,
-                block_copies: list[tuple[int, int]]) -> bytes:
+def encode_step(
+    input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch, block_copies: list[tuple[int, int]]
+) -> bytes:
     c = attn.cascade
-    cascade = None if c is None else Cascade(
-        Tensor.of(c.prefix_blocks), Tensor.of(c.prefix_mask), c.group_width, c.num_grouped, Tensor.of(c.query_rows),
-        Tensor.of(c.suffix_blocks), Tensor.of(c.suffix_mask))
+    cascade = (
+        None
+        if c is None
+        else Cascade(
+            Tensor.of(c.prefix_blocks),
+            Tensor.of(c.prefix_mask),
+            c.group_width,
+            c.num_grouped,
+            Tensor.of(c.query_rows),
+            Tensor.of(c.suffix_blocks),
+            Tensor.of(c.suffix_mask),
+        )
+    )
     lora = [] if attn.lora is None else [(adapter.name, Tensor.of(rows)) for adapter, rows in attn.lora.segments]
-    return encode(Step(
-        Tensor.of(input_ids), Tensor.of(positions), Tensor.of(attn.slot_mapping), attn.num_decode,
-        Tensor.of(attn.decode_blocks), Tensor.of(attn.decode_mask), Tensor.of(attn.decode_lens), cascade,
-        [Prefill(p.q_start, p.q_len, p.ctx_len, Tensor.of(p.ctx_slots), Tensor.of(p.mask)) for p in attn.prefills],
-        attn.block_size, lora, [tuple(c) for c in block_copies], attn.kernels is not None))
+    return encode(
+        Step(
+            Tensor.of(input_ids),
+            Tensor.of(positions),
+            Tensor.of(attn.slot_mapping),
+            attn.num_decode,
+            Tensor.of(attn.decode_blocks),
+            Tensor.of(attn.decode_mask),
+            Tensor.of(attn.decode_lens),
+            cascade,
+            [Prefill(p.q_start, p.q_len, p.ctx_len, Tensor.of(p.ctx_slots), Tensor.of(p.mask)) for p in attn.prefills],
+            attn.block_size,
+            lora,
+            [tuple(c) for c in block_copies],
+            attn.kernels is not None,
+        )
+    )
 
 
 # ---- process groups ------------------------------------------------------------------------

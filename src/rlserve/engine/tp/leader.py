@@ -29,9 +29,26 @@ import zmq
 
 from rlserve.config.schema import Config
 from rlserve.engine.child import child_env
+from rlserve.engine.tp.comm import (
+    POLL_MS,
+    START_TIMEOUT_S,
+    Commit,
+    Died,
+    Discard,
+    Loaded,
+    RemoveAdapter,
+    Stage,
+    Staged,
+    Stop,
+    attach,
+    encode,
+    encode_step,
+    make_group,
+    send_bytes,
+    to_leader,
+)
 from rlserve.model.batch import AttentionBatch
 from rlserve.model.llama import CausalLM
-from rlserve.engine.tp.comm import Commit, Died, Discard, Loaded, POLL_MS, RemoveAdapter, START_TIMEOUT_S, Stage, Staged, Stop, encode, send_bytes, to_leader, attach, encode_step, make_group
 
 log = logging.getLogger("rlserve.engine.tp.leader")
 
@@ -45,8 +62,9 @@ class TensorParallelLeader:
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(device)  # NCCL binds rank 0 to the current device
-        self.store = dist.TCPStore("127.0.0.1", 0, self.tp, True, timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
-                                   wait_for_workers=False)
+        self.store = dist.TCPStore(
+            "127.0.0.1", 0, self.tp, True, timeout=datetime.timedelta(seconds=START_TIMEOUT_S), wait_for_workers=False
+        )
         self.ctx = zmq.Context()
         self.replies = self._socket(zmq.PULL)
         reply_port = self.replies.bind_to_random_port("tcp://127.0.0.1")
@@ -61,9 +79,21 @@ class TensorParallelLeader:
                 port = inbox.bind_to_random_port("tcp://127.0.0.1")
                 self.inboxes.append(inbox)
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", "rlserve.engine.tp.worker", str(rank), str(self.tp), str(self.store.port),
-                     f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{reply_port}", str(num_blocks), str(device)],
-                    stdin=subprocess.PIPE, env=child_env())
+                    [
+                        sys.executable,
+                        "-m",
+                        "rlserve.engine.tp.worker",
+                        str(rank),
+                        str(self.tp),
+                        str(self.store.port),
+                        f"tcp://127.0.0.1:{port}",
+                        f"tcp://127.0.0.1:{reply_port}",
+                        str(num_blocks),
+                        str(device),
+                    ],
+                    stdin=subprocess.PIPE,
+                    env=child_env(),
+                )
                 proc.stdin.write(payload)
                 proc.stdin.close()
                 self.procs.append(proc)
@@ -135,8 +165,13 @@ class TensorParallelLeader:
             for inbox in self.inboxes:
                 inbox.send(raw)
 
-    def send_step(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch,
-                  block_copies: list[tuple[int, int]]) -> None:
+    def send_step(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBatch,
+        block_copies: list[tuple[int, int]],
+    ) -> None:
         self._broadcast(encode_step(input_ids, positions, attn, block_copies))
 
     # ---- staged work: every worker stages, then all commit at one step boundary ---------------
@@ -207,5 +242,3 @@ class TensorParallelLeader:
         for sock in [*self.inboxes, self.replies]:
             sock.close(linger=0)
         self.ctx.term()
-
-

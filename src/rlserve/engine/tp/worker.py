@@ -17,6 +17,7 @@ import torch.distributed as dist
 import zmq
 
 from rlserve.config.schema import Config
+from rlserve.engine.child import connect_pair, parent_pid, start_child
 from rlserve.engine.tp.comm import (
     DTYPES,
     START_TIMEOUT_S,
@@ -28,17 +29,16 @@ from rlserve.engine.tp.comm import (
     Stage,
     Staged,
     Step,
-    encode,
-    send_bytes,
     as_tensor,
-    to_worker,
     attach,
     device_of_rank,
+    encode,
     make_group,
+    send_bytes,
+    to_worker,
 )
 from rlserve.model.batch import AttentionBatch, CascadePlan, PrefillSeq
 from rlserve.model.tensor_parallel import shard
-from rlserve.engine.child import connect_pair, parent_pid, start_child
 
 # ---- workers -------------------------------------------------------------------------------
 
@@ -52,19 +52,27 @@ class Worker:
         from rlserve.engine.devices import resolve_dtype
         from rlserve.engine.runner import ModelRunner
         from rlserve.engine.weights import StagingBuffers
-        from rlserve.model.shape import ModelShape
         from rlserve.model.loader import load_model, resolve_model_dir
+        from rlserve.model.shape import ModelShape
 
         self.rank, self.tp, self.config, self.device, self.replies = rank, tp, config, device, replies
         self.dtype = resolve_dtype(config.model.dtype, device)
         model_dir = resolve_model_dir(config.model.name)
-        self.shape = ModelShape.from_hf(AutoConfig.from_pretrained(model_dir,
-                                                                   trust_remote_code=config.model.trust_remote_code))
+        self.shape = ModelShape.from_hf(
+            AutoConfig.from_pretrained(model_dir, trust_remote_code=config.model.trust_remote_code)
+        )
         self.model = load_model(model_dir, self.shape, self.dtype, device, rank, tp)
         ec = config.engine
-        self.runner = ModelRunner(self.model, num_blocks, ec.block_size, self.dtype, device,
-                                  cascade_attention=ec.cascade_attention, pack_weights=ec.pack_weights,
-                                  use_cpu_kernels=ec.cpu_kernels)
+        self.runner = ModelRunner(
+            self.model,
+            num_blocks,
+            ec.block_size,
+            self.dtype,
+            device,
+            cascade_attention=ec.cascade_attention,
+            pack_weights=ec.pack_weights,
+            use_cpu_kernels=ec.cpu_kernels,
+        )
         self.adapters: dict = {}
         self.staged: dict[int, Any] = {}  # call id -> ("weights", StagedWeights) | ("adapter", LoraAdapter)
         self.staged_lock = threading.Lock()
@@ -88,9 +96,19 @@ class Worker:
         if msg.block_copies:
             self.runner._copy_blocks(msg.block_copies)
         c = msg.cascade
-        cascade = None if c is None else CascadePlan(
-            c.prefix_blocks.to(dev), as_tensor(c.prefix_mask, dev), c.group_width, c.num_grouped,
-            as_tensor(c.query_rows, dev), c.suffix_blocks.to(dev), c.suffix_mask.to(dev))
+        cascade = (
+            None
+            if c is None
+            else CascadePlan(
+                c.prefix_blocks.to(dev),
+                as_tensor(c.prefix_mask, dev),
+                c.group_width,
+                c.num_grouped,
+                as_tensor(c.query_rows, dev),
+                c.suffix_blocks.to(dev),
+                c.suffix_mask.to(dev),
+            )
+        )
         lora = None
         if msg.lora:
             from rlserve.model.lora import LoraBatch
@@ -100,11 +118,20 @@ class Worker:
         if msg.kernels and kernels is None:
             raise RuntimeError("rank 0 runs the C kernels and this rank cannot load them")
         attn = AttentionBatch(
-            slot_mapping=msg.slot_mapping.to(dev), num_decode=msg.num_decode, decode_blocks=as_tensor(msg.decode_blocks, dev),
-            decode_mask=as_tensor(msg.decode_mask, dev), decode_lens=as_tensor(msg.decode_lens, dev), cascade=cascade,
-            prefills=[PrefillSeq(p.q_start, p.q_len, p.ctx_len, as_tensor(p.ctx_slots, dev), as_tensor(p.mask, dev))
-                      for p in msg.prefills],
-            block_size=msg.block_size, lora=lora, kernels=kernels)
+            slot_mapping=msg.slot_mapping.to(dev),
+            num_decode=msg.num_decode,
+            decode_blocks=as_tensor(msg.decode_blocks, dev),
+            decode_mask=as_tensor(msg.decode_mask, dev),
+            decode_lens=as_tensor(msg.decode_lens, dev),
+            cascade=cascade,
+            prefills=[
+                PrefillSeq(p.q_start, p.q_len, p.ctx_len, as_tensor(p.ctx_slots, dev), as_tensor(p.mask, dev))
+                for p in msg.prefills
+            ],
+            block_size=msg.block_size,
+            lora=lora,
+            kernels=kernels,
+        )
         self.model(msg.input_ids.to(dev), msg.positions.to(dev), attn, self.runner.kv_cache)
 
     # staged work runs in the helper thread, so steps go on meanwhile
@@ -131,13 +158,17 @@ class Worker:
             from rlserve.model.tensor_parallel import shard_adapter
 
             name, path, roots = msg.args
-            adapter = load_peft_adapter(name, check_under_roots(path, roots), self.shape, self.dtype, self.device, roots)
+            adapter = load_peft_adapter(
+                name, check_under_roots(path, roots), self.shape, self.dtype, self.device, roots
+            )
             return "adapter", shard_adapter(adapter, self.rank, self.tp)
         if msg.kind == "push":
             tensors = {}
             for name, dtype, full in msg.args:
                 dt = DTYPES[dtype]
-                part = torch.empty(shard(name, torch.empty(full, dtype=dt, device="meta"), self.rank, self.tp).shape, dtype=dt)
+                part = torch.empty(
+                    shard(name, torch.empty(full, dtype=dt, device="meta"), self.rank, self.tp).shape, dtype=dt
+                )
                 raw = send_bytes(self.weights_group, part, self.rank, self.tp, name)
                 tensors[name] = raw.view(dt).view(part.shape).to(self.device)
             # rank 0 validated the full tensors already; these are this rank's slices
@@ -191,8 +222,9 @@ def worker_main(argv: list[str]) -> int:
     inbox, replies = connect_pair(zmq.Context(), inbox_addr, reply_addr, 2000)
     try:
         worker = Worker(rank_i, tp_i, config, int(num_blocks), dev, replies)
-        store = dist.TCPStore("127.0.0.1", int(store_port), tp_i, False,
-                              timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
+        store = dist.TCPStore(
+            "127.0.0.1", int(store_port), tp_i, False, timeout=datetime.timedelta(seconds=START_TIMEOUT_S)
+        )
         replies.send(encode(Loaded(rank_i)))
         worker.join_groups(store)
         worker.serve(inbox)

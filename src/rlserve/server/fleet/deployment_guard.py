@@ -39,8 +39,11 @@ class DeploymentGuard:
         if scope["type"] == "http":
             path = scope["path"].rstrip("/") or "/"
             if (path in ADMIN_PATHS or path == SYNC_PATH) and not self._from_deployment(scope):
-                error = APIError(403, f"this server is a replica of a deployment: send {path} to the deployment's "
-                                      f"admin address {self.admin_url}, which applies it on every replica")
+                error = APIError(
+                    403,
+                    f"this server is a replica of a deployment: send {path} to the deployment's "
+                    f"admin address {self.admin_url}, which applies it on every replica",
+                )
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)

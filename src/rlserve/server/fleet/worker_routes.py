@@ -10,9 +10,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from rlserve.engine.params import SamplingParams
-from rlserve.server.openai import chat
-from rlserve.server.openai import completions
 from rlserve.server.errors import APIError
+from rlserve.server.openai import chat, completions
 from rlserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from rlserve.server.state import SAMPLING_FIELDS, ServerState
 
@@ -27,19 +26,28 @@ def _state(request: Request) -> ServerState:
 @router.get("/load")
 async def get_load(request: Request) -> dict:
     stats = _state(request).engine.stats
-    return {"load": stats.num_running + stats.num_waiting, "server_load": stats.num_running + stats.num_waiting,
-            "num_running": stats.num_running,
-            "num_waiting": stats.num_waiting}
+    return {
+        "load": stats.num_running + stats.num_waiting,
+        "server_load": stats.num_running + stats.num_waiting,
+        "num_running": stats.num_running,
+        "num_waiting": stats.num_waiting,
+    }
 
 
 @router.get("/get_server_info")
 async def get_server_info(request: Request) -> dict:
     state = _state(request)
     engine = state.engine
-    return {"model_path": str(engine.model_dir), "served_model_name": state.served_model_name,
-            "max_model_len": state.max_model_len, "max_num_seqs": state.config.engine.max_num_seqs,
-            "policy_version": engine.policy_version, "weight_version": engine.weight_version,
-            "is_paused": state.engine.paused, "version": importlib.metadata.version("rlserve")}
+    return {
+        "model_path": str(engine.model_dir),
+        "served_model_name": state.served_model_name,
+        "max_model_len": state.max_model_len,
+        "max_num_seqs": state.config.engine.max_num_seqs,
+        "policy_version": engine.policy_version,
+        "weight_version": engine.weight_version,
+        "is_paused": state.engine.paused,
+        "version": importlib.metadata.version("rlserve"),
+    }
 
 
 @router.get("/health_generate")
@@ -62,8 +70,15 @@ def _sampling_fields(body: Any) -> dict[str, Any]:
 
 def _generate_request(body: Any, token_ids: list[int], rid: str) -> dict[str, Any]:
     """The /inference/v1/generate body that would produce this request's completion."""
-    return {"request_id": rid, "token_ids": token_ids, "sampling_params": _sampling_fields(body),
-            "model": body.model, "stream": bool(body.stream), "cache_salt": body.cache_salt, "features": None}
+    return {
+        "request_id": rid,
+        "token_ids": token_ids,
+        "sampling_params": _sampling_fields(body),
+        "model": body.model,
+        "stream": bool(body.stream),
+        "cache_salt": body.cache_salt,
+        "features": None,
+    }
 
 
 @router.post("/v1/completions/render")

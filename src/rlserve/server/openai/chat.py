@@ -19,14 +19,25 @@ from rlserve.server.chat_parsing import (
     ParsedMessage,
     output_parser,
 )
-from rlserve.server.openai.chat_template import message_chars, render_chat
-from rlserve.server.limits import check_text_fits
 from rlserve.server.errors import bad_request
+from rlserve.server.limits import check_text_fits
+from rlserve.server.openai.chat_template import message_chars, render_chat
 from rlserve.server.protocol import POLICY_FIELDS, ChatCompletionRequest, ChatTokensRequest
-from rlserve.server.staleness import hold_for_policy_version
-from rlserve.server.state import ChoiceCursor, ServerState, clamp, prompt_logprobs_json, request_id, rid_header, sampled_first, usage, version_fields
 from rlserve.server.sampling import sampling_params, truncate
+from rlserve.server.staleness import hold_for_policy_version
+from rlserve.server.state import (
+    ChoiceCursor,
+    ServerState,
+    clamp,
+    prompt_logprobs_json,
+    request_id,
+    rid_header,
+    sampled_first,
+    usage,
+    version_fields,
+)
 from rlserve.server.streaming import ClientGone, Run, SSEResponse, run_to_end, sse, sse_stream, start_stream
+from rlserve.server.structured_request import enforce_tool_choice, logprobs_header
 
 router = APIRouter()
 log = logging.getLogger(__name__)
@@ -63,8 +74,10 @@ async def create_chat_completion_from_tokens(body: ChatTokensRequest, request: R
         raise bad_request("tokens must be a non-empty list of token ids", "tokens")
     state.check_token_ids(tokens, "tokens")
     if len(tokens) >= state.max_model_len:
-        raise bad_request(f"tokens has {len(tokens)} tokens; this model's maximum context length is "
-                          f"{state.max_model_len} tokens", "tokens")
+        raise bad_request(
+            f"tokens has {len(tokens)} tokens; this model's maximum context length is {state.max_model_len} tokens",
+            "tokens",
+        )
     return await _respond(request, await prepare(state, body, request_id(request, body), prompt=tokens))
 
 
@@ -87,15 +100,17 @@ async def prepare(state: ServerState, body: ChatCompletionRequest, rid: str, pro
     await hold_for_policy_version(state, body.model_dump(include=POLICY_FIELDS))
     if body.truncate_prompt_tokens is None and prompt is None:
         check_text_fits(state, message_chars(body), "messages")
-    rendered = await state.off_loop(render_chat, state.tokenizer, body, state.chat_template,
-                                    state.config.server.trust_request_chat_template)
+    rendered = await state.off_loop(
+        render_chat, state.tokenizer, body, state.chat_template, state.config.server.trust_request_chat_template
+    )
     if prompt is None:
         prompt = truncate(rendered, body.truncate_prompt_tokens, state.max_model_len)
     elif prompt[: len(rendered)] != rendered:
         log.info("request %s: tokens differ from the rendered messages; using tokens as sent", rid)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    params = sampling_params(state, body, max_tokens=max_tokens, logprobs=_top_logprobs(state, body),
-                             prompt_logprobs=body.prompt_logprobs)
+    params = sampling_params(
+        state, body, max_tokens=max_tokens, logprobs=_top_logprobs(state, body), prompt_logprobs=body.prompt_logprobs
+    )
     parser = output_parser(state.config.model, state.tokenizer, body, params, prompt)
     enforce_tool_choice(state.config.model.tool_call_parser, state.engine, body, params)
     return Ctx(state, body, f"chatcmpl-{rid}", model, int(time.time()), rid, prompt, params, parser)
@@ -103,8 +118,15 @@ async def prepare(state: ServerState, body: ChatCompletionRequest, rid: str, pro
 
 def launch(ctx: Ctx, stream: bool | None = None) -> Run:
     stream = bool(ctx.body.stream) if stream is None else stream
-    return Run(ctx.state, [ctx.prompt], ctx.params, ctx.rid, ctx.body.cache_salt,
-               adapter=ctx.state.adapter_for(ctx.body.model), stream=stream)
+    return Run(
+        ctx.state,
+        [ctx.prompt],
+        ctx.params,
+        ctx.rid,
+        ctx.body.cache_salt,
+        adapter=ctx.state.adapter_for(ctx.body.model),
+        stream=stream,
+    )
 
 
 def _top_logprobs(state: ServerState, body: ChatCompletionRequest) -> int | None:
@@ -121,8 +143,11 @@ def _top_logprobs(state: ServerState, body: ChatCompletionRequest) -> int | None
 
 
 def _logprob_entry(state: ServerState, token_id: int, logprob: float, as_ids: bool) -> dict[str, Any]:
-    return {"token": state.token_label(token_id, as_ids), "logprob": clamp(logprob),
-            "bytes": list(state.token_text(token_id).encode("utf-8"))}
+    return {
+        "token": state.token_label(token_id, as_ids),
+        "logprob": clamp(logprob),
+        "bytes": list(state.token_text(token_id).encode("utf-8")),
+    }
 
 
 def _logprobs(ctx: Ctx, o: CompletionOutput, start: int) -> dict[str, list] | None:
@@ -145,16 +170,26 @@ def finish_reason(o: CompletionOutput, has_tool_calls: bool) -> str | None:
 
 
 def message_json(parsed: ParsedMessage) -> dict[str, Any]:
-    return {"role": "assistant", "content": parsed.content, "reasoning": parsed.reasoning,
-            "reasoning_content": parsed.reasoning, "tool_calls": parsed.tool_calls}
+    return {
+        "role": "assistant",
+        "content": parsed.content,
+        "reasoning": parsed.reasoning,
+        "reasoning_content": parsed.reasoning,
+        "tool_calls": parsed.tool_calls,
+    }
 
 
 def _response(ctx: Ctx, out: RequestOutput) -> dict[str, Any]:
     body, choices = ctx.body, []
     for o in sorted(out.outputs, key=lambda o: o.index):
         parsed = ctx.parser.parse(o)
-        choice = {"index": o.index, "message": message_json(parsed), "logprobs": _logprobs(ctx, o, 0),
-                  "finish_reason": finish_reason(o, bool(parsed.tool_calls)), "stop_reason": o.stop_reason}
+        choice = {
+            "index": o.index,
+            "message": message_json(parsed),
+            "logprobs": _logprobs(ctx, o, 0),
+            "finish_reason": finish_reason(o, bool(parsed.tool_calls)),
+            "stop_reason": o.stop_reason,
+        }
         if parsed.tool_call_errors:
             choice["tool_call_errors"] = [e.to_json() for e in parsed.tool_call_errors]
         if body.return_token_ids:
@@ -164,21 +199,28 @@ def _response(ctx: Ctx, out: RequestOutput) -> dict[str, Any]:
     response = {"id": ctx.id, "object": "chat.completion", "created": ctx.created, "model": ctx.model}
     if body.return_token_ids:
         response["prompt_token_ids"] = out.prompt_token_ids
-    return {**response, "choices": choices, "usage": _usage(ctx, out),
-            "prompt_logprobs": prompt_logprobs_json(ctx.state, out, body.prompt_logprobs,
-                                                    body.return_tokens_as_token_ids),
-            "kv_transfer_params": out.kv_transfer_params}
+    return {
+        **response,
+        "choices": choices,
+        "usage": _usage(ctx, out),
+        "prompt_logprobs": prompt_logprobs_json(ctx.state, out, body.prompt_logprobs, body.return_tokens_as_token_ids),
+        "kv_transfer_params": out.kv_transfer_params,
+    }
 
 
 def _delta_choice(ctx: Ctx, o: CompletionOutput, cur: ChoiceCursor, streamer: MessageStreamer) -> dict[str, Any] | None:
     """Every new token rides in exactly one chunk, even when the parser holds its text back."""
     finishing = o.finished and not cur.finished
-    new_ids = o.token_ids[cur.tokens:]
+    new_ids = o.token_ids[cur.tokens :]
     delta = streamer.feed(o)
     if not (finishing or new_ids or delta):
         return None
-    choice: dict[str, Any] = {"index": o.index, "delta": delta, "logprobs": _logprobs(ctx, o, cur.tokens),
-                              "finish_reason": finish_reason(o, streamer.has_tool_calls) if finishing else None}
+    choice: dict[str, Any] = {
+        "index": o.index,
+        "delta": delta,
+        "logprobs": _logprobs(ctx, o, cur.tokens),
+        "finish_reason": finish_reason(o, streamer.has_tool_calls) if finishing else None,
+    }
     if ctx.body.return_token_ids:
         choice["token_ids"] = new_ids
     if finishing:
@@ -200,8 +242,17 @@ async def _stream(ctx: Ctx, run: Run) -> AsyncIterator[str]:
     async for _, out in run.events():
         if latest is None:
             for i in range(body.n):  # the role goes first and alone, one chunk per choice
-                chunk = {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                              "logprobs": None, "finish_reason": None}]}
+                chunk = {
+                    **head,
+                    "choices": [
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                }
                 if i == 0 and body.return_token_ids:
                     chunk["prompt_token_ids"] = out.prompt_token_ids
                 yield sse(chunk)

@@ -11,8 +11,8 @@ import pydantic
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from rlserve.server.openai import chat
 from rlserve.server.errors import bad_request
+from rlserve.server.openai import chat
 from rlserve.server.protocol import ChatCompletionRequest
 from rlserve.server.state import ServerState, json_body, rid_header
 from rlserve.server.streaming import ClientGone, run_to_end
@@ -23,11 +23,11 @@ router = APIRouter()
 def _conversations(body: dict) -> list[ChatCompletionRequest]:
     messages = body.get("messages")
     if not (isinstance(messages, list) and messages and all(isinstance(m, list) and m for m in messages)):
-        raise bad_request("messages must be a non-empty list of conversations, each a non-empty list of messages",
-                          "messages")
+        raise bad_request(
+            "messages must be a non-empty list of conversations, each a non-empty list of messages", "messages"
+        )
     if body.get("stream"):
-        raise bad_request("the batch endpoint does not stream; send stream false or use /v1/chat/completions",
-                          "stream")
+        raise bad_request("the batch endpoint does not stream; send stream false or use /v1/chat/completions", "stream")
     if body.get("tools"):
         raise bad_request("the batch endpoint takes no tools; use /v1/chat/completions", "tools")
     if body.get("n", 1) not in (1, None):

@@ -16,13 +16,27 @@ from typing import Any
 import jinja2
 
 from rlserve.server.errors import bad_request
-from rlserve.server.protocol import ChatMessage, ChatTemplateFields
 from rlserve.server.openai.template_limits import MAX_RENDERED_TOKENS, RenderLimitError, bounded_render
+from rlserve.server.protocol import ChatMessage, ChatTemplateFields
 
 # apply_chat_template's own arguments: a template kwarg of the same name would clash with them
-_RESERVED = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-             "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
-             "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+_RESERVED = {
+    "conversation",
+    "messages",
+    "tools",
+    "documents",
+    "chat_template",
+    "add_generation_prompt",
+    "continue_final_message",
+    "tokenize",
+    "padding",
+    "truncation",
+    "max_length",
+    "return_tensors",
+    "return_dict",
+    "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+}
 _MEDIA_PARTS = {"image_url", "video_url", "input_audio", "audio_url"}
 
 
@@ -47,21 +61,29 @@ def message_chars(fields: ChatTemplateFields) -> int:
     return total
 
 
-def render_chat(tokenizer, fields: ChatTemplateFields, default_template: str | None,
-                trust_request_template: bool = False) -> list[int]:
+def render_chat(
+    tokenizer, fields: ChatTemplateFields, default_template: str | None, trust_request_template: bool = False
+) -> list[int]:
     """Runs in the server's tokenizer thread. A request's own chat_template only when the operator trusts
     them (vLLM's --trust-request-chat-template), and then bounded in time and size."""
     if fields.chat_template is not None and not trust_request_template:
-        raise bad_request("this server does not accept a chat_template in requests; drop it, or start the server "
-                          "with --server.trust_request_chat_template true", "chat_template")
+        raise bad_request(
+            "this server does not accept a chat_template in requests; drop it, or start the server "
+            "with --server.trust_request_chat_template true",
+            "chat_template",
+        )
     if fields.add_generation_prompt and fields.continue_final_message:
-        raise bad_request("add_generation_prompt and continue_final_message cannot both be true; "
-                          "set add_generation_prompt to false to continue the final message", "continue_final_message")
+        raise bad_request(
+            "add_generation_prompt and continue_final_message cannot both be true; "
+            "set add_generation_prompt to false to continue the final message",
+            "continue_final_message",
+        )
     if not fields.messages:
         raise bad_request("messages must hold at least one message", "messages")
     messages = [_message(m, i) for i, m in enumerate(fields.messages)]
-    ids = _apply(tokenizer, fields, default_template, messages, fields.add_generation_prompt,
-                 fields.continue_final_message)
+    ids = _apply(
+        tokenizer, fields, default_template, messages, fields.add_generation_prompt, fields.continue_final_message
+    )
     turn = _spliced_turn(fields.messages)
     if turn is None:
         return ids
@@ -74,14 +96,23 @@ def render_chat(tokenizer, fields: ChatTemplateFields, default_template: str | N
     closes = _apply(tokenizer, fields, default_template, messages[: k + 1], False, False).count(end)
     ends = [i for i, t in enumerate(ids) if t == end]
     if closes == 0 or len(ends) < closes:
-        raise bad_request(f"messages[{k}] carries token ids, but the chat template does not close that turn with "
-                          "the end-of-turn token, so they cannot be spliced; drop prompt_token_ids and "
-                          "generation_token_ids", f"messages.{k}")
-    return head + ids[ends[closes - 1]:]
+        raise bad_request(
+            f"messages[{k}] carries token ids, but the chat template does not close that turn with "
+            "the end-of-turn token, so they cannot be spliced; drop prompt_token_ids and "
+            "generation_token_ids",
+            f"messages.{k}",
+        )
+    return head + ids[ends[closes - 1] :]
 
 
-def _apply(tokenizer, fields: ChatTemplateFields, default_template: str | None, messages: list[dict[str, Any]],
-           add_generation_prompt: bool, continue_final_message: bool) -> list[int]:
+def _apply(
+    tokenizer,
+    fields: ChatTemplateFields,
+    default_template: str | None,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+) -> list[int]:
     kwargs = {k: v for k, v in (fields.chat_template_kwargs or {}).items() if k not in _RESERVED}
     bounded = bounded_render if fields.chat_template is not None else contextlib.nullcontext
     try:
@@ -103,11 +134,13 @@ def _apply(tokenizer, fields: ChatTemplateFields, default_template: str | None, 
     if isinstance(ids, dict):  # BatchEncoding from tokenizers that ignore return_dict
         ids = ids["input_ids"]
     if not ids:
-        raise bad_request("the chat template rendered nothing for these messages; check the messages and the "
-                          "template", "messages")
+        raise bad_request(
+            "the chat template rendered nothing for these messages; check the messages and the template", "messages"
+        )
     if fields.chat_template is not None and len(ids) > MAX_RENDERED_TOKENS:
-        raise bad_request(f"the request's chat_template rendered {len(ids)} tokens, more than {MAX_RENDERED_TOKENS}",
-                          "chat_template")
+        raise bad_request(
+            f"the request's chat_template rendered {len(ids)} tokens, more than {MAX_RENDERED_TOKENS}", "chat_template"
+        )
     return list(ids)
 
 
@@ -119,11 +152,16 @@ def _spliced_turn(messages: list[ChatMessage]) -> tuple[int, list[int]] | None:
         if all(f is None for f in fields) or m.role != "assistant":
             continue
         if m.prompt_token_ids is None or m.generation_token_ids is None:
-            raise bad_request(f"messages[{i}] carries only some token fields: send prompt_token_ids and "
-                              "generation_token_ids (and generation_log_probs) together, or none", f"messages.{i}")
+            raise bad_request(
+                f"messages[{i}] carries only some token fields: send prompt_token_ids and "
+                "generation_token_ids (and generation_log_probs) together, or none",
+                f"messages.{i}",
+            )
         if m.generation_log_probs is not None and len(m.generation_log_probs) != len(m.generation_token_ids):
-            raise bad_request(f"messages[{i}].generation_log_probs must have one entry per generation_token_ids "
-                              "entry", f"messages.{i}.generation_log_probs")
+            raise bad_request(
+                f"messages[{i}].generation_log_probs must have one entry per generation_token_ids entry",
+                f"messages.{i}.generation_log_probs",
+            )
         found = (i, [*m.prompt_token_ids, *m.generation_token_ids])
     return found
 
@@ -149,11 +187,14 @@ def _content(m: ChatMessage, i: int) -> str | None:
         if part.type in ("text", "input_text", "output_text") and part.text is not None:
             texts.append(part.text)
         elif part.type in _MEDIA_PARTS:
-            raise bad_request(f"messages[{i}].content[{j}] is {part.type!r}: this model takes text only",
-                              f"messages.{i}.content")
+            raise bad_request(
+                f"messages[{i}].content[{j}] is {part.type!r}: this model takes text only", f"messages.{i}.content"
+            )
         else:
-            raise bad_request(f"messages[{i}].content[{j}] has unsupported type {part.type!r}; "
-                              "use {\"type\": \"text\", \"text\": ...}", f"messages.{i}.content")
+            raise bad_request(
+                f'messages[{i}].content[{j}] has unsupported type {part.type!r}; use {{"type": "text", "text": ...}}',
+                f"messages.{i}.content",
+            )
     return "\n".join(texts)
 
 

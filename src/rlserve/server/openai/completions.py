@@ -14,10 +14,20 @@ from rlserve.engine.outputs import CompletionOutput, RequestOutput
 from rlserve.server.errors import bad_request
 from rlserve.server.limits import check_text_fits
 from rlserve.server.protocol import POLICY_FIELDS, CompletionRequest
-from rlserve.server.staleness import hold_for_policy_version
-from rlserve.server.state import ChoiceCursor, ServerState, clamp, prompt_logprobs_json, request_id, rid_header, usage, version_fields
 from rlserve.server.sampling import sampling_params, truncate
+from rlserve.server.staleness import hold_for_policy_version
+from rlserve.server.state import (
+    ChoiceCursor,
+    ServerState,
+    clamp,
+    prompt_logprobs_json,
+    request_id,
+    rid_header,
+    usage,
+    version_fields,
+)
 from rlserve.server.streaming import ClientGone, Run, SSEResponse, run_to_end, sse, sse_stream, start_stream
+from rlserve.server.structured_request import logprobs_header
 
 router = APIRouter()
 
@@ -47,8 +57,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     prompt_k = body.prompt_logprobs
     if body.echo and k is not None:  # echoed logprobs come from the prompt logprobs
         prompt_k = -1 if prompt_k == -1 else max(k, prompt_k or 0)
-    params = sampling_params(state, body, max_tokens=1 if score_only else body.max_tokens, logprobs=k,
-                             prompt_logprobs=prompt_k)
+    params = sampling_params(
+        state, body, max_tokens=1 if score_only else body.max_tokens, logprobs=k, prompt_logprobs=prompt_k
+    )
     rid = request_id(request, body)
     ctx = Ctx(state, body, f"cmpl-{rid}", model, int(time.time()), k, texts, score_only)
     run = Run(state, prompts, params, rid, body.cache_salt, adapter=state.adapter_for(body.model), stream=body.stream)
@@ -76,14 +87,18 @@ def _prompts(state: ServerState, body: CompletionRequest) -> tuple[list[list[int
         items: list = [p]
     elif isinstance(p, list) and p and all(_is_id(t) for t in p):
         items = [p]
-    elif isinstance(p, list) and p and all(isinstance(x, str) or (isinstance(x, list) and all(map(_is_id, x)))
-                                           for x in p):
+    elif (
+        isinstance(p, list)
+        and p
+        and all(isinstance(x, str) or (isinstance(x, list) and all(map(_is_id, x))) for x in p)
+    ):
         items = p
     elif isinstance(p, list) and not p or p is None:
         raise bad_request("prompt is empty: send a string, a list of strings or token ids", "prompt")
     else:
-        raise bad_request("prompt must be a string, a list of strings, a list of token ids or a list of "
-                          "token-id lists", "prompt")
+        raise bad_request(
+            "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists", "prompt"
+        )
     ids, texts = [], []
     for item in items:
         if isinstance(item, str):
@@ -109,9 +124,14 @@ def _is_id(x: Any) -> bool:
 def _visible(ctx: Ctx, o: CompletionOutput) -> CompletionOutput:
     if not ctx.score_only:
         return o
-    return CompletionOutput(o.index, [], "", [] if o.logprobs is not None else None,
-                            [] if o.top_logprobs is not None else None,
-                            finish_reason="length" if o.finished else None)
+    return CompletionOutput(
+        o.index,
+        [],
+        "",
+        [] if o.logprobs is not None else None,
+        [] if o.top_logprobs is not None else None,
+        finish_reason="length" if o.finished else None,
+    )
 
 
 def _prompt_text(ctx: Ctx, i: int, out: RequestOutput) -> str:
@@ -121,8 +141,9 @@ def _prompt_text(ctx: Ctx, i: int, out: RequestOutput) -> str:
     return text
 
 
-def _logprobs(ctx: Ctx, token_ids: list[int], lps: list[float], tops: list[dict[int, float]] | None,
-              offset: int) -> dict[str, list]:
+def _logprobs(
+    ctx: Ctx, token_ids: list[int], lps: list[float], tops: list[dict[int, float]] | None, offset: int
+) -> dict[str, list]:
     """Completions logprobs of generated tokens; top_logprobs = the k best plus the sampled token."""
     state, as_ids = ctx.state, ctx.body.return_tokens_as_token_ids
     tokens, offsets, top_logprobs = [], [], []
@@ -133,8 +154,12 @@ def _logprobs(ctx: Ctx, token_ids: list[int], lps: list[float], tops: list[dict[
         top = {state.token_label(tid, as_ids): clamp(v) for tid, v in (tops[j] if tops else {}).items()}
         top.setdefault(state.token_label(t, as_ids), clamp(lp))
         top_logprobs.append(top)
-    return {"tokens": tokens, "token_logprobs": [clamp(x) for x in lps], "top_logprobs": top_logprobs,
-            "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": [clamp(x) for x in lps],
+        "top_logprobs": top_logprobs,
+        "text_offset": offsets,
+    }
 
 
 def _echo_logprobs(ctx: Ctx, out: RequestOutput) -> dict[str, list]:
@@ -153,7 +178,8 @@ def _echo_logprobs(ctx: Ctx, out: RequestOutput) -> dict[str, list]:
         else:
             result["token_logprobs"].append(entry[str(t)]["logprob"])
             result["top_logprobs"].append(
-                {state.token_label(int(tid), as_ids): e["logprob"] for tid, e in entry.items()})
+                {state.token_label(int(tid), as_ids): e["logprob"] for tid, e in entry.items()}
+            )
     return result
 
 
@@ -165,7 +191,7 @@ def _choice(ctx: Ctx, i: int, out: RequestOutput, o: CompletionOutput, cur: Choi
     """The part of choice `o` not yet sent (all of it for a fresh cursor); None when nothing is new."""
     body = ctx.body
     first, finishing = not cur.started, o.finished and not cur.finished
-    new_ids, new_text = o.token_ids[cur.tokens:], o.text[cur.text:]
+    new_ids, new_text = o.token_ids[cur.tokens :], o.text[cur.text :]
     if not (first or finishing or new_ids or new_text):
         return None
     prefix = _prompt_text(ctx, i, out) if first and body.echo else ""
@@ -173,8 +199,9 @@ def _choice(ctx: Ctx, i: int, out: RequestOutput, o: CompletionOutput, cur: Choi
     if ctx.k is not None:
         if first and body.echo:
             cur.offset = len(prefix)
-        logprobs = _logprobs(ctx, new_ids, o.logprobs[cur.tokens:], o.top_logprobs and o.top_logprobs[cur.tokens:],
-                             cur.offset)
+        logprobs = _logprobs(
+            ctx, new_ids, o.logprobs[cur.tokens :], o.top_logprobs and o.top_logprobs[cur.tokens :], cur.offset
+        )
         if first and body.echo:
             logprobs = _concat(_echo_logprobs(ctx, out), logprobs)
         cur.offset += sum(len(ctx.state.token_text(t)) for t in new_ids)
@@ -198,8 +225,9 @@ def _choice(ctx: Ctx, i: int, out: RequestOutput, o: CompletionOutput, cur: Choi
 def _response(ctx: Ctx, finals: list[RequestOutput]) -> dict[str, Any]:
     choices, completion_tokens = [], 0
     for i, out in enumerate(finals):
-        prompt_logprobs = prompt_logprobs_json(ctx.state, out, ctx.body.prompt_logprobs,
-                                               ctx.body.return_tokens_as_token_ids)
+        prompt_logprobs = prompt_logprobs_json(
+            ctx.state, out, ctx.body.prompt_logprobs, ctx.body.return_tokens_as_token_ids
+        )
         for o in sorted(out.outputs, key=lambda o: o.index):
             o = _visible(ctx, o)
             choice = _choice(ctx, i, out, o, ChoiceCursor())
@@ -208,9 +236,15 @@ def _response(ctx: Ctx, finals: list[RequestOutput]) -> dict[str, Any]:
             completion_tokens += len(o.token_ids)
     prompt_tokens = sum(len(out.prompt_token_ids) for out in finals)
     cached = sum(out.num_cached_tokens for out in finals)
-    return {"id": ctx.id, "object": "text_completion", "created": ctx.created, "model": ctx.model,
-            "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached),
-            "kv_transfer_params": finals[0].kv_transfer_params if finals else None}
+    return {
+        "id": ctx.id,
+        "object": "text_completion",
+        "created": ctx.created,
+        "model": ctx.model,
+        "choices": choices,
+        "usage": usage(prompt_tokens, completion_tokens, cached),
+        "kv_transfer_params": finals[0].kv_transfer_params if finals else None,
+    }
 
 
 async def _stream(ctx: Ctx, run: Run) -> AsyncIterator[str]:
@@ -234,5 +268,4 @@ async def _stream(ctx: Ctx, run: Run) -> AsyncIterator[str]:
 def _usage(ctx: Ctx, latest: dict[int, RequestOutput]) -> dict[str, Any]:
     outs = latest.values()
     completion = sum(len(_visible(ctx, o).token_ids) for out in outs for o in out.outputs)
-    return usage(sum(len(out.prompt_token_ids) for out in outs), completion,
-                 sum(out.num_cached_tokens for out in outs))
+    return usage(sum(len(out.prompt_token_ids) for out in outs), completion, sum(out.num_cached_tokens for out in outs))

@@ -11,16 +11,14 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from rlserve.server.openai import responses_store
-
-from rlserve.server.openai import chat
 from rlserve.server.chat_parsing import ParsedMessage
-from rlserve.server.protocol import ResponsesRequest
+from rlserve.server.openai import chat, responses_store
 from rlserve.server.openai.responses_input import to_chat_request
 from rlserve.server.openai.responses_output import Turn, new_id, output_items
 from rlserve.server.openai.responses_stream import stream_events
-from rlserve.server.streaming import ClientGone, SSEResponse, run_to_end, sse_stream, start_stream
+from rlserve.server.protocol import ResponsesRequest
 from rlserve.server.state import ServerState, request_id, rid_header
+from rlserve.server.streaming import ClientGone, SSEResponse, run_to_end, sse_stream, start_stream
 
 router = APIRouter()
 

@@ -11,21 +11,42 @@ from rlserve.server.protocol import ChatCompletionRequest, ResponsesRequest
 
 TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 # Responses-only fields: everything else (sampling knobs, vLLM extras) passes through to chat
-_RESPONSES_ONLY = {"input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
-                   "metadata", "reasoning", "text", "truncation", "previous_response_id",
-                   "replace_developer_role_with_system", "store", "include", "background", "user", "prompt",
-                   "conversation", "top_logprobs"}
+_RESPONSES_ONLY = {
+    "input",
+    "instructions",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "max_output_tokens",
+    "metadata",
+    "reasoning",
+    "text",
+    "truncation",
+    "previous_response_id",
+    "replace_developer_role_with_system",
+    "store",
+    "include",
+    "background",
+    "user",
+    "prompt",
+    "conversation",
+    "top_logprobs",
+}
 _ASSISTANT_SIDE = ("reasoning", "function_call")
 
 
 def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     if body.previous_response_id is not None:
-        raise bad_request("previous_response_id is not supported: this server stores no responses; "
-                          "send the whole conversation in input", "previous_response_id")
+        raise bad_request(
+            "previous_response_id is not supported: this server stores no responses; "
+            "send the whole conversation in input",
+            "previous_response_id",
+        )
     text_format = body.text.format.type if body.text and body.text.format else None
     if text_format not in (None, "text"):
-        raise bad_request(f"text.format {text_format!r} is not supported yet; omit it or send {{\"type\": \"text\"}}",
-                          "text")
+        raise bad_request(
+            f'text.format {text_format!r} is not supported yet; omit it or send {{"type": "text"}}', "text"
+        )
     tools = [_chat_tool(t, i) for i, t in enumerate(body.tools or [])]
     kwargs = dict(body.chat_template_kwargs or {})
     effort = (body.reasoning or {}).get("effort")
@@ -34,10 +55,15 @@ def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     data = {k: v for k, v in body.model_dump().items() if k not in _RESPONSES_ONLY}
     data.update(
         messages=to_messages(body.input, body.instructions, body.replace_developer_role_with_system),
-        tools=tools or None, tool_choice=_tool_choice(body.tool_choice, tools), chat_template_kwargs=kwargs or None,
-        max_tokens=body.max_output_tokens, max_completion_tokens=None, n=1,
+        tools=tools or None,
+        tool_choice=_tool_choice(body.tool_choice, tools),
+        chat_template_kwargs=kwargs or None,
+        max_tokens=body.max_output_tokens,
+        max_completion_tokens=None,
+        n=1,
         # token fields carry logprobs; prompt_token_ids is on the response, so token ids are always kept
-        logprobs=body.return_token_ids, top_logprobs=0,
+        logprobs=body.return_token_ids,
+        top_logprobs=0,
     )
     return ChatCompletionRequest.model_validate(data)
 
@@ -45,8 +71,7 @@ def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
 def _chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
     """Flat `{type, name, description, parameters, strict}` -> `{type: function, function: {...}}`."""
     if tool.get("type") != "function":
-        raise bad_request(f"tools[{i}] has type {tool.get('type')!r}; only function tools are supported",
-                          f"tools.{i}")
+        raise bad_request(f"tools[{i}] has type {tool.get('type')!r}; only function tools are supported", f"tools.{i}")
     if isinstance(tool.get("function"), dict):  # already chat-shaped
         return tool
     if not isinstance(tool.get("name"), str):
@@ -62,8 +87,9 @@ def _tool_choice(choice: str | dict[str, Any], tools: list[dict[str, Any]]) -> s
         return None
     if isinstance(choice, dict):
         if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
-            raise bad_request("tool_choice must be \"none\", \"auto\", \"required\" or "
-                              "{\"type\": \"function\", \"name\": ...}", "tool_choice")
+            raise bad_request(
+                'tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}', "tool_choice"
+            )
         return {"type": "function", "function": {"name": choice["name"]}}
     return choice
 
@@ -86,8 +112,9 @@ class _AssistantTurn:
         return m
 
 
-def to_messages(input: str | list[dict[str, Any]], instructions: str | None,
-                developer_as_system: bool = False) -> list[dict[str, Any]]:
+def to_messages(
+    input: str | list[dict[str, Any]], instructions: str | None, developer_as_system: bool = False
+) -> list[dict[str, Any]]:
     if isinstance(input, str):
         input = [{"role": "user", "content": [{"type": "input_text", "text": input}]}]
     messages: list[dict[str, Any]] = []
@@ -108,12 +135,17 @@ def to_messages(input: str | list[dict[str, Any]], instructions: str | None,
         elif kind == "function_call_output":
             messages.append(_tool_result(item, i))
         else:
-            raise bad_request(f"input[{i}] has type {kind!r}; supported: message, reasoning, function_call, "
-                              "function_call_output", f"input.{i}")
+            raise bad_request(
+                f"input[{i}] has type {kind!r}; supported: message, reasoning, function_call, function_call_output",
+                f"input.{i}",
+            )
         tokens = _token_fields(item, i)
         if tokens and not assistant_side:
-            raise bad_request(f"input[{i}] carries token fields, but only assistant-side items (assistant "
-                              "message, reasoning, function_call) can", f"input.{i}")
+            raise bad_request(
+                f"input[{i}] carries token fields, but only assistant-side items (assistant "
+                "message, reasoning, function_call) can",
+                f"input.{i}",
+            )
         if tokens:
             turn.tokens = tokens  # type: ignore[union-attr]
     if turn is not None:
@@ -134,12 +166,14 @@ def _add_to_turn(turn: _AssistantTurn, kind: str, item: dict[str, Any], i: int) 
         parts = [{"type": "output_text", "text": content}] if isinstance(content, str) else content or []
         for j, part in enumerate(parts):
             if not isinstance(part, dict) or part.get("type") not in ("output_text", "input_text", "text"):
-                raise bad_request(f"input[{i}].content[{j}]: assistant messages take output_text parts",
-                                  f"input.{i}.content")
+                raise bad_request(
+                    f"input[{i}].content[{j}]: assistant messages take output_text parts", f"input.{i}.content"
+                )
             turn.texts.append(part.get("text") or "")
     elif kind == "reasoning":
-        texts = [p.get("text") for p in [*(item.get("summary") or []), *(item.get("content") or [])]
-                 if isinstance(p, dict)]
+        texts = [
+            p.get("text") for p in [*(item.get("summary") or []), *(item.get("content") or [])] if isinstance(p, dict)
+        ]
         first = next((t for t in texts if t), None)
         if turn.reasoning is None and first is not None:  # history content carries no <think>
             turn.reasoning = first
@@ -149,15 +183,15 @@ def _add_to_turn(turn: _AssistantTurn, kind: str, item: dict[str, Any], i: int) 
         arguments = item.get("arguments", "")
         if not isinstance(arguments, str):
             arguments = json.dumps(arguments, ensure_ascii=False)
-        turn.tool_calls.append({"id": item["call_id"], "type": "function",
-                                "function": {"name": item.get("name"), "arguments": arguments}})
+        turn.tool_calls.append(
+            {"id": item["call_id"], "type": "function", "function": {"name": item.get("name"), "arguments": arguments}}
+        )
 
 
 def _input_message(item: dict[str, Any], i: int) -> dict[str, Any]:
     role = item.get("role")
     if role not in ("user", "system", "developer"):
-        raise bad_request(f"input[{i}] has role {role!r}; use user, system, developer or assistant",
-                          f"input.{i}.role")
+        raise bad_request(f"input[{i}] has role {role!r}; use user, system, developer or assistant", f"input.{i}.role")
     content = item.get("content")
     if isinstance(content, str):
         return {"role": role, "content": content}
@@ -167,13 +201,19 @@ def _input_message(item: dict[str, Any], i: int) -> dict[str, Any]:
         if kind in ("input_text", "text"):
             parts.append({"type": "text", "text": part.get("text") or ""})
         elif kind == "input_image":
-            parts.append({"type": "image_url", "image_url": {"url": part.get("image_url"),
-                                                             "detail": part.get("detail") or "auto"}})
+            parts.append(
+                {
+                    "type": "image_url",
+                    "image_url": {"url": part.get("image_url"), "detail": part.get("detail") or "auto"},
+                }
+            )
         elif kind == "input_video":
             parts.append({"type": "video_url", "video_url": {"url": part.get("video_url")}})
         else:
-            raise bad_request(f"input[{i}].content[{j}] has type {kind!r}; use input_text, input_image or "
-                              "input_video", f"input.{i}.content")
+            raise bad_request(
+                f"input[{i}].content[{j}] has type {kind!r}; use input_text, input_image or input_video",
+                f"input.{i}.content",
+            )
     return {"role": role, "content": parts}
 
 
@@ -194,8 +234,10 @@ def _token_fields(item: dict[str, Any], i: int) -> dict[str, Any]:
     present = {k: item[k] for k in TOKEN_FIELDS if item.get(k) is not None}
     if present and len(present) < len(TOKEN_FIELDS):
         missing = ", ".join(k for k in TOKEN_FIELDS if k not in present)
-        raise bad_request(f"input[{i}] carries only some token fields (missing {missing}); send all three "
-                          "as returned, or none", f"input.{i}")
+        raise bad_request(
+            f"input[{i}] carries only some token fields (missing {missing}); send all three as returned, or none",
+            f"input.{i}",
+        )
     return present
 
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlserve.engine.outputs import RequestOutput
-from rlserve.server.openai.chat import Ctx
 from rlserve.server.chat_parsing import ParsedMessage
+from rlserve.server.openai.chat import Ctx
 from rlserve.server.protocol import ResponsesRequest
 from rlserve.server.state import clamp, version_fields
 
@@ -25,13 +25,26 @@ class Turn:
     def envelope(self, status: str = "in_progress") -> dict[str, Any]:
         body = self.body
         return {
-            "id": self.id, "object": "response", "created_at": self.created, "model": self.ctx.model,
-            "status": status, "error": None, "incomplete_details": None, "instructions": body.instructions,
-            "metadata": body.metadata or {}, "parallel_tool_calls": body.parallel_tool_calls,
-            "temperature": body.temperature, "tool_choice": body.tool_choice, "tools": body.tools or [],
-            "top_p": body.top_p, "reasoning": body.reasoning, "text": _text(body),
-            "truncation": body.truncation or "disabled", "max_output_tokens": body.max_output_tokens,
-            "output": [], "usage": None,
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "model": self.ctx.model,
+            "status": status,
+            "error": None,
+            "incomplete_details": None,
+            "instructions": body.instructions,
+            "metadata": body.metadata or {},
+            "parallel_tool_calls": body.parallel_tool_calls,
+            "temperature": body.temperature,
+            "tool_choice": body.tool_choice,
+            "tools": body.tools or [],
+            "top_p": body.top_p,
+            "reasoning": body.reasoning,
+            "text": _text(body),
+            "truncation": body.truncation or "disabled",
+            "max_output_tokens": body.max_output_tokens,
+            "output": [],
+            "usage": None,
         }
 
     def finished(self, items: list[dict[str, Any]], out: RequestOutput | None) -> dict[str, Any]:
@@ -46,8 +59,10 @@ class Turn:
         output_tokens = len(o.token_ids) if o is not None else 0
         reasoning = self.ctx.parser.reasoning_tokens(o.token_ids) if o is not None else 0
         response["usage"] = {
-            "input_tokens": prompt_len, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
-            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning},
+            "input_tokens": prompt_len,
+            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+            "output_tokens": output_tokens,
+            "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": prompt_len + output_tokens,
         }
         if o is not None:
@@ -58,8 +73,11 @@ class Turn:
         if out is None or not self.body.return_token_ids:
             return {}
         o = out.outputs[0]
-        return {"prompt_token_ids": out.prompt_token_ids, "generation_token_ids": o.token_ids,
-                "generation_log_probs": [clamp(lp) for lp in o.logprobs or []]}
+        return {
+            "prompt_token_ids": out.prompt_token_ids,
+            "generation_token_ids": o.token_ids,
+            "generation_log_probs": [clamp(lp) for lp in o.logprobs or []],
+        }
 
 
 def output_items(parsed: ParsedMessage) -> list[dict[str, Any]]:
@@ -92,8 +110,14 @@ def message_item(item_id: str, text: str | None, status: str = "completed") -> d
 
 
 def function_call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
-    return {"type": "function_call", "id": call_id, "call_id": call_id, "name": name, "arguments": arguments,
-            "status": status}
+    return {
+        "type": "function_call",
+        "id": call_id,
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
 
 
 def _text(body) -> dict[str, Any]:

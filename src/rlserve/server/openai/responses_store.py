@@ -35,6 +35,10 @@ def remember(request: Request, body: Any, payload: dict) -> dict:
 async def get_response(response_id: str, request: Request) -> dict:
     payload = _store(request).get(response_id)
     if payload is None:
-        raise APIError(404, f"response {response_id!r} is not stored: only the last {CAPACITY} non-streamed "
-                            "responses created with store not false are kept", param="response_id")
+        raise APIError(
+            404,
+            f"response {response_id!r} is not stored: only the last {CAPACITY} non-streamed "
+            "responses created with store not false are kept",
+            param="response_id",
+        )
     return payload

@@ -62,8 +62,13 @@ class _Output:
         if self.open is None or self.open["type"] != kind:
             if kind == "reasoning":
                 yield from self._open(reasoning_item(new_id("rs"), "", "in_progress"))
-                yield self.event("response.reasoning_summary_part.added", item_id=self.open["id"],
-                                 output_index=self.index, summary_index=0, part={"type": "summary_text", "text": ""})
+                yield self.event(
+                    "response.reasoning_summary_part.added",
+                    item_id=self.open["id"],
+                    output_index=self.index,
+                    summary_index=0,
+                    part={"type": "summary_text", "text": ""},
+                )
             else:
                 yield from self._open(message_item(new_id("msg"), None, "in_progress"))
                 yield self._part_added()
@@ -75,8 +80,13 @@ class _Output:
             yield self.event("response.output_text.delta", **where, content_index=0, delta=text, logprobs=[])
 
     def _part_added(self) -> str:
-        return self.event("response.content_part.added", item_id=self.open["id"], output_index=self.index,
-                          content_index=0, part=output_text(""))
+        return self.event(
+            "response.content_part.added",
+            item_id=self.open["id"],
+            output_index=self.index,
+            content_index=0,
+            part=output_text(""),
+        )
 
     def _tool_call(self, call: dict[str, Any]) -> Iterator[str]:
         fn = call.get("function") or {}
@@ -87,8 +97,12 @@ class _Output:
         item = self.calls[call["index"]]
         if fn.get("arguments"):
             item["arguments"] += fn["arguments"]
-            yield self.event("response.function_call_arguments.delta", item_id=item["id"],
-                             output_index=self.items.index(item), delta=fn["arguments"])
+            yield self.event(
+                "response.function_call_arguments.delta",
+                item_id=item["id"],
+                output_index=self.items.index(item),
+                delta=fn["arguments"],
+            )
 
     def _open(self, item: dict[str, Any]) -> Iterator[str]:
         yield from self._close()
@@ -104,15 +118,20 @@ class _Output:
         if item["type"] == "reasoning":
             item["summary"] = [{"type": "summary_text", "text": self.text}]
             yield self.event("response.reasoning_summary_text.done", **where, summary_index=0, text=self.text)
-            yield self.event("response.reasoning_summary_part.done", **where, summary_index=0,
-                             part={"type": "summary_text", "text": self.text})
+            yield self.event(
+                "response.reasoning_summary_part.done",
+                **where,
+                summary_index=0,
+                part={"type": "summary_text", "text": self.text},
+            )
         elif item["type"] == "message":
             item["content"] = [output_text(self.text)]
             yield self.event("response.output_text.done", **where, content_index=0, text=self.text, logprobs=[])
             yield self.event("response.content_part.done", **where, content_index=0, part=output_text(self.text))
         else:
-            yield self.event("response.function_call_arguments.done", **where, name=item["name"],
-                             arguments=item["arguments"])
+            yield self.event(
+                "response.function_call_arguments.done", **where, name=item["name"], arguments=item["arguments"]
+            )
         item["status"] = "completed"
         self.open = None
         yield self.event("response.output_item.done", output_index=self.index, item=item)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from rlserve.server.openai.chat_template import message_chars, render_chat
-from rlserve.server.limits import check_text_fits
 from rlserve.server.errors import bad_request
+from rlserve.server.limits import check_text_fits
+from rlserve.server.openai.chat_template import message_chars, render_chat
 from rlserve.server.protocol import DetokenizeRequest, TokenizeRequest
 from rlserve.server.state import ServerState
 
@@ -23,8 +23,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
     state.check_model(body.model)
     if body.messages is not None:
         check_text_fits(state, message_chars(body), "messages")
-        ids = await state.off_loop(render_chat, state.tokenizer, body, state.chat_template,
-                                   state.config.server.trust_request_chat_template)
+        ids = await state.off_loop(
+            render_chat, state.tokenizer, body, state.chat_template, state.config.server.trust_request_chat_template
+        )
     elif body.prompt is not None:
         check_text_fits(state, len(body.prompt), "prompt")
         add = True if body.add_special_tokens is None else body.add_special_tokens

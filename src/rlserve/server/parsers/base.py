@@ -21,7 +21,12 @@ import jsonschema
 
 # Machine-readable kinds of CallError.kind (docs/parsers.md).
 INVALID_JSON, UNKNOWN_TOOL, UNCLOSED_CALL, SCHEMA_MISMATCH, INVALID_SYNTAX = (
-    "invalid_json", "unknown_tool", "unclosed_call", "schema_mismatch", "invalid_syntax")
+    "invalid_json",
+    "unknown_tool",
+    "unclosed_call",
+    "schema_mismatch",
+    "invalid_syntax",
+)
 
 
 @dataclass(slots=True)
@@ -136,8 +141,9 @@ class Tools:
         try:
             jsonschema.validate(args, self.schemas[name])
         except jsonschema.ValidationError as e:
-            raise BadCall(SCHEMA_MISMATCH, f"arguments do not match the schema of {name!r}: {e.message}",
-                          name) from None
+            raise BadCall(
+                SCHEMA_MISMATCH, f"arguments do not match the schema of {name!r}: {e.message}", name
+            ) from None
         except jsonschema.SchemaError:
             return  # the tool's own schema is broken: nothing to hold the call against
 
@@ -180,7 +186,7 @@ class CallFormat:
     # -- shared machinery --
 
     def judge(self, text: str, span: Span) -> tuple[list[ToolCall], CallError | None]:
-        raw = text[span.start:span.end]
+        raw = text[span.start : span.end]
         if not span.closed:
             return [], CallError(UNCLOSED_CALL, "the tool call was not closed (cut off or missing end tag)", raw)
         try:
@@ -242,15 +248,15 @@ class FormatStreamer:
                 upto = len(self.text) if final else len(self.text) - held_suffix_len(self.text, self.fmt.START)
                 if not final and (self.fmt.trim_content or not self.text[:upto].strip()):
                     upto = len(self.text[:upto].rstrip())
-                out.content = self.text[self.content_sent:upto]
+                out.content = self.text[self.content_sent : upto]
                 self.content_sent = max(self.content_sent, upto)
                 return out
-            before = self.fmt.content_before(self.text[:self.region])
-            out.content = before[self.content_sent:]
+            before = self.fmt.content_before(self.text[: self.region])
+            out.content = before[self.content_sent :]
         if self.fmt.whole_region and not final:
             return out
         spans = self.fmt.spans(self.text, self.region, final)
-        for span in spans[self.spans_done:]:
+        for span in spans[self.spans_done :]:
             if not span.closed and not final:
                 break
             calls, error = self.fmt.judge(self.text, span)

@@ -75,8 +75,9 @@ def _collect(parser: StreamableParser, tools: Tools | None, final: bool) -> Harm
     if recipient.startswith("functions.") and tools is not None:
         if final:
             name = recipient.removeprefix("functions.")
-            out.errors.append(CallError(UNCLOSED_CALL, "the tool call message was not ended with <|call|>",
-                                        current, name))
+            out.errors.append(
+                CallError(UNCLOSED_CALL, "the tool call message was not ended with <|call|>", current, name)
+            )
             out.content += current
     elif parser.current_channel == "analysis":
         out.reasoning += current
@@ -101,9 +102,9 @@ class HarmonyStreamer:
             if cut >= 0 and ">" not in decided[cut:]:
                 decided = decided[:cut]
         now = parse_harmony(decided, self.tools, final)
-        reasoning, content = now.reasoning[self.sent_reasoning:], now.content[self.sent_content:]
+        reasoning, content = now.reasoning[self.sent_reasoning :], now.content[self.sent_content :]
         self.sent_reasoning, self.sent_content = len(now.reasoning), len(now.content)
-        deltas = call_deltas(self.sent_calls, now.calls[self.sent_calls:])
+        deltas = call_deltas(self.sent_calls, now.calls[self.sent_calls :])
         self.sent_calls = len(now.calls)
         errors = now.errors if final else []  # text cut mid-stream is not yet an error
         return reasoning, content, deltas, errors

@@ -27,7 +27,7 @@ def _calls_from(value: Any, arg_keys: tuple[str, ...] = ("arguments", "parameter
     calls = []
     for obj in value if isinstance(value, list) else [value]:
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            raise BadCall(INVALID_SYNTAX, "a tool call is not a JSON object with a string \"name\"")
+            raise BadCall(INVALID_SYNTAX, 'a tool call is not a JSON object with a string "name"')
         key = next((k for k in arg_keys if k in obj), None)
         args = obj[key] if key is not None else {}
         calls.append((obj["name"], args if isinstance(args, str) else arguments_json(args)))
@@ -132,13 +132,13 @@ class Mistral(CallFormat):
     MARKER = "[TOOL_CALLS]"
 
     def spans(self, text: str, start: int, final: bool) -> list[Span]:
-        if text[start + len(self.MARKER):].lstrip().startswith(("[", "{")):
-            return [Span(start, len(text), text[start + len(self.MARKER):], closed=final)]
+        if text[start + len(self.MARKER) :].lstrip().startswith(("[", "{")):
+            return [Span(start, len(text), text[start + len(self.MARKER) :], closed=final)]
         spans, i = [], start
         while i >= 0:
             j = text.find(self.MARKER, i + len(self.MARKER))
             end = len(text) if j < 0 else j
-            spans.append(Span(i, end, text[i + len(self.MARKER):end], closed=j >= 0 or final))
+            spans.append(Span(i, end, text[i + len(self.MARKER) : end], closed=j >= 0 or final))
             i = j
         return spans
 

@@ -31,21 +31,21 @@ class ThinkTags:
             if not thinking and not self.always_content:
                 end = text.find(self.end)
                 if end >= 0:
-                    return text[:end].replace(self.start, "", 1), text[end + len(self.end):]
+                    return text[:end].replace(self.start, "", 1), text[end + len(self.end) :]
             return "", text
         if not self.start_optional and not text.lstrip().startswith(self.start):
             return "", text.replace(self.end, "", 1)
         s = text.find(self.start)
         end = text.find(self.end)
         if s >= 0 and (end < 0 or s < end):
-            text = text[:s] + text[s + len(self.start):]
+            text = text[:s] + text[s + len(self.start) :]
             end = text.find(self.end)
         if end >= 0:
-            return text[:end], text[end + len(self.end):]
+            return text[:end], text[end + len(self.end) :]
         implicit = [i for m in self.implicit_ends if (i := text.find(m)) >= 0]
         if implicit:
-            reasoning = text[:min(implicit)]
-            return reasoning.rstrip() if self.strip_implicit else reasoning, text[min(implicit):]
+            reasoning = text[: min(implicit)]
+            return reasoning.rstrip() if self.strip_implicit else reasoning, text[min(implicit) :]
         return text, ""
 
     def markers(self) -> tuple[str, ...]:
@@ -60,10 +60,10 @@ class GraniteTags:
     def split(self, text: str, thinking: bool, final: bool = True) -> tuple[str, str]:
         t, r = text.find(self.THOUGHT), text.find(self.RESPONSE)
         if not final and r < 0 and (t == 0 or self.THOUGHT.startswith(text)):
-            return text[len(self.THOUGHT):], ""  # vLLM streams an unfinished thought as reasoning
+            return text[len(self.THOUGHT) :], ""  # vLLM streams an unfinished thought as reasoning
         if t < 0 or r < 0 or r < t:
             return "", text
-        return text[t + len(self.THOUGHT):r], text[r + len(self.RESPONSE):]
+        return text[t + len(self.THOUGHT) : r], text[r + len(self.RESPONSE) :]
 
     def markers(self) -> tuple[str, ...]:
         return (self.THOUGHT, self.RESPONSE)
@@ -104,8 +104,7 @@ def _thinking(parser: str, enable_thinking: bool | None) -> bool:
     return parser != "qwen3" or enable_thinking is not False
 
 
-def extract_reasoning(text: str, *, parser: str, enable_thinking: bool | None = None
-                      ) -> tuple[str | None, str | None]:
+def extract_reasoning(text: str, *, parser: str, enable_thinking: bool | None = None) -> tuple[str | None, str | None]:
     """(reasoning, content) of a finished output; empty parts become None."""
     reasoning, content = _tags(parser, enable_thinking).split(text, _thinking(parser, enable_thinking))
     return reasoning or None, content or None
@@ -129,20 +128,24 @@ class ReasoningStreamer:
         return self._emit(final=True)
 
     def _emit(self, final: bool) -> tuple[str, str]:
-        decided = self._text if final else self._text[:len(self._text) - held_suffix_len(
-            self._text, self._tags.markers())]
+        decided = (
+            self._text if final else self._text[: len(self._text) - held_suffix_len(self._text, self._tags.markers())]
+        )
         if not final and getattr(self._tags, "strip_implicit", False):
             decided = decided.rstrip()
         # granite: a thought already streamed as reasoning stays reasoning (vLLM streams it so too).
-        reasoning, content = self._tags.split(decided, self._thinking, final and not isinstance(self._tags, GraniteTags))
-        r, c = reasoning[self._sent_reasoning:], content[self._sent_content:]
+        reasoning, content = self._tags.split(
+            decided, self._thinking, final and not isinstance(self._tags, GraniteTags)
+        )
+        r, c = reasoning[self._sent_reasoning :], content[self._sent_content :]
         self._sent_reasoning = max(self._sent_reasoning, len(reasoning))
         self._sent_content = max(self._sent_content, len(content))
         return r, c
 
 
-def count_reasoning_tokens(token_ids: Sequence[int], end_token_id: int, *, parser: str,
-                           enable_thinking: bool | None = None) -> int:
+def count_reasoning_tokens(
+    token_ids: Sequence[int], end_token_id: int, *, parser: str, enable_thinking: bool | None = None
+) -> int:
     """Generated tokens up to and including the end-of-reasoning tag (usage.reasoning_tokens)."""
     check_reasoning_parser(parser)
     for n, token_id in enumerate(token_ids, 1):

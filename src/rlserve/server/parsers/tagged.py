@@ -32,9 +32,9 @@ def tag_spans(text: str, start: int, open_: str, close: str) -> list[Span]:
     while i >= 0:
         j = text.find(close, i + len(open_))
         if j < 0:
-            spans.append(Span(i, len(text), text[i + len(open_):], closed=False))
+            spans.append(Span(i, len(text), text[i + len(open_) :], closed=False))
             break
-        spans.append(Span(i, j + len(close), text[i + len(open_):j]))
+        spans.append(Span(i, j + len(close), text[i + len(open_) : j]))
         i = text.find(open_, j + len(close))
     return spans
 
@@ -42,7 +42,7 @@ def tag_spans(text: str, start: int, open_: str, close: str) -> list[Span]:
 def json_call(body: str, arg_keys: tuple[str, ...] = ("arguments",)) -> tuple[str, str]:
     obj = load_json(body.strip(), "the tool call")
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        raise BadCall(INVALID_SYNTAX, "the tool call is not a JSON object with a string \"name\"")
+        raise BadCall(INVALID_SYNTAX, 'the tool call is not a JSON object with a string "name"')
     key = next((k for k in arg_keys if k in obj), None)
     args = obj[key] if key is not None else {}
     return obj["name"], args if isinstance(args, str) else arguments_json(args)
@@ -114,8 +114,9 @@ class Glm45(Tagged):
         name = span.body.split("<arg_key>", 1)[0].strip()
         if not name:
             raise BadCall(INVALID_SYNTAX, "no function name after <tool_call>")
-        args = {k.strip(): typed_value(v, self.tools.param_type(name, k.strip()))
-                for k, v in self.PAIR.findall(span.body)}
+        args = {
+            k.strip(): typed_value(v, self.tools.param_type(name, k.strip())) for k, v in self.PAIR.findall(span.body)
+        }
         return name, arguments_json(args)
 
 
@@ -175,8 +176,10 @@ class MinimaxM2(Tagged):
         calls = []
         for m in self.INVOKE.finditer(span.body):
             name = m.group(1).strip()
-            args = {k.strip(): typed_value(v.strip("\n"), self.tools.param_type(name, k.strip()))
-                    for k, v in self.PARAM.findall(m.group(2))}
+            args = {
+                k.strip(): typed_value(v.strip("\n"), self.tools.param_type(name, k.strip()))
+                for k, v in self.PARAM.findall(m.group(2))
+            }
             calls.append((name, arguments_json(args)))
         if not calls:
             raise BadCall(INVALID_SYNTAX, "no <invoke name=...> in the tool call block")
@@ -190,5 +193,15 @@ class InternLM(Tagged):
         return json_call(span.body, ("parameters", "arguments"))
 
 
-__all__ = ["DeepSeekV3", "DeepSeekV31", "Glm45", "Hermes", "InternLM", "KimiK2", "MinimaxM2", "Qwen3Xml",
-           "SeedOss", "new_call_id"]
+__all__ = [
+    "DeepSeekV3",
+    "DeepSeekV31",
+    "Glm45",
+    "Hermes",
+    "InternLM",
+    "KimiK2",
+    "MinimaxM2",
+    "Qwen3Xml",
+    "SeedOss",
+    "new_call_id",
+]

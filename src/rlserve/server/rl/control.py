@@ -20,10 +20,10 @@ from fastapi.responses import PlainTextResponse, Response
 from rlserve.engine.weights import WeightUpdateError, check_under_roots
 from rlserve.model.lora import AdapterError
 from rlserve.runtime.face import EngineDeadError
-from rlserve.server.rl import vllm_rl
-from rlserve.server.rl import weights as vllm_weights
 from rlserve.server.errors import APIError, bad_request
 from rlserve.server.openapi import documented
+from rlserve.server.rl import vllm_rl
+from rlserve.server.rl import weights as vllm_weights
 from rlserve.server.rl.protocol_control import (
     AbortRequest,
     AbortRequestsRequest,
@@ -36,9 +36,9 @@ from rlserve.server.rl.protocol_control import (
     UpdateWeightsRequest,
     UpdateWeightVersionRequest,
 )
-from rlserve.server.streaming import ClientGone, until_disconnected
-from rlserve.server.state import ServerState, json_body
 from rlserve.server.rl.uploads import capped, write_uploaded_adapter
+from rlserve.server.state import ServerState, json_body
+from rlserve.server.streaming import ClientGone, until_disconnected
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -66,7 +66,8 @@ async def _update_from_dir(request: Request, state: ServerState, weight_dir: str
         return engine.policy_version
     try:
         version = await _unless_abandoned(
-            request, lambda started: state.engine.update_weights_from_dir(str(path), state.config.weight_roots, label, started)
+            request,
+            lambda started: state.engine.update_weights_from_dir(str(path), state.config.weight_roots, label, started),
         )
     except PermissionError as exc:
         raise APIError(403, str(exc), param=field) from None
@@ -162,11 +163,13 @@ async def init_broadcaster(request: Request) -> dict:
     return {"status": "ok"}
 
 
-_PAUSE_QUERY = {"parameters": [
-    {"name": "mode", "in": "query", "required": False, "schema": {"enum": ["keep", "abort", "wait"]}},
-    {"name": "wait_for_inflight_requests", "in": "query", "required": False, "schema": {"type": "boolean"}},
-    {"name": "clear_cache", "in": "query", "required": False, "schema": {"type": "boolean"}},
-]}
+_PAUSE_QUERY = {
+    "parameters": [
+        {"name": "mode", "in": "query", "required": False, "schema": {"enum": ["keep", "abort", "wait"]}},
+        {"name": "wait_for_inflight_requests", "in": "query", "required": False, "schema": {"type": "boolean"}},
+        {"name": "clear_cache", "in": "query", "required": False, "schema": {"type": "boolean"}},
+    ]
+}
 
 
 @router.post("/pause", openapi_extra=_PAUSE_QUERY)
@@ -344,16 +347,24 @@ async def get_world_size(request: Request) -> dict:
 @router.get("/get_model_info")
 async def get_model_info(request: Request) -> dict:
     engine = _state(request).engine
-    return {"model_path": str(engine.model_dir), "tokenizer_path": str(engine.model_dir), "is_generation": True,
-            "weight_version": engine.weight_version, "policy_version": engine.policy_version}
+    return {
+        "model_path": str(engine.model_dir),
+        "tokenizer_path": str(engine.model_dir),
+        "is_generation": True,
+        "weight_version": engine.weight_version,
+        "policy_version": engine.policy_version,
+    }
 
 
 @router.get("/get_weight_version")
 async def get_weight_version(request: Request) -> dict:
     engine = _state(request).engine
     # updating: a weight update holds the update lock (its outcome shows here once it is false again)
-    return {"weight_version": engine.weight_version, "policy_version": engine.policy_version,
-            "updating": engine.updating}
+    return {
+        "weight_version": engine.weight_version,
+        "policy_version": engine.policy_version,
+        "updating": engine.updating,
+    }
 
 
 @router.post("/update_weight_version", openapi_extra=documented(UpdateWeightVersionRequest))

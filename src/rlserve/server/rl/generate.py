@@ -24,9 +24,19 @@ from rlserve.server.rl.protocol_native import (
     TRLGenerateRequest,
     generate_body_model,
 )
-from rlserve.server.staleness import hold_for_policy_version
-from rlserve.server.state import SAMPLING_FIELDS, ServerState, clamp, json_body, prompt_logprobs_json, sampled_first, usage, validated, version_fields
 from rlserve.server.sampling import forced_token_ids, kv_transfer_params, logit_bias
+from rlserve.server.staleness import hold_for_policy_version
+from rlserve.server.state import (
+    SAMPLING_FIELDS,
+    ServerState,
+    clamp,
+    json_body,
+    prompt_logprobs_json,
+    sampled_first,
+    usage,
+    validated,
+    version_fields,
+)
 from rlserve.server.streaming import SSE_DONE, Run, SSEResponse, run_to_end, sse, sse_error, start_stream
 
 router = APIRouter()
@@ -65,11 +75,16 @@ def _logprob_content(comp: CompletionOutput) -> dict | None:
     if comp.logprobs is None:
         return None
     tops = comp.top_logprobs or [{} for _ in comp.token_ids]
-    return {"content": [
-        {"token": f"token_id:{t}", "logprob": clamp(lp),
-         "top_logprobs": [{"token": f"token_id:{i}", "logprob": clamp(v)} for i, v in sampled_first(t, lp, top)]}
-        for t, lp, top in zip(comp.token_ids, comp.logprobs, tops)
-    ]}
+    return {
+        "content": [
+            {
+                "token": f"token_id:{t}",
+                "logprob": clamp(lp),
+                "top_logprobs": [{"token": f"token_id:{i}", "logprob": clamp(v)} for i, v in sampled_first(t, lp, top)],
+            }
+            for t, lp, top in zip(comp.token_ids, comp.logprobs, tops)
+        ]
+    }
 
 
 # ---- vLLM /inference/v1/generate (§2.6) ----------------------------------------------------------
@@ -86,14 +101,25 @@ async def inference_generate(request: Request):
         raise bad_request("sampling_params must be an object", "sampling_params")
     if sp.get("prompt_logprobs") is not None and body.get("stream"):
         raise bad_request("prompt_logprobs is not available with stream=true", "prompt_logprobs")
-    params = make_params(sp, forced_token_ids=forced_token_ids(state, body),
-                         kv_transfer_params=kv_transfer_params(body.get("kv_transfer_params") or sp.get("kv_transfer_params"),
-                                                               sp.get("extra_args")))
+    params = make_params(
+        sp,
+        forced_token_ids=forced_token_ids(state, body),
+        kv_transfer_params=kv_transfer_params(
+            body.get("kv_transfer_params") or sp.get("kv_transfer_params"), sp.get("extra_args")
+        ),
+    )
     experts_start = _routed_experts_start(sp.get("routed_experts_prompt_start"))
     rid = request.headers.get("x-request-id") or body.get("request_id") or uuid.uuid4().hex
     as_ids = bool(sp.get("return_tokens_as_token_ids") or body.get("return_tokens_as_token_ids"))
-    run = Run(state, [prompt], params, rid, body.get("cache_salt"), adapter=state.adapter_for(body.get("model")),
-              stream=bool(body.get("stream")))
+    run = Run(
+        state,
+        [prompt],
+        params,
+        rid,
+        body.get("cache_salt"),
+        adapter=state.adapter_for(body.get("model")),
+        stream=bool(body.get("stream")),
+    )
     if body.get("stream"):
         await start_stream(request, run)
         return SSEResponse(_generate_stream(state, run, rid))
@@ -101,9 +127,15 @@ async def inference_generate(request: Request):
     return {
         "request_id": rid,
         "choices": [
-            {"index": c.index, "token_ids": c.token_ids, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-             "logprobs": _logprob_content(c), "routed_experts": _routed_experts(c, experts_start),
-             **version_fields(state, c)}
+            {
+                "index": c.index,
+                "token_ids": c.token_ids,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+                "logprobs": _logprob_content(c),
+                "routed_experts": _routed_experts(c, experts_start),
+                **version_fields(state, c),
+            }
             for c in out.outputs
         ],
         "prompt_logprobs": prompt_logprobs_json(state, out, params.prompt_logprobs, as_ids),
@@ -116,7 +148,9 @@ def _routed_experts_start(value: Any) -> int:
     if value is None:
         return 0
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise bad_request(f"routed_experts_prompt_start must be an integer >= 0, got {value!r}", "routed_experts_prompt_start")
+        raise bad_request(
+            f"routed_experts_prompt_start must be an integer >= 0, got {value!r}", "routed_experts_prompt_start"
+        )
     return value
 
 
@@ -141,10 +175,19 @@ async def _generate_stream(state: ServerState, run: Run, rid: str):
                 if start == len(c.token_ids) and not c.finished:
                     continue
                 sent[c.index] = len(c.token_ids)
-                delta = CompletionOutput(c.index, c.token_ids[start:], "", c.logprobs[start:] if c.logprobs is not None else None,
-                                         c.top_logprobs[start:] if c.top_logprobs is not None else None)
-                choice = {"index": c.index, "token_ids": delta.token_ids, "logprobs": _logprob_content(delta),
-                          "finish_reason": c.finish_reason}
+                delta = CompletionOutput(
+                    c.index,
+                    c.token_ids[start:],
+                    "",
+                    c.logprobs[start:] if c.logprobs is not None else None,
+                    c.top_logprobs[start:] if c.top_logprobs is not None else None,
+                )
+                choice = {
+                    "index": c.index,
+                    "token_ids": delta.token_ids,
+                    "logprobs": _logprob_content(delta),
+                    "finish_reason": c.finish_reason,
+                }
                 chunk: dict[str, Any] = {"request_id": rid, "choices": [choice]}
                 if c.finished:
                     choice.update(version_fields(state, c))
@@ -212,13 +255,23 @@ async def _mlx_generate(request: Request, state: ServerState, body: dict):
     results = []
     for out in outs:
         for c in out.outputs:
-            results.append({
-                "request_id": rid, "policy_version": c.policy_version if c.policy_version is not None else current,
-                "step_id": body.get("step_id"), "prompt_ids": out.prompt_token_ids, "completion_ids": c.token_ids,
-                "text": c.text, "logprobs": [clamp(x) for x in c.logprobs or []], "finish_reason": c.finish_reason,
-                "metadata": {"batch_size": batch_size, "latency_ms": round(latency, 3),
-                             "current_policy_version": current},
-            })
+            results.append(
+                {
+                    "request_id": rid,
+                    "policy_version": c.policy_version if c.policy_version is not None else current,
+                    "step_id": body.get("step_id"),
+                    "prompt_ids": out.prompt_token_ids,
+                    "completion_ids": c.token_ids,
+                    "text": c.text,
+                    "logprobs": [clamp(x) for x in c.logprobs or []],
+                    "finish_reason": c.finish_reason,
+                    "metadata": {
+                        "batch_size": batch_size,
+                        "latency_ms": round(latency, 3),
+                        "current_policy_version": current,
+                    },
+                }
+            )
     if len(results) == 1 and not isinstance(body["prompt"], list):
         return results[0]
     for i, r in enumerate(results):
@@ -235,7 +288,10 @@ async def _trl_generate(request: Request, state: ServerState, body: dict):
     params = make_params(fields, logprobs=k)
     outs = await _run_all(request, state, prompts, params, uuid.uuid4().hex)
     completions = [c for out in outs for c in out.outputs]
-    result: dict[str, Any] = {"prompt_ids": [o.prompt_token_ids for o in outs], "completion_ids": [c.token_ids for c in completions]}
+    result: dict[str, Any] = {
+        "prompt_ids": [o.prompt_token_ids for o in outs],
+        "completion_ids": [c.token_ids for c in completions],
+    }
     if k is None:
         result |= {"logprobs": None, "logprob_token_ids": None}
         return result
@@ -256,17 +312,24 @@ async def _trl_generate(request: Request, state: ServerState, body: dict):
 async def _sglang_generate(request: Request, state: ServerState, body: dict):
     if body.get("stream"):
         raise bad_request("streaming on SGLang's /generate is not supported; use /inference/v1/generate", "stream")
-    single = not (isinstance(body.get("input_ids"), list) and body["input_ids"] and isinstance(body["input_ids"][0], list))
+    single = not (
+        isinstance(body.get("input_ids"), list) and body["input_ids"] and isinstance(body["input_ids"][0], list)
+    )
     source = body.get("input_ids") if body.get("input_ids") is not None else body.get("text")
-    prompts = await state.off_loop(_prompt_list, state, source, "input_ids" if body.get("input_ids") is not None else "text")
+    prompts = await state.off_loop(
+        _prompt_list, state, source, "input_ids" if body.get("input_ids") is not None else "text"
+    )
     sp = dict(body.get("sampling_params") or {})
     sp["max_tokens"] = sp.pop("max_new_tokens", 128)
     want_lp = bool(body.get("return_logprob"))
     want_experts = bool(body.get("return_routed_experts"))
     if want_experts and not state.config.enable_return_routed_experts:
-        raise bad_request("return_routed_experts needs a server started with --enable_return_routed_experts",
-                          "return_routed_experts")
-    experts_start = _routed_experts_start(body.get("routed_experts_prompt_start", sp.pop("routed_experts_prompt_start", None)))
+        raise bad_request(
+            "return_routed_experts needs a server started with --enable_return_routed_experts", "return_routed_experts"
+        )
+    experts_start = _routed_experts_start(
+        body.get("routed_experts_prompt_start", sp.pop("routed_experts_prompt_start", None))
+    )
     params = make_params(sp, logprobs=int(body.get("top_logprobs_num") or 0) if want_lp else None)
     rid = body.get("rid") or uuid.uuid4().hex
     lora = body.get("lora_path")
@@ -277,11 +340,17 @@ async def _sglang_generate(request: Request, state: ServerState, body: dict):
         for c in out.outputs:
             matched = c.stop_reason
             meta = {
-                "id": rid, "finish_reason": {"type": c.finish_reason, "matched": matched},
-                "prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(c.token_ids),
-                "cached_tokens": out.num_cached_tokens, **version_fields(state, c),
-                "output_token_logprobs": [[clamp(lp), t, None] for t, lp in zip(c.token_ids, c.logprobs)] if want_lp else None,
-                "input_token_logprobs": None, "output_top_logprobs": None,
+                "id": rid,
+                "finish_reason": {"type": c.finish_reason, "matched": matched},
+                "prompt_tokens": len(out.prompt_token_ids),
+                "completion_tokens": len(c.token_ids),
+                "cached_tokens": out.num_cached_tokens,
+                **version_fields(state, c),
+                "output_token_logprobs": [[clamp(lp), t, None] for t, lp in zip(c.token_ids, c.logprobs)]
+                if want_lp
+                else None,
+                "input_token_logprobs": None,
+                "output_top_logprobs": None,
             }
             if want_experts:
                 meta["routed_experts"] = _routed_experts(c, experts_start)

@@ -30,8 +30,10 @@ router = APIRouter()
 
 
 def _ids(state: ServerState, value: Any, field: str, allow_empty: bool = False) -> list[int]:
-    if not isinstance(value, list) or (not value and not allow_empty) or not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value
+    if (
+        not isinstance(value, list)
+        or (not value and not allow_empty)
+        or not all(isinstance(t, int) and not isinstance(t, bool) for t in value)
     ):
         raise bad_request(f"{field} must be a non-empty list of token ids", field)
     state.check_token_ids(value, field)
@@ -39,8 +41,10 @@ def _ids(state: ServerState, value: Any, field: str, allow_empty: bool = False) 
 
 
 def _logprobs(value: Any, count: int) -> list[float]:
-    if not isinstance(value, list) or len(value) != count or not all(
-        isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
+    if (
+        not isinstance(value, list)
+        or len(value) != count
+        or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
     ):
         raise bad_request(f"logprobs must be a list of {count} numbers, one per completion token", "logprobs")
     return [float(v) for v in value]
@@ -73,7 +77,9 @@ async def rescore(request: Request):
     generated = _logprobs(body.get("logprobs"), len(completion))
     version = body.get("policy_version")
     if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
-        raise bad_request("policy_version must be an integer (the version that produced the sequence)", "policy_version")
+        raise bad_request(
+            "policy_version must be an integer (the version that produced the sequence)", "policy_version"
+        )
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
     run = Run(state, [prompt + completion], params, f"rescore-{uuid.uuid4().hex}", body.get("cache_salt"),
               adapter=state.adapter_for(body.get("model")), stream=False)  # fmt: skip
@@ -88,7 +94,11 @@ async def rescore(request: Request):
     start = len(prompt)
     rescored = [out.prompt_logprobs[start + i][t] for i, t in enumerate(completion)]
     invariant = bool(state.config.engine.batch_invariant)
-    report = {"policy_version": scored_version, "batch_invariant": invariant, **compare(completion, generated, rescored)}
+    report = {
+        "policy_version": scored_version,
+        "batch_invariant": invariant,
+        **compare(completion, generated, rescored),
+    }
     if invariant and not report["bitwise_equal"]:
         error = APIError(409, f"{report['num_mismatches']} of {len(completion)} logprobs differ from the re-score "
                          "under engine.batch_invariant (max abs diff "

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from fastapi import Request
 
-from rlserve.model.shape import ModelShape
 from rlserve.model.mlx_adapter import convert_mlx_adapter
+from rlserve.model.shape import ModelShape
 from rlserve.server.errors import APIError, bad_request
 
 
@@ -25,8 +25,9 @@ def write_uploaded_adapter(weights: bytes, config: bytes, target: Path, shape: M
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise bad_request(f"invalid adapter upload: {exc}", "adapter_weights") from None
     except Exception as exc:  # safetensors' own errors for a malformed file
-        raise bad_request(f"invalid adapter upload: adapter_weights is not a safetensors file ({exc})",
-                          "adapter_weights") from None
+        raise bad_request(
+            f"invalid adapter upload: adapter_weights is not a safetensors file ({exc})", "adapter_weights"
+        ) from None
 
 
 def capped(request: Request, cap: int) -> Request:

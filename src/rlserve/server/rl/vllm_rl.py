@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from fastapi import APIRouter, Request
 
-from rlserve.runtime.face import EngineDeadError
 from rlserve.engine.weights import WeightUpdateError
+from rlserve.runtime.face import EngineDeadError
 from rlserve.server.errors import APIError, bad_request
 from rlserve.server.state import ServerState, json_body
 
@@ -70,16 +70,30 @@ def packed_fields(info: dict, field: str) -> tuple[bool | None, int | None]:
     return packed, size
 
 
-async def init(state: ServerState, host: str, port: int, rank: int, world: int, timeout: float,
-               packed: tuple[bool | None, int | None]) -> None:
+async def init(
+    state: ServerState,
+    host: str,
+    port: int,
+    rank: int,
+    world: int,
+    timeout: float,
+    packed: tuple[bool | None, int | None],
+) -> None:
     engines = _engines(state)
     if rank + len(engines) > world:
-        raise bad_request(f"world_size {world} leaves no rank for {len(engines)} engine(s) from rank_offset {rank}: "
-                          f"this server has {len(engines)} receiving engine(s) (GET /get_world_size)", "init_info")
+        raise bad_request(
+            f"world_size {world} leaves no rank for {len(engines)} engine(s) from rank_offset {rank}: "
+            f"this server has {len(engines)} receiving engine(s) (GET /get_world_size)",
+            "init_info",
+        )
     try:
         # each data-parallel engine is its own member of the trainer's group, at consecutive ranks
-        await _answer(state, asyncio.gather(*(e.control("vllm_init", host, port, rank + i, world, timeout, *packed)
-                                       for i, e in enumerate(engines))))
+        await _answer(
+            state,
+            asyncio.gather(
+                *(e.control("vllm_init", host, port, rank + i, world, timeout, *packed) for i, e in enumerate(engines))
+            ),
+        )
     except APIError as exc:
         if exc.status == 504:  # the members that did join leave again
             await asyncio.gather(*(e.control("vllm_shutdown") for e in engines), return_exceptions=True)
@@ -88,21 +102,30 @@ async def init(state: ServerState, host: str, port: int, rank: int, world: int, 
 
 def _update_info(info: dict) -> tuple[list[str], list[str], list[list[int]], dict[str, str] | None]:
     names, dtype_names, shapes = info.get("names"), info.get("dtype_names"), info.get("shapes")
-    if not (isinstance(names, list) and isinstance(dtype_names, list) and isinstance(shapes, list)
-            and len(names) == len(dtype_names) == len(shapes) and names):
-        raise bad_request("update_info needs names, dtype_names and shapes: lists of one equal, non-zero length",
-                          "update_info")
+    if not (
+        isinstance(names, list)
+        and isinstance(dtype_names, list)
+        and isinstance(shapes, list)
+        and len(names) == len(dtype_names) == len(shapes)
+        and names
+    ):
+        raise bad_request(
+            "update_info needs names, dtype_names and shapes: lists of one equal, non-zero length", "update_info"
+        )
     for name, d, shape in zip(names, dtype_names, shapes):
         dtype = getattr(torch, str(d).removeprefix("torch."), None)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise bad_request(f"{name}: dtype {d!r} cannot carry weights; use float32, bfloat16 or float16",
-                              "update_info")
-        if not (isinstance(shape, list) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
-                                                for n in shape)):
+            raise bad_request(
+                f"{name}: dtype {d!r} cannot carry weights; use float32, bfloat16 or float16", "update_info"
+            )
+        if not (
+            isinstance(shape, list) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)
+        ):
             raise bad_request(f"{name}: shape must be a list of non-negative integers, got {shape!r}", "update_info")
     checksums = info.get("checksums")
-    if checksums is not None and not (isinstance(checksums, dict)
-                                      and all(isinstance(v, str) for v in checksums.values())):
+    if checksums is not None and not (
+        isinstance(checksums, dict) and all(isinstance(v, str) for v in checksums.values())
+    ):
         raise bad_request("update_info.checksums must map tensor names to sha256 hex digests", "update_info")
     return [str(n) for n in names], [str(d) for d in dtype_names], shapes, checksums
 
@@ -129,8 +152,9 @@ async def weight_info(request: Request) -> dict:
     out = {"weight_version": state.engine.weight_version, "policy_version": state.engine.policy_version}
     if request.query_params.get("checksums", "false").lower() == "true":
         if not in_process(state):
-            raise APIError(400, "checksums need the engine in its own process (the default engine.core_process)",
-                           param="checksums")
+            raise APIError(
+                400, "checksums need the engine in its own process (the default engine.core_process)", param="checksums"
+            )
         out["checksums"] = await _checksums(state)
     return out
 
@@ -151,8 +175,9 @@ async def weight_checker(request: Request) -> dict:
     if action not in ("checksum", "reset", "compare"):
         raise bad_request(f"action must be checksum, reset or compare, got {action!r}", "action")
     if not in_process(state):
-        raise APIError(400, "weight_checker needs the engine in its own process (the default engine.core_process)",
-                       param="action")
+        raise APIError(
+            400, "weight_checker needs the engine in its own process (the default engine.core_process)", param="action"
+        )
     if action == "reset":
         await on_engines(state, "vllm_reset_weights")
         return {"status": "reset"}
@@ -245,8 +270,9 @@ async def collective_rpc(request: Request) -> dict:
     state, body = request.app.state.rlserve, await json_body(request)
     method = body.get("method")
     if method not in RPC_METHODS:
-        raise bad_request(f"method {method!r} is not allowed; collective_rpc runs only: {', '.join(RPC_METHODS)}",
-                          "method")
+        raise bad_request(
+            f"method {method!r} is not allowed; collective_rpc runs only: {', '.join(RPC_METHODS)}", "method"
+        )
     if body.get("args") or body.get("kwargs"):
         raise bad_request(f"{method} takes no args or kwargs", "args")
     engines = _engines(state)
@@ -257,8 +283,9 @@ async def collective_rpc(request: Request) -> dict:
     if method == "reset_prefix_cache":
         return {"results": [bool(await state.engine.reset_prefix_cache())] * len(engines)}
     if not in_process(state):
-        raise APIError(400, f"{method} needs the engine in its own process (the default engine.core_process)",
-                       param="method")
+        raise APIError(
+            400, f"{method} needs the engine in its own process (the default engine.core_process)", param="method"
+        )
     if method == "reset_weights":
         await on_engines(state, "vllm_reset_weights")
         return {"results": [None] * len(engines)}

@@ -19,8 +19,8 @@ from fastapi import APIRouter, Request
 
 from rlserve import weight_transfer
 from rlserve.engine.weights import StagedWeights, WeightUpdateError, stage
-from rlserve.server.rl import vllm_rl
 from rlserve.server.errors import APIError, bad_request
+from rlserve.server.rl import vllm_rl
 from rlserve.server.state import ServerState, json_body
 
 router = APIRouter()
@@ -52,9 +52,12 @@ def _local_engine(state: ServerState):
     """The in-thread engine: vLLM's transfer receives into this process, so it needs the engine here."""
     engine = getattr(state.engine, "engine", None)
     if engine is None:
-        raise APIError(400, "vLLM's update_info weight transfer needs the in-thread engine: start the server with "
-                            "--engine.core_process false, or push weights with /init_broadcaster and WeightBroadcaster",
-                       param="update_info")
+        raise APIError(
+            400,
+            "vLLM's update_info weight transfer needs the in-thread engine: start the server with "
+            "--engine.core_process false, or push weights with /init_broadcaster and WeightBroadcaster",
+            param="update_info",
+        )
     return engine
 
 
@@ -69,13 +72,23 @@ def _backend(state: ServerState) -> str:
 async def server_info(request: Request) -> dict:
     """The subset of vLLM's resolved config that clients read (TRL: weight_transfer_config)."""
     state = _state(request)
-    return {"vllm_config": {
-        "model_config": {"model": state.served_model_name, "max_model_len": state.max_model_len,
-                         "dtype": str(getattr(getattr(state.engine, "engine", None), "dtype", state.config.model.dtype)).removeprefix("torch.")},
-        "parallel_config": {"tensor_parallel_size": state.config.parallel.tp, "pipeline_parallel_size": 1,
-                            "data_parallel_size": state.config.parallel.dp},
-        "weight_transfer_config": {"backend": _backend(state), "rendezvous": "torch.distributed"},
-    }}
+    return {
+        "vllm_config": {
+            "model_config": {
+                "model": state.served_model_name,
+                "max_model_len": state.max_model_len,
+                "dtype": str(
+                    getattr(getattr(state.engine, "engine", None), "dtype", state.config.model.dtype)
+                ).removeprefix("torch."),
+            },
+            "parallel_config": {
+                "tensor_parallel_size": state.config.parallel.tp,
+                "pipeline_parallel_size": 1,
+                "data_parallel_size": state.config.parallel.dp,
+            },
+            "weight_transfer_config": {"backend": _backend(state), "rendezvous": "torch.distributed"},
+        }
+    }
 
 
 @router.post("/init_weight_transfer_engine")
@@ -84,8 +97,10 @@ async def init_weight_transfer_engine(request: Request) -> dict:
     body, transfer = await json_body(request), _transfer(request)
     info = body.get("init_info")
     if not isinstance(info, dict):
-        raise bad_request("init_weight_transfer_engine needs init_info {master_address, master_port, rank_offset, "
-                          "world_size}", "init_info")
+        raise bad_request(
+            "init_weight_transfer_engine needs init_info {master_address, master_port, rank_offset, world_size}",
+            "init_info",
+        )
     missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size") if k not in info]
     if missing:
         raise bad_request(f"init_info is missing {', '.join(missing)}", "init_info")
@@ -96,8 +111,7 @@ async def init_weight_transfer_engine(request: Request) -> dict:
     except (TypeError, ValueError) as exc:
         raise bad_request(f"init_info has a field of the wrong type: {exc}", "init_info") from None
     if not 0 < rank < world:
-        raise bad_request(f"rank_offset {rank} must lie in [1, world_size {world}): the trainer is rank 0",
-                          "init_info")
+        raise bad_request(f"rank_offset {rank} must lie in [1, world_size {world}): the trainer is rank 0", "init_info")
     if vllm_rl.in_process(state := _state(request)):
         await vllm_rl.init(state, host, port, rank, world, timeout, vllm_rl.packed_fields(info, "init_info"))
         return {"message": "Weight transfer initialized"}
@@ -132,10 +146,16 @@ async def receive_update(request: Request, info: dict, label: str | None) -> dic
     if not transfer.joined:
         raise APIError(409, "no weight-transfer group: call /init_weight_transfer_engine first")
     names, dtype_names, shapes = info.get("names"), info.get("dtype_names"), info.get("shapes")
-    if not (isinstance(names, list) and isinstance(dtype_names, list) and isinstance(shapes, list)
-            and len(names) == len(dtype_names) == len(shapes) and names):
-        raise bad_request("update_info needs names, dtype_names and shapes: lists of one equal, non-zero length",
-                          "update_info")
+    if not (
+        isinstance(names, list)
+        and isinstance(dtype_names, list)
+        and isinstance(shapes, list)
+        and len(names) == len(dtype_names) == len(shapes)
+        and names
+    ):
+        raise bad_request(
+            "update_info needs names, dtype_names and shapes: lists of one equal, non-zero length", "update_info"
+        )
     dtypes = []
     for d in dtype_names:
         dtype = getattr(torch, str(d).removeprefix("torch."), None)
@@ -148,8 +168,15 @@ async def receive_update(request: Request, info: dict, label: str | None) -> dic
     device = "cuda" if _local_engine(state).device.type == "cuda" else "cpu"
     async with transfer.lock:
         # receive everything first so the group stays in step with the trainer, then validate
-        received = await asyncio.to_thread(weight_transfer.receive_vllm, [str(n) for n in names], dtypes,
-                                           [list(s) for s in shapes], packed, buffer_bytes, device)
+        received = await asyncio.to_thread(
+            weight_transfer.receive_vllm,
+            [str(n) for n in names],
+            dtypes,
+            [list(s) for s in shapes],
+            packed,
+            buffer_bytes,
+            device,
+        )
         try:
             staged = stage(_local_engine(state).model, received, "update_info", require_all=False)
         except WeightUpdateError as exc:
