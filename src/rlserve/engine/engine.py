@@ -34,6 +34,7 @@ from rlserve.engine.sampler import Sampler, sampling_row
 from rlserve.engine.scheduler import Scheduler
 from rlserve.engine.sequence import Request, Sequence, Status
 from rlserve.engine.stats import EngineStats, engine_stats
+from rlserve.engine.stopping import finish_reason, prompt_ids
 from rlserve.engine.structured import DEAD_END, StructuredOutputs
 from rlserve.engine.tp.comm import device_of_rank
 from rlserve.engine.tp.leader import TensorParallelLeader
@@ -207,7 +208,7 @@ class Engine:
         """Everything that can fail for the caller, without touching engine state (any thread)."""
         params = params or SamplingParams()
         params.validate()
-        ids = self._prompt_ids(prompt)
+        ids = prompt_ids(prompt, self.tokenizer, self.vocab_size)
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(ids)} tokens; this model's maximum context length is {self.max_model_len} "
@@ -469,29 +470,13 @@ class Engine:
             req.forked = True
 
     def _check_finish(self, seq: Sequence, token: int) -> None:
-        p = seq.params
-        n_out = seq.num_output_tokens
-        reason = stop_reason = None
-        if seq.detected is not None:  # this token is the EOS forced after the detection
-            reason, stop_reason = "stop", seq.detected
-        elif token in p.stop_token_ids and n_out > p.min_tokens - 1:
-            reason, stop_reason = "stop", token
-        elif token in self.eos_token_ids and not p.ignore_eos and n_out >= p.min_tokens:
-            reason = "stop"
-        if seq.detok is not None and reason is None:
-            matched = seq.detok.feed(token)
-            if matched is not None and n_out >= p.min_tokens:
-                reason, stop_reason = "stop", matched
-        elif seq.detok is not None and p.include_stop_str_in_output and stop_reason is not None:
-            seq.detok.feed(token)
-        if reason is None and (n_out >= seq.request.max_tokens or len(seq.token_ids) >= self.max_model_len):
-            reason = "length"
+        reason, stop_reason = finish_reason(seq, token, self.eos_token_ids, self.max_model_len)
         if reason is not None:
             seq.finish_reason, seq.stop_reason = reason, stop_reason
             if seq.detok is not None:
                 seq.detok.flush()
             self._capture_routing(seq)
-            kt = p.kv_transfer_params
+            kt = seq.params.kv_transfer_params
             if self.kv_transfer is not None and kt and kt.get("do_remote_decode") and reason != "abort":
                 self.kv_transfer.pin(seq)
             self.scheduler.finish(seq)
@@ -507,18 +492,6 @@ class Engine:
             reqs.remove(req)
             if not reqs:
                 del self.requests[req.request_id]
-
-    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty: send at least one character or token id")
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
-        if not isinstance(prompt, list) or not prompt:
-            raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
-        for t in prompt:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
-                raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
-        return list(prompt)
 
     def _cache_key(self, req: Request) -> bytes:
         return extra_key(
