@@ -13,7 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import start_server, stop_server
 from rlserve.model.make import make_model
-from test_engine_process import HANG_GUARD_S, engine_pids, linux_only
+from rlserve.server.engine_death import ENGINE_DIED_EXIT_CODE
+from test_engine_process import HANG_GUARD_S, engine_pids, gone, linux_only, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -97,15 +98,24 @@ def test_admin_operations_reach_every_engine(dp_server, root):
 
 
 @linux_only
-def test_one_dead_engine_turns_health_503():
+def test_one_dead_engine_turns_health_503_and_the_server_exits_3():
+    """One dead engine of two: /health answers 503 for as long as the server still listens, then the
+    server stops with ENGINE_DIED_EXIT_CODE so its supervisor starts a whole replica (docs/faults.md)."""
     url, proc = start_server("--parallel.dp", "2")
     try:
         first, second = engine_pids(proc)
         assert httpx.get(f"{url}/health").status_code == 200
         os.kill(second, signal.SIGKILL)
         deadline = time.monotonic() + HANG_GUARD_S
-        while httpx.get(f"{url}/health").status_code != 503:
-            assert time.monotonic() < deadline, "hang guard: /health never turned 503"
+        while proc.poll() is None:
+            try:
+                status = httpx.get(f"{url}/health", timeout=HANG_GUARD_S).status_code
+            except httpx.TransportError:
+                break  # the listening socket closed: the server is on its way out
+            assert status in (200, 503), status
+            assert time.monotonic() < deadline, "hang guard: the server never stopped"
             time.sleep(0.05)
+        assert proc.wait(timeout=HANG_GUARD_S) == ENGINE_DIED_EXIT_CODE
+        wait_until(lambda: gone(first), "the surviving engine stops with the server")
     finally:
         stop_server(proc)
