@@ -15,24 +15,16 @@ from safetensors import safe_open
 
 from rlserve.model import moe
 from rlserve.model.llama import CausalLM
+from rlserve.model.names import PROJECTIONS, dims, fused_slice
 from rlserve.model.shape import ModelShape
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-# HF suffix -> (our suffix, index of the slice inside the fused tensor)
-_FUSED = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", 1),
-}
+_PROJECTION_BY_HF = {p.hf: p for p in PROJECTIONS.values()}
 _RENAMED = {
     "input_layernorm.weight": "input_layernorm",
     "post_attention_layernorm.weight": "post_attention_layernorm",
     "self_attn.q_norm.weight": "self_attn.q_norm",
     "self_attn.k_norm.weight": "self_attn.k_norm",
-    "self_attn.o_proj.weight": "self_attn.o_proj.weight",
-    "mlp.down_proj.weight": "mlp.down_proj.weight",
 }
 
 
@@ -161,34 +153,22 @@ def read_safetensors_whole(files: Iterable[Path], buffer=None) -> Iterator[tuple
 def checkpoint_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
     """Every tensor a full HF checkpoint of this model holds, with its shape."""
     h, hd = shape.hidden_size, shape.head_dim
-    q, kv = shape.num_heads * hd, shape.num_kv_heads * hd
+    sizes = dims(shape)
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (shape.vocab_size, h), "model.norm.weight": (h,)}
     if not shape.tie_word_embeddings:
         out["lm_head.weight"] = (shape.vocab_size, h)
     for i in range(shape.num_layers):
         p = f"model.layers.{i}."
-        out |= {
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q),
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-        }
-        if shape.moe is not None and i in shape.moe.sparse_layers:
+        sparse = shape.moe is not None and i in shape.moe.sparse_layers
+        out |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+        for proj in PROJECTIONS.values():
+            if not (sparse and proj.block == "mlp"):
+                features_in, features_out = sizes[proj.name]
+                out[f"{p}{proj.hf}.weight"] = (features_out, features_in)
+        if sparse:
             out |= moe.checkpoint_shapes(shape.moe, h, i)
-        else:
-            out |= {
-                p + "mlp.gate_proj.weight": (shape.intermediate_size, h),
-                p + "mlp.up_proj.weight": (shape.intermediate_size, h),
-                p + "mlp.down_proj.weight": (h, shape.intermediate_size),
-            }
         if shape.qkv_bias:
-            out |= {
-                p + "self_attn.q_proj.bias": (q,),
-                p + "self_attn.k_proj.bias": (kv,),
-                p + "self_attn.v_proj.bias": (kv,),
-            }
+            out |= {f"{p}self_attn.{n}.bias": (sizes[n][1],) for n in ("q_proj", "k_proj", "v_proj")}
         if shape.qk_norm:
             out |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
     return out
@@ -223,25 +203,16 @@ def target_of(model: CausalLM, params: dict[str, torch.Tensor], hf_name: str) ->
             raise KeyError(hf_name)
         return target
     module, kind = suffix.rsplit(".", 1)
-    if module in _FUSED:
-        fused, part = _FUSED[module]
-        tensor = params[f"layers.{layer}.{fused}.{kind}"]
-        sizes = _fused_sizes(model.shape, fused)
-        start = sum(sizes[:part])
-        return tensor.narrow(0, start, sizes[part])
+    projection = _PROJECTION_BY_HF.get(module)
+    if projection is not None:
+        fused = params.get(f"layers.{layer}.{projection.ours}.{kind}")
+        if fused is None:
+            raise KeyError(hf_name)
+        start, size = fused_slice(model.shape, projection.name)
+        return fused.narrow(0, start, size)
     if suffix in _RENAMED:
         return params[f"layers.{layer}.{_RENAMED[suffix]}"]
     raise KeyError(hf_name)
-
-
-def _fused_sizes(shape: ModelShape, fused: str) -> list[int]:
-    if fused == "self_attn.qkv_proj":
-        return [
-            shape.num_heads * shape.head_dim,
-            shape.num_kv_heads * shape.head_dim,
-            shape.num_kv_heads * shape.head_dim,
-        ]
-    return [shape.intermediate_size, shape.intermediate_size]
 
 
 def ignorable(name: str, shape: ModelShape) -> bool:

@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load
 
 from rlserve.model.loader import checked_file, read_regular
-from rlserve.model.lora_targets import MODULES, AdapterError
+from rlserve.model.lora_targets import AdapterError
+from rlserve.model.names import PROJECTIONS, dims, fused_slice
 from rlserve.model.shape import ModelShape
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -55,24 +56,6 @@ class LoraAdapter:
     rank: int
     # (layer, PEFT module) -> (A [r, in], B [out, r] with the scaling folded in)
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
-
-
-def module_dims(shape: ModelShape) -> dict[str, tuple[int, int]]:
-    h, hd, i = shape.hidden_size, shape.head_dim, shape.intermediate_size
-    q, kv = shape.num_heads * hd, shape.num_kv_heads * hd
-    return {
-        "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-        "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
-    }  # fmt: skip
-
-
-def slice_of(shape: ModelShape, module: str) -> tuple[int, int]:
-    """(start, size) of a PEFT module's output inside our fused projection's output."""
-    dims = module_dims(shape)
-    fused, part = MODULES[module]
-    group = [m for m, (f, _) in MODULES.items() if f == fused]
-    start = sum(dims[m][1] for m in group[:part])
-    return start, dims[module][1]
 
 
 def load_peft_adapter(
@@ -153,11 +136,11 @@ def _from_peft(
 ) -> LoraAdapter:
     r, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
     scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
-    dims = module_dims(shape)
+    sizes = dims(shape)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         m = _NAME.match(key)
-        if m is None or m.group(2) not in MODULES or int(m.group(1)) >= shape.num_layers:
+        if m is None or m.group(2) not in PROJECTIONS or int(m.group(1)) >= shape.num_layers:
             raise AdapterError(
                 f"{weights_file}: tensor {key!r} does not fit this model (only attention/MLP projections)"
             )
@@ -171,7 +154,7 @@ def _from_peft(
     for (layer, module), ab in pairs.items():
         if set(ab) != {"A", "B"}:
             raise AdapterError(f"{weights_file}: layer {layer} {module} lacks lora_A or lora_B")
-        fan_in, fan_out = dims[module]
+        fan_in, fan_out = sizes[module]
         a, b = ab["A"], ab["B"]
         if tuple(a.shape) != (r, fan_in) or tuple(b.shape) != (fan_out, r):
             raise AdapterError(
@@ -204,6 +187,6 @@ class LoraBatch:
                     continue
                 if xs is None:
                     xs = x.index_select(0, rows)
-                start, size = slice_of(self.shape, module)
+                start, size = fused_slice(self.shape, module)
                 delta = (xs @ ab[0].t()) @ ab[1].t()
                 out.narrow(1, start, size).index_add_(0, rows, delta)

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load, save_file
 
-from rlserve.model.lora_targets import MODULES, AdapterError
+from rlserve.model.lora_targets import AdapterError
+from rlserve.model.names import PROJECTIONS
 from rlserve.model.shape import ModelShape
 
 _NAME = re.compile(r"^(?:language_model\.)?(?:model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([ab])$")
@@ -48,10 +49,10 @@ def mlx_to_peft(
     if rank < 1 or not math.isfinite(scale):
         raise AdapterError(f"{where}: lora_parameters.rank must be >= 1 and scale finite, got {rank}, {scale}")
     for key in params.get("keys") or []:
-        if str(key).rsplit(".", 1)[-1] not in MODULES:
+        if str(key).rsplit(".", 1)[-1] not in PROJECTIONS:
             raise AdapterError(
                 f"{where}: lora_parameters.keys: {key!r} is not a projection this model has "
-                f"(known: {', '.join(MODULES)})"
+                f"(known: {', '.join(PROJECTIONS)})"
             )
     num_layers = cfg.get("num_layers")
     if isinstance(num_layers, int) and num_layers > shape.num_layers:
@@ -60,7 +61,7 @@ def mlx_to_peft(
     modules = set()
     for key, t in tensors.items():
         m = _NAME.match(key)
-        if m is None or m.group(3) not in MODULES:
+        if m is None or m.group(3) not in PROJECTIONS:
             what = (
                 "a DoRA magnitude"
                 if key.endswith(".m")

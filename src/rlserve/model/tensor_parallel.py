@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from rlserve.model.names import COLUMN, PROJECTIONS, ROW
+
 if TYPE_CHECKING:
     from rlserve.model.lora import LoraAdapter
     from rlserve.model.shape import ModelShape
 
-_COLUMN = re.compile(r"\.(self_attn\.(q_proj|k_proj|v_proj)|mlp\.(gate_proj|up_proj))\.(weight|bias)$")
-_ROW = re.compile(r"\.(self_attn\.o_proj|mlp\.down_proj)\.weight$")
-COLUMN_MODULES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # LoRA: B split by output rows
-ROW_MODULES = ("o_proj", "down_proj")  # LoRA: A split by input columns
+_COLUMN = re.compile(rf"\.({'|'.join(re.escape(PROJECTIONS[n].hf) for n in COLUMN)})\.(weight|bias)$")
+_ROW = re.compile(rf"\.({'|'.join(re.escape(PROJECTIONS[n].hf) for n in ROW)})\.weight$")
 
 
 def check_tp(shape: ModelShape, tp: int) -> None:
@@ -86,7 +86,7 @@ def shard_adapter(adapter: LoraAdapter, rank: int, tp: int) -> LoraAdapter:
         return adapter
     weights = {}
     for (layer, module), (a, b) in adapter.weights.items():
-        if module in COLUMN_MODULES:
+        if module in COLUMN:
             size = b.shape[0] // tp
             b = b.narrow(0, rank * size, size).contiguous()
         else:

@@ -10,7 +10,7 @@ left before then). Pause modes are checked here; what each mode does to the engi
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -113,7 +113,30 @@ class FaceRules:
 
     def _check_alive(self) -> None:
         if self.dead is not None:
-            raise EngineDeadError(f"engine loop died: {self.dead!r}")
+            raise dead_error(self.dead)
+
+
+async def relay_outputs(outputs: asyncio.Queue, on_early_exit: Callable[[], None]) -> AsyncIterator[RequestOutput]:
+    """One request's stream as every face yields it: the engine's cumulative outputs, in the order they are
+    put on `outputs`, up to the finished one; an exception put there is raised. Leaving early (client gone,
+    task cancelled, engine dead) calls `on_early_exit`, which aborts the request and frees its blocks."""
+    finished = False
+    try:
+        while not finished:
+            out = await outputs.get()
+            if isinstance(out, BaseException):
+                raise out
+            finished = out.finished
+            yield out
+    finally:
+        if not finished:
+            on_early_exit()
+
+
+def dead_error(cause: BaseException) -> EngineDeadError:
+    err = EngineDeadError(f"engine loop died: {cause!r}")
+    err.__cause__ = cause
+    return err
 
 
 def check_pause_mode(mode: str) -> None:

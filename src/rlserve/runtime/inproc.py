@@ -19,7 +19,7 @@ from rlserve.engine.outputs import RequestOutput
 from rlserve.engine.params import SamplingParams
 from rlserve.engine.sequence import Request
 from rlserve.engine.weights import StagingBuffers, check_under_roots, stage, stage_from_dir
-from rlserve.runtime.face import EngineDeadError, FaceRules, check_pause_mode
+from rlserve.runtime.face import FaceRules, check_pause_mode, dead_error, relay_outputs
 from rlserve.runtime.pause import PauseState
 
 log = logging.getLogger(__name__)
@@ -150,18 +150,16 @@ class AsyncEngine(FaceRules):
         outputs: asyncio.Queue = asyncio.Queue()
         self._streams[id(req)] = [asyncio.get_running_loop(), outputs, stream, False]
         self._post(lambda e: e.submit(req))
-        finished = False
-        try:
-            while not finished:
-                out = await outputs.get()
-                if isinstance(out, BaseException):
-                    raise EngineDeadError(f"engine loop died: {out!r}") from out
-                finished = out.finished
-                yield out
-        finally:
+
+        def abort_unless_dead() -> None:
             self._streams.pop(id(req), None)
-            if not finished:
+            if self.dead is None:
                 self._post(lambda e: e.abort_request(req))
+
+        async for out in relay_outputs(outputs, abort_unless_dead):
+            if out.finished:
+                self._streams.pop(id(req), None)
+            yield out
 
     async def abort(self, request_id: str) -> int:
         return await self.call(lambda e: e.abort(request_id))
@@ -276,7 +274,7 @@ class AsyncEngine(FaceRules):
             log.exception("engine loop died")
             self.dead = exc
             for loop, stream, *_ in list(self._streams.values()):
-                loop.call_soon_threadsafe(stream.put_nowait, exc)
+                loop.call_soon_threadsafe(stream.put_nowait, dead_error(exc))
 
     def _dispatch(self, touched: list[Request]) -> None:
         for req in touched:

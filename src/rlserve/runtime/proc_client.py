@@ -29,7 +29,7 @@ from rlserve.engine.stats import EngineStats
 from rlserve.engine.wire_ints import wire_safe
 from rlserve.model.shape import ModelShape
 from rlserve.runtime import ipc
-from rlserve.runtime.face import EngineDeadError, FaceRules, check_pause_mode
+from rlserve.runtime.face import EngineDeadError, FaceRules, check_pause_mode, dead_error, relay_outputs
 from rlserve.runtime.spawn import EngineProcess
 
 log = logging.getLogger(__name__)
@@ -146,7 +146,7 @@ class EngineClient(FaceRules):
         if self.dead is None:
             log.error("engine core is gone: %s", exc)
             self.dead = exc
-        err = EngineDeadError(f"engine loop died: {self.dead!r}")
+        err = dead_error(self.dead)
         for queue in self._streams.values():
             queue.put_nowait(err)
         for fut in self._calls.values():
@@ -190,19 +190,17 @@ class EngineClient(FaceRules):
         self._send(ipc.Add(key, request_id, prompt, params, cache_salt, adapter, stream))
         outputs: asyncio.Queue = asyncio.Queue()
         self._streams[key] = outputs  # before any output can be read: that happens at our first await
-        finished = False
-        try:
-            while not finished:
-                out = await outputs.get()
-                if isinstance(out, BaseException):
-                    raise out
-                finished = out.finished
-                yield out
-        finally:
+
+        def abort_unless_dead() -> None:
             self._streams.pop(key, None)
-            if not finished and self.dead is None:
+            if self.dead is None:
                 with contextlib.suppress(EngineDeadError):  # gone: nothing left to abort
                     self._send(ipc.Abort(key))
+
+        async for out in relay_outputs(outputs, abort_unless_dead):
+            if out.finished:
+                self._streams.pop(key, None)
+            yield out
 
     async def _call(self, op: str, *args: Any) -> Any:
         self._check_alive()
