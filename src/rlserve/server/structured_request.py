@@ -120,9 +120,11 @@ def logprobs_header(params: SamplingParams, server_mode: str) -> dict[str, str]:
 def enforce_tool_choice(parser: str | None, engine: Any, body: Any, params: SamplingParams) -> None:
     """tool_choice "required" / named: constrain decoding to the parser's call format (after its checks)."""
     tools = [t.model_dump() for t in body.tools] if body.tools else None
-    spec = tool_call_constraint(
-        parser, tools, body.tool_choice, set(engine.tokenizer.get_added_vocab()) if tools else set()
-    )
+    parallel = getattr(body, "parallel_tool_calls", None)
+    if parallel is None:
+        parallel = (body.model_extra or {}).get("parallel_tool_calls", True)
+    added = set(engine.tokenizer.get_added_vocab()) if tools else set()
+    spec = tool_call_constraint(parser, tools, body.tool_choice, added, parallel is not False)
     if spec is None:
         return
     if params.structured_outputs is not None:
