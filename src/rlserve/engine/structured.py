@@ -124,14 +124,18 @@ class GrammarChecker:
         """The validated grammar text of a spec; ValueError says what is wrong with it."""
         if not isinstance(spec, dict):
             raise ValueError("structured_outputs must be an object")  # noqa: TRY004 - a 400 like every params error
-        import llguidance
-
         try:
             grammar = grammar_text(spec)
         except ValueError:
             raise
         except Exception as e:  # noqa: BLE001 - llguidance raises plain exceptions on bad input
             raise ValueError(f"structured_outputs: {e}") from None
+        return self.validated(grammar)
+
+    def validated(self, grammar: str) -> str:
+        """`grammar` (llguidance's text) once llguidance has accepted it; ValueError with its complaint."""
+        import llguidance
+
         if grammar in self._valid:
             return grammar
         error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer())

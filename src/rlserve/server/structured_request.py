@@ -26,15 +26,19 @@ LOGPROBS_HEADER = "X-Logprobs-Distribution"
 _CHECKERS: dict[int, GrammarChecker] = {}
 
 
+def grammar_checker(engine: Any) -> GrammarChecker:
+    checker = _CHECKERS.get(id(engine))
+    if checker is None:
+        checker = _CHECKERS[id(engine)] = GrammarChecker(engine.tokenizer, engine.vocab_size)
+    return checker
+
+
 def checked(engine: Any, spec: dict[str, Any] | None) -> dict[str, Any] | None:
     """Validated here, in the API process, so the engine compiles it off its step loop unchecked;
     ValueError (a 400) names the problem."""
     if spec is None:
         return None
-    checker = _CHECKERS.get(id(engine))
-    if checker is None:
-        checker = _CHECKERS[id(engine)] = GrammarChecker(engine.tokenizer, engine.vocab_size)
-    return {CHECKED: checker.grammar(spec)}
+    return {CHECKED: grammar_checker(engine).grammar(spec)}
 
 
 def constraint(extra: dict[str, Any]) -> dict[str, Any] | None:

@@ -23,6 +23,7 @@ from rlserve.server.errors import bad_request
 from rlserve.server.limits import check_text_fits
 from rlserve.server.openai.chat_template import message_chars, render_chat
 from rlserve.server.protocol import POLICY_FIELDS, ChatCompletionRequest, ChatTokensRequest
+from rlserve.server.reasoning_grammar import constrain_after_reasoning
 from rlserve.server.sampling import sampling_params, truncate
 from rlserve.server.staleness import hold_for_policy_version
 from rlserve.server.state import (
@@ -37,7 +38,7 @@ from rlserve.server.state import (
     version_fields,
 )
 from rlserve.server.streaming import ClientGone, Run, SSEResponse, run_to_end, sse, sse_stream, start_stream
-from rlserve.server.structured_request import enforce_tool_choice, logprobs_header
+from rlserve.server.structured_request import enforce_tool_choice, grammar_checker, logprobs_header
 
 router = APIRouter()
 log = logging.getLogger(__name__)
@@ -113,6 +114,15 @@ async def prepare(state: ServerState, body: ChatCompletionRequest, rid: str, pro
     )
     parser = output_parser(state.config.model, state.tokenizer, body, params, prompt)
     enforce_tool_choice(state.config.model.tool_call_parser, state.engine, body, params)
+    enable_thinking = (body.chat_template_kwargs or {}).get("enable_thinking")
+    constrain_after_reasoning(
+        grammar_checker(state.engine),
+        state.tokenizer,
+        params,
+        state.config.model.reasoning_parser,
+        enable_thinking,
+        prompt,
+    )
     return Ctx(state, body, f"chatcmpl-{rid}", model, int(time.time()), rid, prompt, params, parser)
 
 

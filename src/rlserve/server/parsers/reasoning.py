@@ -152,3 +152,14 @@ def count_reasoning_tokens(
         if token_id == end_token_id:
             return n
     return len(token_ids) if _thinking(parser, enable_thinking) else 0
+
+
+def reasoning_tags(parser: str | None, enable_thinking: bool | None) -> ThinkTags | None:
+    """The start and end tags a request's output reasons between, or None when it does not reason in tags
+    (no parser, thinking off, granite's phrases, gpt-oss Harmony, deepseek_v3 without thinking)."""
+    if parser is None or not _thinking(parser, enable_thinking):
+        return None
+    tags = REASONING_PARSERS.get(parser)
+    if parser == "deepseek_v3" and enable_thinking:
+        tags = REASONING_PARSERS["deepseek_r1"]
+    return tags if isinstance(tags, ThinkTags) and not tags.always_content else None
