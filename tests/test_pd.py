@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 
 import httpx
@@ -225,6 +226,18 @@ def test_kv_transfer_params_top_level_or_in_extra_args_and_echoed(pd, single):
     assert bad.status_code == 400 and "kv_transfer_params" in bad.text
     bad = httpx.post(f"{d}/inference/v1/generate", timeout=30, json={"token_ids": prompt, "kv_transfer_params": [1]})
     assert bad.status_code == 400 and "kv_transfer_params" in bad.text
+
+
+def test_structured_outputs_through_prefill_and_decode(pd, single):
+    """P samples the first token under the grammar, D carries on from its own grammar state: the text
+    matches the constraint and equals the single server's."""
+    (prompt,) = prompts(17, [24])
+    warm(single, prompt)
+    regex = r"[a-f]{3,6}-[0-9]{2}"
+    got = completion(pd["public"], prompt, max_tokens=20, guided_regex=regex)["choices"][0]
+    want = completion(single, prompt, max_tokens=20, guided_regex=regex)["choices"][0]
+    assert re.fullmatch(regex, got["text"]), got["text"]
+    same_choice(got, want)
 
 
 def test_client_abort_mid_decode_frees_p_and_d(pd):
