@@ -20,14 +20,16 @@ from rlserve.server.chat_parsing import (
     output_parser,
 )
 from rlserve.server.errors import bad_request
-from rlserve.server.limits import check_text_fits
+from rlserve.server.limits import check_max_tokens, check_prompt_fits, check_text_fits
 from rlserve.server.openai.chat_template import message_chars, render_chat
+from rlserve.server.openai.vllm_shape import CHAT_CHOICE, CHAT_MESSAGE, CHAT_RESPONSE, SYSTEM_FINGERPRINT, stream_usage
 from rlserve.server.protocol import POLICY_FIELDS, ChatCompletionRequest, ChatTokensRequest
 from rlserve.server.sampling import sampling_params, truncate
 from rlserve.server.staleness import hold_for_policy_version
 from rlserve.server.state import (
     ChoiceCursor,
     ServerState,
+    cached_tokens,
     clamp,
     prompt_logprobs_json,
     request_id,
@@ -97,6 +99,10 @@ async def _respond(request: Request, ctx: Ctx) -> Response:
 
 async def prepare(state: ServerState, body: ChatCompletionRequest, rid: str, prompt: list[int] | None = None) -> Ctx:
     model = state.check_model(body.model)
+    if body.max_completion_tokens is not None:
+        check_max_tokens(state, body.max_completion_tokens, "max_completion_tokens")
+    else:
+        check_max_tokens(state, body.max_tokens, "max_tokens")
     await hold_for_policy_version(state, body.model_dump(include=POLICY_FIELDS))
     if body.truncate_prompt_tokens is None and prompt is None:
         check_text_fits(state, message_chars(body), "messages")
@@ -105,6 +111,7 @@ async def prepare(state: ServerState, body: ChatCompletionRequest, rid: str, pro
     )
     if prompt is None:
         prompt = truncate(rendered, body.truncate_prompt_tokens, state.max_model_len)
+        check_prompt_fits(state, len(prompt))
     elif prompt[: len(rendered)] != rendered:
         log.info("request %s: tokens differ from the rendered messages; using tokens as sent", rid)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -170,13 +177,16 @@ def finish_reason(o: CompletionOutput, has_tool_calls: bool) -> str | None:
 
 
 def message_json(parsed: ParsedMessage) -> dict[str, Any]:
-    return {
+    message = {
         "role": "assistant",
         "content": parsed.content,
+        **CHAT_MESSAGE,
         "reasoning": parsed.reasoning,
         "reasoning_content": parsed.reasoning,
-        "tool_calls": parsed.tool_calls,
     }
+    if parsed.tool_calls:  # vLLM leaves out an empty list
+        message["tool_calls"] = parsed.tool_calls
+    return message
 
 
 def _response(ctx: Ctx, out: RequestOutput) -> dict[str, Any]:
@@ -189,6 +199,7 @@ def _response(ctx: Ctx, out: RequestOutput) -> dict[str, Any]:
             "logprobs": _logprobs(ctx, o, 0),
             "finish_reason": finish_reason(o, bool(parsed.tool_calls)),
             "stop_reason": o.stop_reason,
+            **CHAT_CHOICE,
         }
         if parsed.tool_call_errors:
             choice["tool_call_errors"] = [e.to_json() for e in parsed.tool_call_errors]
@@ -197,11 +208,11 @@ def _response(ctx: Ctx, out: RequestOutput) -> dict[str, Any]:
         choice.update(version_fields(ctx.state, o))
         choices.append(choice)
     response = {"id": ctx.id, "object": "chat.completion", "created": ctx.created, "model": ctx.model}
-    if body.return_token_ids:
-        response["prompt_token_ids"] = out.prompt_token_ids
     return {
         **response,
         "choices": choices,
+        **CHAT_RESPONSE,
+        "prompt_token_ids": out.prompt_token_ids if body.return_token_ids else None,
         "usage": _usage(ctx, out),
         "prompt_logprobs": prompt_logprobs_json(ctx.state, out, body.prompt_logprobs, body.return_tokens_as_token_ids),
         "kv_transfer_params": out.kv_transfer_params,
@@ -221,8 +232,7 @@ def _delta_choice(ctx: Ctx, o: CompletionOutput, cur: ChoiceCursor, streamer: Me
         "logprobs": _logprobs(ctx, o, cur.tokens),
         "finish_reason": finish_reason(o, streamer.has_tool_calls) if finishing else None,
     }
-    if ctx.body.return_token_ids:
-        choice["token_ids"] = new_ids
+    choice["token_ids"] = new_ids if ctx.body.return_token_ids else None
     if finishing:
         choice["stop_reason"] = o.stop_reason
         if streamer.tool_call_errors:
@@ -239,37 +249,44 @@ async def _stream(ctx: Ctx, run: Run) -> AsyncIterator[str]:
     cursors = [ChoiceCursor() for _ in range(body.n)]
     streamers = [ctx.parser.streamer() for _ in range(body.n)]
     latest: RequestOutput | None = None
+    continuous = bool(options and options.include_usage and options.continuous_usage_stats)
     async for _, out in run.events():
         if latest is None:
             for i in range(body.n):  # the role goes first and alone, one chunk per choice
+                role = {
+                    "index": i,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
                 chunk = {
                     **head,
-                    "choices": [
-                        {
-                            "index": i,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ],
+                    "choices": [role],
+                    "prompt_token_ids": out.prompt_token_ids if body.return_token_ids else None,
+                    "prompt_text": None,
                 }
-                if i == 0 and body.return_token_ids:
-                    chunk["prompt_token_ids"] = out.prompt_token_ids
+                if continuous:
+                    chunk["usage"] = stream_usage(_usage(ctx, out, completion_tokens=0), continuous=True)
                 yield sse(chunk)
         latest = out
         for o in out.outputs:
             choice = _delta_choice(ctx, o, cursors[o.index], streamers[o.index])
             if choice is not None:
                 chunk = {**head, "choices": [choice]}
-                if options and options.continuous_usage_stats:
-                    chunk["usage"] = _usage(ctx, out)
+                if continuous:
+                    chunk["usage"] = stream_usage(_usage(ctx, out), continuous=True)
+                if choice["finish_reason"] is not None:
+                    chunk["system_fingerprint"] = SYSTEM_FINGERPRINT
                 yield sse(chunk)
     if options and options.include_usage and latest is not None:
-        yield sse({**head, "choices": [], "usage": _usage(ctx, latest)})
+        usage_chunk = {**head, "choices": [], "usage": stream_usage(_usage(ctx, latest), continuous=False)}
+        yield sse({**usage_chunk, "system_fingerprint": SYSTEM_FINGERPRINT})
 
 
-def _usage(ctx: Ctx, out: RequestOutput) -> dict[str, Any]:
-    result = usage(len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs), out.num_cached_tokens)
+def _usage(ctx: Ctx, out: RequestOutput, completion_tokens: int | None = None) -> dict[str, Any]:
+    if completion_tokens is None:
+        completion_tokens = sum(len(o.token_ids) for o in out.outputs)
+    result = usage(len(out.prompt_token_ids), completion_tokens, cached_tokens(ctx.state, out.num_cached_tokens))
     if ctx.parser.reasoning_parser is not None:
         reasoning = sum(ctx.parser.reasoning_tokens(o.token_ids) for o in out.outputs)
         result["completion_tokens_details"] = {"reasoning_tokens": reasoning}

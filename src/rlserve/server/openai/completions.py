@@ -12,13 +12,15 @@ from fastapi.responses import JSONResponse, Response
 
 from rlserve.engine.outputs import CompletionOutput, RequestOutput
 from rlserve.server.errors import bad_request
-from rlserve.server.limits import check_text_fits
+from rlserve.server.limits import check_max_tokens, check_prompt_fits, check_text_fits
+from rlserve.server.openai.vllm_shape import RESPONSE, SYSTEM_FINGERPRINT, stream_usage
 from rlserve.server.protocol import POLICY_FIELDS, CompletionRequest
 from rlserve.server.sampling import sampling_params, truncate
 from rlserve.server.staleness import hold_for_policy_version
 from rlserve.server.state import (
     ChoiceCursor,
     ServerState,
+    cached_tokens,
     clamp,
     prompt_logprobs_json,
     request_id,
@@ -50,6 +52,7 @@ class Ctx:
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     state: ServerState = request.app.state.rlserve
     model = state.check_model(body.model)
+    check_max_tokens(state, body.max_tokens, "max_tokens")
     await hold_for_policy_version(state, body.model_dump(include=POLICY_FIELDS))
     prompts, texts = await state.off_loop(_prompts, state, body)
     k = _logprobs_k(body.logprobs)
@@ -112,6 +115,7 @@ def _prompts(state: ServerState, body: CompletionRequest) -> tuple[list[list[int
                 raise bad_request("prompt is empty: a token-id list needs at least one id", "prompt")
             tokens = item
         kept = truncate(tokens, body.truncate_prompt_tokens, state.max_model_len)
+        check_prompt_fits(state, len(kept))
         ids.append(kept)
         texts.append(item if isinstance(item, str) and len(kept) == len(tokens) else None)
     return ids, texts
@@ -212,10 +216,9 @@ def _choice(ctx: Ctx, i: int, out: RequestOutput, o: CompletionOutput, cur: Choi
         "finish_reason": o.finish_reason if finishing else None,
         "stop_reason": o.stop_reason if finishing else None,
     }
-    if body.return_token_ids:
-        if first:
-            choice["prompt_token_ids"] = out.prompt_token_ids
-        choice["token_ids"] = new_ids
+    # vLLM's keys, null without return_token_ids; the prompt's ids ride in the first chunk only
+    choice["prompt_token_ids"] = out.prompt_token_ids if body.return_token_ids and first else None
+    choice["token_ids"] = new_ids if body.return_token_ids else None
     if finishing:
         choice.update(version_fields(ctx.state, o))
     cur.tokens, cur.text, cur.started, cur.finished = len(o.token_ids), len(o.text), True, o.finished
@@ -232,6 +235,7 @@ def _response(ctx: Ctx, finals: list[RequestOutput]) -> dict[str, Any]:
             o = _visible(ctx, o)
             choice = _choice(ctx, i, out, o, ChoiceCursor())
             choice["prompt_logprobs"] = prompt_logprobs
+            choice["routed_experts"] = None
             choices.append(choice)
             completion_tokens += len(o.token_ids)
     prompt_tokens = sum(len(out.prompt_token_ids) for out in finals)
@@ -242,7 +246,8 @@ def _response(ctx: Ctx, finals: list[RequestOutput]) -> dict[str, Any]:
         "created": ctx.created,
         "model": ctx.model,
         "choices": choices,
-        "usage": usage(prompt_tokens, completion_tokens, cached),
+        **RESPONSE,
+        "usage": usage(prompt_tokens, completion_tokens, cached_tokens(ctx.state, cached)),
         "kv_transfer_params": finals[0].kv_transfer_params if finals else None,
     }
 
@@ -258,14 +263,18 @@ async def _stream(ctx: Ctx, run: Run) -> AsyncIterator[str]:
             choice = _choice(ctx, i, out, _visible(ctx, o), cursors.setdefault((i, o.index), ChoiceCursor()))
             if choice is not None:
                 chunk = {**head, "choices": [choice]}
-                if options and options.continuous_usage_stats:
-                    chunk["usage"] = _usage(ctx, latest)
+                if options and options.include_usage and options.continuous_usage_stats:
+                    chunk["usage"] = stream_usage(_usage(ctx, latest), continuous=True)
+                if choice["finish_reason"] is not None:
+                    chunk["system_fingerprint"] = SYSTEM_FINGERPRINT
                 yield sse(chunk)
     if options and options.include_usage:
-        yield sse({**head, "choices": [], "usage": _usage(ctx, latest)})
+        usage_chunk = {**head, "choices": [], "usage": stream_usage(_usage(ctx, latest), continuous=False)}
+        yield sse({**usage_chunk, "system_fingerprint": SYSTEM_FINGERPRINT})
 
 
 def _usage(ctx: Ctx, latest: dict[int, RequestOutput]) -> dict[str, Any]:
     outs = latest.values()
     completion = sum(len(_visible(ctx, o).token_ids) for out in outs for o in out.outputs)
-    return usage(sum(len(out.prompt_token_ids) for out in outs), completion, sum(out.num_cached_tokens for out in outs))
+    cached = cached_tokens(ctx.state, sum(out.num_cached_tokens for out in outs))
+    return usage(sum(len(out.prompt_token_ids) for out in outs), completion, cached)
