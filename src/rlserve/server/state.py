@@ -128,7 +128,9 @@ class ServerState:
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
         if text is None:
-            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+            text = self.tokenizer.decode([token_id])
+            # part of a multi-byte character: vLLM shows such a token as "" in logprobs
+            text = self._token_text[token_id] = "" if text.endswith("\ufffd") else text
         return text
 
     def token_label(self, token_id: int, as_ids: bool) -> str:

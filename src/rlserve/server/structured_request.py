@@ -119,6 +119,17 @@ def logprobs_header(params: SamplingParams, server_mode: str) -> dict[str, str]:
     return {LOGPROBS_HEADER: ("processed-masked-renormalized" if constrained else "processed") + suffix}
 
 
+def check_auto_tool_choice(parser: str | None, body: Any) -> None:
+    """vLLM's 400 for an explicit tool_choice "auto" on chat with no parser configured: nothing would parse
+    the calls."""
+    if body.tools and parser is None and body.tool_choice == "auto":
+        raise bad_request(
+            '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set '
+            "(rlserve: --model.tool_call_parser NAME), or leave tool_choice unset",
+            "tool_choice",
+        )
+
+
 def enforce_tool_choice(parser: str | None, engine: Any, body: Any, params: SamplingParams) -> None:
     """tool_choice "required" / named: constrain decoding to the parser's call format (after its checks)."""
     tools = [t.model_dump() for t in body.tools] if body.tools else None

@@ -39,7 +39,7 @@ from rlserve.server.state import (
     version_fields,
 )
 from rlserve.server.streaming import ClientGone, Run, SSEResponse, run_to_end, sse, sse_stream, start_stream
-from rlserve.server.structured_request import enforce_tool_choice, logprobs_header
+from rlserve.server.structured_request import check_auto_tool_choice, enforce_tool_choice, logprobs_header
 
 router = APIRouter()
 log = logging.getLogger(__name__)
@@ -63,6 +63,7 @@ class Ctx:
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     state: ServerState = request.app.state.rlserve
+    check_auto_tool_choice(state.config.model.tool_call_parser, body)
     return await _respond(request, await prepare(state, body, request_id(request, body)))
 
 
@@ -266,7 +267,7 @@ async def _stream(ctx: Ctx, run: Run) -> AsyncIterator[str]:
                     "prompt_text": None,
                 }
                 if continuous:
-                    chunk["usage"] = stream_usage(_usage(ctx, out, completion_tokens=0), continuous=True)
+                    chunk["usage"] = stream_usage(_usage(ctx, out, completion_tokens=0), details=True)
                 yield sse(chunk)
         latest = out
         for o in out.outputs:
@@ -274,12 +275,12 @@ async def _stream(ctx: Ctx, run: Run) -> AsyncIterator[str]:
             if choice is not None:
                 chunk = {**head, "choices": [choice]}
                 if continuous:
-                    chunk["usage"] = stream_usage(_usage(ctx, out), continuous=True)
-                if choice["finish_reason"] is not None:
-                    chunk["system_fingerprint"] = SYSTEM_FINGERPRINT
+                    chunk["usage"] = stream_usage(_usage(ctx, out), details=True)
+                if choice["finish_reason"] is not None and not (options and options.include_usage):
+                    chunk["system_fingerprint"] = SYSTEM_FINGERPRINT  # the last chunk carries it
                 yield sse(chunk)
     if options and options.include_usage and latest is not None:
-        usage_chunk = {**head, "choices": [], "usage": stream_usage(_usage(ctx, latest), continuous=False)}
+        usage_chunk = {**head, "choices": [], "usage": stream_usage(_usage(ctx, latest), details=False)}
         yield sse({**usage_chunk, "system_fingerprint": SYSTEM_FINGERPRINT})
 
 

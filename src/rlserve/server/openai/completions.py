@@ -32,6 +32,7 @@ from rlserve.server.streaming import ClientGone, Run, SSEResponse, run_to_end, s
 from rlserve.server.structured_request import logprobs_header
 
 router = APIRouter()
+DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions (chat runs to the context's end)
 
 
 @dataclass
@@ -57,11 +58,13 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     prompts, texts = await state.off_loop(_prompts, state, body)
     k = _logprobs_k(body.logprobs)
     score_only = body.echo and body.max_tokens == 0
-    prompt_k = body.prompt_logprobs
-    if body.echo and k is not None:  # echoed logprobs come from the prompt logprobs
-        prompt_k = -1 if prompt_k == -1 else max(k, prompt_k or 0)
+    prompt_k = _prompt_k(body, k)
     params = sampling_params(
-        state, body, max_tokens=1 if score_only else body.max_tokens, logprobs=k, prompt_logprobs=prompt_k
+        state,
+        body,
+        max_tokens=1 if score_only else DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens,
+        logprobs=k,
+        prompt_logprobs=prompt_k,
     )
     rid = request_id(request, body)
     ctx = Ctx(state, body, f"cmpl-{rid}", model, int(time.time()), k, texts, score_only)
@@ -75,6 +78,13 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     except ClientGone:
         return Response(status_code=499)
     return JSONResponse(_response(ctx, finals), headers=headers)
+
+
+def _prompt_k(body: CompletionRequest, k: int | None) -> int | None:
+    """Echoed logprobs come from the prompt logprobs (and are returned as them too, as vLLM does)."""
+    if body.echo and k is not None:
+        return -1 if body.prompt_logprobs == -1 else max(k, body.prompt_logprobs or 0)
+    return body.prompt_logprobs
 
 
 def _logprobs_k(value: bool | int | None) -> int | None:
@@ -154,7 +164,7 @@ def _logprobs(
     for j, (t, lp) in enumerate(zip(token_ids, lps)):
         tokens.append(state.token_label(t, as_ids))
         offsets.append(offset)
-        offset += len(state.token_text(t))
+        offset += len(state.token_label(t, as_ids))  # vLLM counts the label, token_id:N included
         top = {state.token_label(tid, as_ids): clamp(v) for tid, v in (tops[j] if tops else {}).items()}
         top.setdefault(state.token_label(t, as_ids), clamp(lp))
         top_logprobs.append(top)
@@ -175,7 +185,7 @@ def _echo_logprobs(ctx: Ctx, out: RequestOutput) -> dict[str, list]:
     for t, entry in zip(ids, entries):
         result["tokens"].append(state.token_label(t, as_ids))
         result["text_offset"].append(offset)
-        offset += len(state.token_text(t))
+        offset += len(state.token_label(t, as_ids))  # vLLM counts the label, token_id:N included
         if entry is None:
             result["token_logprobs"].append(None)
             result["top_logprobs"].append(None)
@@ -208,7 +218,7 @@ def _choice(ctx: Ctx, i: int, out: RequestOutput, o: CompletionOutput, cur: Choi
         )
         if first and body.echo:
             logprobs = _concat(_echo_logprobs(ctx, out), logprobs)
-        cur.offset += sum(len(ctx.state.token_text(t)) for t in new_ids)
+        cur.offset += sum(len(ctx.state.token_label(t, body.return_tokens_as_token_ids)) for t in new_ids)
     choice: dict[str, Any] = {
         "index": i * body.n + o.index,
         "text": prefix + new_text,
@@ -217,7 +227,9 @@ def _choice(ctx: Ctx, i: int, out: RequestOutput, o: CompletionOutput, cur: Choi
         "stop_reason": o.stop_reason if finishing else None,
     }
     # vLLM's keys, null without return_token_ids; the prompt's ids ride in the first chunk only
-    choice["prompt_token_ids"] = out.prompt_token_ids if body.return_token_ids and first else None
+    # (streamed with echo too, as vLLM does)
+    wants_prompt_ids = body.return_token_ids or (body.echo and body.stream)
+    choice["prompt_token_ids"] = out.prompt_token_ids if wants_prompt_ids and first else None
     choice["token_ids"] = new_ids if body.return_token_ids else None
     if finishing:
         choice.update(version_fields(ctx.state, o))
@@ -229,7 +241,7 @@ def _response(ctx: Ctx, finals: list[RequestOutput]) -> dict[str, Any]:
     choices, completion_tokens = [], 0
     for i, out in enumerate(finals):
         prompt_logprobs = prompt_logprobs_json(
-            ctx.state, out, ctx.body.prompt_logprobs, ctx.body.return_tokens_as_token_ids
+            ctx.state, out, _prompt_k(ctx.body, ctx.k), ctx.body.return_tokens_as_token_ids
         )
         for o in sorted(out.outputs, key=lambda o: o.index):
             o = _visible(ctx, o)
@@ -264,12 +276,12 @@ async def _stream(ctx: Ctx, run: Run) -> AsyncIterator[str]:
             if choice is not None:
                 chunk = {**head, "choices": [choice]}
                 if options and options.include_usage and options.continuous_usage_stats:
-                    chunk["usage"] = stream_usage(_usage(ctx, latest), continuous=True)
-                if choice["finish_reason"] is not None:
-                    chunk["system_fingerprint"] = SYSTEM_FINGERPRINT
+                    chunk["usage"] = stream_usage(_usage(ctx, latest), details=False)
+                if choice["finish_reason"] is not None and not (options and options.include_usage):
+                    chunk["system_fingerprint"] = SYSTEM_FINGERPRINT  # the last chunk carries it
                 yield sse(chunk)
     if options and options.include_usage:
-        usage_chunk = {**head, "choices": [], "usage": stream_usage(_usage(ctx, latest), continuous=False)}
+        usage_chunk = {**head, "choices": [], "usage": stream_usage(_usage(ctx, latest), details=False)}
         yield sse({**usage_chunk, "system_fingerprint": SYSTEM_FINGERPRINT})
 
 

@@ -21,13 +21,13 @@ RESPONSE = {"service_tier": None, "system_fingerprint": SYSTEM_FINGERPRINT, "ec_
 CHAT_RESPONSE = {**RESPONSE, "prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None}
 
 
-def stream_usage(usage: dict[str, Any], continuous: bool) -> dict[str, Any]:
-    """vLLM's streamed usage: the counts; completion_tokens_details always in a continuous one (null when
-    empty), in the last one only when it holds something."""
+def stream_usage(usage: dict[str, Any], details: bool) -> dict[str, Any]:
+    """vLLM's streamed usage: the counts; completion_tokens_details where `details` (chat's continuous
+    usage, null when empty), elsewhere only when it holds something."""
     result = {k: usage[k] for k in ("prompt_tokens", "total_tokens", "completion_tokens")}
-    details = usage.get("completion_tokens_details")
-    if continuous or details is not None:
-        result["completion_tokens_details"] = details
+    details_value = usage.get("completion_tokens_details")
+    if details or details_value is not None:
+        result["completion_tokens_details"] = details_value
     return result
 
 
