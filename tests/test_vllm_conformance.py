@@ -81,6 +81,13 @@ ALLOWED: list[Allowed] = [
     ),
     Allowed(
         "value",
+        "response.*",
+        "/v1/completions without max_tokens runs to the end of the context (docs/protocols.md §2.1: vLLM's 16 "
+        "silently truncated prime-rl rollouts); vLLM stops at 16 tokens (the first 16 are the same)",
+        "completion default max_tokens",
+    ),
+    Allowed(
+        "value",
         "response.usage.*_tokens",
         "vLLM counts the one token it generates and drops when scoring a prompt; rlserve counts what it returns",
         "completion echo max_tokens 0",
@@ -299,6 +306,10 @@ def compare(recorded: dict[str, Any], ours: dict[str, Any]) -> list[tuple[str, s
         found = differences(payload(recorded), payload(ours), "", values=recorded["greedy"])
         if name in CONTEXT_COUNTED and not ours["response"]["error"]["message"].startswith(CONTEXT_PREFIX):
             found.append(("wording", "response.error.message", "not vLLM's context-length form"))
+        if name == "completion default max_tokens":  # longer than vLLM's 16 tokens, and the same up to there
+            theirs_text, ours_text = recorded["response"]["choices"][0]["text"], ours["response"]["choices"][0]["text"]
+            if not (len(ours_text) > len(theirs_text) and ours_text.startswith(theirs_text)):
+                found.append(("text", "response.choices.0.text", f"{_short(ours_text)} vs vLLM {_short(theirs_text)}"))
     return [d for d in found if not _allowed(name, d[0], d[1])]
 
 

@@ -267,7 +267,7 @@ async def _stream(ctx: Ctx, run: Run) -> AsyncIterator[str]:
                     "prompt_text": None,
                 }
                 if continuous:
-                    chunk["usage"] = stream_usage(_usage(ctx, out, completion_tokens=0), details=True)
+                    chunk["usage"] = stream_usage(_usage(ctx, out, role_chunk=True), details=True)
                 yield sse(chunk)
         latest = out
         for o in out.outputs:
@@ -284,11 +284,11 @@ async def _stream(ctx: Ctx, run: Run) -> AsyncIterator[str]:
         yield sse({**usage_chunk, "system_fingerprint": SYSTEM_FINGERPRINT})
 
 
-def _usage(ctx: Ctx, out: RequestOutput, completion_tokens: int | None = None) -> dict[str, Any]:
-    if completion_tokens is None:
-        completion_tokens = sum(len(o.token_ids) for o in out.outputs)
+def _usage(ctx: Ctx, out: RequestOutput, role_chunk: bool = False) -> dict[str, Any]:
+    """Usage so far; the role chunk's (continuous usage) counts no completion tokens yet, as vLLM's."""
+    completion_tokens = 0 if role_chunk else sum(len(o.token_ids) for o in out.outputs)
     result = usage(len(out.prompt_token_ids), completion_tokens, cached_tokens(ctx.state, out.num_cached_tokens))
     if ctx.parser.reasoning_parser is not None:
-        reasoning = sum(ctx.parser.reasoning_tokens(o.token_ids) for o in out.outputs)
+        reasoning = 0 if role_chunk else sum(ctx.parser.reasoning_tokens(o.token_ids) for o in out.outputs)
         result["completion_tokens_details"] = {"reasoning_tokens": reasoning}
     return result

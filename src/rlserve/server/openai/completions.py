@@ -32,7 +32,6 @@ from rlserve.server.streaming import ClientGone, Run, SSEResponse, run_to_end, s
 from rlserve.server.structured_request import logprobs_header
 
 router = APIRouter()
-DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions (chat runs to the context's end)
 
 
 @dataclass
@@ -62,7 +61,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     params = sampling_params(
         state,
         body,
-        max_tokens=1 if score_only else DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens,
+        max_tokens=1 if score_only else body.max_tokens,
         logprobs=k,
         prompt_logprobs=prompt_k,
     )
