@@ -86,6 +86,7 @@ async def create_chat_completion_from_tokens(body: ChatTokensRequest, request: R
 
 async def _respond(request: Request, ctx: Ctx) -> Response:
     body = ctx.body
+    check_prompt_fits(ctx.state, len(ctx.prompt))  # here, not in prepare: /v1/responses answers it differently
     run = launch(ctx)
     headers = rid_header(ctx.rid) | logprobs_header(ctx.params, ctx.state.config.engine.logprobs_mode)
     try:
@@ -112,7 +113,6 @@ async def prepare(state: ServerState, body: ChatCompletionRequest, rid: str, pro
     )
     if prompt is None:
         prompt = truncate(rendered, body.truncate_prompt_tokens, state.max_model_len)
-        check_prompt_fits(state, len(prompt))
     elif prompt[: len(rendered)] != rendered:
         log.info("request %s: tokens differ from the rendered messages; using tokens as sent", rid)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
