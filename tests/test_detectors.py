@@ -64,7 +64,12 @@ def test_gibberish_fires_exactly_on_a_rare_token_drawn_at_high_entropy(model_dir
     assert hits.index(True) == fire_at if fire_at is not None else not any(hits)
 
     params = SamplingParams(
-        temperature=1.0, max_tokens=len(forced), ignore_eos=True, logprobs=0, forced_token_ids=forced
+        temperature=1.0,
+        max_tokens=len(forced),
+        ignore_eos=True,
+        logprobs=0,
+        forced_token_ids=forced,
+        logprobs_mode="processed_logprobs",  # the forced EOS is one-hot in the distribution sampled from
     )
     (out,) = engine.generate([prompt], params)
     comp = out.outputs[0]

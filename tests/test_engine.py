@@ -88,7 +88,16 @@ def test_sampled_logprobs_match_forward_pass(engine, hf, temperature):
 def test_processed_logprobs_are_the_renormalised_filtered_distribution(engine, hf, top_k, top_p):
     prompts = random_prompts(4, engine.vocab_size, seed=2)
     t = 0.9
-    params = SamplingParams(temperature=t, top_k=top_k, top_p=top_p, max_tokens=12, ignore_eos=True, logprobs=0, seed=3)
+    params = SamplingParams(
+        temperature=t,
+        top_k=top_k,
+        top_p=top_p,
+        max_tokens=12,
+        ignore_eos=True,
+        logprobs=0,
+        seed=3,
+        logprobs_mode="processed_logprobs",
+    )
     for prompt, out in zip(prompts, engine.generate(prompts, params)):
         comp = out.outputs[0]
         scaled = hf_logprobs(hf, prompt, comp.token_ids, t)  # log_softmax(logits / T): same order as logits / T
@@ -117,6 +126,25 @@ def test_raw_logprobs_mode_ignores_temperature(engine, hf):
     ref = hf_logprobs(hf, prompt, comp.token_ids, 1.0)
     want = ref.gather(1, torch.tensor(comp.token_ids).unsqueeze(1)).squeeze(1)
     assert torch.allclose(torch.tensor(comp.logprobs), want, atol=1e-4)
+
+
+def test_default_logprobs_are_raw_and_logits_modes_skip_log_softmax(engine, hf):
+    # vLLM's default (raw_logprobs) and its *_logits modes: the values before log_softmax, processed = / T
+    prompt = random_prompts(1, engine.vocab_size, seed=19)[0]
+    base = {"temperature": 0.5, "max_tokens": 6, "ignore_eos": True, "logprobs": 2, "seed": 1}
+    for mode, scale, normalise in (
+        (None, 1.0, True),
+        ("raw_logits", 1.0, False),
+        ("processed_logits", 0.5, False),
+    ):
+        comp = engine.generate([prompt], SamplingParams(**base, logprobs_mode=mode))[0].outputs[0]
+        with torch.no_grad():
+            rows = hf(torch.tensor([prompt + comp.token_ids])).logits[0].float()[len(prompt) - 1 : -1] / scale
+        ref = torch.log_softmax(rows, -1) if normalise else rows
+        want = ref.gather(1, torch.tensor(comp.token_ids).unsqueeze(1)).squeeze(1)
+        assert torch.allclose(torch.tensor(comp.logprobs), want, atol=1e-4), mode
+        best = {int(i): float(v) for v, i in zip(*ref[0].topk(2))}
+        assert all(abs(comp.top_logprobs[0][i] - v) < 1e-4 for i, v in best.items()), mode
 
 
 def test_seeded_request_is_batch_invariant(engine):
@@ -324,7 +352,15 @@ def test_chunked_prefill_matches_single_chunk(model_dir):
 def test_forced_tokens_are_emitted_with_one_hot_processed_logprobs(engine, hf):
     prompt = random_prompts(1, engine.vocab_size, seed=17)[0]
     forced = [2044, 10, 11, 2045]
-    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, logprobs=0, forced_token_ids=forced, seed=1)
+    params = SamplingParams(
+        temperature=1.0,
+        max_tokens=8,
+        ignore_eos=True,
+        logprobs=0,
+        forced_token_ids=forced,
+        seed=1,
+        logprobs_mode="processed_logprobs",
+    )
     comp = engine.generate([prompt], params)[0].outputs[0]
     assert comp.token_ids[:4] == forced and len(comp.token_ids) == 8
     assert comp.logprobs[:4] == [0.0] * 4
@@ -348,6 +384,7 @@ def test_penalties_and_logit_bias_shape_the_processed_distribution(engine, hf):
         presence_penalty=0.5,
         frequency_penalty=0.7,
         logit_bias={7: 2.5, 9: -1.0},
+        logprobs_mode="processed_logprobs",
     )
     comp = engine.generate([prompt], params)[0].outputs[0]
     with torch.no_grad():

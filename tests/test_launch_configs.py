@@ -76,7 +76,7 @@ def test_vllm_flags_set_rlserve_keys():
         "qwen3",
     )
     assert not c.engine.enable_prefix_caching and c.model.enforce_eager and c.model.trust_remote_code
-    assert (c.gpu_memory_utilization, c.engine.logprobs_mode, c.model.chat_template) == (0.9, "raw", "t.jinja")
+    assert (c.gpu_memory_utilization, c.engine.logprobs_mode, c.model.chat_template) == (0.9, "raw_logprobs", "t.jinja")
     assert launch("--port=9001", "--enable-prefix-caching").engine.enable_prefix_caching
 
 
@@ -84,7 +84,7 @@ def test_vllm_flags_set_rlserve_keys():
     "argv, named",
     [
         (["--enable-expert-parallel"], "--enable-expert-parallel"),
-        (["--logprobs-mode", "raw_logits"], "--logprobs-mode"),
+        (["--logprobs-mode", "logits"], "--logprobs-mode"),
         (["--speculative-config", "{}"], "--speculative-config"),
         (["--served-model-name", "a", "b"], "--served-model-name"),
         (["--swap-space", "4"], "--swap-space"),

@@ -112,7 +112,10 @@ def test_generate_logprob_tokens_like_vllm(url):
     for t, entry in zip(choice["token_ids"], choice["logprobs"]["content"]):
         assert entry["token"] == f"token_id:{t}"
         assert len(entry["top_logprobs"]) == 3
-        assert entry["top_logprobs"][0] == {"token": f"token_id:{t}", "logprob": entry["logprob"]}
+        # vLLM 0.32's {token_id, logprob, rank}, with verifiers' token_id:<id> name beside it
+        first = entry["top_logprobs"][0]
+        assert first["token_id"] == t and first["token"] == f"token_id:{t}" and first["logprob"] == entry["logprob"]
+        assert [e["rank"] for e in entry["top_logprobs"]][1:] == sorted(e["rank"] for e in entry["top_logprobs"][1:])
         rest = [e["logprob"] for e in entry["top_logprobs"][1:]]
         assert rest == sorted(rest, reverse=True)
 

@@ -22,7 +22,15 @@ HANG_GUARD_S = 120
 
 @pytest.fixture(scope="module")
 def limited() -> Iterator[tuple[str, int]]:
-    url, proc = start_server("--server.max_waiting_requests", "1", "--server.trust_request_chat_template", "true")
+    # processed logprobs (not vLLM's raw default): the tests of -inf and logit_bias look at the sampled distribution
+    url, proc = start_server(
+        "--server.max_waiting_requests",
+        "1",
+        "--server.trust_request_chat_template",
+        "true",
+        "--engine.logprobs_mode",
+        "processed_logprobs",
+    )
     try:
         yield url, proc.pid
     finally:
@@ -151,8 +159,9 @@ def test_request_chat_template_when_trusted(limited) -> None:
         assert http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 1}).status_code == 200
 
 
-def test_minus_inf_logprobs_are_json_on_every_route(server: str) -> None:
+def test_minus_inf_logprobs_are_json_on_every_route(limited) -> None:
     """top_k 1 leaves every other token at -inf: -9999.0 in OpenAI shapes (vLLM), null in TRL legacy."""
+    server, _ = limited
     greedy = {"top_k": 1, "max_tokens": 3}
     with httpx.Client(base_url=server, timeout=HANG_GUARD_S) as http:
         r = http.post("/v1/completions", json={"prompt": "x", "logprobs": 3, "prompt_logprobs": 3, **greedy})
@@ -193,8 +202,9 @@ def test_non_latin1_request_id_is_echoed(server: str) -> None:
         assert r.status_code == 200 and r.headers["x-request-id"] == "a%0Ab"
 
 
-def test_huge_logit_bias_is_clamped_like_vllm(server: str) -> None:
+def test_huge_logit_bias_is_clamped_like_vllm(limited) -> None:
     """1e300 acts as +100: the biased token wins every step, with a real logprob, not -9999."""
+    server, _ = limited
     with httpx.Client(base_url=server, timeout=HANG_GUARD_S) as http:
         r = http.post(
             "/v1/completions",

@@ -12,6 +12,8 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
+from conftest import start_server, stop_server
+
 MODEL = "rlserve-default"
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
 
@@ -72,7 +74,7 @@ def test_completion_basic_fields(client: openai.OpenAI, http: httpx.Client) -> N
     assert choice["text"] == http.post("/detokenize", json={"tokens": choice["token_ids"]}).json()["prompt"]
     assert r.usage.prompt_tokens == len(choice["prompt_token_ids"]) and r.usage.completion_tokens == 8
     assert r.usage.total_tokens == r.usage.prompt_tokens + 8
-    assert r.usage.prompt_tokens_details.cached_tokens == 0
+    assert r.usage.prompt_tokens_details is None  # vLLM's default: only with --enable-prompt-tokens-details
     assert_versions(choice, 8)
 
 
@@ -330,14 +332,18 @@ def test_sampling_knobs(http: httpx.Client) -> None:
     assert len(r["choices"][0]["token_ids"]) == 10
 
 
-def test_prefix_cache_and_cache_salt(http: httpx.Client) -> None:
-    prompt = list(range(300, 360))  # several 16-token blocks
-    body = {"prompt": prompt, "max_tokens": 2, "ignore_eos": True}
-    http.post("/v1/completions", json={**body, "cache_salt": "a"})
-    hit = http.post("/v1/completions", json={**body, "cache_salt": "a"}).json()
-    assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] >= 48
-    miss = http.post("/v1/completions", json={**body, "cache_salt": "b"}).json()
-    assert miss["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+def test_prefix_cache_and_cache_salt() -> None:
+    url, proc = start_server("--enable-prompt-tokens-details")  # vLLM's flag: usage reports cached tokens
+    try:
+        prompt = list(range(300, 360))  # several 16-token blocks
+        body = {"prompt": prompt, "max_tokens": 2, "ignore_eos": True}
+        httpx.post(f"{url}/v1/completions", json={**body, "cache_salt": "a"}, timeout=60)
+        hit = httpx.post(f"{url}/v1/completions", json={**body, "cache_salt": "a"}, timeout=60).json()
+        assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] >= 48
+        miss = httpx.post(f"{url}/v1/completions", json={**body, "cache_salt": "b"}, timeout=60).json()
+        assert miss["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    finally:
+        stop_server(proc)
 
 
 def test_echo_respects_skip_special_tokens(http: httpx.Client) -> None:
@@ -380,14 +386,17 @@ def test_completion_stream_concatenates_to_nonstream(client: openai.OpenAI, http
         assert r.headers["content-type"].startswith("text/event-stream")
         chunks = _sse(r)
     *deltas, last = chunks
-    assert last["choices"] == [] and last["usage"] == full["usage"]
+    # vLLM's streamed usage has the counts only
+    assert last["choices"] == [] and last["usage"] == {
+        k: full["usage"][k] for k in ("prompt_tokens", "total_tokens", "completion_tokens")
+    }
     choice = full["choices"][0]
     assert "".join(c["choices"][0]["text"] for c in deltas) == choice["text"]
     assert [t for c in deltas for t in c["choices"][0]["token_ids"]] == choice["token_ids"]
     lps = [v for c in deltas for v in c["choices"][0]["logprobs"]["token_logprobs"]]
     assert lps == choice["logprobs"]["token_logprobs"]
-    assert "prompt_token_ids" in deltas[0]["choices"][0]
-    assert all("prompt_token_ids" not in c["choices"][0] for c in deltas[1:])
+    assert deltas[0]["choices"][0]["prompt_token_ids"] == full["choices"][0]["prompt_token_ids"]
+    assert all(c["choices"][0]["prompt_token_ids"] is None for c in deltas[1:])  # vLLM's key, null after the first
     assert [c["choices"][0]["finish_reason"] for c in deltas] == [None] * (len(deltas) - 1) + ["length"]
     # the SDK reads the same stream
     stream = client.completions.create(
@@ -404,8 +413,10 @@ def test_chat_stream_concatenates_to_nonstream(client: openai.OpenAI) -> None:
         client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}, extra_body=extra)
     )
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens == 20
-    assert chunks[0].model_extra["prompt_token_ids"] == full.prompt_token_ids
-    assert all("prompt_token_ids" not in c.model_extra for c in chunks[1:])
+    # vLLM sends the prompt's ids with each choice's role chunk, and only there
+    roles = [c for c in chunks[:-1] if c.choices[0].delta.role is not None]
+    assert len(roles) == 2 and all(c.model_extra["prompt_token_ids"] == full.prompt_token_ids for c in roles)
+    assert all("prompt_token_ids" not in c.model_extra for c in chunks if c not in roles)
     for i in range(2):
         mine = [c.choices[0] for c in chunks[:-1] if c.choices[0].index == i]
         assert mine[0].delta.role == "assistant" and all(c.delta.role is None for c in mine[1:])

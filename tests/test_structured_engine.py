@@ -88,7 +88,13 @@ def test_processed_logprobs_are_the_masked_renormalised_distribution(engine, hf)
     prompt = random_prompts(1, engine.vocab_size, seed=9)[0]
     t = 0.8
     params = SamplingParams(
-        temperature=t, top_k=40, max_tokens=40, seed=2, logprobs=2, structured_outputs={"json": SCHEMA}
+        temperature=t,
+        top_k=40,
+        max_tokens=40,
+        seed=2,
+        logprobs=2,
+        structured_outputs={"json": SCHEMA},
+        logprobs_mode="processed_logprobs",
     )
     comp = engine.generate([prompt], params)[0].outputs[0]
     grammar = engine.structured.check({"json": SCHEMA}, None)
@@ -121,7 +127,13 @@ def test_raw_logprobs_are_the_unmasked_model_distribution(engine, hf):
     for pos, token in enumerate(comp.token_ids):
         assert abs(comp.logprobs[pos] - raw[pos, token].item()) < 1e-4
     processed = SamplingParams(
-        temperature=0.7, max_tokens=6, seed=4, logprobs=0, ignore_eos=True, allowed_token_ids=allowed
+        temperature=0.7,
+        max_tokens=6,
+        seed=4,
+        logprobs=0,
+        ignore_eos=True,
+        allowed_token_ids=allowed,
+        logprobs_mode="processed_logprobs",
     )
     comp = engine.generate([prompt], processed)[0].outputs[0]
     scaled = hf_logprobs(hf, prompt, comp.token_ids, 0.7)

@@ -7,7 +7,7 @@ import logging
 import os
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rlserve.config.checks import check_combinations
 
@@ -126,6 +126,11 @@ class ServerConfig(Section):
         ge=0,
         description="requests queued in the engine beyond which new ones get 429 with Retry-After (0 = no cap)",
     )
+    enable_prompt_tokens_details: bool = Field(
+        False,
+        description="usage.prompt_tokens_details.cached_tokens (prefix-cache hits) in every answer; off: null, "
+        "as vLLM's --enable-prompt-tokens-details",
+    )
     max_stop_strings: int = Field(64, ge=0, description="most stop strings one request may send")
     max_stop_string_chars: int = Field(1024, ge=1, description="longest stop string")
     generate_max_tokens: int = Field(
@@ -173,10 +178,19 @@ class EngineConfig(Section):
         "kernels (decode attention reads K/V where they lie in the paged cache), built with the "
         "machine's C compiler at first use; without one, PyTorch ops",
     )
-    logprobs_mode: Literal["processed", "raw"] = Field(
-        "processed", description="processed = the distribution sampled from; raw = log_softmax of the logits"
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"] = Field(
+        "raw_logprobs",
+        description="raw_logprobs (vLLM's default) = log_softmax of the model's logits, before bias, penalties, "
+        "temperature and top-k/top-p; processed_logprobs = of the distribution sampled from; *_logits = the "
+        "values before log_softmax. raw and processed are accepted for the logprobs forms",
     )
     max_logprobs: int = Field(20, ge=-1, description="most top logprobs a request may ask for (-1 = no cap)")
+
+    @field_validator("logprobs_mode", mode="before")
+    @classmethod
+    def _older_logprobs_mode_names(cls, value: object) -> object:
+        return {"raw": "raw_logprobs", "processed": "processed_logprobs"}.get(value, value)  # type: ignore[call-overload]
+
     core_process: bool = Field(
         True, description="run the step loop in its own process (false: a thread of the HTTP server's process)"
     )

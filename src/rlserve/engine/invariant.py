@@ -108,7 +108,8 @@ class InvariantSampler(Sampler):
         if row.num_logprobs is None or row.forced_id is not None:
             return result
         dist = logits if row.raw_logprobs else processed_logits(logits.clone(), row)
-        result.logprobs = [torch.log_softmax(dist, dim=-1)[0, result.token_ids[0]].item()]
+        values = dist if row.as_logits else torch.log_softmax(dist, dim=-1)
+        result.logprobs = [values[0, result.token_ids[0]].item()]
         return result
 
 

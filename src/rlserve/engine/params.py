@@ -5,7 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-LogprobsMode = Literal["processed", "raw"]
+# vLLM's four names: raw = the model's distribution before any processing, processed = the one sampled from
+# (after bias, penalties, temperature, top-k/top-p/min-p); *_logits return the values before log_softmax
+LogprobsMode = Literal["raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"]
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
+LOGPROBS_MODE_ALIASES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}  # rlserve's older names
+
+
+def logprobs_mode_name(value: str) -> str:
+    """One of LOGPROBS_MODES, for any accepted spelling; ValueError otherwise."""
+    name = LOGPROBS_MODE_ALIASES.get(value, value)
+    if name not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {value!r}")
+    return name
 
 
 @dataclass(slots=True)
@@ -104,8 +116,8 @@ class SamplingParams:
             raise bad("forced_token_ids", f"must be a list of token ids, got {self.forced_token_ids!r}")
         if self.kv_transfer_params is not None and not isinstance(self.kv_transfer_params, dict):
             raise bad("kv_transfer_params", f"must be null or an object, got {self.kv_transfer_params!r}")
-        if self.logprobs_mode not in (None, "processed", "raw"):
-            raise bad("logprobs_mode", f"must be 'processed' or 'raw', got {self.logprobs_mode!r}")
+        if self.logprobs_mode is not None:
+            self.logprobs_mode = logprobs_mode_name(self.logprobs_mode)
 
     @property
     def penalized(self) -> bool:

@@ -31,13 +31,14 @@ class SamplingRow:
     min_p: float
     generator: torch.Generator | None
     num_logprobs: int | None  # None: no logprobs; k: sampled + k best
-    raw_logprobs: bool
+    raw_logprobs: bool  # the model's distribution, not the one sampled from
     banned_ids: list[int] | None  # EOS / stop ids masked until min_tokens is reached
     forced_id: int | None = None  # test-only: the processed distribution is one-hot on this token
     logit_bias: dict[int, float] | None = None
     # (repetition, presence, frequency, prompt ids, output ids) when any penalty is active
     penalties: tuple[float, float, float, list[int], list[int]] | None = None
     allowed: torch.Tensor | None = None  # bool [vocab]: structured outputs' mask of the tokens it may take
+    as_logits: bool = False  # logprobs_mode *_logits: the values before log_softmax
 
 
 @dataclass(slots=True)
@@ -66,6 +67,9 @@ class Sampler:
         n, device = logits.shape[0], logits.device
         want_logprobs = any(r.num_logprobs is not None for r in rows)
         raw = torch.log_softmax(logits, dim=-1) if any(r.raw_logprobs for r in rows) else None
+        for i, r in enumerate(rows):
+            if r.raw_logprobs and r.as_logits:
+                raw[i] = logits[i]  # type: ignore[index]
         for i, r in enumerate(rows):
             if r.logit_bias:
                 ids = torch.tensor(list(r.logit_bias), device=device)
@@ -96,6 +100,8 @@ class Sampler:
         if want_logprobs:
             if lse is None:
                 lse = torch.logsumexp(scaled, dim=-1, keepdim=True)
+            if any(r.as_logits for r in rows):
+                lse = lse.masked_fill(torch.tensor([r.as_logits for r in rows], device=device).unsqueeze(1), 0.0)
             lp = scaled.gather(1, tokens.unsqueeze(1)) - lse
             top_v = top_i = None
             if k > 0:
@@ -204,7 +210,7 @@ def sampling_row(
     banned = None
     if seq.num_output_tokens < p.min_tokens:
         banned = list(eos_token_ids) + list(p.stop_token_ids)
-    mode = p.logprobs_mode or logprobs_mode
+    mode = p.logprobs_mode or logprobs_mode  # one of params.LOGPROBS_MODES
     forced = p.forced_token_ids
     forced_id = forced[seq.num_output_tokens] if forced and seq.num_output_tokens < len(forced) else None
     if seq.detected is not None:  # a detector fired on the last token: EOS, one-hot, as prime-rl forces it
@@ -216,7 +222,8 @@ def sampling_row(
         min_p=p.min_p,
         generator=seq.generator,
         num_logprobs=p.logprobs,
-        raw_logprobs=mode == "raw",
+        raw_logprobs=mode.startswith("raw"),
+        as_logits=mode.endswith("logits"),
         banned_ids=banned,
         forced_id=forced_id,
         logit_bias=p.logit_bias,

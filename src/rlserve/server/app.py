@@ -32,6 +32,7 @@ from rlserve.server.listen import bind, check_admin_exposure
 from rlserve.server.metrics import Metrics, wants_json_metrics
 from rlserve.server.openai import chat, chat_batch, completions, responses, responses_store, tokenization
 from rlserve.server.openai.chat_template import load_template
+from rlserve.server.openai.vllm_shape import model_permission
 from rlserve.server.openapi import install_openapi
 from rlserve.server.rl import control, generate, rescore, vllm_rl
 from rlserve.server.rl import weights as vllm_weights
@@ -132,7 +133,7 @@ def _model_card(state: ServerState) -> dict:
         "root": config.model.name or str(state.engine.model_dir),
         "parent": None,
         "max_model_len": state.max_model_len,
-        "permission": [],
+        "permission": [model_permission()],
     }
 
 

@@ -135,17 +135,55 @@ def _admit(engine, cap: int) -> None:
 
 
 def check_text_fits(state, chars: int, field: str) -> None:
-    """400 before tokenizing text that cannot fit: no token is longer than the vocabulary's longest."""
+    """400 before tokenizing text that cannot fit: no token is longer than the vocabulary's longest (vLLM's
+    wording; `field` is kept for callers, vLLM names the parameter input_text)."""
     if state._longest_token is None:
         state._longest_token = max(map(len, state.tokenizer.get_vocab()), default=1)
-    if chars > state.max_model_len * state._longest_token:
+    bound = state.max_model_len * state._longest_token
+    if chars > bound:
+        raise _context_error(
+            state,
+            f"your prompt contains {chars} characters (more than {bound} characters, which is the upper bound "
+            f"for {state.max_model_len} input tokens)",
+            "input_text",
+            chars,
+        )
+
+
+def check_prompt_fits(state, num_tokens: int) -> None:
+    """vLLM's 400 for a prompt the context cannot hold, with room for at least one output token."""
+    limit = state.max_model_len
+    if num_tokens > limit:
+        detail = (
+            f"your prompt contains {num_tokens} input tokens, which exceeds this limit even without any output tokens"
+        )
+    elif num_tokens == limit:
+        detail = f"your prompt contains {num_tokens} input tokens, which leaves no room for any output token"
+    else:
+        return
+    raise _context_error(state, detail, "input_tokens", num_tokens)
+
+
+def check_max_tokens(state, value: int | None, param: str) -> None:
+    """vLLM's 400 for max_tokens (or max_completion_tokens) above the context length; below it, the
+    engine caps it to what the prompt leaves, as vLLM does."""
+    if value is not None and value > state.max_model_len:
         raise APIError(
             400,
-            f"{field} has {chars} characters; this model's maximum context length is "
-            f"{state.max_model_len} tokens, and no token is longer than {state._longest_token} "
-            "characters",
-            field,
+            f"{param}={value} cannot be greater than max_model_len={state.max_model_len}. Please request fewer "
+            f"output tokens. (parameter={param}, value={value})",
+            param,
         )
+
+
+def _context_error(state, detail: str, param: str, value: int) -> APIError:
+    # NeMo Gym and others match on "This model's maximum context length is"
+    return APIError(
+        400,
+        f"This model's maximum context length is {state.max_model_len} tokens. However, {detail}. Please reduce "
+        f"the length of the input prompt. (parameter={param}, value={value})",
+        param,
+    )
 
 
 def check_request_caps(state, params) -> None:

@@ -26,6 +26,8 @@ def sampling_params(
     cap = state.config.engine.max_num_seqs
     if body.n > cap:
         raise bad_request(f"n must be at most {cap} (engine.max_num_seqs), got {body.n}", "n")
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options can only be defined when stream=true: drop it, or stream", "stream_options")
     if body.prompt_logprobs is not None and body.stream:
         raise bad_request("prompt_logprobs is not available with stream=true", "prompt_logprobs")
     try:

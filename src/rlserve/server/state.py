@@ -128,7 +128,9 @@ class ServerState:
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
         if text is None:
-            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+            text = self.tokenizer.decode([token_id])
+            # part of a multi-byte character: vLLM shows such a token as "" in logprobs
+            text = self._token_text[token_id] = "" if text.endswith("\ufffd") else text
         return text
 
     def token_label(self, token_id: int, as_ids: bool) -> str:
@@ -232,13 +234,20 @@ def prompt_logprobs_json(state: ServerState, out: RequestOutput, k: int | None, 
     return result
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> dict[str, Any]:
+    """vLLM's keys; prompt_tokens_details is null unless cached_tokens is given (cached_tokens())."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "prompt_tokens_details": None if cached_tokens is None else {"cached_tokens": cached_tokens},
+        "completion_tokens_details": None,
     }
+
+
+def cached_tokens(state: ServerState, count: int) -> int | None:
+    """The prefix-cache hits usage reports: only with server.enable_prompt_tokens_details (vLLM's default off)."""
+    return count if state.config.server.enable_prompt_tokens_details else None
 
 
 @dataclass

@@ -115,10 +115,23 @@ def allowed_token_ids(extra: dict[str, Any]) -> list[int] | None:
 
 def logprobs_header(params: SamplingParams, server_mode: str) -> dict[str, str]:
     """`processed`: the distribution sampled from (masked and renormalised when constrained); `raw`: the model's."""
-    if (params.logprobs_mode or server_mode) == "raw":
-        return {LOGPROBS_HEADER: "raw"}
+    mode = params.logprobs_mode or server_mode
+    suffix = "-logits" if mode.endswith("logits") else ""
+    if mode.startswith("raw"):
+        return {LOGPROBS_HEADER: "raw" + suffix}
     constrained = params.structured_outputs is not None or params.allowed_token_ids is not None
-    return {LOGPROBS_HEADER: "processed-masked-renormalized" if constrained else "processed"}
+    return {LOGPROBS_HEADER: ("processed-masked-renormalized" if constrained else "processed") + suffix}
+
+
+def check_auto_tool_choice(parser: str | None, body: Any) -> None:
+    """vLLM's 400 for an explicit tool_choice "auto" on chat with no parser configured: nothing would parse
+    the calls."""
+    if body.tools and parser is None and body.tool_choice == "auto":
+        raise bad_request(
+            '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set '
+            "(rlserve: --model.tool_call_parser NAME), or leave tool_choice unset",
+            "tool_choice",
+        )
 
 
 def enforce_tool_choice(parser: str | None, engine: Any, body: Any, params: SamplingParams) -> None:

@@ -15,7 +15,7 @@ _DTYPES = {
     "float": "float32",
     "float32": "float32",
 }
-_LOGPROBS_MODES = {"raw_logprobs": "raw", "processed_logprobs": "processed"}
+_LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
 
 
 def _dtype(value: str) -> str:
@@ -26,10 +26,8 @@ def _dtype(value: str) -> str:
 
 def _logprobs_mode(value: str) -> str:
     if value not in _LOGPROBS_MODES:
-        raise ConfigError(
-            f"--logprobs-mode {value!r}: rlserve returns logprobs, not logits: use raw_logprobs or processed_logprobs"
-        )
-    return _LOGPROBS_MODES[value]
+        raise ConfigError(f"--logprobs-mode {value!r}: choose one of {', '.join(_LOGPROBS_MODES)}")
+    return value
 
 
 def _length(value: str) -> str:
@@ -86,6 +84,7 @@ VLLM_FLAGS: dict[str, Flag] = {
     "--enable-prefix-caching": Flag("engine.enable_prefix_caching", switch=True),
     "--no-enable-prefix-caching": Flag("engine.enable_prefix_caching", switch=True, const="false"),
     "--enforce-eager": Flag("model.enforce_eager", switch=True),
+    "--enable-prompt-tokens-details": Flag("server.enable_prompt_tokens_details", switch=True),
     "--trust-remote-code": Flag("model.trust_remote_code", switch=True),
     "--enable-return-routed-experts": Flag("enable_return_routed_experts", switch=True),
     # accepted and ignored: rlserve already behaves as the flag asks, or has no such limit

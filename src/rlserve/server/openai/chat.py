@@ -20,8 +20,9 @@ from rlserve.server.chat_parsing import (
     output_parser,
 )
 from rlserve.server.errors import bad_request
-from rlserve.server.limits import check_text_fits
+from rlserve.server.limits import check_max_tokens, check_prompt_fits, check_text_fits
 from rlserve.server.openai.chat_template import message_chars, render_chat
+from rlserve.server.openai.vllm_shape import CHAT_CHOICE, CHAT_MESSAGE, CHAT_RESPONSE, SYSTEM_FINGERPRINT, stream_usage
 from rlserve.server.protocol import POLICY_FIELDS, ChatCompletionRequest, ChatTokensRequest
 from rlserve.server.reasoning_grammar import constrain_after_reasoning
 from rlserve.server.sampling import sampling_params, truncate
@@ -29,6 +30,7 @@ from rlserve.server.staleness import hold_for_policy_version
 from rlserve.server.state import (
     ChoiceCursor,
     ServerState,
+    cached_tokens,
     clamp,
     prompt_logprobs_json,
     request_id,
@@ -38,7 +40,12 @@ from rlserve.server.state import (
     version_fields,
 )
 from rlserve.server.streaming import ClientGone, Run, SSEResponse, run_to_end, sse, sse_stream, start_stream
-from rlserve.server.structured_request import enforce_tool_choice, grammar_checker, logprobs_header
+from rlserve.server.structured_request import (
+    check_auto_tool_choice,
+    enforce_tool_choice,
+    grammar_checker,
+    logprobs_header,
+)
 
 router = APIRouter()
 log = logging.getLogger(__name__)
@@ -62,6 +69,7 @@ class Ctx:
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     state: ServerState = request.app.state.rlserve
+    check_auto_tool_choice(state.config.model.tool_call_parser, body)
     return await _respond(request, await prepare(state, body, request_id(request, body)))
 
 
@@ -84,6 +92,7 @@ async def create_chat_completion_from_tokens(body: ChatTokensRequest, request: R
 
 async def _respond(request: Request, ctx: Ctx) -> Response:
     body = ctx.body
+    check_prompt_fits(ctx.state, len(ctx.prompt))  # here, not in prepare: /v1/responses answers it differently
     run = launch(ctx)
     headers = rid_header(ctx.rid) | logprobs_header(ctx.params, ctx.state.config.engine.logprobs_mode)
     try:
@@ -98,6 +107,10 @@ async def _respond(request: Request, ctx: Ctx) -> Response:
 
 async def prepare(state: ServerState, body: ChatCompletionRequest, rid: str, prompt: list[int] | None = None) -> Ctx:
     model = state.check_model(body.model)
+    if body.max_completion_tokens is not None:
+        check_max_tokens(state, body.max_completion_tokens, "max_completion_tokens")
+    else:
+        check_max_tokens(state, body.max_tokens, "max_tokens")
     await hold_for_policy_version(state, body.model_dump(include=POLICY_FIELDS))
     if body.truncate_prompt_tokens is None and prompt is None:
         check_text_fits(state, message_chars(body), "messages")
@@ -180,13 +193,16 @@ def finish_reason(o: CompletionOutput, has_tool_calls: bool) -> str | None:
 
 
 def message_json(parsed: ParsedMessage) -> dict[str, Any]:
-    return {
+    message = {
         "role": "assistant",
         "content": parsed.content,
+        **CHAT_MESSAGE,
         "reasoning": parsed.reasoning,
         "reasoning_content": parsed.reasoning,
-        "tool_calls": parsed.tool_calls,
     }
+    if parsed.tool_calls:  # vLLM leaves out an empty list
+        message["tool_calls"] = parsed.tool_calls
+    return message
 
 
 def _response(ctx: Ctx, out: RequestOutput) -> dict[str, Any]:
@@ -199,6 +215,7 @@ def _response(ctx: Ctx, out: RequestOutput) -> dict[str, Any]:
             "logprobs": _logprobs(ctx, o, 0),
             "finish_reason": finish_reason(o, bool(parsed.tool_calls)),
             "stop_reason": o.stop_reason,
+            **CHAT_CHOICE,
         }
         if parsed.tool_call_errors:
             choice["tool_call_errors"] = [e.to_json() for e in parsed.tool_call_errors]
@@ -207,11 +224,11 @@ def _response(ctx: Ctx, out: RequestOutput) -> dict[str, Any]:
         choice.update(version_fields(ctx.state, o))
         choices.append(choice)
     response = {"id": ctx.id, "object": "chat.completion", "created": ctx.created, "model": ctx.model}
-    if body.return_token_ids:
-        response["prompt_token_ids"] = out.prompt_token_ids
     return {
         **response,
         "choices": choices,
+        **CHAT_RESPONSE,
+        "prompt_token_ids": out.prompt_token_ids if body.return_token_ids else None,
         "usage": _usage(ctx, out),
         "prompt_logprobs": prompt_logprobs_json(ctx.state, out, body.prompt_logprobs, body.return_tokens_as_token_ids),
         "kv_transfer_params": out.kv_transfer_params,
@@ -231,8 +248,7 @@ def _delta_choice(ctx: Ctx, o: CompletionOutput, cur: ChoiceCursor, streamer: Me
         "logprobs": _logprobs(ctx, o, cur.tokens),
         "finish_reason": finish_reason(o, streamer.has_tool_calls) if finishing else None,
     }
-    if ctx.body.return_token_ids:
-        choice["token_ids"] = new_ids
+    choice["token_ids"] = new_ids if ctx.body.return_token_ids else None
     if finishing:
         choice["stop_reason"] = o.stop_reason
         if streamer.tool_call_errors:
@@ -249,38 +265,45 @@ async def _stream(ctx: Ctx, run: Run) -> AsyncIterator[str]:
     cursors = [ChoiceCursor() for _ in range(body.n)]
     streamers = [ctx.parser.streamer() for _ in range(body.n)]
     latest: RequestOutput | None = None
+    continuous = bool(options and options.include_usage and options.continuous_usage_stats)
     async for _, out in run.events():
         if latest is None:
             for i in range(body.n):  # the role goes first and alone, one chunk per choice
+                role = {
+                    "index": i,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
                 chunk = {
                     **head,
-                    "choices": [
-                        {
-                            "index": i,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ],
+                    "choices": [role],
+                    "prompt_token_ids": out.prompt_token_ids if body.return_token_ids else None,
+                    "prompt_text": None,
                 }
-                if i == 0 and body.return_token_ids:
-                    chunk["prompt_token_ids"] = out.prompt_token_ids
+                if continuous:
+                    chunk["usage"] = stream_usage(_usage(ctx, out, role_chunk=True), details=True)
                 yield sse(chunk)
         latest = out
         for o in out.outputs:
             choice = _delta_choice(ctx, o, cursors[o.index], streamers[o.index])
             if choice is not None:
                 chunk = {**head, "choices": [choice]}
-                if options and options.continuous_usage_stats:
-                    chunk["usage"] = _usage(ctx, out)
+                if continuous:
+                    chunk["usage"] = stream_usage(_usage(ctx, out), details=True)
+                if choice["finish_reason"] is not None and not (options and options.include_usage):
+                    chunk["system_fingerprint"] = SYSTEM_FINGERPRINT  # the last chunk carries it
                 yield sse(chunk)
     if options and options.include_usage and latest is not None:
-        yield sse({**head, "choices": [], "usage": _usage(ctx, latest)})
+        usage_chunk = {**head, "choices": [], "usage": stream_usage(_usage(ctx, latest), details=False)}
+        yield sse({**usage_chunk, "system_fingerprint": SYSTEM_FINGERPRINT})
 
 
-def _usage(ctx: Ctx, out: RequestOutput) -> dict[str, Any]:
-    result = usage(len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs), out.num_cached_tokens)
+def _usage(ctx: Ctx, out: RequestOutput, role_chunk: bool = False) -> dict[str, Any]:
+    """Usage so far; the role chunk's (continuous usage) counts no completion tokens yet, as vLLM's."""
+    completion_tokens = 0 if role_chunk else sum(len(o.token_ids) for o in out.outputs)
+    result = usage(len(out.prompt_token_ids), completion_tokens, cached_tokens(ctx.state, out.num_cached_tokens))
     if ctx.parser.reasoning_parser is not None:
-        reasoning = sum(ctx.parser.reasoning_tokens(o.token_ids) for o in out.outputs)
+        reasoning = 0 if role_chunk else sum(ctx.parser.reasoning_tokens(o.token_ids) for o in out.outputs)
         result["completion_tokens_details"] = {"reasoning_tokens": reasoning}
     return result

@@ -12,13 +12,15 @@ from fastapi.responses import JSONResponse, Response
 
 from rlserve.engine.outputs import CompletionOutput, RequestOutput
 from rlserve.server.errors import bad_request
-from rlserve.server.limits import check_text_fits
+from rlserve.server.limits import check_max_tokens, check_prompt_fits, check_text_fits
+from rlserve.server.openai.vllm_shape import RESPONSE, SYSTEM_FINGERPRINT, stream_usage
 from rlserve.server.protocol import POLICY_FIELDS, CompletionRequest
 from rlserve.server.sampling import sampling_params, truncate
 from rlserve.server.staleness import hold_for_policy_version
 from rlserve.server.state import (
     ChoiceCursor,
     ServerState,
+    cached_tokens,
     clamp,
     prompt_logprobs_json,
     request_id,
@@ -50,15 +52,18 @@ class Ctx:
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     state: ServerState = request.app.state.rlserve
     model = state.check_model(body.model)
+    check_max_tokens(state, body.max_tokens, "max_tokens")
     await hold_for_policy_version(state, body.model_dump(include=POLICY_FIELDS))
     prompts, texts = await state.off_loop(_prompts, state, body)
     k = _logprobs_k(body.logprobs)
     score_only = body.echo and body.max_tokens == 0
-    prompt_k = body.prompt_logprobs
-    if body.echo and k is not None:  # echoed logprobs come from the prompt logprobs
-        prompt_k = -1 if prompt_k == -1 else max(k, prompt_k or 0)
+    prompt_k = _prompt_k(body, k)
     params = sampling_params(
-        state, body, max_tokens=1 if score_only else body.max_tokens, logprobs=k, prompt_logprobs=prompt_k
+        state,
+        body,
+        max_tokens=1 if score_only else body.max_tokens,
+        logprobs=k,
+        prompt_logprobs=prompt_k,
     )
     rid = request_id(request, body)
     ctx = Ctx(state, body, f"cmpl-{rid}", model, int(time.time()), k, texts, score_only)
@@ -72,6 +77,13 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     except ClientGone:
         return Response(status_code=499)
     return JSONResponse(_response(ctx, finals), headers=headers)
+
+
+def _prompt_k(body: CompletionRequest, k: int | None) -> int | None:
+    """Echoed logprobs come from the prompt logprobs (and are returned as them too, as vLLM does)."""
+    if body.echo and k is not None:
+        return -1 if body.prompt_logprobs == -1 else max(k, body.prompt_logprobs or 0)
+    return body.prompt_logprobs
 
 
 def _logprobs_k(value: bool | int | None) -> int | None:
@@ -112,6 +124,7 @@ def _prompts(state: ServerState, body: CompletionRequest) -> tuple[list[list[int
                 raise bad_request("prompt is empty: a token-id list needs at least one id", "prompt")
             tokens = item
         kept = truncate(tokens, body.truncate_prompt_tokens, state.max_model_len)
+        check_prompt_fits(state, len(kept))
         ids.append(kept)
         texts.append(item if isinstance(item, str) and len(kept) == len(tokens) else None)
     return ids, texts
@@ -150,7 +163,7 @@ def _logprobs(
     for j, (t, lp) in enumerate(zip(token_ids, lps)):
         tokens.append(state.token_label(t, as_ids))
         offsets.append(offset)
-        offset += len(state.token_text(t))
+        offset += len(state.token_label(t, as_ids))  # vLLM counts the label, token_id:N included
         top = {state.token_label(tid, as_ids): clamp(v) for tid, v in (tops[j] if tops else {}).items()}
         top.setdefault(state.token_label(t, as_ids), clamp(lp))
         top_logprobs.append(top)
@@ -171,7 +184,7 @@ def _echo_logprobs(ctx: Ctx, out: RequestOutput) -> dict[str, list]:
     for t, entry in zip(ids, entries):
         result["tokens"].append(state.token_label(t, as_ids))
         result["text_offset"].append(offset)
-        offset += len(state.token_text(t))
+        offset += len(state.token_label(t, as_ids))  # vLLM counts the label, token_id:N included
         if entry is None:
             result["token_logprobs"].append(None)
             result["top_logprobs"].append(None)
@@ -204,7 +217,7 @@ def _choice(ctx: Ctx, i: int, out: RequestOutput, o: CompletionOutput, cur: Choi
         )
         if first and body.echo:
             logprobs = _concat(_echo_logprobs(ctx, out), logprobs)
-        cur.offset += sum(len(ctx.state.token_text(t)) for t in new_ids)
+        cur.offset += sum(len(ctx.state.token_label(t, body.return_tokens_as_token_ids)) for t in new_ids)
     choice: dict[str, Any] = {
         "index": i * body.n + o.index,
         "text": prefix + new_text,
@@ -212,10 +225,11 @@ def _choice(ctx: Ctx, i: int, out: RequestOutput, o: CompletionOutput, cur: Choi
         "finish_reason": o.finish_reason if finishing else None,
         "stop_reason": o.stop_reason if finishing else None,
     }
-    if body.return_token_ids:
-        if first:
-            choice["prompt_token_ids"] = out.prompt_token_ids
-        choice["token_ids"] = new_ids
+    # vLLM's keys, null without return_token_ids; the prompt's ids ride in the first chunk only
+    # (streamed with echo too, as vLLM does)
+    wants_prompt_ids = body.return_token_ids or (body.echo and body.stream)
+    choice["prompt_token_ids"] = out.prompt_token_ids if wants_prompt_ids and first else None
+    choice["token_ids"] = new_ids if body.return_token_ids else None
     if finishing:
         choice.update(version_fields(ctx.state, o))
     cur.tokens, cur.text, cur.started, cur.finished = len(o.token_ids), len(o.text), True, o.finished
@@ -226,12 +240,13 @@ def _response(ctx: Ctx, finals: list[RequestOutput]) -> dict[str, Any]:
     choices, completion_tokens = [], 0
     for i, out in enumerate(finals):
         prompt_logprobs = prompt_logprobs_json(
-            ctx.state, out, ctx.body.prompt_logprobs, ctx.body.return_tokens_as_token_ids
+            ctx.state, out, _prompt_k(ctx.body, ctx.k), ctx.body.return_tokens_as_token_ids
         )
         for o in sorted(out.outputs, key=lambda o: o.index):
             o = _visible(ctx, o)
             choice = _choice(ctx, i, out, o, ChoiceCursor())
             choice["prompt_logprobs"] = prompt_logprobs
+            choice["routed_experts"] = None
             choices.append(choice)
             completion_tokens += len(o.token_ids)
     prompt_tokens = sum(len(out.prompt_token_ids) for out in finals)
@@ -242,7 +257,8 @@ def _response(ctx: Ctx, finals: list[RequestOutput]) -> dict[str, Any]:
         "created": ctx.created,
         "model": ctx.model,
         "choices": choices,
-        "usage": usage(prompt_tokens, completion_tokens, cached),
+        **RESPONSE,
+        "usage": usage(prompt_tokens, completion_tokens, cached_tokens(ctx.state, cached)),
         "kv_transfer_params": finals[0].kv_transfer_params if finals else None,
     }
 
@@ -258,14 +274,18 @@ async def _stream(ctx: Ctx, run: Run) -> AsyncIterator[str]:
             choice = _choice(ctx, i, out, _visible(ctx, o), cursors.setdefault((i, o.index), ChoiceCursor()))
             if choice is not None:
                 chunk = {**head, "choices": [choice]}
-                if options and options.continuous_usage_stats:
-                    chunk["usage"] = _usage(ctx, latest)
+                if options and options.include_usage and options.continuous_usage_stats:
+                    chunk["usage"] = stream_usage(_usage(ctx, latest), details=False)
+                if choice["finish_reason"] is not None and not (options and options.include_usage):
+                    chunk["system_fingerprint"] = SYSTEM_FINGERPRINT  # the last chunk carries it
                 yield sse(chunk)
     if options and options.include_usage:
-        yield sse({**head, "choices": [], "usage": _usage(ctx, latest)})
+        usage_chunk = {**head, "choices": [], "usage": stream_usage(_usage(ctx, latest), details=False)}
+        yield sse({**usage_chunk, "system_fingerprint": SYSTEM_FINGERPRINT})
 
 
 def _usage(ctx: Ctx, latest: dict[int, RequestOutput]) -> dict[str, Any]:
     outs = latest.values()
     completion = sum(len(_visible(ctx, o).token_ids) for out in outs for o in out.outputs)
-    return usage(sum(len(out.prompt_token_ids) for out in outs), completion, sum(out.num_cached_tokens for out in outs))
+    cached = cached_tokens(ctx.state, sum(out.num_cached_tokens for out in outs))
+    return usage(sum(len(out.prompt_token_ids) for out in outs), completion, cached)

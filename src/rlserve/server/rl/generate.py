@@ -29,6 +29,7 @@ from rlserve.server.staleness import hold_for_policy_version
 from rlserve.server.state import (
     SAMPLING_FIELDS,
     ServerState,
+    cached_tokens,
     clamp,
     json_body,
     prompt_logprobs_json,
@@ -70,21 +71,22 @@ def _token_ids(state: ServerState, ids: Any, field: str) -> list[int]:
 
 
 def _logprob_content(comp: CompletionOutput) -> dict | None:
-    # vLLM names every token here `token_id:<id>` whatever return_tokens_as_token_ids says, and
-    # clients (verifiers' renderers) reject decoded text
+    # vLLM 0.32's {token_id, logprob, rank}, and `token: "token_id:<id>"` beside it for verifiers' client
+    # (its renderers reject decoded text)
     if comp.logprobs is None:
         return None
     tops = comp.top_logprobs or [{} for _ in comp.token_ids]
-    return {
-        "content": [
-            {
-                "token": f"token_id:{t}",
-                "logprob": clamp(lp),
-                "top_logprobs": [{"token": f"token_id:{i}", "logprob": clamp(v)} for i, v in sampled_first(t, lp, top)],
-            }
-            for t, lp, top in zip(comp.token_ids, comp.logprobs, tops)
-        ]
-    }
+    content = []
+    for t, lp, top in zip(comp.token_ids, comp.logprobs, tops):
+        ranks = {i: rank for rank, i in enumerate(sorted(top, key=top.__getitem__, reverse=True), 1)}
+        entry = _logprob_entry(t, lp, ranks.get(t))  # the sampled token's rank is known when it is a top one
+        entry["top_logprobs"] = [_logprob_entry(i, v, ranks.get(i)) for i, v in sampled_first(t, lp, top)]
+        content.append(entry)
+    return {"content": content}
+
+
+def _logprob_entry(token_id: int, logprob: float, rank: int | None) -> dict[str, Any]:
+    return {"token_id": token_id, "token": f"token_id:{token_id}", "logprob": clamp(logprob), "rank": rank}
 
 
 # ---- vLLM /inference/v1/generate (§2.6) ----------------------------------------------------------
@@ -122,10 +124,14 @@ async def inference_generate(request: Request):
     )
     if body.get("stream"):
         await start_stream(request, run)
-        return SSEResponse(_generate_stream(state, run, rid))
+        return SSEResponse(_generate_stream(state, run, rid, body))
     (out,) = await run_to_end(request, run)
+    text = body.get("output_mode") == "text"
     return {
         "request_id": rid,
+        "model": state.served_model_name,
+        "created": int(time.time()),
+        "output_mode": "text" if text else "tokens",
         "choices": [
             {
                 "index": c.index,
@@ -134,13 +140,20 @@ async def inference_generate(request: Request):
                 "stop_reason": c.stop_reason,
                 "logprobs": _logprob_content(c),
                 "routed_experts": _routed_experts(c, experts_start),
+                "sampling_mask": None,
                 **version_fields(state, c),
+                **({"text": c.text or state.tokenizer.decode(c.token_ids)} if text else {}),
             }
             for c in out.outputs
         ],
         "prompt_logprobs": prompt_logprobs_json(state, out, params.prompt_logprobs, as_ids),
+        "prompt_token_id_logprobs": None,
+        "prompt_token_ids": out.prompt_token_ids if body.get("return_token_ids") else None,
+        "mm_placeholders": None,
+        "metrics": None,
         "kv_transfer_params": out.kv_transfer_params,
-        "usage": _usage(out),
+        "ec_transfer_params": None,
+        "usage": _usage(out, state),
     }
 
 
@@ -159,14 +172,19 @@ def _routed_experts(c: CompletionOutput, start: int) -> dict | None:
     return None if c.routed_experts is None else encode_routed_experts(c.routed_experts, start)
 
 
-def _usage(out: RequestOutput) -> dict:
-    u = usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens)
-    if not out.num_cached_tokens:
-        u.pop("prompt_tokens_details")
-    return u
+def _usage(out: RequestOutput, state: ServerState) -> dict:
+    return usage(
+        len(out.prompt_token_ids),
+        sum(len(c.token_ids) for c in out.outputs),
+        cached_tokens(state, out.num_cached_tokens),
+    )
 
 
-async def _generate_stream(state: ServerState, run: Run, rid: str):
+async def _generate_stream(state: ServerState, run: Run, rid: str, body: dict[str, Any]):
+    head = {"request_id": rid, "usage": None, "output_mode": "text" if body.get("output_mode") == "text" else "tokens"}
+    options = body.get("stream_options")
+    include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+    last: RequestOutput | None = None
     sent: dict[int, int] = {}
     try:
         async for _, out in run.events():
@@ -187,13 +205,19 @@ async def _generate_stream(state: ServerState, run: Run, rid: str):
                     "token_ids": delta.token_ids,
                     "logprobs": _logprob_content(delta),
                     "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason if c.finished else None,
+                    "routed_experts": None,
+                    "sampling_mask": None,
+                    "weight_versions": None,
                 }
-                chunk: dict[str, Any] = {"request_id": rid, "choices": [choice]}
                 if c.finished:
                     choice.update(version_fields(state, c))
-                    if out.finished:
-                        chunk["usage"] = _usage(out)
-                yield sse(chunk)
+                yield sse({**head, "choices": [choice]})
+            last = out
+        if include_usage and last is not None:
+            counts = _usage(last, state)
+            counts = {k: counts[k] for k in ("prompt_tokens", "total_tokens", "completion_tokens")}
+            yield sse({**head, "usage": counts, "choices": []})
         yield SSE_DONE
     except Exception as exc:
         yield sse_error(exc)
