@@ -23,6 +23,7 @@ from rlserve.runtime.inproc import AsyncEngine
 from rlserve.runtime.proc_client import EngineClient
 from rlserve.runtime.spawn import EngineProcess
 from rlserve.server import early_stop
+from rlserve.server.anthropic import messages as anthropic_messages
 from rlserve.server.auth import Gate
 from rlserve.server.engine_death import engine_died
 from rlserve.server.errors import APIError, install_error_handlers
@@ -81,6 +82,7 @@ def build_app(engine: EngineFace, config: Config) -> FastAPI:
         vllm_rl.router,
         responses_store.router,
         chat_batch.router,
+        anthropic_messages.router,
     ):
         app.include_router(r)
     app.add_middleware(BodyGuard, max_body_bytes=config.server.max_body_bytes)
