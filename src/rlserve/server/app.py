@@ -31,9 +31,18 @@ from rlserve.server.fleet import deployment_guard, worker_routes
 from rlserve.server.limits import BodyGuard
 from rlserve.server.listen import bind, check_admin_exposure
 from rlserve.server.metrics import Metrics, wants_json_metrics
-from rlserve.server.openai import chat, chat_batch, completions, responses, responses_store, tokenization
+from rlserve.server.openai import (
+    chat,
+    chat_batch,
+    completions,
+    responses,
+    responses_store,
+    sagemaker,
+    tokenization,
+)
 from rlserve.server.openai.chat_template import load_template
 from rlserve.server.openapi import install_openapi
+from rlserve.server.request_headers import ResponseHeaders
 from rlserve.server.rl import control, generate, rescore, vllm_rl
 from rlserve.server.rl import weights as vllm_weights
 from rlserve.server.state import ServerState
@@ -56,7 +65,7 @@ def build_app(engine: EngineFace, config: Config) -> FastAPI:
             await control.activate_startup_adapter(app.state.rlserve, config.model.adapter_path)
         yield
 
-    app = FastAPI(title="rlserve", redirect_slashes=False, lifespan=lifespan)
+    app = FastAPI(title="rlserve", redirect_slashes=False, lifespan=lifespan, root_path=config.server.root_path)
     name = served_model_name(config)
     app.state.rlserve = ServerState(
         engine, config, Metrics(engine, name), name, chat_template=load_template(config.model.chat_template)
@@ -83,6 +92,7 @@ def build_app(engine: EngineFace, config: Config) -> FastAPI:
         responses_store.router,
         chat_batch.router,
         anthropic_messages.router,
+        sagemaker.router,
     ):
         app.include_router(r)
     app.add_middleware(BodyGuard, max_body_bytes=config.server.max_body_bytes)
@@ -90,6 +100,7 @@ def build_app(engine: EngineFace, config: Config) -> FastAPI:
         Gate, api_key=config.server.api_key, admin_api_key=config.server.admin_api_key, state=app.state.rlserve
     )
     deployment_guard.install(app)
+    app.add_middleware(ResponseHeaders)  # outermost: a 401 or 413 carries X-Request-Id too
     if config.parallel.dp > 1:
         app.add_middleware(RoutingHints)
     return app

@@ -14,7 +14,7 @@ from rlserve.engine.outputs import CompletionOutput, RequestOutput
 from rlserve.server.errors import bad_request
 from rlserve.server.limits import check_text_fits
 from rlserve.server.protocol import POLICY_FIELDS, CompletionRequest
-from rlserve.server.sampling import sampling_params, truncate
+from rlserve.server.sampling import full_vocabulary, sampling_params, truncate
 from rlserve.server.staleness import hold_for_policy_version
 from rlserve.server.state import (
     ChoiceCursor,
@@ -52,7 +52,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     model = state.check_model(body.model)
     await hold_for_policy_version(state, body.model_dump(include=POLICY_FIELDS))
     prompts, texts = await state.off_loop(_prompts, state, body)
-    k = _logprobs_k(body.logprobs)
+    k = full_vocabulary(state, _logprobs_k(body.logprobs), "logprobs")
     score_only = body.echo and body.max_tokens == 0
     prompt_k = body.prompt_logprobs
     if body.echo and k is not None:  # echoed logprobs come from the prompt logprobs
@@ -111,7 +111,7 @@ def _prompts(state: ServerState, body: CompletionRequest) -> tuple[list[list[int
             if not item:
                 raise bad_request("prompt is empty: a token-id list needs at least one id", "prompt")
             tokens = item
-        kept = truncate(tokens, body.truncate_prompt_tokens, state.max_model_len)
+        kept = truncate(tokens, body.truncate_prompt_tokens, state.max_model_len, body.truncation_side)
         ids.append(kept)
         texts.append(item if isinstance(item, str) and len(kept) == len(tokens) else None)
     return ids, texts
