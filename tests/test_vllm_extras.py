@@ -195,3 +195,74 @@ def test_chat_echo_and_custom_roles(http: httpx.Client) -> None:
     assert "<|im_start|>narrator\nonce" in http.post("/detokenize", json={"tokens": ids}).json()["prompt"]
     r = chat(http, messages=[{"role": "", "content": "x"}])
     assert r.status_code == 400 and "role" in r.json()["error"]["param"]
+
+
+def scrape(http: httpx.Client) -> dict[str, list]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {f.name: f.samples for f in text_string_to_metric_families(http.get("/metrics").text)}
+
+
+def total(families: dict[str, list], name: str, **labels: str) -> float:
+    family = name.removesuffix("_count").removesuffix("_sum").removesuffix("_bucket")
+    samples = families.get(family) or families.get(family.removesuffix("_total"), [])
+    return sum(s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_vllm_metric_families(http: httpx.Client) -> None:
+    before = scrape(http)
+    phases = ("queue", "prefill", "decode", "inference")
+    # a prompt no earlier request shares a block with: one 6-token prefill step, then 2 one-token decode steps
+    r = http.post(
+        "/v1/completions", json={"prompt": [901, 902, 903, 904, 905, 906], "max_tokens": 3, "ignore_eos": True}
+    )
+    assert r.status_code == 200
+    after = scrape(http)
+    grew = {
+        name: total(after, name) - total(before, name)
+        for name in (
+            "vllm:iteration_tokens_total_count",
+            "vllm:iteration_tokens_total_sum",
+            "vllm:request_params_n_count",
+            "vllm:request_params_max_tokens_sum",
+            *(f"vllm:request_{p}_time_seconds_count" for p in phases),
+        )
+    }
+    assert grew == {
+        "vllm:iteration_tokens_total_count": 3,
+        "vllm:iteration_tokens_total_sum": 8,
+        "vllm:request_params_n_count": 1,
+        "vllm:request_params_max_tokens_sum": 3,
+        **{f"vllm:request_{p}_time_seconds_count": 1 for p in phases},
+    }
+    assert (
+        total(after, "vllm:iteration_tokens_total_bucket", le="8.0")
+        - total(before, "vllm:iteration_tokens_total_bucket", le="8.0")
+        == 3
+    )  # 6, 1 and 1 token
+    inference = total(after, "vllm:request_inference_time_seconds_sum") - total(
+        before, "vllm:request_inference_time_seconds_sum"
+    )
+    e2e = total(after, "vllm:e2e_request_latency_seconds_sum") - total(before, "vllm:e2e_request_latency_seconds_sum")
+    assert 0 < inference <= e2e
+    assert {s.labels["reason"] for s in after["vllm:num_requests_waiting_by_reason"]} == {"capacity", "deferred"}
+    assert total(after, "vllm:engine_sleep_state", sleep_state="awake") == 1
+
+    headers = {"Authorization": f"Bearer {ADMIN}"}
+    assert http.post("/start_weight_update", headers=headers).status_code == 200
+    assert http.post("/finish_weight_update", headers=headers, json={}).status_code == 200
+    assert http.post("/sleep?level=1", headers=headers).status_code == 200
+    asleep = scrape(http)
+    assert total(asleep, "vllm:engine_sleep_state", sleep_state="weights_offloaded") == 1
+    assert total(asleep, "vllm:engine_sleep_state", sleep_state="awake") == 0
+    assert http.post("/wake_up", headers=headers).status_code == 200
+    awake = scrape(http)
+    assert total(awake, "vllm:engine_sleep_state", sleep_state="awake") == 1
+    for name, operation in (
+        ("rl_weight_update", "start"),
+        ("rl_weight_update", "finish"),
+        ("sleep_mode", "sleep"),
+        ("sleep_mode", "wake"),
+    ):
+        assert total(awake, f"vllm:{name}_operation_duration_seconds_count", operation=operation) == 1, operation
+        assert total(awake, f"vllm:{name}_operations_in_flight", operation=operation) == 0

@@ -31,6 +31,7 @@ from rlserve.server.fleet import deployment_guard, worker_routes
 from rlserve.server.limits import BodyGuard
 from rlserve.server.listen import bind, check_admin_exposure
 from rlserve.server.metrics import Metrics, wants_json_metrics
+from rlserve.server.metrics_vllm import OperationTimer
 from rlserve.server.openai import (
     chat,
     chat_batch,
@@ -100,6 +101,7 @@ def build_app(engine: EngineFace, config: Config) -> FastAPI:
         Gate, api_key=config.server.api_key, admin_api_key=config.server.admin_api_key, state=app.state.rlserve
     )
     deployment_guard.install(app)
+    app.add_middleware(OperationTimer, operations=app.state.rlserve.metrics.operations)
     app.add_middleware(ResponseHeaders)  # outermost: a 401 or 413 carries X-Request-Id too
     if config.parallel.dp > 1:
         app.add_middleware(RoutingHints)
