@@ -1,7 +1,7 @@
 """Run vLLM 0.32's own HTTP-level server tests against rlserve.
 
 Fetches the vllm 0.32.0 sdist from PyPI at run time (never copied into this repo), takes its
-tests/entrypoints/openai/ and tests/entrypoints/serve/, and runs them with a shim: `tests/utils.py` and
+tests/entrypoints/{openai,serve,anthropic}/, and runs them with a shim: `tests/utils.py` and
 `tests/conftest.py` are replaced by ones whose `RemoteOpenAIServer` starts `rlserve serve` on a model that
 `rlserve make-model` writes (the vLLM launch flags the tests pass go through rlserve's vLLM dialect), so every
 request a test sends goes to rlserve. Each test file runs in its own pytest process under a time limit.
@@ -36,7 +36,7 @@ from pathlib import Path
 VERSION = "0.32.0"
 INDEX = "https://pypi.org/simple/vllm/"
 REPO = Path(__file__).resolve().parents[1]
-TEST_DIRS = ("tests/entrypoints/openai/", "tests/entrypoints/serve/")
+TEST_DIRS = ("tests/entrypoints/openai/", "tests/entrypoints/serve/", "tests/entrypoints/anthropic/")
 KEEP = ("tests/__init__.py", "tests/entrypoints/__init__.py", "tests/entrypoints/conftest.py", "examples/")
 SHIM = Path(__file__).resolve().parent / "vllm_shim"
 
