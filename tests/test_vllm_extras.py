@@ -158,6 +158,7 @@ def test_truncation_side(http: httpx.Client) -> None:
 
 
 def test_minus_one_logprobs_mean_the_whole_vocabulary(http: httpx.Client) -> None:
+    """The server runs with --max-logprobs 4096, more than the vocabulary: -1 fits under it (vLLM)."""
     vocab = 2048  # the tiny model's
     r = chat(http, logprobs=True, top_logprobs=-1).json()
     assert [len(t["top_logprobs"]) for t in r["choices"][0]["logprobs"]["content"]] == [vocab, vocab]
