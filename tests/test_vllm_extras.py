@@ -23,7 +23,7 @@ def url() -> Iterator[str]:
         "--root-path",
         "/llm",
         "--max-logprobs",
-        "-1",
+        "4096",
         "--enable-request-id-headers",
         "--server.admin_api_key",
         ADMIN,
