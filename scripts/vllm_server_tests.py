@@ -8,7 +8,7 @@ request a test sends goes to rlserve. Each test file runs in its own pytest proc
 
     python scripts/vllm_server_tests.py [--vllm-site DIR] [--only PATTERN ...] [--timeout-per-file 300]
 
-Needs pytest and the test deps the files import; pytest-asyncio and pytest-timeout are installed into the
+Needs pytest and the test deps the files import; pytest-asyncio, pytest-timeout and tblib are installed into the
 work directory when missing. `--vllm-site` appends a vLLM installation's site-packages to the tests' import
 path so files that import vLLM helpers (its tokenizer loader, protocol classes) can run; without it those
 files fail at import and are counted as errors. The server under test is rlserve either way.
@@ -21,9 +21,11 @@ and checked against the index's sha256.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tarfile
@@ -37,7 +39,14 @@ VERSION = "0.32.0"
 INDEX = "https://pypi.org/simple/vllm/"
 REPO = Path(__file__).resolve().parents[1]
 TEST_DIRS = ("tests/entrypoints/openai/", "tests/entrypoints/serve/", "tests/entrypoints/anthropic/")
-KEEP = ("tests/__init__.py", "tests/entrypoints/__init__.py", "tests/entrypoints/conftest.py", "examples/")
+KEEP = ("tests/__init__.py", "tests/conftest.py", "tests/entrypoints/__init__.py", "tests/entrypoints/conftest.py")
+KEEP += (
+    "tests/ci_envs.py",
+    "tests/models/__init__.py",
+    "tests/models/utils.py",
+    "tests/models/registry.py",
+    "examples/",
+)
 SHIM = Path(__file__).resolve().parent / "vllm_shim"
 
 
@@ -70,19 +79,20 @@ def extract(sdist: Path, into: Path) -> Path:
             if m.name.startswith(prefix) and m.name[len(prefix) :].startswith((*TEST_DIRS, *KEEP)) and m.isfile()
         ]
         tar.extractall(into, members=members, filter="data")
-    for name in ("conftest.py", "utils.py"):  # the shim's, not vLLM's (they import all of vLLM)
+    # the shim's, not vLLM's (they import all of vLLM); names a test takes from vLLM's conftest come from it lazily
+    (root / "tests" / "conftest.py").rename(root / "tests" / "vllm_conftest.py")
+    for name in ("conftest.py", "utils.py"):
         (root / "tests" / name).write_text((SHIM / name).read_text())
     return root
 
 
 def ensure_deps(work: Path) -> Path:
     deps = work / "deps"
-    missing = [m for m in ("pytest_asyncio", "pytest_timeout") if not _importable(m)]
-    if missing and not deps.exists():
-        subprocess.run(
-            [sys.executable, "-m", "pip", "install", "-q", "--target", str(deps), "pytest-asyncio", "pytest-timeout"],
-            check=True,
-        )
+    wanted = {"pytest_asyncio": "pytest-asyncio", "pytest_timeout": "pytest-timeout", "tblib": "tblib"}
+    missing = [pkg for module, pkg in wanted.items() if not _importable(module) and not (deps / module).exists()]
+    if missing:
+        cmd = [sys.executable, "-m", "pip", "install", "-q", "--target", str(deps), *missing]
+        subprocess.run(cmd, check=True)
     return deps
 
 
@@ -98,17 +108,25 @@ def make_model(work: Path, env: dict[str, str]) -> Path:
     return out
 
 
-def run_file(root: Path, test: Path, env: dict[str, str], limit: int, reports: Path) -> dict:
+def run_file(root: Path, test: Path, env: dict[str, str], limit: int, per_test: int, reports: Path) -> dict:
     rel = test.relative_to(root)
     xml = reports / (str(rel).replace("/", "__") + ".xml")
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "asyncio_mode=auto"]
-    cmd += ["--timeout", str(limit), f"--junitxml={xml}", str(rel)]
+    cmd += ["--timeout", str(per_test), f"--junitxml={xml}", str(rel)]
     started = time.monotonic()
+    # its own process group, which the servers it starts join: a file over its limit goes down whole
+    proc = subprocess.Popen(
+        cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
-        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=limit + 120)
-        tail = proc.stdout[-3000:]
+        tail = proc.communicate(timeout=limit)[0][-3000:]
     except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
         return {"file": str(rel), "timed_out": True, "seconds": round(time.monotonic() - started)}
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # a server a test left behind
     result = {"file": str(rel), "seconds": round(time.monotonic() - started), **junit_counts(xml)}
     if not xml.exists():
         result["errors"], result["reasons"] = 1, {"(collection)": tail.strip().splitlines()[-1:]}
@@ -139,7 +157,8 @@ def main() -> None:
     parser.add_argument("--skip", nargs="*", default=[], help="skip test files whose path contains one of these")
     parser.add_argument("--first", nargs="*", default=[], help="run files whose path contains one of these first")
     parser.add_argument("--all", action="store_true", help="also files that start no server (vLLM unit tests)")
-    parser.add_argument("--timeout-per-file", type=int, default=300)
+    parser.add_argument("--timeout-per-file", type=int, default=900, help="seconds; the file's results are lost")
+    parser.add_argument("--timeout-per-test", type=int, default=120, help="seconds; the test fails with Timeout")
     parser.add_argument("--out", type=Path, help="write the per-file results here as JSON")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
@@ -160,7 +179,7 @@ def main() -> None:
     tests = first + [t for t in tests if t not in first]
     results = []
     for test in tests:
-        result = run_file(root, test, env, args.timeout_per_file, reports)
+        result = run_file(root, test, env, args.timeout_per_file, args.timeout_per_test, reports)
         results.append(result)
         print(json.dumps({k: v for k, v in result.items() if k != "reasons"}), flush=True)
         if args.out:

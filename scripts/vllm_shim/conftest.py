@@ -8,3 +8,10 @@ import sys
 site = os.environ.get("RLSERVE_SHIM_VLLM_SITE")
 if site and site not in sys.path:
     sys.path.append(site)
+
+
+def __getattr__(name: str):
+    """`from tests.conftest import X` (LocalAssetServer, ...): vLLM's own conftest, imported only then."""
+    import importlib
+
+    return getattr(importlib.import_module("tests.vllm_conftest"), name)

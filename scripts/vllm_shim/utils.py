@@ -98,7 +98,8 @@ class RemoteOpenAIServer:
         self.log = Path(tempfile.mkstemp(prefix="rlserve-shim-", suffix=".log")[1])
         print("starting rlserve:", " ".join(cmd), flush=True)
         with self.log.open("wb") as log:
-            self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            # in pytest's process group: the runner stops the group when a file runs over its limit
+            self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + (max_wait_seconds or 300)
         while True:
             if self.proc.poll() is not None:
