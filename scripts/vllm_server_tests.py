@@ -89,7 +89,7 @@ def extract(sdist: Path, into: Path) -> Path:
 def ensure_deps(work: Path) -> Path:
     deps = work / "deps"
     wanted = {"pytest_asyncio": "pytest-asyncio", "pytest_timeout": "pytest-timeout", "tblib": "tblib"}
-    missing = [pkg for module, pkg in wanted.items() if not _importable(module) and not (deps / module).exists()]
+    missing = [pkg for module, pkg in wanted.items() if not _importable(module) and not list(deps.glob(f"{module}*"))]
     if missing:
         cmd = [sys.executable, "-m", "pip", "install", "-q", "--target", str(deps), *missing]
         subprocess.run(cmd, check=True)

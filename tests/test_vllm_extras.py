@@ -135,6 +135,11 @@ def test_refused_parameters_name_themselves(http: httpx.Client) -> None:
             assert err["param"] == field and field in err["message"]
     r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "use_beam_search": False})
     assert r.status_code == 200
+    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "logit_bias": {"bad1": 5, "bad2": 1}})
+    err = r.json()["error"]
+    assert (
+        r.status_code == 400 and err["param"] == "logit_bias" and "bad1" in err["message"] and "bad2" in err["message"]
+    )
 
 
 def test_truncation_side(http: httpx.Client) -> None:

@@ -71,6 +71,11 @@ def logit_bias(bias: dict | None) -> dict[int, float] | None:
     """OpenAI sends token ids as JSON object keys (strings); biases are clamped to [-100, 100] (vLLM)."""
     if not bias:
         return None
+    if not isinstance(bias, dict):
+        raise bad_request("logit_bias must map token ids to numbers", "logit_bias")
+    bad_keys = [k for k in bias if not str(k).lstrip("-").isdigit()]
+    if bad_keys:
+        raise bad_request(f"logit_bias keys must be token ids (integers); not token ids: {bad_keys}", "logit_bias")
     try:
         parsed = {int(k): float(v) for k, v in bias.items()}
     except (AttributeError, TypeError, ValueError):
