@@ -114,6 +114,7 @@ VLLM_FLAGS: dict[str, Flag] = {
     "--disable-uvicorn-access-log": Flag(None, switch=True, note="no access log"),
     "--enable-request-id-headers": Flag(None, switch=True, note="X-Request-Id is on every response"),
     "--enable-tokenizer-info-endpoint": Flag(None, switch=True, note="GET /tokenizer_info is always served"),
+    "--enable-server-load-tracking": Flag(None, switch=True, note="/load always counts the requests in flight"),
     "--pipeline-parallel-size": Flag(None, convert=_one, note="1 only"),
 }
 
