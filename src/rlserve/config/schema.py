@@ -144,6 +144,9 @@ class ServerConfig(Section):
     trust_request_chat_template: bool = Field(
         False, description="accept a per-request chat_template (rendered sandboxed, bounded in time and size)"
     )
+    root_path: str = Field(
+        "", description="path prefix a path-based proxy serves this server under (ASGI root_path; vLLM --root-path)"
+    )
 
 
 class EngineConfig(Section):

@@ -221,7 +221,7 @@ class Engine:
         cap = self.config.engine.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
-            if k is not None and cap != -1 and (k > cap or k == -1):
+            if k is not None and cap != -1 and (k > cap or (k == -1 and self.vocab_size > cap)):
                 raise ValueError(f"{name}={k} exceeds the server's max_logprobs ({cap})")
         if adapter is not None and adapter not in self.adapters:
             raise ValueError(f"adapter {adapter!r} is not loaded")

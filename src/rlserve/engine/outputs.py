@@ -65,3 +65,4 @@ class RequestOutput:
     # prefill side of P/D: where the decode server finds this request's KV (echoed top-level)
     kv_transfer_params: dict | None = None
     max_batch_size: int = 0  # most sequences in any engine step that ran this request (MLX metadata.batch_size)
+    queue_seconds: float | None = None  # engine arrival to first scheduled (vllm:request_queue_time_seconds)

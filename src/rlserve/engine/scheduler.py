@@ -8,6 +8,7 @@ later (its cached prefix blocks usually survive in the prefix cache).
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from rlserve.engine.kv.offload import KVOffload
 from rlserve.engine.kv.pool import BlockPool, block_hash
 from rlserve.engine.sequence import Request, Sequence, Status
+from rlserve.engine.stats import ITERATION_TOKENS_BUCKETS
 
 
 @dataclass(slots=True)
@@ -40,6 +42,9 @@ class SchedulerStats:
     prefix_cache_hits: int = 0  # of which served from cache
     prompt_tokens_computed: int = 0  # tokens actually run through the model while prefilling
     num_steps: int = 0  # engine steps that ran a batch
+    # tokens per step that ran a batch: counts per ITERATION_TOKENS_BUCKETS bound (not cumulative), and their sum
+    iteration_tokens: list[int] = field(default_factory=lambda: [0] * (len(ITERATION_TOKENS_BUCKETS) + 1))
+    iteration_tokens_sum: int = 0
 
 
 class Scheduler:
@@ -103,11 +108,16 @@ class Scheduler:
                 break
             self.waiting.remove(seq)
             seq.status = Status.RUNNING
+            if not seq.request.started:
+                seq.request.queue_seconds = time.monotonic() - seq.request.arrival_time
             seq.request.started = True
             self.running.append(seq)
             n = min(seq.num_uncomputed, budget)
             batch.prefills.append((seq, n))
             budget -= n
+        if not batch.empty:
+            self.stats.iteration_tokens[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, batch.num_tokens)] += 1
+            self.stats.iteration_tokens_sum += batch.num_tokens
         return batch
 
     def num_in_flight(self) -> int:

@@ -35,6 +35,7 @@ class Request:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_logprob_ranks: list[dict[int, int] | None] | None = None
     first_token_time: float | None = None
+    queue_seconds: float | None = None  # arrival to first admission into the running batch
     kv_transfer_out: dict | None = None  # prefill side of P/D: where its pinned KV is served
     held_blocks: list[int] = field(default_factory=list)  # pulled KV blocks referenced until admission
     max_batch_size: int = 0  # most sequences in any engine step that ran this request
@@ -59,6 +60,7 @@ class Request:
             finished=self.finished,
             kv_transfer_params=self.kv_transfer_out,
             max_batch_size=self.max_batch_size,
+            queue_seconds=self.queue_seconds,
         )
 
 

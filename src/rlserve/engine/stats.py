@@ -3,8 +3,11 @@ The server's /metrics and /load read it; it crosses the engine process wire as i
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
+
+# vLLM's vllm:iteration_tokens_total bounds: tokens per engine step
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 @dataclass(slots=True)
@@ -21,6 +24,9 @@ class EngineStats:
     generation_tokens: int
     policy_version: int
     num_steps: int = 0  # engine steps that ran a batch
+    # per ITERATION_TOKENS_BUCKETS bound then +Inf: steps with that many tokens (not cumulative); their token sum
+    iteration_tokens: list[int] = field(default_factory=list)
+    iteration_tokens_sum: int = 0
     # KV offload tiers (0 without them); *_queries/*_hits count prompt tokens
     kv_offload_cpu_queries: int = 0
     kv_offload_cpu_hits: int = 0
@@ -72,6 +78,8 @@ def engine_stats(engine: Any) -> EngineStats:
         prefix_cache_hits=s.prefix_cache_hits,
         prompt_tokens_computed=s.prompt_tokens_computed,
         num_steps=s.num_steps,
+        iteration_tokens=list(s.iteration_tokens),
+        iteration_tokens_sum=s.iteration_tokens_sum,
         generation_tokens=engine.generation_tokens,
         policy_version=engine.policy_version,
         **(_offload_stats(engine.offload) if engine.offload is not None else {}),

@@ -23,6 +23,7 @@ from rlserve.runtime.inproc import AsyncEngine
 from rlserve.runtime.proc_client import EngineClient
 from rlserve.runtime.spawn import EngineProcess
 from rlserve.server import early_stop
+from rlserve.server.anthropic import messages as anthropic_messages
 from rlserve.server.auth import Gate
 from rlserve.server.engine_death import engine_died
 from rlserve.server.errors import APIError, install_error_handlers
@@ -30,10 +31,20 @@ from rlserve.server.fleet import deployment_guard, worker_routes
 from rlserve.server.limits import BodyGuard
 from rlserve.server.listen import bind, check_admin_exposure
 from rlserve.server.metrics import Metrics, wants_json_metrics
-from rlserve.server.openai import chat, chat_batch, completions, responses, responses_store, tokenization
+from rlserve.server.metrics_vllm import OperationTimer
+from rlserve.server.openai import (
+    chat,
+    chat_batch,
+    completions,
+    responses,
+    responses_store,
+    sagemaker,
+    tokenization,
+)
 from rlserve.server.openai.chat_template import load_template
 from rlserve.server.openai.vllm_shape import model_permission
 from rlserve.server.openapi import install_openapi
+from rlserve.server.request_headers import ResponseHeaders
 from rlserve.server.rl import control, generate, rescore, vllm_rl
 from rlserve.server.rl import weights as vllm_weights
 from rlserve.server.state import ServerState
@@ -56,7 +67,7 @@ def build_app(engine: EngineFace, config: Config) -> FastAPI:
             await control.activate_startup_adapter(app.state.rlserve, config.model.adapter_path)
         yield
 
-    app = FastAPI(title="rlserve", redirect_slashes=False, lifespan=lifespan)
+    app = FastAPI(title="rlserve", redirect_slashes=False, lifespan=lifespan, root_path=config.server.root_path)
     name = served_model_name(config)
     app.state.rlserve = ServerState(
         engine, config, Metrics(engine, name), name, chat_template=load_template(config.model.chat_template)
@@ -82,6 +93,8 @@ def build_app(engine: EngineFace, config: Config) -> FastAPI:
         vllm_rl.router,
         responses_store.router,
         chat_batch.router,
+        anthropic_messages.router,
+        sagemaker.router,
     ):
         app.include_router(r)
     app.add_middleware(BodyGuard, max_body_bytes=config.server.max_body_bytes)
@@ -89,6 +102,8 @@ def build_app(engine: EngineFace, config: Config) -> FastAPI:
         Gate, api_key=config.server.api_key, admin_api_key=config.server.admin_api_key, state=app.state.rlserve
     )
     deployment_guard.install(app)
+    app.add_middleware(OperationTimer, operations=app.state.rlserve.metrics.operations)
+    app.add_middleware(ResponseHeaders)  # outermost: a 401 or 413 carries X-Request-Id too
     if config.parallel.dp > 1:
         app.add_middleware(RoutingHints)
     return app

@@ -78,7 +78,7 @@ class Gate:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            path = scope["path"]
+            path = route_path(scope)
             if len(path) > 1 and path.endswith("/"):
                 path = path.rstrip("/") or "/"
                 scope = {**scope, "path": path, "raw_path": scope.get("raw_path", b"").rstrip(b"/")}
@@ -107,3 +107,12 @@ class Gate:
                 matches = [hmac.compare_digest(token, k.encode()) for k in keys]  # no early exit: constant time
                 return scheme.lower() == "bearer" and any(matches)
         return False
+
+
+def route_path(scope: Scope) -> str:
+    """The path the routes see: without the --root-path prefix when the request carries it (as Starlette
+    routes), so the key checks judge the same route that runs."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
+        return path[len(root) :] or "/"
+    return path

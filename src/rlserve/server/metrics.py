@@ -15,8 +15,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from rlserve.engine.outputs import RequestOutput
+from rlserve.engine.params import SamplingParams
 from rlserve.runtime.data_parallel import served_by
 from rlserve.runtime.face import EngineFace
+from rlserve.server.metrics_vllm import OperationMetrics, RequestPhases, engine_families
 
 
 def weight_version(engine: EngineFace) -> str:
@@ -160,10 +162,13 @@ class Metrics:
             buckets=token_buckets(limit),
             registry=reg,
         )
+        self.max_model_len = limit
+        self.phases = RequestPhases(reg, labels, E2E_BUCKETS, token_buckets(limit))
+        self.operations = OperationMetrics(reg)
         self._series: dict[int, EngineSeries] = {}
         for index in range(len(getattr(engine, "engines", [engine]))):
             self.series(index)  # every engine's series present from the start, as in vLLM
-        reg.register(_EngineCollector(engine, self.labels))
+        reg.register(_EngineCollector(engine, self.labels, self.operations))
 
     def series(self, index: int) -> EngineSeries:
         """The per-request series of engine `index`."""
@@ -172,6 +177,7 @@ class Metrics:
             labels = {"model_name": self.model_name, "engine": str(index)}
             for reason in ("stop", "length", "abort"):
                 self.request_success.labels(**labels, finished_reason=reason)
+            self.phases.touch(labels)
             found = self._series[index] = EngineSeries(
                 labels,
                 self._prompt_tokens.labels(**labels),
@@ -186,8 +192,8 @@ class Metrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def timer(self) -> RequestTimer:
-        return RequestTimer(self)
+    def timer(self, params: SamplingParams | None = None) -> RequestTimer:
+        return RequestTimer(self, params)
 
 
 @dataclass(slots=True)
@@ -205,9 +211,10 @@ class RequestTimer:
     """Latency and length observations of one engine request, fed its cumulative outputs; observed under the
     engine that served it (data_parallel.served_by, set in the timer's task once the engine is picked)."""
 
-    def __init__(self, metrics: Metrics):
-        self.metrics = metrics
+    def __init__(self, metrics: Metrics, params: SamplingParams | None = None):
+        self.metrics, self.params = metrics, params
         self.start = time.monotonic()
+        self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.num_tokens = 0
 
@@ -221,6 +228,7 @@ class RequestTimer:
             return
         now = time.monotonic()
         if self.last_token_time is None:
+            self.first_token_time = now
             self.m.ttft.observe(now - self.start)
             self.m.prompt_tokens.inc(len(out.prompt_token_ids))
         else:
@@ -234,6 +242,8 @@ class RequestTimer:
         """`out` is the last output seen (None if none arrived); unfinished samples count as aborts."""
         m = self.m
         m.e2e.observe(time.monotonic() - self.start)
+        times = (self.start, self.first_token_time, self.last_token_time)
+        self.metrics.phases.observe(m.labels, self.params, out, times, self.metrics.max_model_len)
         if out is not None:
             m.request_prompt_tokens.observe(len(out.prompt_token_ids))
         outputs = out.outputs if out is not None else []
@@ -245,8 +255,8 @@ class RequestTimer:
 
 
 class _EngineCollector(Collector):
-    def __init__(self, engine: EngineFace, labels: dict[str, str]):
-        self.engine, self.labels = engine, labels
+    def __init__(self, engine: EngineFace, labels: dict[str, str], operations: OperationMetrics):
+        self.engine, self.labels, self.operations = engine, labels, operations
 
     def collect(self):
         # one family per name, with one sample per engine core (parallel.dp) labelled engine="i": the text
@@ -303,6 +313,7 @@ class _EngineCollector(Collector):
             weight_version=weight_version(engine),
         )
         yield gauge("rlserve:is_paused", "1 while generation is paused.", float(engine.paused))
+        yield from engine_families(s, names, values, self.operations.sleep)
         yield from _offload_metrics(s, names, values)
         yield from _transfer_metrics(s, names, values)
 

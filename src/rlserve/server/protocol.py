@@ -87,6 +87,9 @@ class GenerationFields(PolicyWindow):
     stream: bool = False
     stream_options: StreamOptions | None = None
     truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None  # left (the default) keeps the last tokens
+    use_beam_search: bool = False  # refused: no beam search (server/sampling.py)
+    logprob_token_ids: list[int] | None = None  # refused: not supported (server/sampling.py)
     presence_penalty: float = bound(0.0, minimum=-2, maximum=2)
     frequency_penalty: float = bound(0.0, minimum=-2, maximum=2)
     repetition_penalty: float = bound(1.0, exclusiveMinimum=0)
@@ -118,7 +121,7 @@ class ContentPart(Body):
 
 
 class ChatMessage(Body):
-    role: Literal[ROLES]  # type: ignore[valid-type]
+    role: str = Field(min_length=1)  # ROLES, or a custom role the chat template renders as it is (vLLM)
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
@@ -158,6 +161,7 @@ class ChatCompletionRequest(ChatTemplateFields, GenerationFields):
     logprobs: bool = False
     top_logprobs: int | None = bound(None, minimum=0)
     max_completion_tokens: int | None = bound(None, minimum=1)
+    echo: bool = False  # the reply starts with the last message's content when that message has the reply's role
     tool_choice: str | dict[str, Any] | None = None
     include_reasoning: bool = True
 

@@ -73,6 +73,11 @@ def logit_bias(bias: dict | None) -> dict[int, float] | None:
     """OpenAI sends token ids as JSON object keys (strings); biases are clamped to [-100, 100] (vLLM)."""
     if not bias:
         return None
+    if not isinstance(bias, dict):
+        raise bad_request("logit_bias must map token ids to numbers", "logit_bias")
+    bad_keys = [k for k in bias if not str(k).lstrip("-").isdigit()]
+    if bad_keys:
+        raise bad_request(f"logit_bias keys must be token ids (integers); not token ids: {bad_keys}", "logit_bias")
     try:
         parsed = {int(k): float(v) for k, v in bias.items()}
     except (AttributeError, TypeError, ValueError):
@@ -99,14 +104,39 @@ def _reject_unsupported(body: GenerationFields) -> None:
     extra = body.model_extra or {}
     if extra.get("bad_words"):
         raise bad_request("bad_words is not supported yet; omit it", "bad_words")
+    if body.use_beam_search:
+        raise bad_request(
+            "use_beam_search is not supported: this server samples; omit it or send false", "use_beam_search"
+        )
+    if body.logprob_token_ids:
+        raise bad_request(
+            "logprob_token_ids is not supported; ask for top_logprobs (-1: the whole vocabulary, on a server started "
+            "with --engine.max_logprobs -1) and read those ids",
+            "logprob_token_ids",
+        )
 
 
-def truncate(ids: list[int], k: int | None, max_model_len: int) -> list[int]:
-    """`truncate_prompt_tokens`: keep the last k tokens (-1 = the context length)."""
+def full_vocabulary(state: ServerState, k: int | None, field: str) -> int | None:
+    """vLLM's -1 for logprobs / top_logprobs: every token of the vocabulary, within engine.max_logprobs."""
+    if k != -1:
+        return k
+    cap = state.config.engine.max_logprobs
+    if cap != -1 and cap < state.engine.vocab_size:
+        raise bad_request(
+            f"{field}=-1 asks for the whole vocabulary ({state.engine.vocab_size} tokens), more than this server's "
+            f"max_logprobs ({cap}); send at most {cap}, or start the server with --engine.max_logprobs -1",
+            field,
+        )
+    return state.engine.vocab_size
+
+
+def truncate(ids: list[int], k: int | None, max_model_len: int, side: str | None = None) -> list[int]:
+    """`truncate_prompt_tokens`: keep the last k tokens (-1 = the context length); the first k with
+    `truncation_side` "right"."""
     if k is None:
         return ids
     if k == -1:
         k = max_model_len
     if k < 1:
         raise bad_request(f"truncate_prompt_tokens must be -1 or >= 1, got {k}", "truncate_prompt_tokens")
-    return ids[-k:]
+    return ids[:k] if side == "right" else ids[-k:]

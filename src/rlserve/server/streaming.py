@@ -83,7 +83,7 @@ class Run:
         adapter: str | None,
         stream: bool,
     ) -> None:
-        timer, last = self.state.metrics.timer(), None
+        timer, last = self.state.metrics.timer(params), None
         try:
             async for out in self.state.engine.generate(
                 prompt, params, rid, cache_salt=salt, adapter=adapter, stream=stream

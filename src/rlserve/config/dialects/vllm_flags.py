@@ -81,6 +81,7 @@ VLLM_FLAGS: dict[str, Flag] = {
     "--max-logprobs": Flag("engine.max_logprobs"),
     "--device": Flag("model.device"),
     "--uvicorn-log-level": Flag("server.log_level"),
+    "--root-path": Flag("server.root_path"),
     "--enable-prefix-caching": Flag("engine.enable_prefix_caching", switch=True),
     "--no-enable-prefix-caching": Flag("engine.enable_prefix_caching", switch=True, const="false"),
     "--enforce-eager": Flag("model.enforce_eager", switch=True),
@@ -110,6 +111,9 @@ VLLM_FLAGS: dict[str, Flag] = {
     "--enable-log-requests": Flag(None, switch=True, note="requests are not logged"),
     "--disable-log-stats": Flag(None, switch=True, note="stats are on /metrics only"),
     "--disable-uvicorn-access-log": Flag(None, switch=True, note="no access log"),
+    "--enable-request-id-headers": Flag(None, switch=True, note="X-Request-Id is on every response"),
+    "--enable-tokenizer-info-endpoint": Flag(None, switch=True, note="GET /tokenizer_info is always served"),
+    "--enable-server-load-tracking": Flag(None, switch=True, note="/load always counts the requests in flight"),
     "--pipeline-parallel-size": Flag(None, convert=_one, note="1 only"),
 }
 

@@ -21,11 +21,12 @@ from rlserve.server.chat_parsing import (
 )
 from rlserve.server.errors import bad_request
 from rlserve.server.limits import check_max_tokens, check_prompt_fits, check_text_fits
+from rlserve.server.openai.chat_echo import echo_prompt_logprobs, echoed
 from rlserve.server.openai.chat_template import message_chars, render_chat
 from rlserve.server.openai.vllm_shape import CHAT_CHOICE, CHAT_MESSAGE, CHAT_RESPONSE, SYSTEM_FINGERPRINT, stream_usage
 from rlserve.server.protocol import POLICY_FIELDS, ChatCompletionRequest, ChatTokensRequest
 from rlserve.server.reasoning_grammar import constrain_after_reasoning
-from rlserve.server.sampling import sampling_params, truncate
+from rlserve.server.sampling import full_vocabulary, sampling_params, truncate
 from rlserve.server.staleness import hold_for_policy_version
 from rlserve.server.state import (
     ChoiceCursor,
@@ -118,12 +119,13 @@ async def prepare(state: ServerState, body: ChatCompletionRequest, rid: str, pro
         render_chat, state.tokenizer, body, state.chat_template, state.config.server.trust_request_chat_template
     )
     if prompt is None:
-        prompt = truncate(rendered, body.truncate_prompt_tokens, state.max_model_len)
+        prompt = truncate(rendered, body.truncate_prompt_tokens, state.max_model_len, body.truncation_side)
     elif prompt[: len(rendered)] != rendered:
         log.info("request %s: tokens differ from the rendered messages; using tokens as sent", rid)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    top = _top_logprobs(state, body)
     params = sampling_params(
-        state, body, max_tokens=max_tokens, logprobs=_top_logprobs(state, body), prompt_logprobs=body.prompt_logprobs
+        state, body, max_tokens=max_tokens, logprobs=top, prompt_logprobs=echo_prompt_logprobs(body, top)
     )
     parser = output_parser(state.config.model, state.tokenizer, body, params, prompt)
     enforce_tool_choice(state.config.model.tool_call_parser, state.engine, body, params)
@@ -157,7 +159,7 @@ def _top_logprobs(state: ServerState, body: ChatCompletionRequest) -> int | None
         if body.top_logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         return None
-    k = body.top_logprobs or 0
+    k = full_vocabulary(state, body.top_logprobs, "top_logprobs") or 0
     cap = state.config.engine.max_logprobs
     if k < 0 or (cap != -1 and k > cap):
         limit = "an integer >= 0" if cap == -1 else f"between 0 and {cap} (engine.max_logprobs)"
@@ -209,6 +211,8 @@ def _response(ctx: Ctx, out: RequestOutput) -> dict[str, Any]:
     body, choices = ctx.body, []
     for o in sorted(out.outputs, key=lambda o: o.index):
         parsed = ctx.parser.parse(o)
+        if body.echo:
+            parsed.content = echoed(body) + (parsed.content or "")
         choice = {
             "index": o.index,
             "message": message_json(parsed),
@@ -230,7 +234,9 @@ def _response(ctx: Ctx, out: RequestOutput) -> dict[str, Any]:
         **CHAT_RESPONSE,
         "prompt_token_ids": out.prompt_token_ids if body.return_token_ids else None,
         "usage": _usage(ctx, out),
-        "prompt_logprobs": prompt_logprobs_json(ctx.state, out, body.prompt_logprobs, body.return_tokens_as_token_ids),
+        "prompt_logprobs": prompt_logprobs_json(
+            ctx.state, out, ctx.params.prompt_logprobs, body.return_tokens_as_token_ids
+        ),
         "kv_transfer_params": out.kv_transfer_params,
     }
 
@@ -284,6 +290,10 @@ async def _stream(ctx: Ctx, run: Run) -> AsyncIterator[str]:
                 if continuous:
                     chunk["usage"] = stream_usage(_usage(ctx, out, role_chunk=True), details=True)
                 yield sse(chunk)
+            if body.echo and echoed(body):
+                for i in range(body.n):
+                    choice = {"index": i, "delta": {"content": echoed(body)}, "logprobs": None, "finish_reason": None}
+                    yield sse({**head, "choices": [choice]})
         latest = out
         for o in out.outputs:
             choice = _delta_choice(ctx, o, cursors[o.index], streamers[o.index])

@@ -15,7 +15,7 @@ from rlserve.server.errors import bad_request
 from rlserve.server.limits import check_max_tokens, check_prompt_fits, check_text_fits
 from rlserve.server.openai.vllm_shape import RESPONSE, SYSTEM_FINGERPRINT, stream_usage
 from rlserve.server.protocol import POLICY_FIELDS, CompletionRequest
-from rlserve.server.sampling import sampling_params, truncate
+from rlserve.server.sampling import full_vocabulary, sampling_params, truncate
 from rlserve.server.staleness import hold_for_policy_version
 from rlserve.server.state import (
     ChoiceCursor,
@@ -55,7 +55,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     check_max_tokens(state, body.max_tokens, "max_tokens")
     await hold_for_policy_version(state, body.model_dump(include=POLICY_FIELDS))
     prompts, texts = await state.off_loop(_prompts, state, body)
-    k = _logprobs_k(body.logprobs)
+    k = full_vocabulary(state, _logprobs_k(body.logprobs), "logprobs")
     score_only = body.echo and body.max_tokens == 0
     prompt_k = _prompt_k(body, k)
     params = sampling_params(
@@ -82,7 +82,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
 def _prompt_k(body: CompletionRequest, k: int | None) -> int | None:
     """Echoed logprobs come from the prompt logprobs (and are returned as them too, as vLLM does)."""
     if body.echo and k is not None:
-        return -1 if body.prompt_logprobs == -1 else max(k, body.prompt_logprobs or 0)
+        return -1 if -1 in (k, body.prompt_logprobs) else max(k, body.prompt_logprobs or 0)
     return body.prompt_logprobs
 
 
@@ -123,7 +123,7 @@ def _prompts(state: ServerState, body: CompletionRequest) -> tuple[list[list[int
             if not item:
                 raise bad_request("prompt is empty: a token-id list needs at least one id", "prompt")
             tokens = item
-        kept = truncate(tokens, body.truncate_prompt_tokens, state.max_model_len)
+        kept = truncate(tokens, body.truncate_prompt_tokens, state.max_model_len, body.truncation_side)
         check_prompt_fits(state, len(kept))
         ids.append(kept)
         texts.append(item if isinstance(item, str) and len(kept) == len(tokens) else None)
