@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -106,6 +108,19 @@ def with_server_log(test):
 
 def test_every_family_is_served_over_http() -> None:
     assert sorted(TEMPLATES) == sorted(TOOL_PARSER_NAMES)
+
+
+def test_openai_parser_without_the_vocabulary_refuses_to_start(tmp_path) -> None:
+    env = {**os.environ, "TIKTOKEN_ENCODINGS_BASE": str(tmp_path)}  # a folder without o200k_base.tiktoken
+    refused = subprocess.run(
+        [sys.executable, "-m", "rlserve.cli", "serve", "--server.port", "0", "--model.tool_call_parser", "openai"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        check=False,
+    )
+    assert refused.returncode != 0 and "TIKTOKEN_ENCODINGS_BASE" in refused.stderr, refused.stderr[-2000:]
 
 
 def _forced(tok, text: str) -> list[int]:
