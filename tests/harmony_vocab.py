@@ -13,8 +13,9 @@ VOCAB_GZ = Path(__file__).parent / "data" / "parsers" / "o200k_base.tiktoken.gz"
 
 
 def use_harmony_vocab() -> None:
-    if os.environ.get("TIKTOKEN_ENCODINGS_BASE"):
-        return
+    named = os.environ.get("TIKTOKEN_ENCODINGS_BASE")
+    if named and (Path(named) / "o200k_base.tiktoken").is_file():
+        return  # a folder named earlier is trusted only while it still holds the file
     folder = Path(tempfile.gettempdir()) / f"rlserve-harmony-vocab-{os.getuid()}"
     target = folder / "o200k_base.tiktoken"
     if not target.exists():

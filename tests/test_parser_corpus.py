@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -165,6 +166,8 @@ def test_registry_and_config_know_every_name():
     assert set(fields["tool_call_parser"].annotation.__args__[0].__args__) == set(TOOL_PARSER_NAMES)
     assert set(fields["reasoning_parser"].annotation.__args__[0].__args__) == set(REASONING_PARSER_NAMES)
     assert len(TOOL_PARSER_NAMES) == 21 and len(REASONING_PARSER_NAMES) == 10
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    assert [n for n in TOOL_PARSER_NAMES + REASONING_PARSER_NAMES if not re.search(rf"\b{n}\b", readme)] == []
     for flag, names in (("tool_call_parser", TOOL_PARSER_NAMES), ("reasoning_parser", REASONING_PARSER_NAMES)):
         refused = subprocess.run(
             [sys.executable, "-m", "rlserve.cli", "serve", f"--model.{flag}", "nope"],

@@ -44,6 +44,7 @@ from rlserve.server.openai import (
 from rlserve.server.openai.chat_template import load_template
 from rlserve.server.openai.vllm_shape import model_permission
 from rlserve.server.openapi import install_openapi
+from rlserve.server.parsers.harmony import check_vocabulary
 from rlserve.server.request_headers import ResponseHeaders
 from rlserve.server.rl import control, generate, rescore, vllm_rl
 from rlserve.server.rl import weights as vllm_weights
@@ -224,6 +225,7 @@ def serve(config: Config, engine_process: EngineProcess | None = None) -> int:
         )
         warn_unapplied(config, log)
         try:
+            check_vocabulary(config.model.tool_call_parser, config.model.reasoning_parser)
             check_parallel(config)
             if config.parallel.dp > 1:
                 engine: EngineFace = DataParallelClient(config)

@@ -13,6 +13,8 @@ name and arguments (`CallFormat.read_call`). Everything else is common:
 from __future__ import annotations
 
 import json
+import secrets
+import string
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,6 +82,11 @@ class BadCall(Exception):
 
 def new_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+def mistral_call_id() -> str:
+    """Mistral's chat templates refuse any tool call id but 9 letters or digits (vLLM makes the same)."""
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
 
 
 def arguments_json(value: Any) -> str:
@@ -160,6 +167,9 @@ class CallFormat:
     def __init__(self, tools: list[dict[str, Any]] | None = None):
         self.tools = Tools(tools)
 
+    def new_id(self) -> str:
+        return new_call_id()
+
     def region_start(self, text: str) -> int:
         """Index where the calls begin, or -1."""
         found = [i for m in self.START if (i := text.find(m)) >= 0]
@@ -193,7 +203,7 @@ class CallFormat:
             calls = []
             for name, arguments in self.read_calls(span):
                 self.tools.check(name, arguments)
-                calls.append(ToolCall(new_call_id(), name, arguments))
+                calls.append(ToolCall(self.new_id(), name, arguments))
             return calls, None
         except BadCall as e:
             return [], CallError(e.kind, str(e), raw, e.name)

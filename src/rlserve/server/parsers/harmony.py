@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-from openai_harmony import HarmonyEncodingName, Role, StreamableParser, load_harmony_encoding
+from openai_harmony import HarmonyEncodingName, HarmonyError, Role, StreamableParser, load_harmony_encoding
 
 from rlserve.server.parsers.base import (
     UNCLOSED_CALL,
@@ -27,6 +27,20 @@ from rlserve.server.parsers.base import (
 @functools.cache
 def _encoding():
     return load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
+
+
+def check_vocabulary(tool_call_parser: str | None, reasoning_parser: str | None) -> None:
+    """Load gpt-oss's vocabulary at server start when a Harmony parser is configured: a vocabulary that
+    cannot be read (offline, no file) is then a start error saying what to set, not a 500 on the first chat."""
+    if tool_call_parser != "openai" and reasoning_parser != "openai_gptoss":
+        return
+    try:
+        _encoding()
+    except HarmonyError as e:
+        raise ValueError(
+            f"the openai parsers read gpt-oss's Harmony format and openai-harmony could not load its vocabulary "
+            f"({e}); offline, set TIKTOKEN_ENCODINGS_BASE to a folder holding o200k_base.tiktoken (docs/parsers.md)"
+        ) from None
 
 
 @dataclass

@@ -17,9 +17,11 @@ from rlserve.server.parsers.base import (
     INVALID_SYNTAX,
     BadCall,
     CallFormat,
+    ExtractedToolCalls,
     Span,
     arguments_json,
     load_json,
+    mistral_call_id,
 )
 
 
@@ -50,6 +52,12 @@ class Llama3Json(_Region):
 
     def content_before(self, text: str) -> str:
         return ""  # vLLM drops any prose around the JSON calls
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        found = super().extract(text)
+        if found.errors:  # no call is read: the whole text stays content, prose included (vLLM too)
+            found.content = text
+        return found
 
     def read_calls(self, span: Span) -> list[tuple[str, str]]:
         body, calls, i = span.body.removeprefix("<|python_tag|>"), [], 0
@@ -130,6 +138,9 @@ class Mistral(CallFormat):
 
     START = ("[TOOL_CALLS]",)
     MARKER = "[TOOL_CALLS]"
+
+    def new_id(self) -> str:
+        return mistral_call_id()
 
     def spans(self, text: str, start: int, final: bool) -> list[Span]:
         if text[start + len(self.MARKER) :].lstrip().startswith(("[", "{")):

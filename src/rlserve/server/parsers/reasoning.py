@@ -27,25 +27,24 @@ class ThinkTags:
     strip_implicit: bool = False  # reasoning ended by a tool-call marker loses its trailing whitespace
 
     def split(self, text: str, thinking: bool, final: bool = True) -> tuple[str, str]:
-        if self.always_content or not thinking:
-            if not thinking and not self.always_content:
-                end = text.find(self.end)
-                if end >= 0:
-                    return text[:end].replace(self.start, "", 1), text[end + len(self.end) :]
+        if self.always_content or not thinking:  # qwen3 with thinking off: all content, tags and all (vLLM)
             return "", text
         if not self.start_optional and not text.lstrip().startswith(self.start):
             return "", text.replace(self.end, "", 1)
         s = text.find(self.start)
         end = text.find(self.end)
         if s >= 0 and (end < 0 or s < end):
+            # the end tag is looked for after the start tag only: `</thi<think>nk>` holds no end tag
+            end = text.find(self.end, s + len(self.start))
+            end = end - len(self.start) if end >= 0 else -1
             text = text[:s] + text[s + len(self.start) :]
-            end = text.find(self.end)
+        implicit = min((i for m in self.implicit_ends if (i := text.find(m)) >= 0), default=-1)
+        if implicit >= 0 and (end < 0 or implicit < end):
+            # a tool call ends the reasoning; a later end tag is dropped from the content, as vLLM does
+            reasoning, content = text[:implicit], text[implicit:].replace(self.end, "", 1)
+            return reasoning.rstrip() if self.strip_implicit else reasoning, content
         if end >= 0:
             return text[:end], text[end + len(self.end) :]
-        implicit = [i for m in self.implicit_ends if (i := text.find(m)) >= 0]
-        if implicit:
-            reasoning = text[: min(implicit)]
-            return reasoning.rstrip() if self.strip_implicit else reasoning, text[min(implicit) :]
         return text, ""
 
     def markers(self) -> tuple[str, ...]:
