@@ -63,7 +63,11 @@ class Deployment:
         self.state = WeightState(weight_version=config.weight_version)
         self.router: Router | None = None
         self.lock = asyncio.Lock()  # one admin mutation (or rejoin) at a time, so versions stay in step
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0))
+        # no idle connections kept: a replica's server closes one it finds idle (after a pause or a freeze) just
+        # as a call goes out on it, and an admin call cannot be resent blindly
+        self.http = httpx.AsyncClient(
+            timeout=httpx.Timeout(None, connect=10.0), limits=httpx.Limits(max_keepalive_connections=0)
+        )
         self.group: set[tuple[int, int]] = set()  # (replica index, incarnation) in the trainer's broadcast group
         self._tasks: set[asyncio.Task] = set()
         self._router_restarting = False
