@@ -19,16 +19,19 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import psutil
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from deploy_helpers import replicas, start_deployment, stop_deployment, wait_for
 from rlserve.model.make import make_model
+from test_deploy import served
 from test_server_rl import generate, hf_check
 
 PROMPTS = [[11, 22, 33, 44, 55], [100, 7, 300, 9], [5, 6, 7], [250, 251, 252, 253, 254, 255]]
 SEEDS = {"step-1": 1, "step-2": 2, "step-3": 3}
+HELD, HELD_TOKENS, AROUND = 8, 16, 12
 
 
 @pytest.fixture(scope="module")
@@ -137,8 +140,10 @@ def start_update(admin: str, weight_dir, label: str):
 
 
 def all_serving_at(admin: str, version: tuple[int, str], weights_dir) -> list[dict]:
-    rows = replicas(admin)
-    assert [r["status"] for r in rows] == ["serving", "serving"], rows
+    # a replica frozen long enough is out of the rotation for a moment: it comes back by itself
+    rows = wait_for(
+        lambda: (rows := replicas(admin)) and all(r["status"] == "serving" for r in rows) and rows, 120, "both serving"
+    )
     for row in rows:
         assert versions(row["url"]) == version
         for prompt in PROMPTS[:2]:
@@ -215,3 +220,67 @@ def kill_mid_update_then_retry(admin, first, victim, weights) -> None:
     )
     assert r.status_code == 200, r.text
     all_serving_at(admin, (3, "step-3"), weights["step-3"])
+
+
+def freeze(pid: int, sig: signal.Signals) -> None:
+    """The replica's whole process tree (its server and its engine process), which this test started."""
+    for p in [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]:
+        os.kill(p, sig)
+
+
+def post_held(public: str, i: int) -> httpx.Response:
+    body = {
+        "token_ids": [i + 1, 5, 9],
+        "sampling_params": {"max_tokens": HELD_TOKENS, "temperature": 0, "logprobs": 0, "ignore_eos": True},
+    }
+    return httpx.post(f"{public}/inference/v1/generate", json=body, headers={"X-Session-ID": f"held-{i}"}, timeout=600)
+
+
+def test_a_frozen_replica_is_routed_around_and_its_requests_finish_once_it_resumes(deployment):
+    """SIGSTOP under load: the frozen replica holds requests (made true by a deployment pause), leaves the
+    rotation while frozen, every request sent meanwhile is served by the other, the held ones finish after
+    SIGCONT, and the replicas' own request counters add up to exactly what the clients received."""
+    public, admin, _ = deployment
+    rows = wait_for(lambda: (r := replicas(admin)) and all(x["status"] == "serving" for x in r) and r, 120, "serving")
+    before = {row["index"]: served(row["url"]) for row in rows}
+    httpx.post(f"{admin}/pause", params={"mode": "keep"}, timeout=120).raise_for_status()
+    pool = ThreadPoolExecutor(HELD)
+    held = [pool.submit(post_held, public, i) for i in range(HELD)]
+    try:
+        rows = wait_for(
+            lambda: (r := replicas(admin)) and sum(x["running"] + x["waiting"] for x in r) == HELD and r, 300, "held"
+        )
+        victim = max(rows, key=lambda x: x["running"] + x["waiting"])
+        (other,) = [x for x in rows if x["index"] != victim["index"]]
+        on_victim = victim["running"] + victim["waiting"]
+        freeze(victim["pid"], signal.SIGSTOP)
+        try:
+            wait_for(lambda: replicas_by_index(admin)[victim["index"]]["status"] == "unresponsive", 120, "taken out")
+            assert victim["url"] not in httpx.get(f"{public}/list_workers", timeout=30).json()["urls"]
+            httpx.post(f"{admin}/resume", timeout=120).raise_for_status()  # reaches the serving replica only
+            for i in range(AROUND):  # while the victim is frozen: every one of these is served by the other
+                r = httpx.post(
+                    f"{public}/v1/completions",
+                    json={"prompt": [i + 1, 2], "max_tokens": 2, "temperature": 0},
+                    headers={"X-Session-ID": f"around-{i}"},
+                    timeout=120,
+                )
+                assert r.status_code == 200, r.text
+            expected_other = HELD - on_victim + AROUND
+            wait_for(lambda: served(other["url"]) - before[other["index"]] == expected_other, 300, "the other's")
+        finally:
+            freeze(victim["pid"], signal.SIGCONT)
+        results = [f.result() for f in held]  # the victim's finish once it is back (and resumed)
+    finally:
+        pool.shutdown(wait=False)
+    assert all(r.status_code == 200 for r in results), [r.text for r in results if r.status_code != 200]
+    assert all(len(r.json()["choices"][0]["token_ids"]) == HELD_TOKENS for r in results)
+    wait_for(lambda: replicas_by_index(admin)[victim["index"]]["status"] == "serving", 120, "the victim back")
+    assert replicas_by_index(admin)[victim["index"]]["restarts"] == victim["restarts"]  # never restarted
+    # nothing counted twice: each replica finished exactly the requests the clients got from it
+    assert served(victim["url"]) - before[victim["index"]] == on_victim
+    assert served(other["url"]) - before[other["index"]] == HELD - on_victim + AROUND
+
+
+def replicas_by_index(admin: str) -> dict[int, dict]:
+    return {row["index"]: row for row in replicas(admin)}
