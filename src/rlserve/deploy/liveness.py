@@ -17,7 +17,7 @@ import httpx
 
 log = logging.getLogger("rlserve.deploy")
 PROBE_INTERVAL_S = 1.0
-PROBE_TIMEOUT_S = 5.0
+PROBE_TIMEOUT_S = 10.0  # generous: a loaded machine can leave a healthy replica slow to answer
 PROBE_FAILURES = 3
 UNRESPONSIVE = "unresponsive"
 
