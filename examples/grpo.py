@@ -4,6 +4,7 @@ weights pushed into the server, repeat. Small enough for a laptop CPU.
     python examples/grpo.py --steps 40 --out runs/grpo          # starts its own rlserve
     python examples/grpo.py --async-steps 1 --out runs/grpo-async  # next rollouts overlap the step
     python examples/grpo.py --update-from-disk                   # push through safetensors files
+    python examples/grpo.py --hold-back --out runs/grpo-held      # rollouts queued two steps ahead, held by the server
 
 The task: "answer with words that start with a vowel". The reward is the share of the first
 --max-tokens completion tokens that are such words, in [0, 1]; the embedded model starts near 0.2.
@@ -11,6 +12,12 @@ Each step samples --group-size completions per prompt, normalises rewards within
 takes one clipped-ratio policy-gradient step against rlserve's sampling logprobs. The trainer
 recomputes those logprobs with transformers (fp32) and reports the mismatch: on the same weights
 it is zero up to float rounding.
+
+--hold-back is the one-step off-policy pattern with the server doing the admission control: rollouts are
+submitted two steps ahead, each carrying the trainer step that will consume it as `policy_version`, and
+the server (started with max_off_policy_steps 1) holds a request until it serves at most one version
+behind that step, instead of refusing it. The plot's third panel is the histogram of the samples'
+staleness (trainer version at the step that trains on them minus the version that sampled them).
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -77,6 +84,8 @@ class StepMetrics:
     train_s: float
     push_s: float
     step_s: float
+    held_requests: int = 0  # requests sent before the server had a version they may start on
+    staleness_histogram: list[int] = field(default_factory=list)  # samples per staleness 0, 1, ...
 
 
 class VowelTask:
@@ -98,7 +107,7 @@ class VowelTask:
 # ---- the server ---------------------------------------------------------------------------------
 
 
-def start_server(model_dir: Path, weight_root: Path) -> tuple[str, subprocess.Popen, Path]:
+def start_server(model_dir: Path, weight_root: Path, extra: tuple[str, ...] = ()) -> tuple[str, subprocess.Popen, Path]:
     log = Path(tempfile.mkstemp(prefix="grpo-rlserve-", suffix=".log")[1])
     cmd = [
         sys.executable,
@@ -117,6 +126,7 @@ def start_server(model_dir: Path, weight_root: Path) -> tuple[str, subprocess.Po
         str(64 << 20),
         "--weight_roots",
         json.dumps([str(weight_root)]),
+        *extra,
     ]
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -146,7 +156,13 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 
 def rollout(
-    client: SyncInferenceClient, pool: ThreadPoolExecutor, prompts: list[list[int]], args, min_version: int, step: int
+    client: SyncInferenceClient,
+    pool: ThreadPoolExecutor,
+    prompts: list[list[int]],
+    args,
+    min_version: int | None,
+    step: int,
+    trainer_version: int | None = None,
 ) -> tuple[list[list[Sample]], float]:
     """One group per prompt, all groups in flight at once; returns (groups, seconds)."""
     start = time.perf_counter()
@@ -160,6 +176,7 @@ def rollout(
             seed=args.seed * 1_000_003 + step * 1009 + i,
             return_text=False,
             min_policy_version=min_version,
+            policy_version=trainer_version,  # --hold-back: the server admits it at most one version behind
             session_id=f"step{step}-prompt{i}",
         )
         for i, ids in enumerate(prompts)
@@ -274,10 +291,12 @@ def train(args) -> list[StepMetrics]:
         (out / "metrics.jsonl").write_text("")
 
     weight_root = Path(tempfile.mkdtemp(prefix="grpo-weights-", dir=args.weights_dir))
-    url, proc, log = (args.base_url, None, None) if args.base_url else start_server(model_dir, weight_root)
+    admission = ("--server.max_off_policy_steps", "1", "--server.policy_wait_s", "600") if args.hold_back else ()
+    url, proc, log = (args.base_url, None, None) if args.base_url else start_server(model_dir, weight_root, admission)
     client = SyncInferenceClient([url])
-    pool = ThreadPoolExecutor(max_workers=args.prompts_per_step)
-    ahead = ThreadPoolExecutor(max_workers=1)  # the next step's rollouts, with --async-steps 1
+    # --hold-back: two steps' rollouts at once (one running, one held by the server)
+    pool = ThreadPoolExecutor(max_workers=args.prompts_per_step * (2 if args.hold_back else 1))
+    ahead = ThreadPoolExecutor(max_workers=2 if args.hold_back else 1)  # the next steps' rollouts
     pusher = None
     history: list[StepMetrics] = []
     try:
@@ -291,7 +310,18 @@ def train(args) -> list[StepMetrics]:
             ]
 
         snapshot = None  # weights of the policy that sampled the pending batch (async only)
-        pending = ahead.submit(rollout, client, pool, prompts_for(0), args, version, 0)
+        snapshots: dict[int, dict[str, torch.Tensor]] = {}  # --hold-back: weights of each recent version
+        held: dict[int, tuple] = {}  # --hold-back: step -> (rollout future, server version when it was sent)
+
+        def hold_back(step: int) -> None:
+            future = ahead.submit(rollout, client, pool, prompts_for(step), args, None, step, step)
+            held[step] = (future, version)
+
+        if args.hold_back:
+            for s in range(min(2, args.steps)):
+                hold_back(s)
+        else:
+            pending = ahead.submit(rollout, client, pool, prompts_for(0), args, version, 0)
         pending_version = version
         print(
             f"{'step':>4} {'reward':>7} {'mismatch_kl':>11} {'max|dlp|':>9} {'version':>7} {'stale':>5} "
@@ -300,10 +330,22 @@ def train(args) -> list[StepMetrics]:
         bar = tqdm(range(args.steps), desc="grpo", unit="step", dynamic_ncols=True, file=sys.stderr)
         for step in bar:
             t0 = time.perf_counter()
-            groups, rollout_s = pending.result()
-            expected = pending_version
-            sampler_params = snapshot
-            if args.async_steps and step + 1 < args.steps:
+            held_requests = 0
+            if args.hold_back:
+                snapshots = {v: p for v, p in snapshots.items() if v >= version - 2}
+                snapshots[version] = {k: v.detach().clone() for k, v in model.named_parameters()}
+                pending, sent_at = held.pop(step)
+                groups, rollout_s = pending.result()
+                expected = max(sent_at, step - 1)  # the server held it until it served step - 1
+                held_requests = len(groups) if step - 1 > sent_at else 0
+                sampler_params = snapshots[groups[0][0].policy_version]
+                if step + 2 < args.steps:
+                    hold_back(step + 2)  # needs version step + 1: held until the push below
+            else:
+                groups, rollout_s = pending.result()
+                expected = pending_version
+                sampler_params = snapshot
+            if args.async_steps and not args.hold_back and step + 1 < args.steps:
                 # sample the next batch with the current weights while this one trains
                 snapshot = {k: v.detach().clone() for k, v in model.named_parameters()}
                 pending = ahead.submit(rollout, client, pool, prompts_for(step + 1), args, version, step + 1)
@@ -317,7 +359,9 @@ def train(args) -> list[StepMetrics]:
             t1 = time.perf_counter()
             stats = train_step(model, optimizer, batch, advantages, args, sampler_params)
             train_s = time.perf_counter() - t1
-            if args.async_steps and step + 1 < args.steps:
+            if args.hold_back and step + 1 in held:
+                held[step + 1][0].result()  # running on the current weights: they finish before the push
+            elif args.async_steps and step + 1 < args.steps:
                 pending.result()  # the overlapped rollouts finish on the old weights before the push
             t2 = time.perf_counter()
             version = pusher.push(model, step + 1)
@@ -328,6 +372,7 @@ def train(args) -> list[StepMetrics]:
 
             tokens = sum(len(s.completion_ids) for s in samples)
             staleness = [version - 1 - v for v in versions]
+            per_sample = [version - 1 - min(s.token_policy_versions(), default=version - 1) for s in samples]
             m = StepMetrics(
                 step=step,
                 reward_mean=statistics.fmean(r for g in rewards for r in g),
@@ -345,6 +390,8 @@ def train(args) -> list[StepMetrics]:
                 train_s=train_s,
                 push_s=push_s,
                 step_s=time.perf_counter() - t0,
+                held_requests=held_requests,
+                staleness_histogram=[per_sample.count(k) for k in range(max(per_sample) + 1)],
             )
             history.append(m)
             bar.set_postfix(reward=f"{m.reward_mean:.3f}", kl=f"{m.mismatch_kl:.1e}")
@@ -392,7 +439,7 @@ def plot(history: list[StepMetrics], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     steps = [m.step for m in history]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5), sharex=True, constrained_layout=True)
+    fig, (top, bottom, stale) = plt.subplots(3, 1, figsize=(7, 7.5), constrained_layout=True)
     top.plot(steps, [m.reward_mean for m in history], marker="o", ms=3)
     top.set_ylabel("mean reward")
     top.set_ylim(0, 1)
@@ -406,6 +453,13 @@ def plot(history: list[StepMetrics], path: Path) -> None:
     bottom.set_xlabel("step")
     bottom.grid(alpha=0.3)
     bottom.legend()
+    counts = [sum(m.staleness_histogram[k] for m in history if k < len(m.staleness_histogram)) for k in range(3)]
+    stale.bar(range(len(counts)), counts)
+    stale.set_xticks(range(len(counts)))
+    stale.set_xlabel("staleness of a sample (trainer version − sampling version)")
+    stale.set_ylabel("samples")
+    held = sum(m.held_requests for m in history)
+    stale.set_title(f"staleness histogram ({held} requests held by the server until their version)")
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -425,6 +479,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0,
         help="1: sample the next batch while this one trains (one step off-policy)",
     )
+    p.add_argument(
+        "--hold-back",
+        action="store_true",
+        help="one step off-policy with the server's admission control: rollouts queued two steps ahead "
+        "(implies --async-steps 1; a --base-url server needs server.max_off_policy_steps 1 and a policy_wait_s)",
+    )
     p.add_argument("--update-from-disk", action="store_true", help="push weights as safetensors files")
     p.add_argument(
         "--weights-dir",
@@ -435,7 +495,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--base-url", help="use this running rlserve (serving --model) instead of starting one")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write DIR/metrics.jsonl and DIR/plot.png")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.async_steps = 1 if args.hold_back else args.async_steps
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

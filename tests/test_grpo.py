@@ -85,6 +85,24 @@ def test_grpo_async_one_step_off_policy_from_disk(grpo, tmp_path):
     assert [m.staleness_max for m in history] == [0, 1, 1, 1]
 
 
+def test_grpo_hold_back_the_server_admits_rollouts_sent_two_steps_ahead(grpo, tmp_path):
+    """Rollouts for step t+2 are sent while step t trains, before the version they may start on exists: the
+    server (max_off_policy_steps 1) holds them until that push instead of refusing them or running them two
+    versions stale, so every sample is at most one step off-policy."""
+    args = grpo.parse_args(
+        ["--steps", "4", "--lr", "3e-4", "--prompts-per-step", "2", "--group-size", "4", "--hold-back"]
+        + ["--out", str(tmp_path)]
+    )
+    history = grpo.train(args)
+    assert_exact(history)  # against the snapshot of the version that sampled each batch
+    assert [m.policy_version for m in history] == [m.expected_policy_version for m in history] == [0, 0, 1, 2]
+    assert [m.staleness_max for m in history] == [0, 1, 1, 1]
+    # steps 2 and 3 were sent at versions 0 and 1 and ran at 1 and 2: held by the server, 2 groups each
+    assert [m.held_requests for m in history] == [0, 0, 2, 2]
+    assert [m.staleness_histogram for m in history] == [[8], [0, 8], [0, 8], [0, 8]]
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="lists child processes through /proc")
 def test_sigterm_stops_the_server_the_example_started(tmp_path):
     proc = subprocess.Popen(

@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from rlserve.deploy.supervisor import Deployment, Slot
+from rlserve.deploy.transaction import is_base_update_from_disk, refused_unchanged, restore
 from rlserve.server.auth import ADMIN_PATHS, Gate
 from rlserve.server.errors import APIError, install_error_handlers
 
@@ -136,6 +137,8 @@ async def _settle(
         if isinstance(r, httpx.Response):
             return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
         raise APIError(502, f"{path} reached no replica: " + "; ".join(_why(s, r) for s, r in failed))
+    if failed and is_base_update_from_disk(path, body):
+        return await _all_or_none(dep, path, [s for s, _ in ok], failed)
     _record(dep, path, body, request, [s for s, _ in ok])
     for slot, r in failed:
         await dep.evict(slot, f"{path} failed there: {_why(slot, r)}")
@@ -153,6 +156,35 @@ async def _settle(
         )
     first = ok[0][1]
     return Response(first.content, status_code=first.status_code, media_type=first.headers.get("content-type"))
+
+
+async def _all_or_none(dep: Deployment, path: str, applied: list[Slot], failed: list[tuple[Slot, Any]]) -> Response:
+    """Some replicas applied an update from disk, others did not: undo it where it was applied, so all keep
+    the previous weights and versions, and name the replicas that failed."""
+    before = (dep.state.policy_version, dep.state.weight_version)
+    unrestored = await restore(dep, applied)
+    for slot, r in failed:
+        now = await _versions_or_error(dep, slot)
+        if not refused_unchanged(r, before, now):  # killed, unreachable, or left in another state
+            await dep.evict(slot, f"{path} failed there: {_why(slot, r)}")
+    for slot in unrestored:
+        await dep.evict(slot, slot.detail)
+    names = ", ".join(f"{slot.name} ({slot.url})" for slot, _ in failed)
+    refusals = [r.status_code for _, r in failed if isinstance(r, httpx.Response) and r.status_code < 500]
+    raise APIError(
+        refusals[0] if len(refusals) == len(failed) else 502,
+        f"{path} failed on {names}: "
+        + "; ".join(_why(slot, r) for slot, r in failed)
+        + f". Nothing changed: every replica keeps (or was restored to) the previous weights, policy_version "
+        f"{before[0]} ({before[1]!r}); fix the cause and send the update again",
+    )
+
+
+async def _versions_or_error(dep: Deployment, slot: Slot) -> tuple[int, str] | BaseException:
+    try:
+        return await dep._versions(slot)
+    except (httpx.HTTPError, ValueError, KeyError) as exc:
+        return exc
 
 
 def _why(slot: Slot, r: Any) -> str:

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import httpx
 
 from rlserve.config.schema import Config
+from rlserve.deploy.liveness import watch_liveness
 from rlserve.deploy.router import Router
 
 log = logging.getLogger("rlserve.deploy")
@@ -47,7 +48,7 @@ class WeightState:
 class Slot:
     replica: Replica
     url: str | None = None
-    status: str = "starting"  # starting | serving | stale | failed | restarting
+    status: str = "starting"  # starting | serving | stale | failed | restarting | unresponsive
     incarnation: int = 0
     detail: str = ""
 
@@ -63,7 +64,11 @@ class Deployment:
         self.state = WeightState(weight_version=config.weight_version)
         self.router: Router | None = None
         self.lock = asyncio.Lock()  # one admin mutation (or rejoin) at a time, so versions stay in step
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0))
+        # no idle connections kept: a replica's server closes one it finds idle (after a pause or a freeze) just
+        # as a call goes out on it, and an admin call cannot be resent blindly
+        self.http = httpx.AsyncClient(
+            timeout=httpx.Timeout(None, connect=10.0), limits=httpx.Limits(max_keepalive_connections=0)
+        )
         self.group: set[tuple[int, int]] = set()  # (replica index, incarnation) in the trainer's broadcast group
         self._tasks: set[asyncio.Task] = set()
         self._router_restarting = False
@@ -115,7 +120,9 @@ class Deployment:
     # ---- supervision ---------------------------------------------------------------------------
 
     async def watch(self, interval_s: float = 0.2) -> None:
-        """Restart every replica whose process ended; it rejoins once it serves the current weights."""
+        """Restart every replica whose process ended; it rejoins once it serves the current weights. One that
+        stops answering without exiting leaves the rotation until it answers again (deploy/liveness.py)."""
+        self._spawn(watch_liveness(self))
         while True:
             if self.router is not None and self.router.exited() is not None and not self._router_restarting:
                 log.warning("vllm-router exited with code %s; restarting it", self.router.exited())

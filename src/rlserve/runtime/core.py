@@ -237,7 +237,9 @@ class EngineCore:
             self.engine.tp.commit(call_id)
         return commit()
 
-    def op_update_from_dir(self, call_id: int, weight_dir: str, roots: list[str], label: str | None) -> object:
+    def op_update_from_dir(
+        self, call_id: int, weight_dir: str, roots: list[str], label: str | None, inflight: str | None = None
+    ) -> object:
         model = self.engine.model
         return self.off_loop(
             call_id,
@@ -247,7 +249,7 @@ class EngineCore:
                 [weight_dir, roots],
                 lambda: stage_from_dir(model, check_under_roots(weight_dir, roots), self.staging, roots),
             ),
-            lambda staged: self.commit_on_ranks(call_id, lambda: self.engine.commit_weights(staged, label)),
+            lambda staged: self.commit_on_ranks(call_id, lambda: self.engine.commit_weights(staged, label, inflight)),
         )
 
     def op_init_broadcaster(self, call_id: int, host: str, port: int, rank: int, world: int, timeout: float) -> object:
@@ -266,7 +268,7 @@ class EngineCore:
 
         return self.off_loop(call_id, lambda: leave_earlier_group(earlier, peer), join)
 
-    def op_update_from_broadcast(self, call_id: int, label: str | None) -> object:
+    def op_update_from_broadcast(self, call_id: int, label: str | None, inflight: str | None = None) -> object:
         from rlserve.engine.broadcast_group import receive_push
 
         if self.group is None:
@@ -284,7 +286,7 @@ class EngineCore:
         return self.off_loop(
             call_id,
             receive,
-            lambda staged: self.commit_on_ranks(call_id, lambda: self.engine.commit_weights(staged, label)),
+            lambda staged: self.commit_on_ranks(call_id, lambda: self.engine.commit_weights(staged, label, inflight)),
         )
 
     def op_load_adapter(self, call_id: int, name: str, path: str, roots: list[str]) -> object:

@@ -184,10 +184,15 @@ class DataParallelClient(FaceRules):
         return all(await self._all("reset_prefix_cache"))
 
     async def update_weights_from_dir(
-        self, weight_dir: str, roots: list[str], weight_version: str | None = None, started: asyncio.Event | None = None
+        self,
+        weight_dir: str,
+        roots: list[str],
+        weight_version: str | None = None,
+        started: asyncio.Event | None = None,
+        inflight: str | None = None,
     ) -> int:
         async with self._update_turn(started):
-            return (await self._all("update_weights_from_dir", weight_dir, roots, weight_version))[0]
+            return (await self._all("update_weights_from_dir", weight_dir, roots, weight_version, None, inflight))[0]
 
     async def init_broadcaster(
         self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 300.0
@@ -198,10 +203,10 @@ class DataParallelClient(FaceRules):
         )
 
     async def update_weights_from_broadcast(
-        self, weight_version: str | None = None, started: asyncio.Event | None = None
+        self, weight_version: str | None = None, started: asyncio.Event | None = None, inflight: str | None = None
     ) -> int:
         async with self._update_turn(started):
-            return (await self._all("update_weights_from_broadcast", weight_version))[0]
+            return (await self._all("update_weights_from_broadcast", weight_version, None, inflight))[0]
 
     async def set_versions(self, policy_version: int, label: str) -> None:
         await self._all("set_versions", policy_version, label)

@@ -198,13 +198,18 @@ class AsyncEngine(FaceRules):
         await self.call(self._pause.resume)
 
     async def update_weights_from_dir(
-        self, weight_dir: str, roots: list[str], weight_version: str | None = None, started: asyncio.Event | None = None
+        self,
+        weight_dir: str,
+        roots: list[str],
+        weight_version: str | None = None,
+        started: asyncio.Event | None = None,
+        inflight: str | None = None,
     ) -> int:
         """Read and validate off the engine thread, then swap between two steps. Returns the new version."""
         path = check_under_roots(weight_dir, roots)
         async with self._update_turn(started):
             staged = await asyncio.to_thread(stage_from_dir, self.engine.model, path, self._staging, roots)
-            return await self.call(lambda e: e.commit_weights(staged, weight_version))
+            return await self.call(lambda e: e.commit_weights(staged, weight_version, inflight))
 
     async def init_broadcaster(
         self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 300.0
@@ -220,7 +225,7 @@ class AsyncEngine(FaceRules):
         )
 
     async def update_weights_from_broadcast(
-        self, weight_version: str | None = None, started: asyncio.Event | None = None
+        self, weight_version: str | None = None, started: asyncio.Event | None = None, inflight: str | None = None
     ) -> int:
         """Receive one push from the trainer (all of it, even if invalid, so the group stays in
         step), validate, then swap between two steps. Returns the new version."""
@@ -233,7 +238,7 @@ class AsyncEngine(FaceRules):
         async with self._update_turn(started):
             received = await asyncio.to_thread(receive_push, device, self._staging)
             staged = stage(self.engine.model, received, "broadcast", require_all=False)
-            return await self.call(lambda e: e.commit_weights(staged, weight_version))
+            return await self.call(lambda e: e.commit_weights(staged, weight_version, inflight))
 
     def shutdown(self) -> None:
         self._stop = True

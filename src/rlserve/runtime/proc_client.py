@@ -238,10 +238,15 @@ class EngineClient(FaceRules):
         return await self._call("reset_prefix_cache")
 
     async def update_weights_from_dir(
-        self, weight_dir: str, roots: list[str], weight_version: str | None = None, started: asyncio.Event | None = None
+        self,
+        weight_dir: str,
+        roots: list[str],
+        weight_version: str | None = None,
+        started: asyncio.Event | None = None,
+        inflight: str | None = None,
     ) -> int:
         async with self._update_turn(started):
-            return await self._call("update_from_dir", weight_dir, roots, weight_version)
+            return await self._call("update_from_dir", weight_dir, roots, weight_version, inflight)
 
     async def init_broadcaster(
         self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 300.0
@@ -249,10 +254,10 @@ class EngineClient(FaceRules):
         await self._call("init_broadcaster", host, port, rank, world_size, timeout_s)
 
     async def update_weights_from_broadcast(
-        self, weight_version: str | None = None, started: asyncio.Event | None = None
+        self, weight_version: str | None = None, started: asyncio.Event | None = None, inflight: str | None = None
     ) -> int:
         async with self._update_turn(started):
-            return await self._call("update_from_broadcast", weight_version)
+            return await self._call("update_from_broadcast", weight_version, inflight)
 
     async def set_versions(self, policy_version: int, label: str) -> None:
         await self._call("set_versions", policy_version, label)

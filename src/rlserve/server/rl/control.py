@@ -55,7 +55,9 @@ def _under_roots(state: ServerState, path: str, field: str) -> Path:
         raise APIError(403, str(exc), param=field) from None
 
 
-async def _update_from_dir(request: Request, state: ServerState, weight_dir: str, field: str, label: str | None) -> int:
+async def _update_from_dir(
+    request: Request, state: ServerState, weight_dir: str, field: str, label: str | None, inflight: str | None = None
+) -> int:
     path = _under_roots(state, weight_dir, field)
     if not path.is_dir():
         raise APIError(404, f"{field} {weight_dir!r} does not exist", param=field)
@@ -67,7 +69,9 @@ async def _update_from_dir(request: Request, state: ServerState, weight_dir: str
     try:
         version = await _unless_abandoned(
             request,
-            lambda started: state.engine.update_weights_from_dir(str(path), state.config.weight_roots, label, started),
+            lambda started: state.engine.update_weights_from_dir(
+                str(path), state.config.weight_roots, label, started, inflight
+            ),
         )
     except PermissionError as exc:
         raise APIError(403, str(exc), param=field) from None
@@ -120,7 +124,14 @@ async def update_weights(request: Request) -> dict:
     """prime-rl {"weight_dir"} (null = receive a trainer push), NexRL {"weight_path"}, vLLM
     {"update_info"} (vllm_weights); §2.0 dispatch."""
     state, body = _state(request), await json_body(request, UpdateWeightsRequest)
+    inflight = body.get("inflight_update_policy")
     if "update_info" in body:
+        if inflight is not None:
+            raise bad_request(
+                "inflight_update_policy is not taken with update_info yet: set the server's "
+                "engine.inflight_update_policy, or update from weight_dir or a trainer push",
+                "inflight_update_policy",
+            )
         if not isinstance(body["update_info"], dict):
             raise bad_request("update_info must be an object {names, dtype_names, shapes}", "update_info")
         return await vllm_weights.receive_update(request, body["update_info"], _label(body))
@@ -129,20 +140,20 @@ async def update_weights(request: Request) -> dict:
         if (path / "adapter_config.json").exists():
             version = await _load_adapter(state, str(body.get("model_name") or path.name), str(path), "weight_path")
         else:
-            version = await _update_from_dir(request, state, str(path), "weight_path", _label(body))
+            version = await _update_from_dir(request, state, str(path), "weight_path", _label(body), inflight)
         return {"status": "ok", "policy_version": version}
     if body.get("weight_dir") is None:
         try:
             label = _label(body)
             version = await _unless_abandoned(
-                request, lambda started: state.engine.update_weights_from_broadcast(label, started)
+                request, lambda started: state.engine.update_weights_from_broadcast(label, started, inflight)
             )
         except RuntimeError as exc:
             raise APIError(409, str(exc)) from None
         except WeightUpdateError as exc:
             raise bad_request(f"{exc}; the previous weights keep serving") from None
         return {"status": "ok", "policy_version": version}
-    version = await _update_from_dir(request, state, str(body["weight_dir"]), "weight_dir", _label(body))
+    version = await _update_from_dir(request, state, str(body["weight_dir"]), "weight_dir", _label(body), inflight)
     return {"status": "ok", "policy_version": version}
 
 
@@ -384,7 +395,9 @@ async def update_weights_from_disk(request: Request) -> dict:
     if not body.get("model_path"):
         raise bad_request("model_path is required", "model_path")
     aborted = await state.engine.abort_requests() if body.get("abort_all_requests") else 0
-    version = await _update_from_dir(request, state, str(body["model_path"]), "model_path", _label(body))
+    version = await _update_from_dir(
+        request, state, str(body["model_path"]), "model_path", _label(body), body.get("inflight_update_policy")
+    )
     return {"success": True, "message": f"weights updated (policy_version {version})", "num_paused_requests": aborted}
 
 

@@ -10,6 +10,17 @@ from pydantic import Field
 from rlserve.server.protocol import Body
 
 Label = str | int  # weight_version labels: trainers send step numbers too
+INFLIGHT_DESCRIPTION = (
+    "what the requests in flight do at this update (default: the server's engine.inflight_update_policy): keep, "
+    "recompute (their KV recomputed with the new weights first), abort (they end with their tokens), "
+    "recompute_if_older_than:N"
+)
+
+
+def inflight_field() -> Any:
+    return Field(
+        None, pattern=r"^(keep|recompute|abort|recompute_if_older_than:\d+)$", description=INFLIGHT_DESCRIPTION
+    )
 
 
 class UpdateWeightsRequest(Body):
@@ -21,6 +32,7 @@ class UpdateWeightsRequest(Body):
     weight_type: str | None = None
     weight_version: Label | None = None
     update_info: dict[str, Any] | None = None
+    inflight_update_policy: str | None = inflight_field()
 
 
 class InitBroadcasterRequest(Body):
@@ -62,6 +74,7 @@ class UpdateWeightsFromDiskRequest(Body):
     weight_version: Label | None = None
     abort_all_requests: bool = False
     load_format: str | None = None
+    inflight_update_policy: str | None = inflight_field()
 
 
 class AbortRequest(Body):

@@ -1,0 +1,77 @@
+"""Replicas that stop answering without exiting (frozen by SIGSTOP, swapped out, stuck): the supervisor probes
+every replica's /health and takes one out of the router's rotation after PROBE_FAILURES probes in a row get no
+healthy answer; it comes back once it answers again. Requests already on it are not moved (a router retry would
+run them twice): they finish, or fail clearly, when it resumes.
+
+vllm-router's own health checks would take minutes (60 s apart by default) and would not reconcile what the
+replica missed while out: here a replica that comes back is brought to the deployment's pause state, and one
+that missed an update is restarted, so it rejoins at the current weights."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import httpx
+
+log = logging.getLogger("rlserve.deploy")
+PROBE_INTERVAL_S = 1.0
+PROBE_TIMEOUT_S = 10.0  # generous: a loaded machine can leave a healthy replica slow to answer
+PROBE_FAILURES = 3
+UNRESPONSIVE = "unresponsive"
+
+
+async def watch_liveness(dep: Any) -> None:
+    """Runs for the deployment's lifetime beside its exit watch (Deployment.watch)."""
+    misses: dict[int, int] = {}
+    while True:
+        slots = [s for s in dep.slots if s.status in ("serving", UNRESPONSIVE) and s.url]
+        answers = await asyncio.gather(*(_healthy(dep, s) for s in slots))
+        for slot, healthy in zip(slots, answers):
+            key = id(slot)
+            misses[key] = 0 if healthy else misses.get(key, 0) + 1
+            if healthy and slot.status == UNRESPONSIVE:
+                await _readmit(dep, slot)
+            elif misses[key] >= PROBE_FAILURES and slot.status == "serving":
+                await _take_out(dep, slot, misses[key])
+        await asyncio.sleep(PROBE_INTERVAL_S)
+
+
+async def _healthy(dep: Any, slot: Any) -> bool:
+    try:
+        r = await dep.http.get(f"{slot.url}/health", timeout=PROBE_TIMEOUT_S)
+    except httpx.HTTPError:
+        return False
+    return r.status_code == 200
+
+
+async def _take_out(dep: Any, slot: Any, misses: int) -> None:
+    # not under dep.lock: an admin fan-out may hold it while it waits on this very replica
+    slot.status = UNRESPONSIVE
+    slot.detail = f"no healthy answer to {misses} /health probes in a row ({PROBE_TIMEOUT_S:.0f} s each)"
+    log.error("%s (%s) left the router's rotation: %s", slot.name, slot.url, slot.detail)
+    if dep.router is not None:
+        await dep.router.remove(dep.http, slot.url)
+
+
+async def _readmit(dep: Any, slot: Any) -> None:
+    async with dep.lock:
+        if slot.status != UNRESPONSIVE:
+            return
+        s = dep.state
+        try:
+            if await dep._versions(slot) != (s.policy_version, s.weight_version):
+                await dep.evict(slot, "it missed a weight update while it did not answer")
+                return
+            # it may have missed a /pause or /resume: take the deployment's state
+            if s.paused is None:
+                await dep._post(slot, "/resume", None)
+            else:
+                await dep._post(slot, "/pause", None, params={"mode": s.paused})
+            await dep.router.add(dep.http, slot.url, getattr(slot.replica, "role", None))
+        except (httpx.HTTPError, RuntimeError) as exc:
+            await dep.evict(slot, f"could not be brought back after it answered again: {exc}")
+            return
+        slot.status, slot.detail = "serving", ""
+        log.warning("%s (%s) answers again and is back in the router's rotation", slot.name, slot.url)

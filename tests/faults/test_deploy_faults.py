@@ -1,0 +1,286 @@
+"""A 2-replica deployment where an update from disk fails on one replica mid-way, once by a bad checkpoint
+and once by the replica being killed: the update is all-or-none (both replicas keep or are restored to the
+previous weights and versions, and the admin call names the replica that failed), one retry brings both to
+the new version, and the killed replica restarts with the deployment's current weights before the router
+sends it traffic.
+
+Throughout, greedy one-token requests run through the router, and every answer's token and logprob must be
+what transformers gives for the weights its label names: no answer ever carries the new label with the old
+weights or the reverse. "Mid-way" is made true by construction: replica 1's server is frozen (SIGSTOP)
+before the admin call, replica 0 is seen to have applied the update, and only then is the checkpoint
+corrupted (then SIGCONT) or replica 1 killed. Only processes this test started are signalled, by PID."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import psutil
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from deploy_helpers import replicas, start_deployment, stop_deployment, wait_for
+from rlserve.model.make import make_model
+from test_deploy import served
+from test_server_rl import generate, hf_check
+
+PROMPTS = [[11, 22, 33, 44, 55], [100, 7, 300, 9], [5, 6, 7], [250, 251, 252, 253, 254, 255]]
+SEEDS = {"step-1": 1, "step-2": 2, "step-3": 3}
+HELD, HELD_TOKENS, AROUND = 8, 16, 12
+
+
+@pytest.fixture(scope="module")
+def weights(root):
+    return {label: make_model("tiny", root / label, seed=seed) for label, seed in SEEDS.items()}
+
+
+@pytest.fixture(scope="module")
+def expected(weights):
+    """label -> prompt index -> (greedy token, its logprob) under that label's weights."""
+    out = {}
+    for label, path in weights.items():
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        rows = []
+        with torch.no_grad():
+            for prompt in PROMPTS:
+                lp = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1].float(), -1)
+                token = int(lp.argmax())
+                rows.append((token, float(lp[token])))
+        out[label] = rows
+    return out
+
+
+@pytest.fixture(scope="module")
+def deployment(root, weights):
+    public, admin, proc = start_deployment(
+        "--deployment.replicas",
+        "2",
+        "--weight_roots",
+        json.dumps([str(root)]),
+        "--engine.kv_cache_bytes",
+        str(16 << 20),
+    )
+    try:
+        r = httpx.post(
+            f"{admin}/update_weights",
+            json={"weight_dir": str(weights["step-1"]), "weight_version": "step-1"},
+            timeout=300,
+        )
+        assert r.status_code == 200, r.text
+        yield public, admin, proc
+    finally:
+        stop_deployment(proc)
+
+
+class Load:
+    """Greedy one-token requests through the router until stopped; every answer is kept."""
+
+    def __init__(self, public: str, workers: int = 2):
+        self.public, self.stop, self.answers = public, threading.Event(), []
+        self.pool = ThreadPoolExecutor(workers)
+        self.futures = [self.pool.submit(self._run, w) for w in range(workers)]
+
+    def _run(self, worker: int) -> None:
+        with httpx.Client(timeout=600) as http:
+            i = 0
+            while not self.stop.is_set():
+                p = (worker + i) % len(PROMPTS)
+                body = {"token_ids": PROMPTS[p], "sampling_params": {"temperature": 0, "max_tokens": 1, "logprobs": 0}}
+                r = http.post(
+                    f"{self.public}/inference/v1/generate", json=body, headers={"X-Session-ID": f"load-{worker}-{i}"}
+                )
+                self.answers.append((p, r.status_code, r.json() if r.status_code == 200 else r.text))
+                i += 1
+
+    def __enter__(self) -> Load:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()  # a failing test must not leave the threads running
+
+    def finish(self) -> list:
+        self.stop.set()
+        for f in self.futures:
+            f.result()
+        self.pool.shutdown()
+        return self.answers
+
+
+def check_labels_match_weights(answers: list, expected: dict) -> set[str]:
+    """Every answer is a 200 whose token and logprob are those of the weights its label names."""
+    labels = set()
+    for p, status, data in answers:
+        assert status == 200, data
+        choice = data["choices"][0]
+        label = choice["weight_version"]
+        assert label in expected, f"an answer labelled {label!r}: weights the deployment never had at that label"
+        token, logprob = expected[label][p]
+        assert choice["token_ids"] == [token], (label, choice["policy_version"])
+        assert abs(choice["logprobs"]["content"][0]["logprob"] - logprob) <= 1e-4, (label, choice["policy_version"])
+        labels.add(label)
+    return labels
+
+
+def versions(url: str) -> tuple[int, str]:
+    data = httpx.get(f"{url}/get_weight_version", timeout=30).json()
+    return data["policy_version"], data["weight_version"]
+
+
+def start_update(admin: str, weight_dir, label: str):
+    pool = ThreadPoolExecutor(1)
+    body = {"weight_dir": str(weight_dir), "weight_version": label}
+    future = pool.submit(httpx.post, f"{admin}/update_weights", json=body, timeout=600)
+    pool.shutdown(wait=False)
+    return future
+
+
+def all_serving_at(admin: str, version: tuple[int, str], weights_dir) -> list[dict]:
+    # a replica frozen long enough is out of the rotation for a moment: it comes back by itself
+    rows = wait_for(
+        lambda: (rows := replicas(admin)) and all(r["status"] == "serving" for r in rows) and rows, 120, "both serving"
+    )
+    for row in rows:
+        assert versions(row["url"]) == version
+        for prompt in PROMPTS[:2]:
+            choice = generate(row["url"], prompt, max_tokens=4)["choices"][0]
+            assert (choice["policy_version"], choice["weight_version"]) == version
+            hf_check(weights_dir, prompt, choice)
+    return rows
+
+
+def test_a_bad_checkpoint_on_one_replica_changes_no_replica(deployment, weights, expected):
+    public, admin, _ = deployment
+    first, frozen = replicas(admin)
+    candidate = weights["step-2"]
+    good = (candidate / "model.safetensors").read_bytes()
+    with Load(public) as load:
+        os.kill(frozen["pid"], signal.SIGSTOP)
+        try:
+            update = start_update(admin, candidate, "step-2")
+            wait_for(lambda: versions(first["url"]) == (2, "step-2"), 300, "replica 0 to apply the update")
+            (candidate / "model.safetensors").write_bytes(good[: len(good) // 3])  # what replica 1 will read
+        finally:
+            os.kill(frozen["pid"], signal.SIGCONT)
+        check_bad_then_retry(admin, update, first, frozen, weights, good)
+        answers = load.finish()
+    assert check_labels_match_weights(answers, expected) >= {"step-1", "step-2"}
+
+
+def check_bad_then_retry(admin, update, first, frozen, weights, good) -> None:
+    candidate = weights["step-2"]
+    r = update.result()
+    message = r.json()["error"]["message"]
+    assert r.status_code == 400, r.text
+    assert f"replica 1 ({frozen['url']})" in message and "Nothing changed" in message
+    rows = all_serving_at(admin, (1, "step-1"), weights["step-1"])
+    assert [row["restarts"] for row in rows] == [first["restarts"], frozen["restarts"]]  # restored, not restarted
+
+    (candidate / "model.safetensors").write_bytes(good)
+    r = httpx.post(
+        f"{admin}/update_weights", json={"weight_dir": str(candidate), "weight_version": "step-2"}, timeout=300
+    )
+    assert r.status_code == 200, r.text
+    all_serving_at(admin, (2, "step-2"), candidate)
+
+
+def test_a_replica_killed_mid_update_restarts_at_the_previous_weights(deployment, weights, expected):
+    public, admin, _ = deployment
+    first, victim = replicas(admin)
+    with Load(public) as load:
+        kill_mid_update_then_retry(admin, first, victim, weights)
+        answers = load.finish()
+    assert check_labels_match_weights(answers, expected) >= {"step-2", "step-3"}
+
+
+def kill_mid_update_then_retry(admin, first, victim, weights) -> None:
+    os.kill(victim["pid"], signal.SIGSTOP)
+    update = start_update(admin, weights["step-3"], "step-3")
+    wait_for(lambda: versions(first["url"]) == (3, "step-3"), 300, "replica 0 to apply the update")
+    os.kill(victim["pid"], signal.SIGKILL)
+    r = update.result()
+    message = r.json()["error"]["message"]
+    assert r.status_code == 502 and f"replica 1 ({victim['url']})" in message and "Nothing changed" in message
+    assert versions(first["url"]) == (2, "step-2")  # restored before the call answered
+    # restarted, replayed to the deployment's weights, and only then back in the router's rotation: the
+    # load above never sees the fresh process's startup weights (their label is not in `expected`)
+    wait_for(
+        lambda: [r for r in replicas(admin) if r["status"] == "serving" and r["restarts"] == victim["restarts"] + 1],
+        600,
+        "replica 1 to rejoin",
+    )
+    all_serving_at(admin, (2, "step-2"), weights["step-2"])
+
+    r = httpx.post(
+        f"{admin}/update_weights", json={"weight_dir": str(weights["step-3"]), "weight_version": "step-3"}, timeout=300
+    )
+    assert r.status_code == 200, r.text
+    all_serving_at(admin, (3, "step-3"), weights["step-3"])
+
+
+def freeze(pid: int, sig: signal.Signals) -> None:
+    """The replica's whole process tree (its server and its engine process), which this test started."""
+    for p in [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]:
+        os.kill(p, sig)
+
+
+def post_held(public: str, i: int) -> httpx.Response:
+    body = {
+        "token_ids": [i + 1, 5, 9],
+        "sampling_params": {"max_tokens": HELD_TOKENS, "temperature": 0, "logprobs": 0, "ignore_eos": True},
+    }
+    return httpx.post(f"{public}/inference/v1/generate", json=body, headers={"X-Session-ID": f"held-{i}"}, timeout=600)
+
+
+def test_a_frozen_replica_is_routed_around_and_its_requests_finish_once_it_resumes(deployment):
+    """SIGSTOP under load: the frozen replica holds requests (made true by a deployment pause), leaves the
+    rotation while frozen, every request sent meanwhile is served by the other, the held ones finish after
+    SIGCONT, and the replicas' own request counters add up to exactly what the clients received."""
+    public, admin, _ = deployment
+    rows = wait_for(lambda: (r := replicas(admin)) and all(x["status"] == "serving" for x in r) and r, 120, "serving")
+    before = {row["index"]: served(row["url"]) for row in rows}
+    httpx.post(f"{admin}/pause", params={"mode": "keep"}, timeout=120).raise_for_status()
+    pool = ThreadPoolExecutor(HELD)
+    held = [pool.submit(post_held, public, i) for i in range(HELD)]
+    try:
+        rows = wait_for(
+            lambda: (r := replicas(admin)) and sum(x["running"] + x["waiting"] for x in r) == HELD and r, 300, "held"
+        )
+        victim = max(rows, key=lambda x: x["running"] + x["waiting"])
+        (other,) = [x for x in rows if x["index"] != victim["index"]]
+        on_victim = victim["running"] + victim["waiting"]
+        freeze(victim["pid"], signal.SIGSTOP)
+        try:
+            wait_for(lambda: replicas_by_index(admin)[victim["index"]]["status"] == "unresponsive", 120, "taken out")
+            assert victim["url"] not in httpx.get(f"{public}/list_workers", timeout=30).json()["urls"]
+            httpx.post(f"{admin}/resume", timeout=120).raise_for_status()  # reaches the serving replica only
+            for i in range(AROUND):  # while the victim is frozen: every one of these is served by the other
+                r = httpx.post(
+                    f"{public}/v1/completions",
+                    json={"prompt": [i + 1, 2], "max_tokens": 2, "temperature": 0},
+                    headers={"X-Session-ID": f"around-{i}"},
+                    timeout=120,
+                )
+                assert r.status_code == 200, r.text
+            expected_other = HELD - on_victim + AROUND
+            wait_for(lambda: served(other["url"]) - before[other["index"]] == expected_other, 300, "the other's")
+        finally:
+            freeze(victim["pid"], signal.SIGCONT)
+        results = [f.result() for f in held]  # the victim's finish once it is back (and resumed)
+    finally:
+        pool.shutdown(wait=False)
+    assert all(r.status_code == 200 for r in results), [r.text for r in results if r.status_code != 200]
+    assert all(len(r.json()["choices"][0]["token_ids"]) == HELD_TOKENS for r in results)
+    wait_for(lambda: replicas_by_index(admin)[victim["index"]]["status"] == "serving", 120, "the victim back")
+    assert replicas_by_index(admin)[victim["index"]]["restarts"] == victim["restarts"]  # never restarted
+    # nothing counted twice: each replica finished exactly the requests the clients got from it
+    assert served(victim["url"]) - before[victim["index"]] == on_victim
+    assert served(other["url"]) - before[other["index"]] == HELD - on_victim + AROUND
+
+
+def replicas_by_index(admin: str) -> dict[int, dict]:
+    return {row["index"]: row for row in replicas(admin)}
