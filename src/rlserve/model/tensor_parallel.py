@@ -44,9 +44,11 @@ def is_expert_tensor(name: str) -> bool:
 
 def check_tp(shape: ModelShape, tp: int, experts_whole: bool = False) -> None:
     """Raises ValueError saying what to change when the model cannot be split `tp` ways."""
+    moe = shape.moe
+    if experts_whole and moe is None:
+        raise ValueError("enable_expert_parallel spreads the experts of a mixture-of-experts model; this one is dense")
     if tp == 1:
         return
-    moe = shape.moe
     if moe is not None and not experts_whole and moe.intermediate_size % tp:
         raise ValueError(
             f"parallel.tp={tp} must divide the experts' intermediate size ({moe.intermediate_size}): pick "

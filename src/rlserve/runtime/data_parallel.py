@@ -36,6 +36,12 @@ def check_parallel(config: Config) -> None:
         raise ValueError(
             "parallel.tp > 1 runs the engine core process with its worker ranks: drop engine.core_process=false"
         )
+    if dp > 1 and config.parallel.enable_expert_parallel:
+        raise ValueError(
+            f"enable_expert_parallel with parallel.dp={dp}: expert parallelism spans the tensor-parallel ranks of "
+            "one engine in this build (the dp engines' lock-step for shared expert layers is not served yet); "
+            "set parallel.dp=1 and spread the experts with parallel.tp"
+        )
     device = config.model.device
     if device.startswith("cuda") or (device == "auto" and _cuda_devices()):
         have, what = _cuda_devices(), "CUDA devices"
