@@ -63,8 +63,9 @@ def rebalanced(placement: Placement, load: torch.Tensor) -> Placement:
     n, s, e_count = placement.ep_size, placement.slots_per_rank, placement.num_experts
     load = load.double().tolist()
     replicas = [1] * e_count
-    for _ in range(n * s - e_count):
-        hot = max(range(e_count), key=lambda e: (load[e] / replicas[e], -e))
+    for _ in range(n * s - e_count):  # at most one replica a rank while any expert has fewer
+        open_ = [e for e in range(e_count) if replicas[e] < n] or range(e_count)
+        hot = max(open_, key=lambda e: (load[e] / replicas[e], -e))
         replicas[hot] += 1
     items = sorted(
         ((load[e] / replicas[e], e) for e in range(e_count) for _ in range(replicas[e])), key=lambda x: (-x[0], x[1])
