@@ -78,3 +78,43 @@ def test_disk_update_and_trainer_push_reach_every_ranks_experts(ep_server, root,
     pushed = make_model("tiny-moe", root / "pushed", seed=2)
     trainer_push(ep_server, pushed, timeout=300)
     check_answers(ep_server, pushed)
+
+
+def test_data_parallel_engines_share_their_experts_and_step_together(base):
+    """dp = 2 engines of one rank each, the experts spread over both: a request on one engine makes the
+    other run dummy steps beside it; both engines' answers are transformers' with its routed experts."""
+    import threading
+
+    from transformers import AutoModelForCausalLM
+
+    url, proc = start_server(
+        "--model.name", str(base), "--parallel.dp", "2", "--parallel.enable_expert_parallel", "true",
+        "--enable_return_routed_experts",
+    )  # fmt: skip
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(base).eval()
+        results: dict = {}
+
+        def ask(engine: int, prompt: list[int], max_tokens: int) -> None:
+            body = {"token_ids": prompt, "sampling_params": {"temperature": 0, "max_tokens": max_tokens, "logprobs": 0}}
+            r = httpx.post(
+                f"{url}/inference/v1/generate", json=body, headers={"X-data-parallel-rank": str(engine)}, timeout=300
+            )
+            assert r.status_code == 200, r.text
+            results[(engine, tuple(prompt), max_tokens)] = r.json()["choices"][0]
+
+        ask(0, PROMPTS[0], 8)  # engine 1 idle: it runs dummy steps
+        ask(1, PROMPTS[1], 8)
+        # both at once, of different lengths: engine 0 finishes first and steps dummies for engine 1
+        threads = [threading.Thread(target=ask, args=(e, PROMPTS[2 * e], 4 + 6 * e)) for e in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(results) == 4
+        for (_, prompt, _), choice in results.items():
+            hf_check(base, list(prompt), choice)
+            rows = decode(choice["routed_experts"])
+            np.testing.assert_array_equal(rows, hf_experts(hf, (list(prompt) + choice["token_ids"])[:-1]))
+    finally:
+        stop_server(proc)
