@@ -17,6 +17,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from rlserve.model.eplb import Placement, rebalanced, transfers
@@ -114,8 +115,6 @@ class ExpertParallelMoe(SparseMoe):
         start = time.perf_counter()
         if inp.dim() > 1 and inp.dtype != torch.uint8 and out.numel() + inp.numel():  # bytes: any dtype crosses gloo
             out, inp = out.view(torch.uint8), inp.contiguous().view(torch.uint8)
-        import torch.distributed as dist
-
         self.group.alltoall_base(out, inp, out_splits, in_splits, dist.AllToAllOptions()).wait()
         self.all_to_all_seconds += time.perf_counter() - start
 
