@@ -118,3 +118,9 @@ def test_llamacpp_comparison_skips_the_peer_when_it_is_not_built(tmp_path):
     for workload in ("64 concurrent", "batch 1"):  # the row names, whatever --clients is
         match = re.search(rf"^rlserve bfloat16\s+{workload}\s+([\d.]+)", out, re.M)
         assert match and float(match.group(1)) > 0, out
+
+
+def test_ep_quick(tmp_path):
+    out = run(tmp_path, "ep.py", "--quick")
+    assert rate(out, "tp=1 (one rank)") > 0 and rate(out, "EP over 2 ranks") > 0
+    assert "dbo" in out

@@ -83,7 +83,7 @@ def test_vllm_flags_set_rlserve_keys():
 @pytest.mark.parametrize(
     "argv, named",
     [
-        (["--enable-expert-parallel"], "--enable-expert-parallel"),
+        (["--enable-dbo"], "--enable-dbo"),
         (["--logprobs-mode", "logits"], "--logprobs-mode"),
         (["--speculative-config", "{}"], "--speculative-config"),
         (["--served-model-name", "a", "b"], "--served-model-name"),
@@ -214,8 +214,6 @@ def test_nemo_gym_launch_line_starts():
 # ---- prime-rl's inference docs: one test per TOML block ------------------------------------------------
 
 REFUSED_BLOCKS = {  # what rlserve cannot do yet, refused with the key named
-    "03_single_node_ep.toml": "enable_expert_parallel",
-    "05_wide_ep.toml": "enable_expert_parallel",
     "08_rl_deployment.toml": "num_infer_replicas",
     "09_router_llm_d.toml": "llm-d",
     "13_vllm_extra.toml": "vllm_extra.headless",

@@ -13,6 +13,11 @@ if TYPE_CHECKING:
 def check_combinations(config: Config) -> None:
     if config.model.max_model_len is not None and config.engine.max_num_batched_tokens < config.engine.block_size:
         raise ValueError("engine.max_num_batched_tokens must be at least engine.block_size")
+    p = config.parallel
+    if p.enable_eplb and not p.enable_expert_parallel:
+        raise ValueError("enable_eplb balances experts over expert-parallel ranks: set enable_expert_parallel = true")
+    if p.eplb_num_redundant_experts and not p.enable_eplb:
+        raise ValueError("eplb_num_redundant_experts places replicas for the load balancer: set enable_eplb = true")
     check_deployment(config)
 
 

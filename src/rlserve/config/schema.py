@@ -312,6 +312,25 @@ class DeploymentConfig(Section):
 class ParallelConfig(Section):
     tp: int = Field(1, ge=1, description="tensor-parallel ranks per engine")
     dp: int = Field(1, ge=1, description="data-parallel engines behind the one API server")
+    enable_expert_parallel: bool = Field(
+        False,
+        description="mixture-of-experts models: spread whole experts over the engine's ranks (each holds E/N) "
+        "and send tokens to them with all-to-all, instead of splitting every expert (prime-rl, vLLM's name)",
+    )
+    enable_eplb: bool = Field(
+        False, description="expert parallelism: re-place and replicate hot experts from their measured load"
+    )
+    eplb_step_interval: int = Field(3000, ge=1, description="enable_eplb: engine steps between rebalances")
+    eplb_num_redundant_experts: int = Field(
+        0, ge=0, description="enable_eplb: extra expert slots in all, holding replicas of the hottest experts"
+    )
+    data_parallel_rank: int = Field(
+        0, ge=0, description="expert parallelism over dp engines: this engine's index (its ranks are rank*tp..)"
+    )
+    data_parallel_address: str = Field("127.0.0.1", description="expert parallelism over dp engines: rendezvous host")
+    data_parallel_rpc_port: int | None = Field(
+        None, ge=1, le=65535, description="expert parallelism over dp engines: rendezvous port (engine 0 listens)"
+    )
 
 
 class GibberishDetectionConfig(Section):

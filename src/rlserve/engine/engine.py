@@ -36,7 +36,7 @@ from rlserve.engine.sequence import Request, Sequence, Status
 from rlserve.engine.stats import EngineStats, engine_stats
 from rlserve.engine.stopping import finish_reason, prompt_ids
 from rlserve.engine.structured import DEAD_END, StructuredOutputs
-from rlserve.engine.tp.comm import device_of_rank
+from rlserve.engine.tp.comm import attach, device_of_rank, expert_parallel
 from rlserve.engine.tp.leader import TensorParallelLeader
 from rlserve.engine.weights import StagedWeights, commit
 from rlserve.model.loader import eos_token_ids, load_model, resolve_model_dir
@@ -71,7 +71,7 @@ class Engine:
                 f"model.max_model_len to {self.shape.max_position_embeddings} or less"
             )
         tp = config.parallel.tp
-        check_tp(self.shape, tp)
+        check_tp(self.shape, tp, experts_whole=config.parallel.enable_expert_parallel)
         # each rank holds its heads' slice of every block: offload and transfer would move rank 0's alone
         if tp > 1 and config.kv_cache_offload is not None:
             raise ValueError(
@@ -88,7 +88,7 @@ class Engine:
         self.vocab_size = self.shape.vocab_size
         self.eos_token_ids = eos_token_ids(self.model_dir, self.hf_config, self.tokenizer)
         memory = memory_at_start(self.device) if config.gpu_memory_utilization else 0
-        self.model = load_model(self.model_dir, self.shape, self.dtype, self.device, 0, tp)
+        self.model = load_model(self.model_dir, self.shape, self.dtype, self.device, 0, tp, expert_parallel(config, 0))
         self.model.set_head_dtype(resolve_head_dtype(config.model.lm_head_dtype, self.dtype))
 
         ec = config.engine
@@ -132,9 +132,10 @@ class Engine:
         # the expert blocks size their matmuls from the routing on the host: no graph capture
         self.tp: TensorParallelLeader | None = None
         if tp > 1:  # every rank's pool has the same blocks, so block tables (and the prefix cache) are rank 0's alone
-            self.tp = TensorParallelLeader(config, num_blocks, self.device)
+            self.tp = self.runner.tp = TensorParallelLeader(config, num_blocks, self.device)
             self.tp.attach(self.model)
-            self.runner.tp = self.tp
+        elif expert_parallel(config, 0) is not None:  # one rank of expert parallelism over dp engines
+            attach(self.model, None, 0, config)
         # decode graphs do not capture the tensor-parallel step broadcast: eager under tp
         if self.device.type == "cuda" and not config.model.enforce_eager and self.shape.moe is None and tp == 1:
             self.runner.use_decode_graphs(ec.max_num_seqs, self.max_model_len)

@@ -62,10 +62,17 @@ class EngineStats:
     kv_transfer_pinned: int = 0
     kv_transfer_expired: int = 0
     kv_transfer_pinned_blocks: int = 0
+    # expert parallelism (model/expert_parallel.py): assignments each rank computed, per logical expert
+    ep_rank_load: list[int] = field(default_factory=list)
+    ep_expert_load: list[int] = field(default_factory=list)
+    eplb_rebalances: int = 0
+    ep_all_to_all_seconds: float = 0.0  # rank 0's time in the dispatch and combine all-to-alls
 
 
 def engine_stats(engine: Any) -> EngineStats:
     """An Engine's counters and gauges now: its scheduler's, pool's, offload tier's and KV transfer's."""
+    from rlserve.model.expert_parallel import expert_stats  # the model's code stays out of the server's imports
+
     s = engine.scheduler.stats
     return EngineStats(
         num_running=len(engine.scheduler.running),
@@ -84,6 +91,7 @@ def engine_stats(engine: Any) -> EngineStats:
         policy_version=engine.policy_version,
         **(_offload_stats(engine.offload) if engine.offload is not None else {}),
         **(_transfer_stats(engine.kv_transfer) if engine.kv_transfer is not None else {}),
+        **expert_stats(engine.model),
     )
 
 

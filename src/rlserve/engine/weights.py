@@ -16,6 +16,7 @@ from rlserve.model.llama import CausalLM
 from rlserve.model.loader import (  # noqa: F401  (check_under_roots: re-exported for callers)
     check_under_roots,
     checkpoint_shapes,
+    copy_tensor,
     ignorable,
     pushable_shapes,
     read_safetensors_whole,
@@ -98,11 +99,7 @@ def stage(
 
 @torch.no_grad()
 def commit(model: CausalLM, staged: StagedWeights) -> None:
-    from rlserve.model.tensor_parallel import shard
-
     params = dict(model.named_parameters())
     for name, tensor in staged.tensors.items():
-        target_of(model, params, name).copy_(
-            tensor if staged.sharded else shard(name, tensor, model.tp_rank, model.tp_size)
-        )
+        copy_tensor(model, params, name, tensor, staged.sharded)
     model.refresh_packed()

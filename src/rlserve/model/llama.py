@@ -229,6 +229,7 @@ class CausalLM(nn.Module):
         self._decode_plan: tuple[torch.Tensor, torch.dtype] | bool | None = None  # `_decode_in_one_call`, once known
         # tensor parallel (model/tensor_parallel.py): `shape` is this rank's part, `full_shape` the checkpoint's
         self.full_shape, self.tp_rank, self.tp_size = shape, 0, 1
+        self.expert_parallel = False  # sparse layers hold whole experts (model/expert_parallel.py)
 
     def set_head_dtype(self, dtype: torch.dtype) -> None:
         """Run the LM head (and so the logits) in `dtype`: fp32 for a bf16 model keeps its

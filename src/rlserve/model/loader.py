@@ -222,18 +222,29 @@ def ignorable(name: str, shape: ModelShape) -> bool:
 
 @torch.no_grad()
 def load_model(
-    model_dir: Path, shape: ModelShape, dtype: torch.dtype, device: torch.device, tp_rank: int = 0, tp_size: int = 1
+    model_dir: Path,
+    shape: ModelShape,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    expert_parallel: tuple[int, int, int] | None = None,
 ) -> CausalLM:
-    """The model, or under tensor parallelism (`tp_size` > 1) rank `tp_rank`'s part of it."""
-    from rlserve.model.tensor_parallel import local_shape, shard
+    """The model, or under tensor parallelism (`tp_size` > 1) rank `tp_rank`'s part of it; with
+    `expert_parallel` = (ep rank, ep size, redundant experts) its sparse layers hold whole experts."""
+    from rlserve.model.expert_parallel import convert
+    from rlserve.model.tensor_parallel import local_shape
 
     with torch.device("meta"):
-        model = CausalLM(local_shape(shape, tp_size), device)
+        model = CausalLM(local_shape(shape, tp_size, experts_whole=expert_parallel is not None), device)
+        if expert_parallel is not None:
+            convert(model, *expert_parallel)
     rope = model.rope
     model.rope = None
     model = model.to_empty(device=device).to(dtype)
     model.rope = rope.to(device)  # fp32 tables, computed rather than loaded
     model.full_shape, model.tp_rank, model.tp_size = shape, tp_rank, tp_size
+    model.expert_parallel = expert_parallel is not None
     expected = checkpoint_shapes(shape)
     params = dict(model.named_parameters())
     seen: set[str] = set()
@@ -244,12 +255,28 @@ def load_model(
             raise ValueError(f"{model_dir}: unexpected tensor {name!r}")
         if tuple(tensor.shape) != expected[name]:
             raise ValueError(f"{model_dir}: {name} has shape {tuple(tensor.shape)}, expected {expected[name]}")
-        target_of(model, params, name).copy_(shard(name, tensor, tp_rank, tp_size))
+        copy_tensor(model, params, name, tensor)
         seen.add(name)
     missing = sorted(set(expected) - seen)
     if missing:
         raise ValueError(f"{model_dir}: missing tensors, e.g. {missing[:3]}")
     return model.eval()
+
+
+def copy_tensor(
+    model: CausalLM, params: dict[str, torch.Tensor], name: str, tensor: torch.Tensor, sharded: bool = False
+) -> None:
+    """Copy the full HF tensor `name` (or this rank's slice of it, when `sharded`) into the model: this
+    rank's slice of it, or under expert parallelism into each local slot holding that expert."""
+    from rlserve.model.expert_parallel import load_expert_tensor
+    from rlserve.model.tensor_parallel import shard
+
+    if model.expert_parallel:
+        m = _LAYER.match(name)
+        if m is not None and load_expert_tensor(model, int(m.group(1)), m.group(2), tensor):
+            return
+    part = tensor if sharded else shard(name, tensor, model.tp_rank, model.tp_size, model.expert_parallel)
+    target_of(model, params, name).copy_(part)
 
 
 def eos_token_ids(model_dir: Path, hf_config, tokenizer) -> frozenset[int]:

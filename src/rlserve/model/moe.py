@@ -7,6 +7,7 @@ renormalisation, per-expert contributions summed in expert order) so logprobs ma
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -75,6 +76,7 @@ class SparseMoe(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(moe.num_experts, 2 * moe.intermediate_size, hidden))
         self.down_proj = nn.Parameter(torch.empty(moe.num_experts, hidden, moe.intermediate_size))
         self.last_experts: torch.Tensor | None = None
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # tensor parallel: sums the ranks' parts
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, expert ids [T, k]) as transformers' router computes them."""
@@ -93,7 +95,13 @@ class SparseMoe(nn.Module):
         order = flat.argsort(stable=True)  # assignments grouped by expert, token order within
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         tokens = order // self.top_k
-        xs = x.index_select(0, tokens)
+        out = self.run_experts(x.index_select(0, tokens), counts, kernels)
+        out.mul_(weights.view(-1).index_select(0, order).unsqueeze(1))
+        out = torch.zeros_like(x).index_add_(0, tokens, out)
+        return out if self.reduce is None else self.reduce(out)
+
+    def run_experts(self, xs: torch.Tensor, counts: list[int], kernels: CpuKernels | None) -> torch.Tensor:
+        """Rows grouped by expert (counts[e] rows for expert e, in expert order) through their experts."""
         out = torch.empty_like(xs)
         start = 0
         for e, n in enumerate(counts):
@@ -107,8 +115,7 @@ class SparseMoe(nn.Module):
                 act = F.silu(gate) * up
             out[start : start + n] = F.linear(act, self.down_proj[e])
             start += n
-        out.mul_(weights.view(-1).index_select(0, order).unsqueeze(1))
-        return torch.zeros_like(x).index_add_(0, tokens, out)
+        return out
 
 
 def routed_experts(layers: nn.ModuleList, num_tokens: int) -> torch.Tensor:

@@ -28,6 +28,7 @@ from rlserve.config.schema import Config
 from rlserve.engine import child, error_kinds
 from rlserve.engine.engine import Engine
 from rlserve.engine.sequence import Request
+from rlserve.engine.tp.dp_sync import DataParallelSync
 from rlserve.engine.weights import StagingBuffers, check_under_roots, stage, stage_from_dir
 from rlserve.runtime import ipc, sleep, vllm_receiver
 from rlserve.runtime.pause import PauseState
@@ -52,6 +53,8 @@ class EngineCore:
         self.poller = zmq.Poller()
         self.poller.register(inbox, zmq.POLLIN)
         self.landed_r = None
+        p = engine.config.parallel
+        self.dp_sync = DataParallelSync(engine.config) if p.enable_expert_parallel and p.dp > 1 else None
         if engine.kv_transfer is not None:  # a pull thread wakes the loop when its blocks have landed
             self.landed_r, self.landed_w = os.pipe()
             os.set_blocking(self.landed_r, False)
@@ -65,6 +68,7 @@ class EngineCore:
         engine, parent = self.engine, child.parent_pid()
         while not self.stop:
             busy = engine.has_unfinished() and not self.pause.paused
+            busy = busy or (self.dp_sync is not None and self.dp_sync.peers_busy)  # no sleeping through their steps
             # a batch-forming window holding an idle engine's first requests: sleep on the inbox until it ends
             hold_ms = math.ceil(engine.scheduler.admission_delay() * 1000) if busy else 0
             if self.poller.poll(hold_ms if busy else IDLE_POLL_MS):
@@ -82,7 +86,9 @@ class EngineCore:
             while not self.done.empty():
                 self.done.get_nowait()()
             engine.poll_transfers()
-            if self.pause.paused:
+            if self.dp_sync is not None:  # engines sharing expert layers forward together
+                self.dispatch(self.dp_sync.step(engine, self.pause.paused))
+            elif self.pause.paused:
                 self.dispatch(engine.take_pending())
             elif engine.has_unfinished():
                 self.dispatch(engine.step_requests())

@@ -53,16 +53,29 @@ def check_parallel(config: Config) -> None:
         )
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def _cuda_devices() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def engine_config(config: Config, rank: int) -> Config:
-    """Each engine's config: its share of the cores, and its own seed (unseeded samples differ across engines)."""
+def engine_config(config: Config, rank: int, expert_port: int | None = None) -> Config:
+    """Each engine's config: its share of the cores, its own seed (unseeded samples differ across engines),
+    and under expert parallelism its rank in the expert group and that group's rendezvous port."""
     threads = config.num_threads or max(1, (os.cpu_count() or 1) // (config.parallel.dp * config.parallel.tp))
     update: dict = {"seed": config.seed + rank, "num_threads": threads}
+    if expert_port is not None:
+        update["parallel"] = config.parallel.model_copy(
+            update={"data_parallel_rank": rank, "data_parallel_rpc_port": expert_port}
+        )
     device = config.model.device
     if config.parallel.dp > 1 and (device == "cuda" or (device == "auto" and _cuda_devices())):
         # each engine its own devices: engine i's tensor-parallel ranks use cuda:i*tp .. cuda:i*tp+tp-1
@@ -78,9 +91,11 @@ class DataParallelClient(FaceRules):
         super().__init__()
         self.config = config
         self.engines: list[EngineClient] = []
+        p = config.parallel
+        expert_port = (p.data_parallel_rpc_port or _free_port()) if p.enable_expert_parallel else None
         try:
             for rank in range(config.parallel.dp):
-                self.engines.append(EngineClient(engine_config(config, rank), wait=False))
+                self.engines.append(EngineClient(engine_config(config, rank, expert_port), wait=False))
             for engine in self.engines:
                 engine.wait_ready()
         except BaseException:

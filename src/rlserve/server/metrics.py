@@ -316,6 +316,46 @@ class _EngineCollector(Collector):
         yield from engine_families(s, names, values, self.operations.sleep)
         yield from _offload_metrics(s, names, values)
         yield from _transfer_metrics(s, names, values)
+        yield from _expert_metrics(s, names, values)
+
+
+def _expert_metrics(s, names: list[str], values: list[str]):
+    """Expert parallelism's load: per rank and per logical expert (all sparse layers), rebalances."""
+    if not s.ep_rank_load:
+        return
+    for name, doc, label, loads in (
+        (
+            "rlserve:ep_rank_load",
+            "Token-expert assignments each expert-parallel rank computed.",
+            "ep_rank",
+            s.ep_rank_load,
+        ),
+        (
+            "rlserve:ep_expert_load",
+            "Token-expert assignments routed to each logical expert.",
+            "expert",
+            s.ep_expert_load,
+        ),
+    ):
+        m = CounterMetricFamily(name, doc, labels=names + [label])
+        for i, load in enumerate(loads):
+            m.add_metric(values + [str(i)], load)
+        yield m
+    total = sum(s.ep_rank_load)
+    share = GaugeMetricFamily(
+        "rlserve:ep_busiest_rank_share",
+        "The busiest rank's share of all assignments (1/ranks = balanced).",
+        labels=names,
+    )
+    share.add_metric(values, max(s.ep_rank_load) / total if total else 0.0)
+    yield share
+    for name, doc, value in (
+        ("rlserve:eplb_rebalances", "Expert re-placements by the load balancer.", s.eplb_rebalances),
+        ("rlserve:ep_all_to_all_seconds", "Seconds rank 0 spent in expert all-to-alls.", s.ep_all_to_all_seconds),
+    ):
+        m = CounterMetricFamily(name, doc, labels=names)
+        m.add_metric(values, value)
+        yield m
 
 
 def _offload_metrics(s, names: list[str], values: list[str]):

@@ -23,11 +23,9 @@ RL_DEPLOYMENT_KEYS = {
     "gpus_per_node",
 }
 _UNSUPPORTED = {  # prime-rl switches rlserve has no implementation of yet: refused when turned on
-    "enable_expert_parallel": "rlserve has no expert parallelism yet (mixture-of-experts layers run whole on every "
-    "tensor-parallel rank)",
-    "enable_eplb": "rlserve has no expert-parallel load balancer (no expert parallelism yet)",
     "enable_dbo": "rlserve has no dual-batch overlap",
 }
+_TO_PARALLEL = ("enable_expert_parallel", "enable_eplb")  # prime-rl's [inference] keys, rlserve's [parallel] ones
 
 
 def from_prime_rl(data: dict[str, Any]) -> dict[str, Any]:
@@ -60,6 +58,10 @@ def _is_rl_deployment(table: Any) -> bool:
 def _aliases(data: dict[str, Any]) -> None:
     if isinstance(data.get("model"), str):
         data["model"] = {"name": data["model"]}
+    for key in _TO_PARALLEL:
+        if key in data:
+            parallel = data["parallel"] = dict(data.get("parallel") or {})
+            parallel[key] = data.pop(key)
     for key, why in _UNSUPPORTED.items():
         if key in data and data.pop(key) not in (False, None):
             raise ConfigError(f"{key} = true: {why}; remove it or set it false (it is a separate issue)")

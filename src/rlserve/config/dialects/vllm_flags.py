@@ -88,6 +88,9 @@ VLLM_FLAGS: dict[str, Flag] = {
     "--enable-prompt-tokens-details": Flag("server.enable_prompt_tokens_details", switch=True),
     "--trust-remote-code": Flag("model.trust_remote_code", switch=True),
     "--enable-return-routed-experts": Flag("enable_return_routed_experts", switch=True),
+    "--enable-expert-parallel": Flag("parallel.enable_expert_parallel", switch=True),
+    "-ep": Flag("parallel.enable_expert_parallel", switch=True),
+    "--enable-eplb": Flag("parallel.enable_eplb", switch=True),
     # accepted and ignored: rlserve already behaves as the flag asks, or has no such limit
     "--enable-auto-tool-choice": Flag(
         None, switch=True, note="tool calls are parsed whenever --tool-call-parser is set and a request has tools"
@@ -119,9 +122,6 @@ VLLM_FLAGS: dict[str, Flag] = {
 
 # vLLM flags with nothing behind them in rlserve: refused by name rather than half-honoured
 REFUSED = {
-    "--enable-expert-parallel": "rlserve has no expert parallelism yet (mixture-of-experts layers run whole on "
-    "every tensor-parallel rank); drop the flag",
-    "--enable-eplb": "rlserve has no expert load balancer (no expert parallelism yet); drop the flag",
     "--enable-dbo": "rlserve has no dual-batch overlap; drop the flag",
     "--quantization": "rlserve serves unquantized checkpoints only; drop the flag",
     "--speculative-config": "rlserve has no speculative decoding; drop the flag",

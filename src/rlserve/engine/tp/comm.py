@@ -11,6 +11,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from rlserve.config.schema import Config
 from rlserve.model.batch import AttentionBatch
 from rlserve.model.llama import CausalLM
 from rlserve.model.tensor_parallel import shard, shard_dim
@@ -187,8 +188,38 @@ def make_group(store: dist.Store, name: str, rank: int, world: int, backend: str
     return dist.ProcessGroupGloo(prefixed, rank, world, timeout)
 
 
-def attach(model: CausalLM, group: Any) -> None:
-    """Make the row-parallel layers (o_proj, down_proj) sum their partial outputs across ranks."""
+def expert_parallel(config: Config, rank: int) -> tuple[int, int, int] | None:
+    """(ep rank, ep size, redundant experts) of tensor-parallel rank `rank` under enable_expert_parallel:
+    the experts spread over every rank of the tp * dp engines."""
+    p = config.parallel
+    if not p.enable_expert_parallel or p.tp * p.dp == 1:
+        return None
+    return p.data_parallel_rank * p.tp + rank, p.tp * p.dp, p.eplb_num_redundant_experts
+
+
+def expert_group(config: Config, ep_rank: int, backend: str) -> Any:
+    """The expert-parallel group over every rank of the dp engines (engine 0's rank 0 hosts the store)."""
+    p = config.parallel
+    if p.data_parallel_rpc_port is None:
+        raise ValueError("expert parallelism over parallel.dp engines needs parallel.data_parallel_rpc_port")
+    timeout = datetime.timedelta(seconds=START_TIMEOUT_S)
+    store = dist.TCPStore(p.data_parallel_address, p.data_parallel_rpc_port, p.tp * p.dp, ep_rank == 0, timeout=timeout)
+    return make_group(store, "experts", ep_rank, p.tp * p.dp, backend)  # the group holds on to its store
+
+
+def attach(model: CausalLM, group: Any, rank: int = 0, config: Config | None = None) -> None:
+    """Make the row-parallel layers (o_proj, down_proj) sum their partial outputs across ranks; expert-
+    parallel layers dispatch over the same group (dp = 1) or over every rank of the dp engines, each
+    rank a slice of its engine's tokens. `group` is None for an engine of one rank."""
+    from rlserve.model import expert_parallel as ep
+
+    placed = None if config is None else expert_parallel(config, rank)
+    if placed is not None:
+        p = config.parallel
+        experts = group if p.dp == 1 else expert_group(config, placed[0], "nccl" if _on_cuda(model) else "gloo")
+        ep.attach(model, experts, (rank, p.tp), p.eplb_step_interval if p.enable_eplb else 0)
+    if group is None:
+        return
 
     def all_reduce(t: torch.Tensor) -> torch.Tensor:
         t = t.contiguous()  # the swapped CPU GEMM returns a transposed view
@@ -200,6 +231,10 @@ def attach(model: CausalLM, group: Any) -> None:
         layer.mlp.reduce = all_reduce
 
 
+def _on_cuda(model: CausalLM) -> bool:
+    return model.norm.device.type == "cuda"
+
+
 def device_of_rank(device: torch.device, rank: int) -> torch.device:
     """CPU for every rank; on CUDA one device per rank, counting from rank 0's."""
     if device.type != "cuda":
@@ -207,16 +242,18 @@ def device_of_rank(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", (device.index or 0) + rank)
 
 
-def send_bytes(group: Any, tensor: torch.Tensor, rank: int, tp: int, name: str) -> torch.Tensor | None:
+def send_bytes(
+    group: Any, tensor: torch.Tensor, rank: int, tp: int, name: str, experts_whole: bool = False
+) -> torch.Tensor | None:
     """Scatter `name`'s slices from rank 0 (or broadcast it whole when it is replicated); returns
     this rank's part on workers. Bytes on gloo, so any dtype crosses."""
-    dim = shard_dim(name)
+    dim = shard_dim(name, experts_whole)
     if dim is None:
         flat = tensor.contiguous().view(-1).view(torch.uint8)
         group.broadcast([flat], _root0(dist.BroadcastOptions())).wait()
         return flat
     if rank == 0:
-        parts = [shard(name, tensor, r, tp).contiguous().view(-1).view(torch.uint8) for r in range(tp)]
+        parts = [shard(name, tensor, r, tp, experts_whole).contiguous().view(-1).view(torch.uint8) for r in range(tp)]
         group.scatter([torch.empty_like(parts[0])], [parts], _root0(dist.ScatterOptions())).wait()
         return None
     out = torch.empty(tensor.numel() * tensor.element_size(), dtype=torch.uint8)

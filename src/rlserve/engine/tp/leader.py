@@ -58,6 +58,7 @@ class TensorParallelLeader:
 
     def __init__(self, config: Config, num_blocks: int, device: torch.device):
         self.tp = config.parallel.tp
+        self.config = config
         self.device = device
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
@@ -158,7 +159,7 @@ class TensorParallelLeader:
         return [p.pid for p in self.procs]
 
     def attach(self, model: CausalLM) -> None:
-        attach(model, self.step_group)
+        attach(model, self.step_group, 0, self.config)
 
     def _broadcast(self, raw: bytes) -> None:
         with self.send_lock:
@@ -214,7 +215,7 @@ class TensorParallelLeader:
         entries = [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in tensors.items()]
         self.stage(call_id, "push", entries)
         for name, tensor in tensors.items():
-            send_bytes(self.weights_group, tensor.cpu(), 0, self.tp, name)
+            send_bytes(self.weights_group, tensor.cpu(), 0, self.tp, name, self.config.parallel.enable_expert_parallel)
         self.wait_staged(call_id)
 
     def commit(self, call_id: int) -> None:

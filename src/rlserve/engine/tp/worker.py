@@ -33,6 +33,7 @@ from rlserve.engine.tp.comm import (
     attach,
     device_of_rank,
     encode,
+    expert_parallel,
     make_group,
     send_bytes,
     to_worker,
@@ -61,7 +62,7 @@ class Worker:
         self.shape = ModelShape.from_hf(
             AutoConfig.from_pretrained(model_dir, trust_remote_code=config.model.trust_remote_code)
         )
-        self.model = load_model(model_dir, self.shape, self.dtype, device, rank, tp)
+        self.model = load_model(model_dir, self.shape, self.dtype, device, rank, tp, expert_parallel(config, rank))
         ec = config.engine
         self.runner = ModelRunner(
             self.model,
@@ -84,7 +85,7 @@ class Worker:
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.step_group = make_group(store, "step", self.rank, self.tp, backend)
         self.weights_group = make_group(store, "weights", self.rank, self.tp, "gloo")
-        attach(self.model, self.step_group)
+        attach(self.model, self.step_group, self.rank, self.config)
 
     def reply(self, msg: Any) -> None:
         with self.reply_lock:
@@ -164,12 +165,13 @@ class Worker:
             return "adapter", shard_adapter(adapter, self.rank, self.tp)
         if msg.kind == "push":
             tensors = {}
+            whole = self.config.parallel.enable_expert_parallel
             for name, dtype, full in msg.args:
                 dt = DTYPES[dtype]
                 part = torch.empty(
-                    shard(name, torch.empty(full, dtype=dt, device="meta"), self.rank, self.tp).shape, dtype=dt
+                    shard(name, torch.empty(full, dtype=dt, device="meta"), self.rank, self.tp, whole).shape, dtype=dt
                 )
-                raw = send_bytes(self.weights_group, part, self.rank, self.tp, name)
+                raw = send_bytes(self.weights_group, part, self.rank, self.tp, name, whole)
                 tensors[name] = raw.view(dt).view(part.shape).to(self.device)
             # rank 0 validated the full tensors already; these are this rank's slices
             return "weights", StagedWeights(tensors, "broadcast", sharded=True)
