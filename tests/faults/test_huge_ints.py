@@ -14,7 +14,8 @@ USER = [{"role": "user", "content": "x"}]
 
 # (case, route, body, status, field named in the 400's message; None for a 200)
 CASES = [
-    ("max-tokens", "/v1/completions", {"prompt": "x", "max_tokens": BIG}, 200, None),
+    # over the context: vLLM's 400 "max_tokens=... cannot be greater than max_model_len" (docs/vllm-compat.md)
+    ("max-tokens", "/v1/completions", {"prompt": "x", "max_tokens": BIG}, 400, "max_tokens"),
     ("top-k", "/v1/completions", {"prompt": "x", "max_tokens": 2, "top_k": HUGE}, 200, None),
     ("seed", "/v1/completions", {"prompt": "x", "max_tokens": 2, "seed": VAST}, 200, None),
     ("seed-negative", "/v1/completions", {"prompt": "x", "max_tokens": 2, "seed": -VAST}, 200, None),
@@ -43,13 +44,13 @@ CASES = [
     ),
     ("prompt-ids", "/v1/completions", {"prompt": [1, HUGE], "max_tokens": 2}, 400, "prompt"),
     ("prompt-ids-negative", "/v1/completions", {"prompt": [1, -HUGE], "max_tokens": 2}, 400, "prompt"),
-    ("chat-max-tokens", "/v1/chat/completions", {"messages": USER, "max_tokens": BIG}, 200, None),
+    ("chat-max-tokens", "/v1/chat/completions", {"messages": USER, "max_tokens": BIG}, 400, "max_tokens"),
     (
         "chat-max-completion-tokens",
         "/v1/chat/completions",
         {"messages": USER, "max_completion_tokens": HUGE},
-        200,
-        None,
+        400,
+        "max_completion_tokens",
     ),
     ("chat-top-k", "/v1/chat/completions", {"messages": USER, "max_tokens": 2, "top_k": HUGE}, 200, None),
     ("chat-seed", "/v1/chat/completions", {"messages": USER, "max_tokens": 2, "seed": VAST}, 200, None),
@@ -89,7 +90,13 @@ CASES = [
         400,
         "logit_bias",
     ),
-    ("responses-max-output-tokens", "/v1/responses", {"input": "hi", "max_output_tokens": BIG}, 200, None),
+    (
+        "responses-max-output-tokens",
+        "/v1/responses",
+        {"input": "hi", "max_output_tokens": BIG},
+        400,
+        "max_output_tokens",
+    ),
     ("responses-top-k", "/v1/responses", {"input": "hi", "max_output_tokens": 2, "top_k": HUGE}, 200, None),
     ("inference-token-ids", "/inference/v1/generate", {"token_ids": [1, HUGE]}, 400, "token_ids"),
     (

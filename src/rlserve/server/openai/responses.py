@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from rlserve.server.chat_parsing import ParsedMessage
+from rlserve.server.limits import check_max_tokens
 from rlserve.server.openai import chat, responses_store
 from rlserve.server.openai.responses_input import to_chat_request
 from rlserve.server.openai.responses_output import Turn, new_id, output_items
@@ -26,6 +27,7 @@ router = APIRouter()
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     state: ServerState = request.app.state.rlserve
+    check_max_tokens(state, body.max_output_tokens, "max_output_tokens")  # named as the client sent it
     ctx = await chat.prepare(state, to_chat_request(body), request_id(request, body))
     turn = Turn(ctx, body, new_id("resp"), int(time.time()))
     headers = rid_header(ctx.rid)
