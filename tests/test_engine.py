@@ -70,7 +70,9 @@ def test_greedy_matches_transformers_generate(engine, hf):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_sampled_logprobs_match_forward_pass(engine, hf, temperature):
     prompts = random_prompts(5, engine.vocab_size, seed=1)
-    params = SamplingParams(temperature=temperature, max_tokens=20, ignore_eos=True, logprobs=3, seed=7)
+    params = SamplingParams(
+        temperature=temperature, max_tokens=20, ignore_eos=True, logprobs=3, seed=7, logprobs_mode="processed_logprobs"
+    )
     for prompt, out in zip(prompts, engine.generate(prompts, params)):
         comp = out.outputs[0]
         ref = hf_logprobs(hf, prompt, comp.token_ids, temperature)
