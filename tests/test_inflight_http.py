@@ -1,8 +1,9 @@
 """The in-flight policy chosen per update over HTTP (`inflight_update_policy` on /update_weights and
 /update_weights_from_disk), with the server's engine.inflight_update_policy as the default.
 
-"In flight" is made true by construction: every stream has delivered a token before the deployment is paused
-(mode keep), the update lands while they are frozen, then they resume."""
+"In flight": the streams are queued behind a pause, released together, and paused again (mode keep) once each
+has delivered a token; each asks for far more tokens than any engine makes in the time one pause call takes
+(nearly the whole context), the update lands while they are frozen, then they resume."""
 
 from __future__ import annotations
 
@@ -18,13 +19,21 @@ from conftest import start_server, stop_server
 from rlserve.model.make import make_model
 
 PROMPTS = [[11, 22, 33, 44, 55], [100, 7, 300, 9]]
-LONG = 200  # tokens per stream: far more than are produced before the pause lands
+CONTEXT = 1024
+LONG = CONTEXT - 8  # tokens per stream: within the context, and thousands of steps from done at the pause
 
 
 @pytest.fixture(scope="module")
 def server(root):
     # the server's default is abort: a call without the field must get it, one with the field its own
-    url, proc = start_server("--weight_roots", json.dumps([str(root)]), "--engine.inflight_update_policy", "abort")
+    url, proc = start_server(
+        "--weight_roots",
+        json.dumps([str(root)]),
+        "--engine.inflight_update_policy",
+        "abort",
+        "--model.max_model_len",
+        str(CONTEXT),
+    )
     try:
         yield url
     finally:
@@ -57,13 +66,19 @@ def run_update(url: str, route: str, body: dict) -> tuple[dict, list[dict]]:
 
     async def scenario():
         async with httpx.AsyncClient(base_url=url, timeout=300) as http:
-            firsts = [asyncio.Event() for _ in PROMPTS]
-            tasks = [asyncio.ensure_future(_stream(http, p, e)) for p, e in zip(PROMPTS, firsts)]
-            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in firsts)), 300)  # a hang guard only
             (await http.post("/pause", params={"mode": "keep"})).raise_for_status()
-            assert not any(t.done() for t in tasks)
-            r = await http.post(route, json=body)
-            (await http.post("/resume")).raise_for_status()
+            try:
+                firsts = [asyncio.Event() for _ in PROMPTS]
+                tasks = [asyncio.ensure_future(_stream(http, p, e)) for p, e in zip(PROMPTS, firsts)]
+                while (await http.get("/metrics", params={"format": "json"})).json()["queue_depth"] < len(PROMPTS):
+                    await asyncio.sleep(0.01)
+                (await http.post("/resume")).raise_for_status()
+                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in firsts)), 300)  # a hang guard only
+                (await http.post("/pause", params={"mode": "keep"})).raise_for_status()
+                assert not any(t.done() for t in tasks)
+                r = await http.post(route, json=body)
+            finally:  # a failed check must not leave the module's server paused for the next test
+                (await http.post("/resume")).raise_for_status()
             return r, await asyncio.gather(*tasks)
 
     r, outs = asyncio.run(scenario())

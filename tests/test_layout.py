@@ -18,6 +18,8 @@ still runs), except those under `if TYPE_CHECKING:`, which never run.
 from __future__ import annotations
 
 import ast
+import functools
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -82,8 +84,18 @@ def _runtime_imports(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
         yield from _runtime_imports(child)
 
 
+@functools.cache
 def import_graph() -> dict[str, set[str]]:
-    """module -> the rlserve modules it imports when it runs (TYPE_CHECKING imports left out)."""
+    """module -> the rlserve modules it imports when it runs (TYPE_CHECKING imports left out).
+
+    Read in a fresh interpreter: CPython 3.11 keeps one AST-builder recursion counter per interpreter, so an
+    `ast.parse` here can meet one on a thread an earlier test left behind (3.11 formats every traceback with
+    `ast`) and fail with "AST constructor recursion depth mismatch" (python/cpython#106905)."""
+    out = subprocess.run([sys.executable, __file__], capture_output=True, text=True, check=True).stdout
+    return {name: set(deps) for name, deps in json.loads(out).items()}
+
+
+def _read_import_graph() -> dict[str, set[str]]:
     modules = _modules()
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
@@ -246,3 +258,7 @@ def test_ruff_format_clean():
 def test_ruff_check_clean():
     result = _ruff("check", "--output-format", "concise")
     assert result.returncode == 0, f"`ruff check` finds:\n{result.stdout[-3000:]}"
+
+
+if __name__ == "__main__":
+    print(json.dumps({name: sorted(deps) for name, deps in _read_import_graph().items()}))
