@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -69,6 +70,23 @@ def stop_deployment(proc: subprocess.Popen) -> None:
     path = getattr(proc, "log_path", None)
     if path is not None:
         path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def two_replicas_under(root: Path) -> Iterator[tuple[str, str, subprocess.Popen]]:
+    """(public url, admin url, process) of a two-replica deployment that loads weights under `root`."""
+    public, admin, proc = start_deployment(
+        "--deployment.replicas",
+        "2",
+        "--weight_roots",
+        json.dumps([str(root)]),
+        "--engine.kv_cache_bytes",
+        str(16 << 20),
+    )
+    try:
+        yield public, admin, proc
+    finally:
+        stop_deployment(proc)
 
 
 def descendants(pid: int) -> list[int]:

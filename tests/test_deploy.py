@@ -5,7 +5,6 @@ with requests in flight, and SIGTERM leaving no process behind."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 from pathlib import Path
@@ -14,7 +13,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from deploy_helpers import alive, descendants, replicas, start_deployment, stop_deployment, wait_for
+from deploy_helpers import alive, descendants, replicas, two_replicas_under, wait_for
 from rlserve.client import SyncInferenceClient
 from rlserve.model.make import make_model
 from test_server_rl import TRAINER, choice_lps, generate, hf_check, trainer_push
@@ -24,18 +23,8 @@ PROMPTS = [[11, 22, 33, 44, 55], [100, 7, 300, 9]]
 
 @pytest.fixture(scope="module")
 def deployment(root):
-    public, admin, proc = start_deployment(
-        "--deployment.replicas",
-        "2",
-        "--weight_roots",
-        json.dumps([str(root)]),
-        "--engine.kv_cache_bytes",
-        str(16 << 20),
-    )
-    try:
-        yield public, admin, proc
-    finally:
-        stop_deployment(proc)
+    with two_replicas_under(root) as running:
+        yield running
 
 
 def served(url: str) -> float:

@@ -14,6 +14,7 @@ import fnmatch
 import hashlib
 import json
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,9 @@ import httpx
 import pytest
 
 from conftest import start_server, stop_server
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from record_vllm_conformance import send  # noqa: E402  (the recorder and the replay send alike)
 
 RECORDING = Path(__file__).parent / "data" / "vllm_conformance" / "vllm-0.32.json"
 TOLERANCE = 1e-4
@@ -205,24 +209,6 @@ def url(tmp_path_factory):
         yield url
     finally:
         stop_server(proc)
-
-
-def send(client: httpx.Client, req: dict[str, Any]) -> dict[str, Any]:
-    body = req["request"]
-    streamed = isinstance(body, dict) and body.get("stream") is True
-    with client.stream(req["method"], req["path"], params=req.get("params"), json=body) as r:
-        if streamed and r.status_code == 200:
-            chunks: list[Any] = []
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    data = line[len("data: ") :]
-                    chunks.append(data if data == "[DONE]" else json.loads(data))
-            return {"status": r.status_code, "stream": chunks}
-        raw = r.read()
-    try:
-        return {"status": r.status_code, "response": json.loads(raw) if raw else None}
-    except json.JSONDecodeError:
-        return {"status": r.status_code, "text": raw.decode(errors="replace")}
 
 
 def differences(theirs: Any, ours: Any, path: str, values: bool) -> list[tuple[str, str, str]]:

@@ -12,7 +12,6 @@ corrupted (then SIGCONT) or replica 1 killed. Only processes this test started a
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -24,7 +23,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from deploy_helpers import replicas, start_deployment, stop_deployment, wait_for
+from deploy_helpers import replicas, two_replicas_under, wait_for
 from rlserve.model.make import make_model
 from test_deploy import served
 from test_server_rl import generate, hf_check
@@ -57,15 +56,7 @@ def expected(weights):
 
 @pytest.fixture(scope="module")
 def deployment(root, weights):
-    public, admin, proc = start_deployment(
-        "--deployment.replicas",
-        "2",
-        "--weight_roots",
-        json.dumps([str(root)]),
-        "--engine.kv_cache_bytes",
-        str(16 << 20),
-    )
-    try:
+    with two_replicas_under(root) as (public, admin, proc):
         r = httpx.post(
             f"{admin}/update_weights",
             json={"weight_dir": str(weights["step-1"]), "weight_version": "step-1"},
@@ -73,8 +64,6 @@ def deployment(root, weights):
         )
         assert r.status_code == 200, r.text
         yield public, admin, proc
-    finally:
-        stop_deployment(proc)
 
 
 class Load:
