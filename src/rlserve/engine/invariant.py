@@ -21,8 +21,10 @@ from rlserve.engine.sampler import (
     _filter,
     _penalize,
 )
-from rlserve.model.invariant_ops import BatchInvarianceUnavailable
+from rlserve.model.invariant_ops import BatchInvarianceUnavailable, row_log_softmax
 from rlserve.model.llama import AttentionBatch
+
+__all__ = ["InvariantSampler", "check_supported", "processed_logits", "row_log_softmax", "token_rows"]
 
 
 def check_supported(config, shape, device: torch.device) -> None:
@@ -72,16 +74,6 @@ def token_rows(attn: AttentionBatch, batch, positions: list[int]) -> AttentionBa
         lora=attn.lora,
         kernels=attn.kernels,
     )
-
-
-def row_log_softmax(logits: torch.Tensor) -> torch.Tensor:
-    """log_softmax of each row computed alone on one thread: the same bits for a row in any batch."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return torch.cat([torch.log_softmax(logits[i : i + 1], dim=-1) for i in range(logits.shape[0])])
-    finally:
-        torch.set_num_threads(threads)
 
 
 class InvariantSampler(Sampler):

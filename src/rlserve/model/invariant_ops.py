@@ -53,6 +53,17 @@ class InvariantKernels:
         return INVARIANT_ROWS if dtype in DTYPES else 0
 
 
+def row_log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """log_softmax of each row computed alone on one thread: the same bits for a row in any batch
+    (the engine's prompt logprobs and the trainer's `rlserve.train` use this one formula)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return torch.cat([torch.log_softmax(logits[i : i + 1], dim=-1) for i in range(logits.shape[0])])
+    finally:
+        torch.set_num_threads(threads)
+
+
 class BatchInvarianceUnavailable(ValueError):
     """This machine or model cannot give bitwise batch invariance; the message says why."""
 
