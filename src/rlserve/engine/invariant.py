@@ -33,10 +33,10 @@ def check_supported(config, shape, device: torch.device) -> None:
         raise BatchInvarianceUnavailable(
             f"engine.batch_invariant runs on CPU only (model.device={device.type}); set model.device=cpu or drop it"
         )
-    if shape.moe is not None:
+    if shape.moe is not None and config.parallel.enable_expert_parallel:
         raise BatchInvarianceUnavailable(
-            "engine.batch_invariant: mixture-of-experts models are not covered yet (the experts' matmuls are sized "
-            "by the routing of the whole step); serve a dense model or drop engine.batch_invariant"
+            "engine.batch_invariant: expert parallelism is not covered (a token's experts run on other ranks "
+            "and come back summed in arrival order); drop parallel.enable_expert_parallel"
         )
     if config.parallel.tp > 1:
         raise BatchInvarianceUnavailable(

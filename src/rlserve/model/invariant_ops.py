@@ -41,7 +41,10 @@ INVARIANT_ROWS = sys.maxsize  # the GEMV at every row count
 
 
 class InvariantKernels:
-    """The C kernels with the GEMV taken at any row count (the model reads `gemv_rows` to choose)."""
+    """The C kernels with the GEMV taken at any row count (the model reads `gemv_rows` to choose;
+    the expert blocks read `row_invariant`)."""
+
+    row_invariant = True
 
     def __init__(self, base: CpuKernels):
         self._base = base

@@ -5,7 +5,7 @@ Its own layer: it imports `config` and `model` (the one model definition it shar
 and nothing above them; nothing in rlserve imports it.
 """
 
-from rlserve.train.logprobs import token_logprobs
+from rlserve.train.logprobs import token_logprobs, token_routed_experts
 from rlserve.train.patch import PatchRefused, patch, unpatch
 
-__all__ = ["PatchRefused", "patch", "token_logprobs", "unpatch"]
+__all__ = ["PatchRefused", "patch", "token_logprobs", "token_routed_experts", "unpatch"]

@@ -63,3 +63,15 @@ def _packed(seqs: list[list[int]]):
         starts.append((0, at))
         at += len(s)
     return ids, torch.ones_like(ids), pos, starts
+
+
+def token_routed_experts(model: nn.Module, prompt_ids: list[list[int]], completion_ids: list[list[int]]):
+    """A patched Qwen3-MoE model's routed experts per sequence, as the server returns them
+    (`enable_return_routed_experts`): int64 [prompt + completion - 1 rows, sparse layers, top_k],
+    one row per forwarded token (the last completion token is never forwarded)."""
+    mirror = getattr(model, "_rlserve_exact", None)
+    if mirror is None or mirror.shape.moe is None:
+        raise ValueError("token_routed_experts needs a mixture-of-experts model patched by rlserve.train.patch")
+    seqs = [(list(p) + list(c))[:-1] for p, c in zip(prompt_ids, completion_ids, strict=True)]
+    _, experts = mirror.logits(seqs, want_experts=True)
+    return list(experts.long().split([len(s) for s in seqs]))

@@ -20,7 +20,7 @@ from rlserve.model.invariant_ops import BatchInvarianceUnavailable, invariant_ke
 from rlserve.model.shape import ModelShape
 from rlserve.train.mirror import ExactMirror
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral")
 DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -34,7 +34,7 @@ def patch(
     block_size: int | None = None,
     lm_head_dtype: str = "auto",
 ) -> nn.Module:
-    """Make `model` (a transformers Llama/SmolLM, Qwen2, Qwen3 or Mistral causal LM, on CPU, all in
+    """Make `model` (a transformers Llama/SmolLM, Qwen2, Qwen3, Qwen3-MoE or Mistral causal LM, on CPU, all in
     float32 or all in bfloat16) compute rlserve's batch-invariant numerics; returns it, changed in place.
 
     `block_size` and `lm_head_dtype` must be the serving engine's (`engine.block_size`: attention
@@ -44,12 +44,6 @@ def patch(
         return model
     cfg = getattr(model, "config", None)
     model_type = getattr(cfg, "model_type", None)
-    if model_type == "qwen3_moe":
-        raise PatchRefused(
-            "rlserve.train.patch: Qwen3-MoE is not covered: rlserve's batch-invariant mode refuses "
-            "mixture-of-experts models (the experts' matmuls are sized by the step's routing), so there is "
-            "no exact sampler to match; use a dense model"
-        )
     if model_type not in FAMILIES:
         raise PatchRefused(
             f"rlserve.train.patch: model_type {model_type!r} is not a family rlserve serves exactly "
@@ -110,7 +104,7 @@ def unpatch(model: nn.Module) -> nn.Module:
 def _check_config(cfg, model_type: str) -> None:
     """Settings transformers honours that rlserve's decoder does not compute."""
     reasons = []
-    if getattr(cfg, "mlp_bias", False):
+    if model_type == "llama" and getattr(cfg, "mlp_bias", False):
         reasons.append("mlp_bias=true")
     if model_type == "llama" and getattr(cfg, "attention_bias", False):
         reasons.append("attention_bias=true (an o_proj bias)")
