@@ -199,3 +199,28 @@ def test_qwen3_moe_logprobs_and_routed_experts_equal(tmp_path_factory, dtype):
         assert model.model.layers[0].mlp.experts.gate_up_proj.grad.abs().sum() > 0
     finally:
         stop_server(proc)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_llama_and_qwen2_shapes_equal(model_dir, tmp_path, family):
+    """The same guarantee for a Llama shape (untied LM head, SmolLM's family) and a Qwen2 shape (qkv bias),
+    random weights with the tiny model's tokenizer, bf16 (the emulated dtype on AVX2)."""
+    import shutil
+
+    cfg = AutoConfig.for_model(
+        family, vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        tie_word_embeddings=False, eos_token_id=2043, bos_token_id=2041, pad_token_id=2041,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    made = tmp_path / family
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(made)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (model_dir / name).exists():
+            shutil.copy(model_dir / name, made / name)
+    url, proc = start_server(*server_args(made, "bfloat16", tmp_path))
+    try:
+        samples = asyncio.run(rollouts(url, 2048, random.Random(7), 40))
+        assert_bitwise(patch(AutoModelForCausalLM.from_pretrained(made, dtype=torch.bfloat16)), samples)
+    finally:
+        stop_server(proc)
