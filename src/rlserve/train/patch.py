@@ -110,6 +110,8 @@ def _check_config(cfg, model_type: str) -> None:
         reasons.append("attention_bias=true (an o_proj bias)")
     if getattr(cfg, "use_sliding_window", False) or (model_type == "mistral" and getattr(cfg, "sliding_window", None)):
         reasons.append("sliding-window attention")
+    if getattr(cfg, "attention_dropout", 0.0):
+        reasons.append(f"attention_dropout={cfg.attention_dropout} (the sampler has none)")
     if getattr(cfg, "hidden_act", "silu") != "silu":
         reasons.append(f"hidden_act={cfg.hidden_act}")
     if reasons:
@@ -138,12 +140,12 @@ class _ExactLogits(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, model, input_ids, layout, *params):
-        ctx.model, ctx.input_ids, ctx.layout = model, input_ids, layout
+        ctx.model, ctx.input_ids, ctx.layout, ctx.params = model, input_ids, layout, params
         return exact_logits(model, input_ids, layout)
 
     @staticmethod
     def backward(ctx, grad):
-        params = [p for p in ctx.model.parameters() if p.requires_grad]
+        params = ctx.params
         with torch.enable_grad():
             ref = reference_logits(ctx.model, ctx.input_ids, ctx.layout)
         grads = torch.autograd.grad(ref, params, grad, allow_unused=True)
