@@ -5,6 +5,8 @@ weights pushed into the server, repeat. Small enough for a laptop CPU.
     python examples/grpo.py --async-steps 1 --out runs/grpo-async  # next rollouts overlap the step
     python examples/grpo.py --update-from-disk                   # push through safetensors files
     python examples/grpo.py --hold-back --out runs/grpo-held      # rollouts queued two steps ahead, held by the server
+    python examples/grpo.py --exact --dtype bfloat16 --out runs/exact  # true on-policy: mismatch KL exactly 0.0
+    python examples/grpo.py --compare-exact --dtype bfloat16 --out runs/cmp  # reward vs step, --exact on and off
 
 The task: "answer with words that start with a vowel". The reward is the share of the first
 --max-tokens completion tokens that are such words, in [0, 1]; the embedded model starts near 0.2.
@@ -12,6 +14,11 @@ Each step samples --group-size completions per prompt, normalises rewards within
 takes one clipped-ratio policy-gradient step against rlserve's sampling logprobs. The trainer
 recomputes those logprobs with transformers (fp32) and reports the mismatch: on the same weights
 it is zero up to float rounding.
+
+--exact is true on-policy RL: the server runs in batch-invariant mode and the trainer's model is
+patched by `rlserve.train.patch`, so both compute the same numerics and the mismatch KL printed at
+every step is exactly 0.0, in float32 and in bfloat16 (--dtype). --compare-exact runs the loop with
+--exact off, then on, and plots both rewards against the step (DIR/exact-vs-default.png).
 
 --hold-back is the one-step off-policy pattern with the server doing the admission control: rollouts are
 submitted two steps ahead, each carrying the trainer step that will consume it as `policy_version`, and
@@ -203,6 +210,19 @@ def token_logprobs(model, batch: TrainingBatch, params: dict[str, torch.Tensor] 
     return logp.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
 
 
+def exact_token_logprobs(model, batch: TrainingBatch, samples: list[Sample]) -> torch.Tensor:
+    """token_logprobs' layout from rlserve.train.token_logprobs (the sampler's own formula); 0 off the completions."""
+    from rlserve.train import token_logprobs as exact
+
+    per_sample = exact(model, [s.prompt_ids for s in samples], [s.completion_ids for s in samples])
+    rows = []
+    for s, lp in zip(samples, per_sample, strict=True):
+        before = torch.zeros(len(s.prompt_ids) - 1)
+        after = torch.zeros(batch.input_ids.shape[1] - len(s.prompt_ids) - len(lp))
+        rows.append(torch.cat((before, lp, after)))
+    return torch.stack(rows)
+
+
 def train_step(
     model,
     optimizer,
@@ -210,11 +230,12 @@ def train_step(
     advantages: torch.Tensor,
     args,
     sampler_params: dict[str, torch.Tensor] | None,
+    samples: list[Sample] | None = None,
 ) -> dict[str, float]:
     """One GRPO step: token-mean clipped surrogate with rlserve's logprobs as the old policy."""
     mask = batch.loss_mask[:, 1:]
     old = batch.logprobs[:, 1:]
-    new = token_logprobs(model, batch)
+    new = exact_token_logprobs(model, batch, samples) if args.exact else token_logprobs(model, batch)
     with torch.no_grad():
         # the trainer's view of the policy that sampled: the same weights the server had
         ref = new.detach() if sampler_params is None else token_logprobs(model, batch, sampler_params)
@@ -280,8 +301,14 @@ def train(args) -> list[StepMetrics]:
     torch.manual_seed(args.seed)
     model_dir = Path(args.model) if args.model else default_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype))
     model.train()
+    serving = ("--model.dtype", args.dtype)
+    if args.exact:
+        from rlserve.train import patch
+
+        patch(model)  # the forward of rlserve's batch-invariant mode, over this model's parameters
+        serving += ("--engine.batch_invariant", "true")
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
     task = VowelTask(tokenizer, args.max_tokens)
     out = Path(args.out) if args.out else None
@@ -292,7 +319,9 @@ def train(args) -> list[StepMetrics]:
 
     weight_root = Path(tempfile.mkdtemp(prefix="grpo-weights-", dir=args.weights_dir))
     admission = ("--server.max_off_policy_steps", "1", "--server.policy_wait_s", "600") if args.hold_back else ()
-    url, proc, log = (args.base_url, None, None) if args.base_url else start_server(model_dir, weight_root, admission)
+    url, proc, log = (
+        (args.base_url, None, None) if args.base_url else start_server(model_dir, weight_root, admission + serving)
+    )
     client = SyncInferenceClient([url])
     # --hold-back: two steps' rollouts at once (one running, one held by the server)
     pool = ThreadPoolExecutor(max_workers=args.prompts_per_step * (2 if args.hold_back else 1))
@@ -357,7 +386,7 @@ def train(args) -> list[StepMetrics]:
             batch = build_training_batch(samples, pad_id=tokenizer.pad_token_id or 0)
 
             t1 = time.perf_counter()
-            stats = train_step(model, optimizer, batch, advantages, args, sampler_params)
+            stats = train_step(model, optimizer, batch, advantages, args, sampler_params, samples)
             train_s = time.perf_counter() - t1
             if args.hold_back and step + 1 in held:
                 held[step + 1][0].result()  # running on the current weights: they finish before the push
@@ -396,7 +425,7 @@ def train(args) -> list[StepMetrics]:
             history.append(m)
             bar.set_postfix(reward=f"{m.reward_mean:.3f}", kl=f"{m.mismatch_kl:.1e}")
             tqdm.write(
-                f"{m.step:>4} {m.reward_mean:>7.3f} {m.mismatch_kl:>11.2e} {m.max_abs_logprob_diff:>9.2e} "
+                f"{m.step:>4} {m.reward_mean:>7.3f} {kl_text(m.mismatch_kl, args.exact):>11} {m.max_abs_logprob_diff:>9.2e} "
                 f"{m.policy_version:>7} {m.staleness_max:>5} {m.rollout_tokens_per_s:>7.0f} "
                 f"{m.rollout_s:>9.2f} {m.train_s:>7.2f} {m.push_s:>6.2f}",
                 file=sys.stdout,
@@ -420,6 +449,33 @@ def train(args) -> list[StepMetrics]:
     if out and history:
         plot(history, out / "plot.png")
     return history
+
+
+def kl_text(kl: float, exact: bool) -> str:
+    """--exact prints the KL as the float it is (0.0), not rounded to a format."""
+    return repr(kl) if exact else f"{kl:.2e}"
+
+
+def plot_exact_vs_default(runs: dict[str, list[StepMetrics]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), constrained_layout=True)
+    for label, history in runs.items():
+        steps = [m.step for m in history]
+        top.plot(steps, [m.reward_mean for m in history], marker="o", ms=3, label=label)
+        bottom.semilogy(steps, [max(m.mismatch_kl, 1e-20) for m in history], marker="o", ms=3, label=label)
+    top.set_ylabel("mean reward")
+    top.set_title("GRPO through rlserve: --exact (true on-policy) against the default")
+    bottom.set_ylabel("sampler-trainer KL\n(0.0 drawn at 1e-20)")
+    bottom.set_xlabel("step")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def require_matplotlib() -> None:
@@ -495,9 +551,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--base-url", help="use this running rlserve (serving --model) instead of starting one")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write DIR/metrics.jsonl and DIR/plot.png")
+    p.add_argument(
+        "--exact",
+        action="store_true",
+        help="true on-policy: the server in batch-invariant mode, the trainer patched by rlserve.train "
+        "(the mismatch KL is exactly 0.0)",
+    )
+    p.add_argument("--compare-exact", action="store_true", help="run with --exact off, then on; plot both (--out)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="trainer and server dtype")
     args = p.parse_args(argv)
     args.async_steps = 1 if args.hold_back else args.async_steps
+    if (args.exact or args.compare_exact) and (args.async_steps or args.base_url):
+        p.error("--exact trains on-policy on a server it starts: drop --async-steps/--hold-back/--base-url")
+    if args.compare_exact and not args.out:
+        p.error("--compare-exact writes DIR/exact-vs-default.png: give --out DIR")
     return args
+
+
+def compare_exact(args) -> dict[str, list[StepMetrics]]:
+    """The same run with --exact off and on (same seeds); their rewards and KLs in one plot."""
+    runs = {}
+    for exact in (False, True):
+        run_args = argparse.Namespace(**{**vars(args), "exact": exact, "out": str(Path(args.out) / f"exact-{exact}")})
+        runs["--exact" if exact else "default"] = train(run_args)
+    plot_exact_vs_default(runs, Path(args.out) / "exact-vs-default.png")
+    return runs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -506,6 +584,13 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))  # leave the server a core
     started = time.perf_counter()
+    if args.compare_exact:
+        runs = compare_exact(args)
+        for label, history in runs.items():
+            print(f"{label}: reward per step {[round(m.reward_mean, 3) for m in history]}")
+            print(f"{label}: KL per step {[m.mismatch_kl for m in history]}")
+        print(f"wrote {args.out}/exact-vs-default.png")
+        return 0
     history = train(args)
     wall = time.perf_counter() - started
     first = statistics.fmean(m.reward_mean for m in history[:3])

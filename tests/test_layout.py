@@ -9,6 +9,9 @@ The layers, lowest first; a module may import its own layer and the ones below i
   process and the server all speak it, and it imports nothing of rlserve.
 - `rlserve.client` is the trainer's side and stands apart: it imports only itself and `weight_transfer`, and no
   layer imports it (a trainer installs the client without the server's stack in its way).
+- `rlserve.train` is the trainer's exact forward (true on-policy RL): it imports only itself, `config` and
+  `model` (the model definition it shares with the engine), never the engine or what serves it, and no layer
+  imports it.
 - `bench` runs an engine or a server to measure them, so it sits above them; only the cli starts it.
 
 Imports are read with `ast`: every `import` counts, at the top of a module or inside a function (a lazy import
@@ -32,6 +35,8 @@ PACKAGE = ROOT / "src" / "rlserve"
 LAYERS = ["config", "model", "engine", "runtime", "server", "deploy", "bench", "cli"]
 WIRE = "rlserve.weight_transfer"
 CLIENT = "rlserve.client"
+TRAIN = "rlserve.train"
+TRAIN_MAY_IMPORT = ("rlserve.config", "rlserve.model", TRAIN)
 MAX_LINES = 500
 
 
@@ -148,7 +153,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def layer_of(module: str) -> str | None:
     """The layer a module belongs to; None for the package root, the wire and the client (their own rules)."""
     parts = module.split(".")
-    if len(parts) < 2 or module == WIRE or module.startswith(CLIENT):
+    if len(parts) < 2 or module == WIRE or module.startswith((CLIENT, TRAIN)):
         return None
     return parts[1] if parts[1] in LAYERS else None
 
@@ -166,6 +171,13 @@ def layer_violations(graph: dict[str, set[str]]) -> list[str]:
             if dep.startswith(CLIENT):
                 bad.append(f"{module} -> {dep}: no layer imports the trainer's client")
                 continue
+            if module.startswith(TRAIN):
+                if not dep.startswith(TRAIN_MAY_IMPORT):
+                    bad.append(f"{module} -> {dep}: {TRAIN} imports only itself, config and model")
+                continue
+            if dep.startswith(TRAIN):
+                bad.append(f"{module} -> {dep}: no layer imports {TRAIN}")
+                continue
             if module == WIRE:
                 bad.append(f"{module} -> {dep}: {WIRE} imports nothing of rlserve")
                 continue
@@ -179,7 +191,9 @@ def layer_violations(graph: dict[str, set[str]]) -> list[str]:
 
 def test_every_module_belongs_to_a_layer():
     unplaced = [
-        m for m in import_graph() if m.count(".") and layer_of(m) is None and m != WIRE and not m.startswith(CLIENT)
+        m
+        for m in import_graph()
+        if m.count(".") and layer_of(m) is None and m != WIRE and not m.startswith((CLIENT, TRAIN))
     ]
     assert not unplaced, f"modules outside the layers (add them to one, or to LAYERS in this test): {unplaced}"
 
@@ -203,6 +217,11 @@ def test_the_graph_sees_lazy_imports_and_skips_type_checking_ones():
         "rlserve.engine.x (engine) -> rlserve.server.y (server): imports go down " + " < ".join(LAYERS)
     ]
     assert layer_violations({"rlserve.client.c": {"rlserve.server.y"}, "rlserve.deploy.d": {"rlserve.client.c"}})
+    assert layer_violations({"rlserve.train.t": {"rlserve.engine.x"}, "rlserve.engine.x": {"rlserve.train.t"}}) == [
+        "rlserve.engine.x -> rlserve.train.t: no layer imports rlserve.train",
+        "rlserve.train.t -> rlserve.engine.x: rlserve.train imports only itself, config and model",
+    ]
+    assert not layer_violations({"rlserve.train.t": {"rlserve.model.llama", "rlserve.config.schema"}})
 
 
 def test_no_module_over_500_lines():

@@ -21,8 +21,10 @@ from rlserve.engine.sampler import (
     _filter,
     _penalize,
 )
-from rlserve.model.invariant_ops import BatchInvarianceUnavailable
+from rlserve.model.invariant_ops import BatchInvarianceUnavailable, row_log_softmax
 from rlserve.model.llama import AttentionBatch
+
+__all__ = ["InvariantSampler", "check_supported", "processed_logits", "row_log_softmax", "token_rows"]
 
 
 def check_supported(config, shape, device: torch.device) -> None:
@@ -31,10 +33,10 @@ def check_supported(config, shape, device: torch.device) -> None:
         raise BatchInvarianceUnavailable(
             f"engine.batch_invariant runs on CPU only (model.device={device.type}); set model.device=cpu or drop it"
         )
-    if shape.moe is not None:
+    if shape.moe is not None and config.parallel.enable_expert_parallel:
         raise BatchInvarianceUnavailable(
-            "engine.batch_invariant: mixture-of-experts models are not covered yet (the experts' matmuls are sized "
-            "by the routing of the whole step); serve a dense model or drop engine.batch_invariant"
+            "engine.batch_invariant: expert parallelism is not covered (a token's experts run on other ranks "
+            "and come back summed in arrival order); drop parallel.enable_expert_parallel"
         )
     if config.parallel.tp > 1:
         raise BatchInvarianceUnavailable(
@@ -72,16 +74,6 @@ def token_rows(attn: AttentionBatch, batch, positions: list[int]) -> AttentionBa
         lora=attn.lora,
         kernels=attn.kernels,
     )
-
-
-def row_log_softmax(logits: torch.Tensor) -> torch.Tensor:
-    """log_softmax of each row computed alone on one thread: the same bits for a row in any batch."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return torch.cat([torch.log_softmax(logits[i : i + 1], dim=-1) for i in range(logits.shape[0])])
-    finally:
-        torch.set_num_threads(threads)
 
 
 class InvariantSampler(Sampler):

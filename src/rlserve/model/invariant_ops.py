@@ -41,7 +41,10 @@ INVARIANT_ROWS = sys.maxsize  # the GEMV at every row count
 
 
 class InvariantKernels:
-    """The C kernels with the GEMV taken at any row count (the model reads `gemv_rows` to choose)."""
+    """The C kernels with the GEMV taken at any row count (the model reads `gemv_rows` to choose;
+    the expert blocks read `row_invariant`)."""
+
+    row_invariant = True
 
     def __init__(self, base: CpuKernels):
         self._base = base
@@ -51,6 +54,17 @@ class InvariantKernels:
 
     def gemv_rows(self, dtype: torch.dtype) -> int:
         return INVARIANT_ROWS if dtype in DTYPES else 0
+
+
+def row_log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """log_softmax of each row computed alone on one thread: the same bits for a row in any batch
+    (the engine's prompt logprobs and the trainer's `rlserve.train` use this one formula)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return torch.cat([torch.log_softmax(logits[i : i + 1], dim=-1) for i in range(logits.shape[0])])
+    finally:
+        torch.set_num_threads(threads)
 
 
 class BatchInvarianceUnavailable(ValueError):

@@ -78,9 +78,9 @@ class SparseMoe(nn.Module):
         self.last_experts: torch.Tensor | None = None
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # tensor parallel: sums the ranks' parts
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, kernels: CpuKernels | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, expert ids [T, k]) as transformers' router computes them."""
-        probs = F.softmax(F.linear(x, self.gate), dim=-1, dtype=torch.float)
+        probs = F.softmax(_linear(x, self.gate, kernels), dim=-1, dtype=torch.float)
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -89,7 +89,7 @@ class SparseMoe(nn.Module):
     def forward(
         self, x: torch.Tensor, lora: LoraBatch | None = None, kernels: CpuKernels | None = None
     ) -> torch.Tensor:
-        weights, experts = self.route(x)
+        weights, experts = self.route(x, kernels)
         self.last_experts = experts
         flat = experts.view(-1)
         order = flat.argsort(stable=True)  # assignments grouped by expert, token order within
@@ -107,15 +107,23 @@ class SparseMoe(nn.Module):
         for e, n in enumerate(counts):
             if n == 0:
                 continue
-            gate_up = F.linear(xs[start : start + n], self.gate_up_proj[e])
+            gate_up = _linear(xs[start : start + n], self.gate_up_proj[e], kernels)
             if kernels is not None:
                 act = kernels.silu_mul(gate_up)
             else:
                 gate, up = gate_up.chunk(2, dim=-1)
                 act = F.silu(gate) * up
-            out[start : start + n] = F.linear(act, self.down_proj[e])
+            out[start : start + n] = _linear(act, self.down_proj[e], kernels)
             start += n
         return out
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, kernels: CpuKernels | None) -> torch.Tensor:
+    """F.linear, or under batch-invariant kernels (`row_invariant`) their GEMV: an expert's rows are
+    as many as the step routed to it, and only the GEMV computes a row the same way at any count."""
+    if kernels is not None and getattr(kernels, "row_invariant", False):
+        return kernels.gemv(x, weight)
+    return F.linear(x, weight)
 
 
 def routed_experts(layers: nn.ModuleList, num_tokens: int) -> torch.Tensor:
