@@ -31,6 +31,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+# oneDNN builds (JIT-compiles) one primitive per input shape and caches up to 1024 of them. Fed every
+# row count a step can have, the cache fills and churns, and the engine's resident memory climbed by
+# hundreds of MiB under load (primitives, and the heap they fragment). Row counts past this run at one
+# of 8 sizes per power of two instead (at most 1/8 padding rows): a bounded set of primitives, reused.
+ONEDNN_EXACT_ROWS = 64
+
+
+def onednn_rows(rows: int) -> int:
+    """The row count a oneDNN packed linear runs `rows` rows at (padded with zero rows, then sliced)."""
+    if rows <= ONEDNN_EXACT_ROWS:
+        return rows
+    step = 1 << (rows.bit_length() - 4)
+    return -(-rows // step) * step
+
+
 class PackedWeight:
     """A CPU weight kept a second time in its GEMM library's packed layout: oneDNN's blocked layout
     (`mkldnn._reorder_linear_weight`) for bf16 and, where oneDNN is there, for fp32; else fp32 in
@@ -72,7 +87,12 @@ class PackedWeight:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         self.refresh(weight)
         if self._onednn:
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
+            rows = x.shape[0]
+            padded = onednn_rows(rows)
+            if padded == rows:
+                return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
+            x = F.pad(x, (0, 0, 0, padded - rows))
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")[:rows]
         # the op uses the packed weight only when told the real row count; else it falls back
         return torch.ops.mkl._mkl_linear(x, self._packed, weight, bias, x.shape[0])
 
