@@ -211,13 +211,13 @@ def main(argv: list[str] | None = None) -> None:
         results += rows
 
     print(
-        f"\n{'dtype':<9} {'prompt':>6} {'prompts':>7} {'prompt tok/s':>12} {'GFLOP/s':>8} {'of peak':>8} {'TTFT s':>8} {'others':>7}"
+        f"\n{'dtype':<16} {'prompt':>6} {'prompts':>7} {'prompt tok/s':>12} {'GFLOP/s':>8} {'of peak':>8} {'TTFT s':>8} {'others':>7}"
     )
     for r in results:
         dtype = r["dtype"] + (" (emul.)" if r["emulated_bf16"] else "")
         others = "" if r["others"] is None else f"{r['others']:.2f}"
         print(
-            f"{dtype:<9} {r['prompt_len']:>6} {r['prompts']:>7} {r['prompt_tok_s']:>12.1f} "
+            f"{dtype:<16} {r['prompt_len']:>6} {r['prompts']:>7} {r['prompt_tok_s']:>12.1f} "
             f"{r['prompt_tok_s'] * r['gflops_per_token']:>8.1f} {r['share_of_peak']:>8.0%} {r['ttft_s']:>8.3f} {others:>7}"
         )
     print(
