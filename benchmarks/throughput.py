@@ -24,8 +24,6 @@ from pathlib import Path
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
-import transformers  # noqa: E402
-from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig  # noqa: E402
 
 from _cpu import OtherLoad, instruction_peaks  # noqa: E402
 from rlserve.config.schema import Config  # noqa: E402
@@ -165,12 +163,37 @@ def kv_bytes_for(model_dir: Path, workloads: list[Workload], block_size: int, mi
     return max(tokens, min_tokens + block_size) * per_token
 
 
-def load_hf(model_dir: Path, attn: str, dtype: str) -> transformers.PreTrainedModel:
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype), attn_implementation=attn).eval()
+# transformers is imported where a comparison needs it, and only the names each version has: the
+# script runs under every version pyproject allows (4.51 has no `dtype=`, no generate_batch).
+
+
+def load_hf(model_dir: Path, attn: str, dtype: str):
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    # `dtype=` replaced `torch_dtype=` in 4.56; older versions take an unknown keyword as a config field
+    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    key = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+    return AutoModelForCausalLM.from_pretrained(
+        model_dir, attn_implementation=attn, **{key: getattr(torch, dtype)}
+    ).eval()
+
+
+def generate_batch_missing() -> str | None:
+    """Why this transformers cannot run the generate_batch comparison, or None when it can."""
+    import transformers
+
+    if not hasattr(transformers, "ContinuousBatchingConfig"):
+        return (
+            f"transformers {transformers.__version__} has no ContinuousBatchingConfig (generate_batch as measured here)"
+        )
+    return None
 
 
 def generate_runner(model_dir: Path, args, dtype: str) -> Runner:
     """Static batch: every sequence of a workload in one batch (prompts have equal lengths, so no padding)."""
+    from transformers import GenerationConfig
+
     model = load_hf(model_dir, "sdpa", dtype)
     torch.manual_seed(args.seed)
 
@@ -193,6 +216,8 @@ def generate_runner(model_dir: Path, args, dtype: str) -> Runner:
 
 def generate_batch_runner(model_dir: Path, args, dtype: str) -> Runner:
     """Continuous batching, under no_grad: inference_mode fails on CPU."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
     try:
         model = load_hf(model_dir, "paged|sdpa", dtype)
     except ValueError:  # a transformers that dropped the "paged|" prefix
@@ -319,6 +344,8 @@ def report(
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    import transformers
+
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     warnings.filterwarnings("ignore", message="The `paged|` prefix")  # 5.23 still needs it for generate_batch on CPU
@@ -346,6 +373,9 @@ def main(argv: list[str] | None = None) -> None:
         if not args.skip_hf:
             results += measure(GENERATE, generate_runner(model_dir, args, dtype), warmup, timed, args.repeats, dtype)
             gc.collect()
+        if not args.skip_generate_batch and (missing := generate_batch_missing()) is not None:
+            print(f"skipping transformers generate_batch: {missing}; pass --skip-generate-batch to silence this")
+            args.skip_generate_batch = True
         if not args.skip_generate_batch:
             results += measure(
                 GENERATE_BATCH, generate_batch_runner(model_dir, args, dtype), warmup, timed, args.repeats, dtype

@@ -34,6 +34,19 @@ def test_throughput_quick(tmp_path):
     assert "prefix_cache_hits=0" in out  # fresh prompts: no run is served from an earlier one's cache
 
 
+def test_prefill_quick_reports_shares_of_the_matmul_peak(tmp_path):
+    out = run(tmp_path, "prefill.py", "--quick", "--dtype", "float32", "bfloat16", "--json", str(tmp_path / "p.json"))
+    assert "flags:" in out and "matmul peak, float32" in out
+    import json
+
+    doc = json.loads((tmp_path / "p.json").read_text())
+    rows = doc["results"]
+    assert {(r["dtype"], r["prompt_len"]) for r in rows} == {(d, n) for d in ("float32", "bfloat16") for n in (16, 64)}
+    assert all(r["prompt_tok_s"] > 0 and r["share_of_peak"] > 0 and r["ttft_s"] > 0 for r in rows)
+    emulated = not doc["cpu"]["native_bf16"]
+    assert all(r["emulated_bf16"] == (r["dtype"] == "bfloat16" and emulated) for r in rows)
+
+
 def test_the_instruction_peak_probe_builds_and_reports_two_rates():
     """_peak.c, behind throughput.py's bf16:fp32 ceiling line: two positive GFLOP/s figures where the CPU has
     AVX512_BF16 and a C compiler, None elsewhere."""

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rlserve.model.cpu_kernels import cpu_has_native_bf16
+
 if TYPE_CHECKING:
     from rlserve.model.cpu_kernels import CpuKernels
 
@@ -28,6 +30,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[0] in SWAPPED_GEMM_ROWS:
         out = torch.mm(weight, x.t()).t()
         return out if bias is None else out + bias
+    if x.device.type == "cpu" and x.dtype == torch.bfloat16 and not cpu_has_native_bf16():
+        # emulated bf16 GEMMs are several times slower than widening both sides to fp32 (see PackedWeight)
+        return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
     return F.linear(x, weight, bias)
 
 
@@ -58,7 +63,12 @@ class PackedWeight:
     bits. fp32 through oneDNN: 2.0x MKL's packed sgemm at 64 rows, 1.3-2.6x from 9 to 512 rows (2
     cores of an AMD EPYC with AVX-512, the projections of SmolLM2-135M; strict fp32, no bf16 inside).
     The copy costs one more weight's memory. It is rebuilt when the weight changes in place (weight
-    updates bump its version counter) or is replaced."""
+    updates bump its version counter) or is replaced.
+
+    bf16 on a CPU without native bf16 (no AVX512_BF16/AMX): the copy is fp32 and the arithmetic
+    fp32 (`widens`), the output rounded to bf16 as a bf16 GEMM's fp32 sums are: emulated bf16 GEMMs
+    ran at 3.5 GFLOP/s where fp32 ran at 100+ (2 cores, AVX2), and a bf16 value widens to fp32
+    exactly. The copy then costs twice the bf16 weight's memory."""
 
     def __init__(self) -> None:
         self._packed: torch.Tensor | None = None
@@ -70,22 +80,38 @@ class PackedWeight:
         if weight.device.type != "cpu":
             return False
         if weight.dtype == torch.bfloat16:
-            return _onednn_packing_works(torch.bfloat16)
-        return weight.dtype == torch.float32 and (_onednn_packing_works(torch.float32) or _mkl_packing_works())
+            return PackedWeight.widens(weight) or _onednn_packing_works(torch.bfloat16)
+        return weight.dtype == torch.float32 and _fp32_packing_works()
+
+    @staticmethod
+    def widens(weight: torch.Tensor) -> bool:
+        """Whether a bf16 weight is packed as fp32 and multiplied in fp32 (no native bf16 here)."""
+        return weight.dtype == torch.bfloat16 and not cpu_has_native_bf16() and _onednn_packing_works(torch.float32)
+
+    @staticmethod
+    def packed_bytes(weight: torch.Tensor) -> int:
+        return weight.numel() * (4 if PackedWeight.widens(weight) else weight.element_size())
 
     def refresh(self, weight: torch.Tensor) -> None:
         """Repack if the weight changed since the last pack (~0.15 s for a 135M model's weights)."""
         key = (weight.data_ptr(), weight._version)
         if key != self._key:
-            self._onednn = weight.dtype == torch.bfloat16 or _onednn_packing_works(torch.float32)
+            source = weight.detach().float() if self.widens(weight) else weight.detach()
+            self._onednn = source.dtype == torch.bfloat16 or _onednn_packing_works(torch.float32)
             if self._onednn:
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(source, 64)
             else:
-                self._packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), 64)
+                self._packed = torch.ops.mkl._mkl_reorder_linear_weight(source, 64)
             self._key = key
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         self.refresh(weight)
+        if x.dtype != self._packed.dtype:  # a widened bf16 weight (oneDNN): fp32 in, bf16 out
+            out = self._linear(x.float(), weight, None if bias is None else bias.float())
+            return out.to(x.dtype)
+        return self._linear(x, weight, bias)
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self._onednn:
             rows = x.shape[0]
             padded = onednn_rows(rows)
@@ -95,6 +121,10 @@ class PackedWeight:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")[:rows]
         # the op uses the packed weight only when told the real row count; else it falls back
         return torch.ops.mkl._mkl_linear(x, self._packed, weight, bias, x.shape[0])
+
+
+def _fp32_packing_works() -> bool:
+    return _onednn_packing_works(torch.float32) or _mkl_packing_works()
 
 
 @functools.cache
