@@ -24,7 +24,6 @@ NEAR_TIE = 0.5
 # Mean |logprob - fp32 forward| of greedy tokens on tiny, measured: 0.0182 with the bf16 head,
 # 0.0165 with the fp32 head (the rest is the bf16 body's error).
 HEAD_ERRORS = {"bfloat16": 0.03, "float32": 0.025}
-HEAD_NOISE_WITHOUT_NATIVE_BF16 = 1.05
 
 
 @pytest.fixture(scope="module", params=["tiny", pytest.param("smollm2-135m", marks=pytest.mark.slow)])
@@ -90,6 +89,23 @@ def test_bf16_greedy_tokens_and_logprobs_follow_transformers_bf16(model_dir):
     assert errors.max() < BF16_LOGPROB_ATOL
 
 
+def scored_errors(engine: Engine, hf, prompts) -> torch.Tensor:
+    """|engine logprob - hf forward logprob| of hf's own greedy continuation of each prompt, which the engine
+    scores as prompt logprobs: every engine is compared on the same tokens."""
+    errors = []
+    for prompt in prompts:
+        with torch.no_grad():
+            ids = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=GREEDY_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+            )[0].tolist()
+            want = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+        out = engine.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))[0]
+        errors += [
+            abs(out.prompt_logprobs[i][ids[i]] - want[i - 1, ids[i]].item()) for i in range(len(prompt), len(ids))
+        ]
+    return torch.tensor(errors)
+
+
 def test_fp32_lm_head_brings_logprobs_closer_to_the_fp32_forward(model_dir):
     if "smollm2" in str(model_dir):
         pytest.skip("30 bf16 layers: the body's error swamps the head's; measured on tiny")
@@ -100,14 +116,14 @@ def test_fp32_lm_head_brings_logprobs_closer_to_the_fp32_forward(model_dir):
     err = {}
     for head in ("bfloat16", "float32"):
         engine = bf16_engine(model_dir, lm_head_dtype=head)
-        err[head] = logprob_errors(hf32, prompts, greedy(engine, prompts)).mean().item()
+        err[head] = scored_errors(engine, hf32, prompts).mean().item()
         del engine
     print(f"mean |logprob - fp32 forward|: bf16 head {err['bfloat16']:.4f}, fp32 head {err['float32']:.4f}")
     from rlserve.model.cpu_kernels import cpu_has_native_bf16
 
-    # Without native bf16 the body's projections run fp32 arithmetic over the bf16 weights (linear.py), and the
-    # two engines' greedy paths (so the tokens compared) differ: measured 0.0171 vs 0.0169 there, within noise
-    margin = 1.0 if cpu_has_native_bf16() else HEAD_NOISE_WITHOUT_NATIVE_BF16
+    # Without native bf16 the body multiplies in fp32 over the bf16 weights (linear.py) and its error swamps
+    # the head's: measured 0.0174 (fp32 head) against 0.0171 on the same tokens, so only "no worse, within 5%"
+    margin = 1.0 if cpu_has_native_bf16() else 1.05
     assert err["float32"] < err["bfloat16"] * margin
     assert err["float32"] < HEAD_ERRORS["float32"] and err["bfloat16"] < HEAD_ERRORS["bfloat16"]
 
