@@ -31,6 +31,19 @@ def _series(ax, points: list[dict], x_key: str, y_of, style: str = "o-", suffix:
             ax.plot(xs, ys, style, color=f"C{color}", label=label + suffix, **kw)
 
 
+def _plain_log_ticks(ax) -> None:
+    """A log axis labelled at the measured points (1, 4, 16, ...), not at powers of ten."""
+    from matplotlib.ticker import NullFormatter, NullLocator
+
+    if ax.get_xscale() != "log":
+        return
+    xs = sorted({float(x) for line in ax.get_lines() for x in line.get_xdata()})
+    if xs:
+        ax.set_xticks(xs, [f"{x:g}" for x in xs])
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.xaxis.set_minor_formatter(NullFormatter())
+
+
 def plot_curves(path: Path, result: dict) -> None:
     plt = _pyplot()
     c = result["curves"]
@@ -57,6 +70,7 @@ def plot_curves(path: Path, result: dict) -> None:
     prefix.set(xlabel="prefix-cache hit rate (prompt tokens)", ylabel="output tokens/s",
                title="multi-turn sessions: throughput vs hit rate")  # fmt: skip
     for ax in axes.flat:
+        _plain_log_ticks(ax)
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
