@@ -41,7 +41,7 @@ async def one_request(client: httpx.AsyncClient, body: dict, record: RequestReco
 
 
 async def _streamed(client: httpx.AsyncClient, body: dict, record: RequestRecord, start: float) -> None:
-    last = None
+    last: dict[int, float] = {}  # per choice: with n > 1 the samples' chunks interleave
     chunks = 0
     async with client.stream("POST", "/v1/completions", json=body) as resp:
         if resp.status_code != 200:
@@ -52,14 +52,14 @@ async def _streamed(client: httpx.AsyncClient, body: dict, record: RequestRecord
             event = json.loads(line[6:])
             if event.get("usage"):
                 record.output_tokens = event["usage"]["completion_tokens"]
-            if not event.get("choices"):
-                continue
             now = time.perf_counter()
-            if last is None:
-                record.ttft = now - start
-            else:
-                record.itl.append(now - last)
-            last, chunks = now, chunks + 1
+            for choice in event.get("choices") or []:
+                index = choice.get("index", 0)
+                if record.ttft is None:
+                    record.ttft = now - start
+                if index in last:
+                    record.itl.append(now - last[index])
+                last[index], chunks = now, chunks + 1
     record.output_tokens = record.output_tokens or chunks
 
 
@@ -80,6 +80,8 @@ async def run_level(
                 "model": model, "prompt": prompt, "max_tokens": args.output_len, "temperature": args.temperature,
                 "ignore_eos": True, "stream": not args.no_stream,
             }  # fmt: skip
+            if getattr(args, "n", 1) > 1:
+                body["n"] = args.n
             if body["stream"]:
                 body["stream_options"] = {"include_usage": True}
             async with gate:
