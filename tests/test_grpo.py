@@ -15,13 +15,18 @@ import pytest
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "grpo.py"
 
 
-@pytest.fixture(scope="module")
-def grpo():
+def load_grpo_example():
+    """examples/grpo.py as a module (it is a script, not part of the package)."""
     spec = importlib.util.spec_from_file_location("grpo_example", EXAMPLE)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def grpo():
+    return load_grpo_example()
 
 
 def children() -> set[int]:

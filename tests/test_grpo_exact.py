@@ -4,24 +4,13 @@ with --exact off and on."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "grpo.py"
-
-
-def load_example():
-    spec = importlib.util.spec_from_file_location("grpo_exact_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+from test_grpo import load_grpo_example
 
 
 def test_grpo_exact_prints_kl_exactly_zero_and_plots_both_runs(tmp_path, capsys):
-    grpo = load_example()
+    grpo = load_grpo_example()
     args = grpo.parse_args(
         ["--compare-exact", "--dtype", "bfloat16", "--steps", "3", "--lr", "3e-4"]
         + ["--prompts-per-step", "2", "--group-size", "4", "--out", str(tmp_path)]
