@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import start_server, stop_server
+from conftest import server_log, start_server, stop_server
 
 TESTS = Path(__file__).resolve().parent
 EXAMPLES_PER_OPERATION = 3
@@ -24,6 +24,20 @@ def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _failures_and_summary(stdout: str) -> str:
+    """schemathesis prints each failure (with its curl reproduction) under a FAILURES banner, then a
+    summary; an assertion message needs both, not only the tail."""
+    start = stdout.find("FAILURES")
+    failures = stdout[start : start + 6000] if start >= 0 else ""
+    return failures + "\n...\n" + "\n".join(stdout.splitlines()[-40:])
+
+
+def _tracebacks(proc: subprocess.Popen) -> str:
+    log = server_log(proc)
+    start = log.find("Traceback")
+    return log[start : start + 6000] if start >= 0 else log[-3000:]
 
 
 @pytest.mark.slow
@@ -74,8 +88,8 @@ def test_fuzzing_finds_no_server_errors(tmp_path: Path) -> None:
             timeout=900,
             check=False,
         )
-        summary = "\n".join(run.stdout.splitlines()[-40:])
-        assert run.returncode == 0, f"{summary}\n{run.stderr[-3000:]}"
+        summary = _failures_and_summary(run.stdout)
+        assert run.returncode == 0, f"{summary}\n{run.stderr[-3000:]}\nserver log:\n{_tracebacks(proc)}"
         operations = ET.parse(junit).getroot().iter("testcase")
         assert sum(1 for _ in operations) >= 30  # every route was reached
         print(summary)
