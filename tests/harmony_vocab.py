@@ -1,12 +1,14 @@
 """gpt-oss's vocabulary for openai-harmony without a download: tests/data/parsers/o200k_base.tiktoken.gz
 (written by scripts/record_vllm_parsers.py, sha256-checked by openai-harmony itself) unpacked once and
-named by TIKTOKEN_ENCODINGS_BASE, which servers started by the tests inherit."""
+named by TIKTOKEN_ENCODINGS_BASE, which servers started by the tests inherit; and a gpt-oss-shaped model (the
+embedded one with Harmony's markers as special tokens) for what needs them as single tokens."""
 
 from __future__ import annotations
 
 import gzip
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -46,10 +48,13 @@ def make_gpt_oss_shaped(model_dir: Path, out: Path) -> Path:
     then write Harmony as gpt-oss does, a marker as one token."""
     out.mkdir(parents=True, exist_ok=True)
     for f in model_dir.iterdir():
-        text = None if f.suffix != ".json" else f.read_text()
+        if f.suffix != ".json":
+            shutil.copyfile(f, out / f.name)
+            continue
+        text = f.read_text()
         for old, new in HARMONY_MARKERS.items():
-            text = text if text is None else text.replace(old, new)
-        (out / f.name).write_bytes(f.read_bytes()) if text is None else (out / f.name).write_text(text)
+            text = text.replace(old, new)
+        (out / f.name).write_text(text)
     added = {t["content"]: t["id"] for t in json.loads((out / "tokenizer.json").read_text())["added_tokens"]}
     stops = [added["<|return|>"], added["<|call|>"], added["<|endoftext|>"]]
     for name, edit in (
