@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 
 from rlserve.engine.params import SamplingParams
-from rlserve.server.parsers import get_tool_parser
+from rlserve.server.parsers import HARMONY, get_tool_parser
 from rlserve.server.tool_grammar import BUILDERS, tool_call_constraint
 from test_engine import make_engine, random_prompts
 
@@ -54,7 +54,8 @@ def engine(model_dir):
     return make_engine(model_dir)
 
 
-@pytest.mark.parametrize("parser", sorted(BUILDERS))
+# gpt-oss's Harmony is read by its own parser, on a vocabulary of its own: tests/test_harmony_tool_grammar.py
+@pytest.mark.parametrize("parser", sorted(set(BUILDERS) - {HARMONY}))
 def test_every_output_parses_as_an_allowed_call(engine, parser):
     added = set(engine.tokenizer.get_added_vocab())
     prompt = random_prompts(1, engine.vocab_size, seed=3)[0]
@@ -80,7 +81,8 @@ def test_every_output_parses_as_an_allowed_call(engine, parser):
                 jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
 
 
-def test_parsers_without_a_grammar_leave_tool_choice_unenforced():
-    assert tool_call_constraint("openai", TOOLS, "required", set()) is None
+def test_tool_choice_without_a_call_to_force_is_left_free():
+    assert tool_call_constraint("hermes", TOOLS, "none", set()) is None
     assert tool_call_constraint("hermes", TOOLS, "auto", set()) is None
     assert tool_call_constraint("hermes", None, "required", set()) is None
+    assert tool_call_constraint(None, TOOLS, "required", set()) is None

@@ -18,7 +18,7 @@ from rlserve.engine.params import SamplingParams
 from rlserve.server.errors import bad_request
 from rlserve.server.parsers import HARMONY, TOOL_PARSER_NAMES, get_tool_parser
 from rlserve.server.parsers.base import CallError, CallFormat, Tools
-from rlserve.server.parsers.harmony import HarmonyStreamer, parse_harmony
+from rlserve.server.parsers.harmony import HarmonyStreamer, kept_stop_ids, parse_harmony
 from rlserve.server.parsers.reasoning import (
     END_TAGS,
     ReasoningStreamer,
@@ -105,12 +105,14 @@ class OutputParser:
 
 class SpecialText:
     """The completion decoded with special tokens kept, from the cumulative outputs of one choice.
-    The token that stopped generation is left out, as the engine leaves it out of `text`."""
+    The token that stopped generation is left out, as the engine leaves it out of `text`, except gpt-oss's
+    `<|call|>`, which ends a Harmony call message."""
 
     def __init__(self, parser: OutputParser):
         params = dataclasses.replace(parser.params, skip_special_tokens=False)
         self._detok = IncrementalDetokenizer.create(parser.tokenizer, parser.prompt_ids, params)
         self._include_stop = params.include_stop_str_in_output
+        self._kept_stops = kept_stop_ids(parser.tokenizer) if parser.harmony else frozenset()
         self._fed = self._sent = 0
         self._stopped = False
 
@@ -122,6 +124,7 @@ class SpecialText:
             and o.finish_reason == "stop"
             and not isinstance(o.stop_reason, str)
             and not (o.stop_reason is not None and self._include_stop)
+            and o.token_ids[end - 1] not in self._kept_stops
         ):
             end -= 1  # EOS or a stop token id
         for token in o.token_ids[self._fed : end]:

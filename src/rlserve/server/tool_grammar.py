@@ -4,8 +4,8 @@ The grammar admits exactly what the configured parser (server/parsers/) extracts
 call's arguments held to its function's JSON schema, so the output always parses. One builder per
 format family. JSON-argument formats hold the arguments with llguidance's `%json`; formats that write
 one tag per parameter (Qwen3-Coder XML, GLM, MiniMax, pythonic) hold each parameter's value to its
-property schema, a string as free text up to the closing tag. gpt-oss (Harmony) has no builder and
-keeps tool_choice unenforced.
+property schema, a string as free text up to the closing tag. gpt-oss (Harmony) writes one call per
+turn, after optional free analysis and preamble messages.
 """
 
 from __future__ import annotations
@@ -244,6 +244,37 @@ def pythonic(tools: list[Tool], added: set[str], parallel: bool) -> dict[str, An
     return _lark('"[" call "]"', _each(tools, lambda name, params: f'{_lit(name + "(")} {_params(params, param)} ")"'))
 
 
+# -- gpt-oss Harmony ------------------------------------------------------------------------------
+
+# The header forms vLLM admits and openai-harmony reads alike: the recipient after the channel (as trained)
+# or before it, the JSON content type with or without `<|constrain|>`, on any of the three channels.
+HARMONY_CHANNELS = ("commentary", "analysis", "final")
+
+
+def harmony(tools: list[Tool], added: set[str], parallel: bool) -> dict[str, Any]:
+    """After the template's `<|start|>assistant`: an optional analysis message and an optional commentary
+    preamble (free text, each ended by `<|end|><|start|>assistant`), then
+    `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`. `<|call|>` ends the
+    turn (a stop token in gpt-oss), so there is one call whatever `parallel` says."""
+    m = {t: _marker(t, added) for t in ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|constrain|>")}
+    if "<|end|>" in added:  # a special token cannot occur inside text: the text runs until the token
+        text, rules = f"/(?s:.*)/ {m['<|end|>']}", ""
+    else:
+        text, rules = "harmony_text", f"harmony_text[stop={_lit('<|end|>')}]: /(?s:.*)/"
+    then = f'{text} {m["<|start|>"]} "assistant"'
+    channel = "(" + " | ".join(_lit(c) for c in HARMONY_CHANNELS) + ")"
+    constrain = f'(" " {m["<|constrain|>"]} "json" | " json")'
+
+    def call(name: str, params: dict[str, Any]) -> str:
+        to = _lit(f" to=functions.{name}")
+        header = f"({m['<|channel|>']} {channel} {to} | {to} {m['<|channel|>']} {channel})"
+        return f"{header} {constrain} {m['<|message|>']} {_json(params)} {_marker('<|call|>', added)}"
+
+    analysis = f'({m["<|channel|>"]} "analysis" {m["<|message|>"]} {then})?'
+    preamble = f'({m["<|channel|>"]} "commentary" {m["<|message|>"]} {then})?'
+    return _lark(f"{analysis} {preamble} call", _each(tools, call), rules)
+
+
 BUILDERS: dict[str, Callable[[list[Tool], set[str], bool], dict[str, Any]]] = {
     "hermes": hermes,
     "qwen3_json": hermes,
@@ -265,6 +296,7 @@ BUILDERS: dict[str, Callable[[list[Tool], set[str], bool], dict[str, Any]]] = {
     "minimax_m2": minimax_m2,
     "pythonic": pythonic,
     "llama4_pythonic": pythonic,
+    "openai": harmony,
 }
 
 

@@ -23,6 +23,15 @@ from rlserve.server.parsers.base import (
     new_call_id,
 )
 
+# gpt-oss stops on `<|call|>`, which also closes the call message: the parser must see it, unlike other stop tokens
+CALL_END = "<|call|>"
+
+
+def kept_stop_ids(tokenizer) -> frozenset[int]:
+    """The stop token ids whose text the Harmony parser reads: `<|call|>` where it is one token."""
+    vocab = tokenizer.get_added_vocab()
+    return frozenset([vocab[CALL_END]]) if CALL_END in vocab else frozenset()
+
 
 @functools.cache
 def _encoding():
