@@ -1,5 +1,6 @@
 """The in-flight policy chosen per update over HTTP (`inflight_update_policy` on /update_weights and
-/update_weights_from_disk), with the server's engine.inflight_update_policy as the default.
+/update_weights_from_disk, and beside update_info in a trainer's vLLM-style push), with the server's
+engine.inflight_update_policy as the default.
 
 "In flight": the streams are queued behind a pause, released together, and paused again (mode keep) once each
 has delivered a token; each asks for far more tokens than any engine makes in the time one pause call takes
@@ -9,6 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 import pytest
@@ -61,8 +66,33 @@ async def _stream(http: httpx.AsyncClient, prompt: list[int], first: asyncio.Eve
     return {**last, "token_ids": tokens, "logprobs": logprobs}
 
 
-def run_update(url: str, route: str, body: dict) -> tuple[dict, list[dict]]:
-    """Streams in flight, frozen by a pause, an update with `body`, resume: (update answer, stream results)."""
+def posting(url: str, route: str, body: dict) -> Callable[[], dict]:
+    def post() -> dict:
+        r = httpx.post(f"{url}{route}", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    return post
+
+
+def pushing(url: str, weights: Path, body: dict) -> Callable[[], dict]:
+    """A trainer (tests/vllm_trainer.py, TRL's calls) joins and pushes `weights` with `body` beside update_info."""
+
+    def push() -> dict:
+        plan = [["join"], ["push", str(weights / "model.safetensors"), {"body": body, "check": False}], ["shutdown"]]
+        trainer = Path(__file__).with_name("vllm_trainer.py")
+        run = subprocess.run(
+            [sys.executable, str(trainer), url, json.dumps(plan)], capture_output=True, text=True, timeout=600
+        )
+        steps = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+        assert run.returncode == 0 and [s["status"] for s in steps] == [200, 200, 200], (steps, run.stderr[-2000:])
+        return {"policy_version": steps[1]["after"]}
+
+    return push
+
+
+def run_update(url: str, update: Callable[[], dict]) -> tuple[dict, list[dict]]:
+    """Streams in flight, frozen by a pause, `update()`, resume: (update answer, stream results)."""
 
     async def scenario():
         async with httpx.AsyncClient(base_url=url, timeout=300) as http:
@@ -76,14 +106,12 @@ def run_update(url: str, route: str, body: dict) -> tuple[dict, list[dict]]:
                 await asyncio.wait_for(asyncio.gather(*(e.wait() for e in firsts)), 300)  # a hang guard only
                 (await http.post("/pause", params={"mode": "keep"})).raise_for_status()
                 assert not any(t.done() for t in tasks)
-                r = await http.post(route, json=body)
+                answer = await asyncio.to_thread(update)
             finally:  # a failed check must not leave the module's server paused for the next test
                 (await http.post("/resume")).raise_for_status()
-            return r, await asyncio.gather(*tasks)
+            return answer, await asyncio.gather(*tasks)
 
-    r, outs = asyncio.run(scenario())
-    assert r.status_code == 200, r.text
-    return r.json(), outs
+    return asyncio.run(scenario())
 
 
 def new_span_errors(weights, outs: list[dict], version: int) -> list[float]:
@@ -113,7 +141,7 @@ def new_span_errors(weights, outs: list[dict], version: int) -> list[float]:
 def test_recompute_makes_later_logprobs_those_of_the_new_weights(server, root, route, policy, seed):
     weights = make_model("tiny", root / f"recompute-{seed}", seed=seed)
     field = "weight_dir" if route == "/update_weights" else "model_path"
-    answer, outs = run_update(server, route, {field: str(weights), "inflight_update_policy": policy})
+    answer, outs = run_update(server, posting(server, route, {field: str(weights), "inflight_update_policy": policy}))
     version = answer.get("policy_version") or outs[0]["policy_version"]
     assert all(len(o["token_ids"]) == LONG for o in outs)
     # against transformers: this tiny model's fp32 noise is ~1e-5 for any request (a fresh one too)
@@ -139,7 +167,8 @@ def test_keep_goes_on_over_the_old_kv(server, root, policy):
     """The same check fails without recompute (the KV is one version old, so :1 keeps it too)."""
     seed = {"keep": 4, "recompute_if_older_than:1": 6}[policy]  # weights other than the ones serving
     weights = make_model("tiny", root / f"keep-{seed}", seed=seed)
-    answer, outs = run_update(server, "/update_weights", {"weight_dir": str(weights), "inflight_update_policy": policy})
+    body = {"weight_dir": str(weights), "inflight_update_policy": policy}
+    answer, outs = run_update(server, posting(server, "/update_weights", body))
     assert all(len(o["token_ids"]) == LONG for o in outs)
     assert max(new_span_errors(weights, outs, answer["policy_version"])) > 1e-3
 
@@ -147,7 +176,7 @@ def test_keep_goes_on_over_the_old_kv(server, root, policy):
 @pytest.mark.parametrize("body", [{"inflight_update_policy": "abort"}, {}], ids=["abort", "server-default"])
 def test_abort_returns_partial_outputs_with_their_tokens(server, root, body):
     weights = make_model("tiny", root / f"abort-{len(body)}", seed=5)
-    _, outs = run_update(server, "/update_weights", {"weight_dir": str(weights), **body})
+    _, outs = run_update(server, posting(server, "/update_weights", {"weight_dir": str(weights), **body}))
     for out in outs:
         assert out["finish_reason"] == "abort" and 0 < len(out["token_ids"]) < LONG
         assert len(out["logprobs"]) == len(out["token_ids"])
@@ -158,3 +187,14 @@ def test_an_unknown_policy_is_a_400_naming_the_field(server, root, route):
     field = "weight_dir" if route == "/update_weights" else "model_path"
     r = httpx.post(f"{server}{route}", json={field: str(root), "inflight_update_policy": "sometimes"}, timeout=60)
     assert r.status_code == 400 and "inflight_update_policy" in r.text
+
+
+@pytest.mark.parametrize("policy", ["keep", "recompute"])
+def test_a_trainer_push_takes_its_policy_beside_update_info(server, root, policy):
+    """TRL's push (start, /update_weights {update_info, inflight_update_policy}, finish) over the server's
+    default of abort: the policy sent with the push decides, applied at the commit (the finish)."""
+    weights = make_model("tiny", root / f"push-{policy}", seed={"keep": 7, "recompute": 8}[policy])
+    answer, outs = run_update(server, pushing(server, weights, {"inflight_update_policy": policy}))
+    assert all(out["finish_reason"] == "length" and len(out["token_ids"]) == LONG for out in outs)
+    errors = new_span_errors(weights, outs, answer["policy_version"])
+    assert max(errors) <= 3e-5 if policy == "recompute" else max(errors) > 1e-3

@@ -76,7 +76,16 @@ def join(extra: dict) -> dict:
     return {"status": status, "body": body}
 
 
-def push(ckpt: str, form: str, info_extra: dict, buffer_bytes: int, packed: bool, die_after: int | None) -> dict:
+def push(
+    ckpt: str,
+    form: str,
+    info_extra: dict,
+    buffer_bytes: int,
+    packed: bool,
+    die_after: int | None,
+    body_extra: dict,
+    check: bool,
+) -> dict:
     tensors = sorted(load_file(ckpt).items())
     names = [n for n, _ in tensors]
     dtypes = [str(t.dtype).removeprefix("torch.") for _, t in tensors]
@@ -97,7 +106,7 @@ def push(ckpt: str, form: str, info_extra: dict, buffer_bytes: int, packed: bool
     before = version()
     post("/start_weight_update", {})
     with ThreadPoolExecutor(1) as pool:
-        done = pool.submit(post, "/update_weights", {"update_info": info})
+        done = pool.submit(post, "/update_weights", {"update_info": info, **body_extra})
         try:
             broadcast(flats, buffer_bytes, packed, die_after)
         except RuntimeError as exc:  # the server dropped the group after refusing the push
@@ -105,7 +114,7 @@ def push(ckpt: str, form: str, info_extra: dict, buffer_bytes: int, packed: bool
         status, body = done.result()
     fin = post("/finish_weight_update", {}) if status == 200 else None
     out = {"status": status, "body": body, "before": before, "after": version(), "finish": fin}
-    if status == 200:
+    if status == 200 and check:  # a generation under the new weights (not while the server is paused)
         gen = {
             "token_ids": [5, 6, 7, 8],
             "sampling_params": {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 0},
@@ -127,6 +136,8 @@ for step in plan:
             opts.get("buffer_bytes", 1 << 30),
             opts.get("packed", True),
             opts.get("die_after"),
+            opts.get("body", {}),
+            opts.get("check", True),
         )
     elif kind == "shutdown":
         status, body = post("/shutdown_weight_transfer_engine", {})

@@ -1,5 +1,5 @@
 """A 2-replica deployment where an update from disk fails on one replica mid-way, once by a bad checkpoint
-and once by the replica being killed: the update is all-or-none (both replicas keep or are restored to the
+and once by the replica being killed (and a LoRA adapter load, by a bad adapter): the update is all-or-none (both replicas keep or are restored to the
 previous weights and versions, and the admin call names the replica that failed), one retry brings both to
 the new version, and the killed replica restarts with the deployment's current weights before the router
 sends it traffic.
@@ -13,6 +13,7 @@ corrupted (then SIGCONT) or replica 1 killed. Only processes this test started a
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +22,7 @@ import httpx
 import psutil
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from deploy_helpers import replicas, two_replicas_under, wait_for
@@ -273,3 +275,72 @@ def test_a_frozen_replica_is_routed_around_and_its_requests_finish_once_it_resum
 
 def replicas_by_index(admin: str) -> dict[int, dict]:
     return {row["index"]: row for row in replicas(admin)}
+
+
+def adapter_answer(url: str, name: str) -> tuple[str, list[float]]:
+    body = {"model": name, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0, "logprobs": 1}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    return choice["text"], choice["logprobs"]["token_logprobs"]
+
+
+def same_answers(a: tuple[str, list[float]], b: tuple[str, list[float]]) -> bool:
+    return a[0] == b[0] and all(abs(x - y) <= 1e-5 for x, y in zip(a[1], b[1], strict=True))
+
+
+def load_refused_by_replica_1(admin: str, first: dict, frozen: dict, route: str, body: dict, adapter_dir):
+    """Replica 0 loads the adapter; only then is its file corrupted, and replica 1 (frozen till now) reads that."""
+    weights_file = adapter_dir / "adapter_model.safetensors"
+    good, start = weights_file.read_bytes(), versions(first["url"])
+    os.kill(frozen["pid"], signal.SIGSTOP)
+    try:
+        pool = ThreadPoolExecutor(1)
+        future = pool.submit(httpx.post, f"{admin}{route}", json=body, timeout=600)
+        pool.shutdown(wait=False)
+        wait_for(lambda: versions(first["url"])[0] == start[0] + 1, 300, "replica 0 to load the adapter")
+        weights_file.write_bytes(good[: len(good) // 3])
+    finally:
+        os.kill(frozen["pid"], signal.SIGCONT)
+    r = future.result()
+    weights_file.write_bytes(good)
+    return r
+
+
+def test_a_lora_load_refused_by_one_replica_is_taken_back_on_the_other(deployment, peft_adapter, root):
+    """All-or-none for adapters: a new name is unloaded again where it was loaded, a name loaded again in
+    place goes back to its previous adapter, the versions go back, and a retry loads it on both."""
+    _, admin, _ = deployment
+    first, frozen = wait_for(lambda: (r := replicas(admin)) and all(x["status"] == "serving" for x in r) and r, 120)
+    base = versions(first["url"])
+    fresh = root / "adapter-fresh"
+    shutil.copytree(peft_adapter[0], fresh, dirs_exist_ok=True)
+    body = {"lora_name": "policy", "lora_path": str(fresh)}
+    r = load_refused_by_replica_1(admin, first, frozen, "/v1/load_lora_adapter", body, fresh)
+    assert r.status_code == 400, r.text
+    assert f"replica 1 ({frozen['url']})" in r.json()["error"]["message"] and "Nothing changed" in r.text
+    for row in replicas(admin):
+        models = httpx.get(f"{row['url']}/v1/models", timeout=30).json()["data"]
+        assert "policy" not in [m["id"] for m in models] and versions(row["url"]) == base
+
+    assert httpx.post(f"{admin}/v1/load_lora_adapter", json=body, timeout=300).status_code == 200
+    loaded = [adapter_answer(row["url"], "policy") for row in replicas(admin)]
+    assert same_answers(*loaded)
+
+    # the same name in place, from a different adapter (its B matrices tripled) that replica 1 reads corrupted
+    second = root / "adapter-second"
+    shutil.copytree(fresh, second, dirs_exist_ok=True)
+    tensors = load_file(fresh / "adapter_model.safetensors")
+    save_file({k: v * 3 if "lora_B" in k else v for k, v in tensors.items()}, second / "adapter_model.safetensors")
+    before = versions(first["url"])
+    body = {"lora_name": "policy", "lora_path": str(second)}
+    r = load_refused_by_replica_1(admin, first, frozen, "/load_lora_adapter", body, second)
+    assert r.status_code == 400 and "Nothing changed" in r.text, r.text
+    rows = replicas(admin)
+    assert [row["restarts"] for row in rows] == [first["restarts"], frozen["restarts"]]  # taken back, not restarted
+    for row in rows:
+        assert versions(row["url"]) == before
+        assert same_answers(adapter_answer(row["url"], "policy"), loaded[0])  # the first adapter again
+    body = {"lora_name": "policy-second", "lora_path": str(second)}
+    assert httpx.post(f"{admin}/v1/load_lora_adapter", json=body, timeout=300).status_code == 200
+    assert not same_answers(adapter_answer(first["url"], "policy-second"), loaded[0])  # the check above can fail

@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from rlserve.deploy.supervisor import Deployment, Slot
-from rlserve.deploy.transaction import is_base_update_from_disk, refused_unchanged, restore
+from rlserve.deploy.transaction import PutBack, refused_unchanged, restore, undo_for
 from rlserve.server.auth import ADMIN_PATHS, Gate
 from rlserve.server.errors import APIError, install_error_handlers
 
@@ -137,8 +137,8 @@ async def _settle(
         if isinstance(r, httpx.Response):
             return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
         raise APIError(502, f"{path} reached no replica: " + "; ".join(_why(s, r) for s, r in failed))
-    if failed and is_base_update_from_disk(path, body):
-        return await _all_or_none(dep, path, [s for s, _ in ok], failed)
+    if failed and (put_back := undo_for(path, body)) is not None:
+        return await _all_or_none(dep, path, [s for s, _ in ok], failed, put_back)
     _record(dep, path, body, request, [s for s, _ in ok])
     for slot, r in failed:
         await dep.evict(slot, f"{path} failed there: {_why(slot, r)}")
@@ -158,11 +158,13 @@ async def _settle(
     return Response(first.content, status_code=first.status_code, media_type=first.headers.get("content-type"))
 
 
-async def _all_or_none(dep: Deployment, path: str, applied: list[Slot], failed: list[tuple[Slot, Any]]) -> Response:
-    """Some replicas applied an update from disk, others did not: undo it where it was applied, so all keep
-    the previous weights and versions, and name the replicas that failed."""
+async def _all_or_none(
+    dep: Deployment, path: str, applied: list[Slot], failed: list[tuple[Slot, Any]], put_back: PutBack
+) -> Response:
+    """Some replicas applied an update, others did not: undo it where it was applied, so all keep the
+    previous weights (or adapter) and versions, and name the replicas that failed."""
     before = (dep.state.policy_version, dep.state.weight_version)
-    unrestored = await restore(dep, applied)
+    unrestored = await restore(dep, applied, put_back)
     for slot, r in failed:
         now = await _versions_or_error(dep, slot)
         if not refused_unchanged(r, before, now):  # killed, unreachable, or left in another state

@@ -36,6 +36,7 @@ class Receiver:
     packed: bool = True
     buffer_bytes: int = weight_transfer.VLLM_PACKED_BUFFER_BYTES
     staged: dict[str, torch.Tensor] = field(default_factory=dict)
+    inflight: str | None = None  # the open update's in-flight policy, applied at its commit
 
 
 def receiver_of(core: Any) -> Receiver:
@@ -115,7 +116,7 @@ def op_vllm_shutdown(core: Any, call_id: int) -> None:
 
 def op_vllm_start(core: Any, call_id: int) -> None:
     r = receiver_of(core)
-    r.open, r.staged = True, {}
+    r.open, r.staged, r.inflight = True, {}, None
 
 
 def _sha256(tensor: torch.Tensor) -> str:
@@ -200,8 +201,10 @@ def op_vllm_receive(
     buffer_bytes: int | None,
     checksums: dict[str, str] | None,
     label: str | None,
+    inflight: str | None = None,
 ) -> object:
-    """Receive one /update_weights in the helper thread; without an open update, commit it at once."""
+    """Receive one /update_weights in the helper thread; without an open update, commit it at once
+    (`inflight`: the policy for the requests in flight; within an open update, kept for its finish)."""
     r = receiver_of(core)
     if not r.joined:
         raise RuntimeError("no weight-transfer group: call /init_weight_transfer_engine first")
@@ -239,9 +242,10 @@ def op_vllm_receive(
         r.receiving = False
         if not commit_now:
             r.staged.update(staged)
+            r.inflight = inflight or r.inflight
             return core.engine.policy_version
         return core.commit_on_ranks(
-            call_id, lambda: core.engine.commit_weights(StagedWeights(staged, "update_info"), label)
+            call_id, lambda: core.engine.commit_weights(StagedWeights(staged, "update_info"), label, inflight)
         )
 
     return core.off_loop(call_id, work, commit)
@@ -258,11 +262,12 @@ def _push_to_ranks(core: Any, call_id: int, tensors: dict[str, torch.Tensor]) ->
         core.engine.tp.push(call_id, tensors)
 
 
-def op_vllm_finish(core: Any, call_id: int, label: str | None) -> object:
+def op_vllm_finish(core: Any, call_id: int, label: str | None, inflight: str | None = None) -> object:
     """Commit everything received since /start_weight_update at once. Nothing received: only the label
     moves (as vLLM does), the weights and policy_version stay."""
     r = receiver_of(core)
     staged, r.staged, r.open = r.staged, {}, False
+    inflight, r.inflight = inflight or r.inflight, None
     if not staged:
         if label is not None:
             core.engine.weight_version = label
@@ -271,7 +276,7 @@ def op_vllm_finish(core: Any, call_id: int, label: str | None) -> object:
         call_id,
         lambda: _push_to_ranks(core, call_id, staged) or staged,
         lambda tensors: core.commit_on_ranks(
-            call_id, lambda: core.engine.commit_weights(StagedWeights(tensors, "update_info"), label)
+            call_id, lambda: core.engine.commit_weights(StagedWeights(tensors, "update_info"), label, inflight)
         ),
     )
 

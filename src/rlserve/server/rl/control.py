@@ -126,15 +126,9 @@ async def update_weights(request: Request) -> dict:
     state, body = _state(request), await json_body(request, UpdateWeightsRequest)
     inflight = body.get("inflight_update_policy")
     if "update_info" in body:
-        if inflight is not None:
-            raise bad_request(
-                "inflight_update_policy is not taken with update_info yet: set the server's "
-                "engine.inflight_update_policy, or update from weight_dir or a trainer push",
-                "inflight_update_policy",
-            )
         if not isinstance(body["update_info"], dict):
             raise bad_request("update_info must be an object {names, dtype_names, shapes}", "update_info")
-        return await vllm_weights.receive_update(request, body["update_info"], _label(body))
+        return await vllm_weights.receive_update(request, body["update_info"], _label(body), inflight)
     if "weight_path" in body:
         path = Path(str(body["weight_path"]))
         if (path / "adapter_config.json").exists():

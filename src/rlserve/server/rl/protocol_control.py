@@ -35,6 +35,13 @@ class UpdateWeightsRequest(Body):
     inflight_update_policy: str | None = inflight_field()
 
 
+class FinishWeightUpdateRequest(Body):
+    """vLLM's commit point; the in-flight policy may come here or with any /update_weights of the update."""
+
+    weight_version: Label | None = None
+    inflight_update_policy: str | None = inflight_field()
+
+
 class InitBroadcasterRequest(Body):
     host: str | None = None
     port: int | None = Field(None, ge=0, le=65535)

@@ -130,16 +130,18 @@ def _update_info(info: dict) -> tuple[list[str], list[str], list[list[int]], dic
     return [str(n) for n in names], [str(d) for d in dtype_names], shapes, checksums
 
 
-async def receive(state: ServerState, info: dict, label: str | None) -> dict:
+async def receive(state: ServerState, info: dict, label: str | None, inflight: str | None) -> dict:
     names, dtype_names, shapes, checksums = _update_info(info)
     packed, size = packed_fields(info, "update_info")
-    versions = await on_engines(state, "vllm_receive", names, dtype_names, shapes, packed, size, checksums, label)
+    versions = await on_engines(
+        state, "vllm_receive", names, dtype_names, shapes, packed, size, checksums, label, inflight
+    )
     await state.engine.refresh()
     return {"message": "Weights updated", "policy_version": versions[0]}
 
 
-async def finish(state: ServerState, label: str | None) -> int:
-    versions = await on_engines(state, "vllm_finish", label)
+async def finish(state: ServerState, label: str | None, inflight: str | None) -> int:
+    versions = await on_engines(state, "vllm_finish", label, inflight)
     await state.engine.refresh()
     return versions[0]
 

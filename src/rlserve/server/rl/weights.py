@@ -20,7 +20,9 @@ from fastapi import APIRouter, Request
 from rlserve import weight_transfer
 from rlserve.engine.weights import StagedWeights, WeightUpdateError, stage
 from rlserve.server.errors import APIError, bad_request
+from rlserve.server.openapi import documented
 from rlserve.server.rl import vllm_rl
+from rlserve.server.rl.protocol_control import FinishWeightUpdateRequest
 from rlserve.server.state import ServerState, json_body
 
 router = APIRouter()
@@ -35,6 +37,7 @@ class Transfer:
     staged: dict[str, torch.Tensor] = field(default_factory=dict)
     packed: bool = True  # init_info's packed and packed_buffer_size_bytes (vLLM >= 0.28 sends them there)
     buffer_bytes: int = weight_transfer.VLLM_PACKED_BUFFER_BYTES
+    inflight: str | None = None  # the open update's in-flight policy, applied at its commit
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
@@ -134,15 +137,16 @@ async def start_weight_update(request: Request) -> dict:
         await vllm_rl.on_engines(state, "vllm_start")
         return {"message": "Weight update started"}
     transfer = _transfer(request)
-    transfer.open, transfer.staged = True, {}
+    transfer.open, transfer.staged, transfer.inflight = True, {}, None
     return {"message": "Weight update started"}
 
 
-async def receive_update(request: Request, info: dict, label: str | None) -> dict:
-    """/update_weights {"update_info"}: receive the listed tensors; without an open update, also commit."""
+async def receive_update(request: Request, info: dict, label: str | None, inflight: str | None = None) -> dict:
+    """/update_weights {"update_info"}: receive the listed tensors; without an open update, also commit.
+    `inflight`: the policy for the requests in flight at the commit (within an open update: at its finish)."""
     state, transfer = _state(request), _transfer(request)
     if vllm_rl.in_process(state):
-        return await vllm_rl.receive(state, info, label)
+        return await vllm_rl.receive(state, info, label, inflight)
     if not transfer.joined:
         raise APIError(409, "no weight-transfer group: call /init_weight_transfer_engine first")
     names, dtype_names, shapes = info.get("names"), info.get("dtype_names"), info.get("shapes")
@@ -183,30 +187,33 @@ async def receive_update(request: Request, info: dict, label: str | None) -> dic
             raise bad_request(f"{exc}; the previous weights keep serving", "update_info") from None
         transfer.staged.update(staged.tensors)
         if transfer.open:
+            transfer.inflight = inflight or transfer.inflight
             return {"message": "Weights updated"}
-        version = await _commit(state, transfer, label)
+        version = await _commit(state, transfer, label, inflight)
     return {"message": "Weights updated", "policy_version": version}
 
 
-@router.post("/finish_weight_update")
+@router.post("/finish_weight_update", openapi_extra=documented(FinishWeightUpdateRequest))
 async def finish_weight_update(request: Request) -> dict:
     """The commit point: every tensor received since /start_weight_update goes live at once."""
-    state, transfer, body = _state(request), _transfer(request), await json_body(request)
-    label = body.get("weight_version")
+    state, transfer = _state(request), _transfer(request)
+    body = await json_body(request, FinishWeightUpdateRequest)
+    label = None if body.get("weight_version") is None else str(body["weight_version"])
+    inflight = body.get("inflight_update_policy")
     if vllm_rl.in_process(state):
-        version = await vllm_rl.finish(state, None if label is None else str(label))
+        version = await vllm_rl.finish(state, label, inflight)
         return {"message": "Weight update finished", "policy_version": version}
     async with transfer.lock:
-        transfer.open = False
+        transfer.open, inflight, transfer.inflight = False, inflight or transfer.inflight, None
         if not transfer.staged:
             return {"message": "Weight update finished", "policy_version": state.engine.policy_version}
-        version = await _commit(state, transfer, None if label is None else str(label))
+        version = await _commit(state, transfer, label, inflight)
     return {"message": "Weight update finished", "policy_version": version}
 
 
-async def _commit(state: ServerState, transfer: Transfer, label: str | None) -> int:
+async def _commit(state: ServerState, transfer: Transfer, label: str | None, inflight: str | None) -> int:
     staged, transfer.staged = StagedWeights(transfer.staged, "update_info"), {}
-    return await state.engine.call(lambda e: e.commit_weights(staged, label))
+    return await state.engine.call(lambda e: e.commit_weights(staged, label, inflight))
 
 
 def leave(request: Request) -> None:
