@@ -20,8 +20,8 @@ INIT = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "worl
 ROWS = [
     ("inflight-policy-unknown", "/update_weights", {}, {"weight_dir": "/x", "inflight_update_policy": "sometimes"},
      400, "inflight_update_policy"),
-    ("inflight-policy-update-info", "/update_weights", {}, {"update_info": INFO, "inflight_update_policy": "keep"},
-     400, "not taken with update_info"),
+    ("inflight-policy-finish", "/finish_weight_update", {}, {"inflight_update_policy": "sometimes"},
+     400, "inflight_update_policy"),
     ("update-info-shape", "/update_weights", {}, {"update_info": {"names": []}}, 400, "update_info needs names"),
     ("update-info-dtype", "/update_weights", {}, {"update_info": {**INFO, "dtype_names": ["int64"]}}, 400,
      "cannot carry weights"),
