@@ -17,6 +17,7 @@ from rlserve.engine.params import SamplingParams
 from rlserve.runtime.face import EngineDeadError
 from rlserve.server.errors import APIError
 from rlserve.server.limits import check_request_caps
+from rlserve.server.request_metrics import timing
 from rlserve.server.state import ServerState, engine_errors
 
 T = TypeVar("T")
@@ -67,6 +68,8 @@ class Run:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._started = [asyncio.Event() for _ in prompts]
         self._errors: list[BaseException | None] = [None] * len(prompts)
+        self._timers: list[Any] = [None] * len(prompts)
+        self._last: list[RequestOutput | None] = [None] * len(prompts)
         # one id for all prompts: an abort by id reaches every one of them
         self._tasks = [
             asyncio.create_task(self._pump(i, p, params, rid, cache_salt, adapter, stream))
@@ -84,12 +87,13 @@ class Run:
         stream: bool,
     ) -> None:
         timer, last = self.state.metrics.timer(params), None
+        self._timers[i] = timer
         try:
             async for out in self.state.engine.generate(
                 prompt, params, rid, cache_salt=salt, adapter=adapter, stream=stream
             ):
                 timer.step(out)
-                last = out
+                last = self._last[i] = out
                 self._started[i].set()
                 self._queue.put_nowait((i, out))
         except ValueError as e:  # rejected before it was queued: not a request for the metrics
@@ -107,6 +111,13 @@ class Run:
         self._errors[i] = exc
         self._started[i].set()
         self._queue.put_nowait((i, exc))
+
+    def request_metrics(self) -> dict[str, float | None] | None:
+        """vLLM's per-request `metrics` (server.enable_per_request_metrics) of a one-prompt, n=1 request; else None."""
+        if not self.state.config.server.enable_per_request_metrics or len(self._timers) != 1 or self.n != 1:
+            return None
+        last = self._last[0]
+        return timing(self._timers[0], last.queue_seconds if last is not None else None)
 
     async def started(self) -> None:
         """Wait until every prompt was accepted (its first output arrived); raise the first rejection."""

@@ -86,6 +86,7 @@ VLLM_FLAGS: dict[str, Flag] = {
     "--no-enable-prefix-caching": Flag("engine.enable_prefix_caching", switch=True, const="false"),
     "--enforce-eager": Flag("model.enforce_eager", switch=True),
     "--enable-prompt-tokens-details": Flag("server.enable_prompt_tokens_details", switch=True),
+    "--enable-per-request-metrics": Flag("server.enable_per_request_metrics", switch=True),
     "--trust-remote-code": Flag("model.trust_remote_code", switch=True),
     "--enable-return-routed-experts": Flag("enable_return_routed_experts", switch=True),
     "--enable-expert-parallel": Flag("parallel.enable_expert_parallel", switch=True),

@@ -23,7 +23,14 @@ from rlserve.server.errors import bad_request
 from rlserve.server.limits import check_max_tokens, check_prompt_fits, check_text_fits
 from rlserve.server.openai.chat_echo import echo_prompt_logprobs, echoed
 from rlserve.server.openai.chat_template import message_chars, render_chat
-from rlserve.server.openai.vllm_shape import CHAT_CHOICE, CHAT_MESSAGE, CHAT_RESPONSE, SYSTEM_FINGERPRINT, stream_usage
+from rlserve.server.openai.vllm_shape import (
+    CHAT_CHOICE,
+    CHAT_MESSAGE,
+    CHAT_RESPONSE,
+    SYSTEM_FINGERPRINT,
+    stream_metrics,
+    stream_usage,
+)
 from rlserve.server.protocol import POLICY_FIELDS, ChatCompletionRequest, ChatTokensRequest
 from rlserve.server.reasoning_grammar import constrain_after_reasoning
 from rlserve.server.sampling import full_vocabulary, sampling_params, truncate
@@ -103,7 +110,7 @@ async def _respond(request: Request, ctx: Ctx) -> Response:
         (final,) = await run_to_end(request, run)
     except ClientGone:
         return Response(status_code=499)
-    return JSONResponse(_response(ctx, final), headers=headers)
+    return JSONResponse(_response(ctx, final) | {"metrics": run.request_metrics()}, headers=headers)
 
 
 async def prepare(state: ServerState, body: ChatCompletionRequest, rid: str, prompt: list[int] | None = None) -> Ctx:
@@ -306,7 +313,7 @@ async def _stream(ctx: Ctx, run: Run) -> AsyncIterator[str]:
                 yield sse(chunk)
     if options and options.include_usage and latest is not None:
         usage_chunk = {**head, "choices": [], "usage": stream_usage(_usage(ctx, latest), details=False)}
-        yield sse({**usage_chunk, "system_fingerprint": SYSTEM_FINGERPRINT})
+        yield sse({**usage_chunk, "system_fingerprint": SYSTEM_FINGERPRINT, **stream_metrics(run)})
 
 
 def _usage(ctx: Ctx, out: RequestOutput, role_chunk: bool = False) -> dict[str, Any]:

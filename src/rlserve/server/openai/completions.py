@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from rlserve.engine.outputs import CompletionOutput, RequestOutput
 from rlserve.server.errors import bad_request
 from rlserve.server.limits import check_max_tokens, check_prompt_fits, check_text_fits
-from rlserve.server.openai.vllm_shape import RESPONSE, SYSTEM_FINGERPRINT, stream_usage
+from rlserve.server.openai.vllm_shape import RESPONSE, SYSTEM_FINGERPRINT, stream_metrics, stream_usage
 from rlserve.server.protocol import POLICY_FIELDS, CompletionRequest
 from rlserve.server.sampling import full_vocabulary, sampling_params, truncate
 from rlserve.server.staleness import hold_for_policy_version
@@ -76,7 +76,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         finals = await run_to_end(request, run)
     except ClientGone:
         return Response(status_code=499)
-    return JSONResponse(_response(ctx, finals), headers=headers)
+    return JSONResponse(_response(ctx, finals) | {"metrics": run.request_metrics()}, headers=headers)
 
 
 def _prompt_k(body: CompletionRequest, k: int | None) -> int | None:
@@ -281,7 +281,7 @@ async def _stream(ctx: Ctx, run: Run) -> AsyncIterator[str]:
                 yield sse(chunk)
     if options and options.include_usage:
         usage_chunk = {**head, "choices": [], "usage": stream_usage(_usage(ctx, latest), details=False)}
-        yield sse({**usage_chunk, "system_fingerprint": SYSTEM_FINGERPRINT})
+        yield sse({**usage_chunk, "system_fingerprint": SYSTEM_FINGERPRINT, **stream_metrics(run)})
 
 
 def _usage(ctx: Ctx, latest: dict[int, RequestOutput]) -> dict[str, Any]:

@@ -31,6 +31,13 @@ def stream_usage(usage: dict[str, Any], details: bool) -> dict[str, Any]:
     return result
 
 
+def stream_metrics(run: Any) -> dict[str, Any]:
+    """The usage chunk's `metrics` (a streaming.Run's per-request timing), its unknown fields left out as
+    vLLM leaves them; nothing when the request gets none."""
+    metrics = run.request_metrics()
+    return {} if metrics is None else {"metrics": {k: v for k, v in metrics.items() if v is not None}}
+
+
 def model_permission() -> dict[str, Any]:
     """The one entry vLLM lists in a model card's `permission`."""
     return {
