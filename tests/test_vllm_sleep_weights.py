@@ -1,0 +1,145 @@
+"""vLLM's sleep level 2 on CPU: /sleep?level=2 returns the weights' memory (and the KV cache's) to the OS,
+requests are refused (503) until the weights are restored, and after /wake_up plus a restore (reload_weights,
+or a trainer's weight update between the two wake-ups) greedy tokens and logprobs are what they were.
+Level 1 keeps the weights resident.
+
+The model is wide (a 8192-wide MLP on a 256-wide residual) so its weights, ~110 MB in fp32, dominate every
+resident-memory delta; the thresholds are generous fractions of that size, never timings."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+from safetensors import safe_open
+
+from conftest import start_server, stop_server
+from rlserve.model.make import PRESETS, make_model
+
+KV_BYTES = 64 << 20
+WIDE = {"hidden_size": 256, "head_dim": 64, "intermediate_size": 8192}
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory) -> Path:
+    PRESETS["sleep-wide"] = {**PRESETS["tiny"], **WIDE}
+    try:
+        return make_model("sleep-wide", tmp_path_factory.mktemp("models") / "sleep-wide")
+    finally:
+        del PRESETS["sleep-wide"]
+
+
+def weight_bytes(model_dir: Path) -> int:
+    total = 0
+    for file in model_dir.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            for name in f.keys():
+                shape = f.get_slice(name).get_shape()
+                total += 4 * math.prod(shape)  # fp32
+    return total
+
+
+def greedy(url: str) -> dict:
+    body = {
+        "token_ids": [5, 6, 7, 8],
+        "sampling_params": {"max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 0},
+    }
+    r = httpx.post(f"{url}/inference/v1/generate", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    return {"ids": choice["token_ids"], "logprobs": [e["logprob"] for e in choice["logprobs"]["content"]]}
+
+
+def refused(url: str) -> str:
+    """A generation while the weights are not there: a 503 that says why, never tokens."""
+    body = {"prompt": "hello", "max_tokens": 4}
+    streamed = httpx.post(f"{url}/v1/completions", json={**body, "stream": True}, timeout=60)
+    assert streamed.status_code == 503, streamed.text
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 503, r.text
+    return r.json()["error"]["message"]
+
+
+def test_sleep_level_2_releases_the_weights_and_a_restore_brings_the_same_outputs(wide_model: Path):
+    weights = weight_bytes(wide_model)
+    assert weights > 100e6  # the construction the thresholds rely on
+    url, proc = start_server(
+        "--model.name",
+        str(wide_model),
+        "--weight_roots",
+        json.dumps([str(wide_model.parent)]),
+        defaults=("--engine.kv_cache_bytes", str(KV_BYTES), "--model.max_model_len", "512"),
+        timeout=600,
+    )
+    try:
+        (engine,) = psutil.Process(proc.pid).children()
+
+        def rss() -> int:
+            return engine.memory_info().rss
+
+        before = greedy(url)
+
+        # level 1: the KV cache goes, the weights stay
+        awake = rss()
+        assert httpx.post(f"{url}/sleep", params={"level": "1"}, timeout=60).status_code == 200
+        assert awake - rss() < KV_BYTES + weights * 0.5
+        assert httpx.post(f"{url}/wake_up", timeout=60).json()["status"] == "awake"
+        assert greedy(url) == before
+
+        # level 2: the weights go too; restored by reload_weights (the served checkpoint)
+        awake = rss()
+        assert httpx.post(f"{url}/sleep", params={"level": "2"}, timeout=60).status_code == 200
+        asleep = rss()
+        assert awake - asleep > KV_BYTES * 0.8 + weights * 0.8
+        assert "/sleep level 2" in refused(url)
+        r = httpx.post(f"{url}/collective_rpc", json={"method": "reload_weights"}, timeout=120)
+        assert r.status_code == 409 and "wake_up" in r.json()["error"]["message"], r.text
+        assert httpx.post(f"{url}/wake_up", timeout=60).json() == {"status": "awake", "tags": None}
+        assert httpx.get(f"{url}/is_sleeping").json() == {"is_sleeping": False}
+        assert "not restored" in refused(url)  # awake, but the weights' contents are undefined
+        r = httpx.post(f"{url}/collective_rpc", json={"method": "reload_weights"}, timeout=300)
+        assert r.status_code == 200, r.text
+        assert rss() - asleep > KV_BYTES * 0.8 + weights * 0.8
+        assert greedy(url) == before
+
+        # a trainer's flow: sleep 2, wake the weights, push them, wake the KV cache. The push resends the
+        # directory of the last update, which must load again rather than be taken for a retry.
+        push = {"weight_dir": str(wide_model)}
+        assert httpx.post(f"{url}/update_weights", json=push, timeout=300).status_code == 200
+        assert httpx.post(f"{url}/sleep", params={"level": "2"}, timeout=60).status_code == 200
+        r = httpx.post(f"{url}/wake_up", params={"tags": "weights"}, timeout=60)
+        assert r.json() == {"status": "sleeping", "tags": ["weights"]}
+        assert httpx.post(f"{url}/update_weights", json=push, timeout=300).status_code == 200
+        r = httpx.post(f"{url}/wake_up", params={"tags": "kv_cache"}, timeout=60)
+        assert r.json() == {"status": "awake", "tags": ["kv_cache"]}
+        assert greedy(url) == before
+    finally:
+        stop_server(proc)
+
+
+def test_sleep_level_2_fans_out_to_data_parallel_engines():
+    """Each engine releases its weights; reload_weights restores every one (a request to each engine by rank)."""
+    url, proc = start_server("--parallel.dp", "2")
+    try:
+        ranks = [{"X-data-parallel-rank": str(rank)} for rank in range(2)]
+
+        def outputs(expect: int = 200) -> list:
+            body = {"prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 0, "logprobs": 1}
+            rs = [httpx.post(f"{url}/v1/completions", json=body, headers=h, timeout=120) for h in ranks]
+            assert {r.status_code for r in rs} == {expect}, [r.text for r in rs]
+            return [r.json()["choices"][0]["logprobs"] for r in rs] if expect == 200 else []
+
+        before = outputs()
+        assert httpx.post(f"{url}/sleep", params={"level": "2"}, timeout=60).status_code == 200
+        outputs(503)
+        assert httpx.post(f"{url}/wake_up", timeout=60).json()["status"] == "awake"
+        outputs(503)
+        r = httpx.post(f"{url}/collective_rpc", json={"method": "reload_weights"}, timeout=300)
+        assert r.json() == {"results": [None, None]}
+        assert outputs() == before
+    finally:
+        stop_server(proc)
