@@ -143,3 +143,66 @@ def test_sleep_level_2_fans_out_to_data_parallel_engines():
         assert outputs() == before
     finally:
         stop_server(proc)
+
+
+def test_released_weights_count_as_restored_only_once_every_tensor_is_written(tmp_path):
+    """model/release.py on a real MoE model: release empties every parameter and packed copy; after
+    allocation a partial update leaves the model unready; per-expert and stacked expert tensors both count."""
+    import torch
+    from transformers import AutoConfig
+
+    from rlserve.engine.weights import commit, stage
+    from rlserve.model.loader import load_model, read_safetensors, safetensors_files
+    from rlserve.model.release import allocate_weights, check_writable, release_weights, weights_unready
+    from rlserve.model.shape import ModelShape
+
+    model_dir = make_model("tiny-moe", tmp_path / "moe")
+    model = load_model(model_dir, ModelShape.from_hf(AutoConfig.from_pretrained(model_dir)), torch.float32, "cpu")
+    model.pack_weights()
+    original = {n: p.detach().clone() for n, p in model.named_parameters()}
+    tensors = {n: t.clone() for n, t in read_safetensors(safetensors_files(model_dir))}
+
+    assert release_weights(model) == sum(t.numel() * 4 for t in original.values())
+    assert all(p.numel() == 0 for p in model.parameters())
+    packed = [m.packed for m in model.modules() if getattr(m, "packed", None) is not None]
+    assert packed and all(p._packed is None for p in packed)
+    assert "/sleep level 2" in weights_unready(model)
+    with pytest.raises(RuntimeError, match="wake_up"):
+        check_writable(model)
+
+    allocate_weights(model)
+    layer0 = "model.layers.0.mlp.experts."
+    per_expert = {n: t for n, t in tensors.items() if not n.startswith(layer0)}
+    commit(model, stage(model, per_expert.items(), "test", require_all=False))
+    assert f"{layer0}0." in weights_unready(model)  # layer 0's experts are still missing
+    experts = range(8)
+    stacked = {
+        layer0 + "gate_up_proj": torch.stack(
+            [
+                torch.cat((tensors[f"{layer0}{e}.gate_proj.weight"], tensors[f"{layer0}{e}.up_proj.weight"]))
+                for e in experts
+            ]
+        ),
+        layer0 + "down_proj": torch.stack([tensors[f"{layer0}{e}.down_proj.weight"] for e in experts]),
+    }
+    commit(model, stage(model, stacked.items(), "test", require_all=False))
+    assert weights_unready(model) is None
+    assert all(torch.equal(p, original[n]) for n, p in model.named_parameters())
+    assert all(p._packed is not None for p in packed)  # repacked from the restored weights
+
+
+# the rows of docs/errors.md's control-plane table that the first test above asserts
+DOCUMENTED = [
+    ("weights-released", "/v1/completions", 503, "/sleep level 2"),
+    ("weights-not-restored", "/v1/completions", 503, "not restored"),
+    ("restore-while-released", "/collective_rpc", 409, "wake_up"),
+]
+
+
+@pytest.mark.parametrize("row", DOCUMENTED, ids=[r[0] for r in DOCUMENTED])
+def test_sleep_level_2_refusals_are_documented(row):
+    case, route, status, fragment = row
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "errors.md").read_text()
+    lines = [line for line in docs.splitlines() if line.startswith(f"| {case} |")]
+    assert len(lines) == 1, f"docs/errors.md needs one row for {case!r}"
+    assert f"`{route}`" in lines[0] and f"| {status} |" in lines[0] and f"`{fragment}`" in lines[0]
