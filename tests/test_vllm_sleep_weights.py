@@ -206,3 +206,35 @@ def test_sleep_level_2_refusals_are_documented(row):
     lines = [line for line in docs.splitlines() if line.startswith(f"| {case} |")]
     assert len(lines) == 1, f"docs/errors.md needs one row for {case!r}"
     assert f"`{route}`" in lines[0] and f"| {status} |" in lines[0] and f"`{fragment}`" in lines[0]
+
+
+def test_trainer_push_restores_the_weights_after_sleep_level_2(tmp_path):
+    """vLLM's colocated flow through the weight-transfer routes (TRL's calls, tests/vllm_trainer.py): sleep 2,
+    wake the weights, push them, wake the KV cache; greedy output is what the same weights gave before."""
+    from test_vllm_weight_push import run_trainer
+
+    ckpt = str(make_model("tiny", tmp_path / "pushed", seed=6) / "model.safetensors")
+    url, proc = start_server()
+    try:
+        out = run_trainer(
+            url,
+            [
+                ["join"],
+                ["push", ckpt],
+                ["post", "/sleep", {"level": "2"}],
+                ["post", "/v1/completions", None, {"prompt": "hi", "max_tokens": 2}],  # refused, not queued
+                ["post", "/wake_up", {"tags": "weights"}],
+                ["push", ckpt, {"generate": False}],
+                ["post", "/wake_up", {"tags": "kv_cache"}],
+                ["shutdown"],
+            ],
+        )
+        assert [step["status"] for step in out] == [200, 200, 200, 503, 200, 200, 200, 200], out
+        assert "/sleep level 2" in out[3]["body"]["error"]["message"]
+        assert out[4]["body"] == {"status": "sleeping", "tags": ["weights"]}
+        assert out[6]["body"] == {"status": "awake", "tags": ["kv_cache"]}
+        pushed, after = out[1]["choice"], greedy(url)  # the trainer generated 6 tokens, greedy() 8
+        assert after["ids"][:6] == pushed["token_ids"]
+        assert after["logprobs"][:6] == [e["logprob"] for e in pushed["logprobs"]["content"]]
+    finally:
+        stop_server(proc)

@@ -76,7 +76,9 @@ def join(extra: dict) -> dict:
     return {"status": status, "body": body}
 
 
-def push(ckpt: str, form: str, info_extra: dict, buffer_bytes: int, packed: bool, die_after: int | None) -> dict:
+def push(
+    ckpt: str, form: str, info_extra: dict, buffer_bytes: int, packed: bool, die_after: int | None, generate: bool
+) -> dict:
     tensors = sorted(load_file(ckpt).items())
     names = [n for n, _ in tensors]
     dtypes = [str(t.dtype).removeprefix("torch.") for _, t in tensors]
@@ -105,7 +107,7 @@ def push(ckpt: str, form: str, info_extra: dict, buffer_bytes: int, packed: bool
         status, body = done.result()
     fin = post("/finish_weight_update", {}) if status == 200 else None
     out = {"status": status, "body": body, "before": before, "after": version(), "finish": fin}
-    if status == 200:
+    if status == 200 and generate:
         gen = {
             "token_ids": [5, 6, 7, 8],
             "sampling_params": {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 0},
@@ -127,7 +129,12 @@ for step in plan:
             opts.get("buffer_bytes", 1 << 30),
             opts.get("packed", True),
             opts.get("die_after"),
+            opts.get("generate", True),  # false: the engine may be asleep (its KV cache woken later)
         )
+    elif kind == "post":  # another call between pushes (/sleep, /wake_up): ["post", path, query, json body]
+        query, body = (step[2:] + [None, None])[:2]
+        r = session.post(base + step[1], params=query, json=body, timeout=60)
+        result = {"status": r.status_code, "body": r.json()}
     elif kind == "shutdown":
         status, body = post("/shutdown_weight_transfer_engine", {})
         if dist.is_initialized():
