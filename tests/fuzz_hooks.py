@@ -25,5 +25,7 @@ def before_call(context, case, kwargs) -> None:
 def after_call(context, case, response) -> None:
     if case.path in ("/sleep", "/release_kv_cache_memory"):  # asleep, /resume is refused until woken
         httpx.post(f"{BASE_URL}/wake_up", timeout=60)
+    if case.path == "/sleep" and str((case.query or {}).get("level")) == "2":  # the weights went: restore them
+        httpx.post(f"{BASE_URL}/collective_rpc", json={"method": "reload_weights"}, timeout=120)
     if case.path in ("/pause", "/pause_generation", "/sleep", "/release_kv_cache_memory"):
         httpx.post(f"{BASE_URL}/resume", timeout=60)

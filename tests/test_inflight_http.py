@@ -79,7 +79,7 @@ def pushing(url: str, weights: Path, body: dict) -> Callable[[], dict]:
     """A trainer (tests/vllm_trainer.py, TRL's calls) joins and pushes `weights` with `body` beside update_info."""
 
     def push() -> dict:
-        plan = [["join"], ["push", str(weights / "model.safetensors"), {"body": body, "check": False}], ["shutdown"]]
+        plan = [["join"], ["push", str(weights / "model.safetensors"), {"body": body, "generate": False}], ["shutdown"]]
         trainer = Path(__file__).with_name("vllm_trainer.py")
         run = subprocess.run(
             [sys.executable, str(trainer), url, json.dumps(plan)], capture_output=True, text=True, timeout=600

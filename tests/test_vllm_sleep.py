@@ -1,5 +1,6 @@
-"""vLLM's sleep mode on CPU: /sleep (level 1 and 2) and /release_kv_cache_memory really return the KV
-cache's memory to the OS, /wake_up gets it back, and greedy output is the same before and after."""
+"""vLLM's sleep mode on CPU: /sleep (level 1) and /release_kv_cache_memory really return the KV cache's
+memory to the OS, /wake_up gets it back, and greedy output is the same before and after. Level 2, which
+releases the weights too: tests/test_vllm_sleep_weights.py."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def test_sleep_frees_and_wake_restores_kv_memory():
             subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True, check=True).stdout.split()[0]
         )
         before = greedy(url)
-        for route, params in (("/sleep", {"level": "1"}), ("/sleep", {"level": "2"}), ("/release_kv_cache_memory", {})):
+        for route, params in (("/sleep", {"level": "1"}), ("/release_kv_cache_memory", {})):
             awake_rss = rss(engine_pid)
             r = httpx.post(f"{url}{route}", params=params, timeout=60)
             assert r.status_code == 200, r.text

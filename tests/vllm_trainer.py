@@ -84,7 +84,7 @@ def push(
     packed: bool,
     die_after: int | None,
     body_extra: dict,
-    check: bool,
+    generate: bool,
 ) -> dict:
     tensors = sorted(load_file(ckpt).items())
     names = [n for n, _ in tensors]
@@ -114,7 +114,7 @@ def push(
         status, body = done.result()
     fin = post("/finish_weight_update", {}) if status == 200 else None
     out = {"status": status, "body": body, "before": before, "after": version(), "finish": fin}
-    if status == 200 and check:  # a generation under the new weights (not while the server is paused)
+    if status == 200 and generate:  # a generation under the new weights
         gen = {
             "token_ids": [5, 6, 7, 8],
             "sampling_params": {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 0},
@@ -136,9 +136,13 @@ for step in plan:
             opts.get("buffer_bytes", 1 << 30),
             opts.get("packed", True),
             opts.get("die_after"),
-            opts.get("body", {}),
-            opts.get("check", True),
+            opts.get("body", {}),  # fields beside update_info
+            opts.get("generate", True),  # false: the engine may be asleep or paused
         )
+    elif kind == "post":  # another call between pushes (/sleep, /wake_up): ["post", path, query, json body]
+        query, body = (step[2:] + [None, None])[:2]
+        r = session.post(base + step[1], params=query, json=body, timeout=60)
+        result = {"status": r.status_code, "body": r.json()}
     elif kind == "shutdown":
         status, body = post("/shutdown_weight_transfer_engine", {})
         if dist.is_initialized():

@@ -23,6 +23,7 @@ from rlserve.model.loader import (  # noqa: F401  (check_under_roots: re-exporte
     safetensors_files,
     target_of,
 )
+from rlserve.model.release import check_writable, note_written
 
 
 class WeightUpdateError(ValueError):
@@ -99,7 +100,9 @@ def stage(
 
 @torch.no_grad()
 def commit(model: CausalLM, staged: StagedWeights) -> None:
+    check_writable(model)
     params = dict(model.named_parameters())
     for name, tensor in staged.tensors.items():
         copy_tensor(model, params, name, tensor, staged.sharded)
+    note_written(model, staged.tensors)
     model.refresh_packed()

@@ -104,6 +104,10 @@ class PackedWeight:
                 self._packed = torch.ops.mkl._mkl_reorder_linear_weight(source, 64)
             self._key = key
 
+    def forget(self) -> None:
+        """Drop the packed copy (its weight's memory was released); the next refresh packs anew."""
+        self._packed, self._key = None, None
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         self.refresh(weight)
         if x.dtype != self._packed.dtype:  # a widened bf16 weight (oneDNN): fp32 in, bf16 out
@@ -189,6 +193,9 @@ class CastWeight:
                 self._copy.copy_(weight.detach())
             self._key = key
         return self._copy
+
+    def forget(self) -> None:
+        self._copy, self._key = None, None
 
 
 class Projection(nn.Linear):

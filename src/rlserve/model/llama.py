@@ -250,6 +250,10 @@ class CausalLM(nn.Module):
         # tensor parallel (model/tensor_parallel.py): `shape` is this rank's part, `full_shape` the checkpoint's
         self.full_shape, self.tp_rank, self.tp_size = shape, 0, 1
         self.expert_parallel = False  # sparse layers hold whole experts (model/expert_parallel.py)
+        # sleep level 2 (model/release.py): the parameters whose memory is released, with their shapes,
+        # then the checkpoint tensors not yet written since it was allocated again
+        self.released_weights: list[tuple[nn.Parameter, tuple[int, ...]]] | None = None
+        self.awaiting_weights: set[str] | None = None
 
     def set_head_dtype(self, dtype: torch.dtype) -> None:
         """Run the LM head (and so the logits) in `dtype`: fp32 for a bf16 model keeps its
@@ -281,6 +285,8 @@ class CausalLM(nn.Module):
     def refresh_packed(self) -> None:
         """Repack what changed now (after loading or updating weights), not in the next step."""
         self._decode_plan = None
+        if self.released_weights is not None:  # nothing to pack until the memory is back (model/release.py)
+            return
         for m in self.modules():
             if isinstance(m, Projection) and m.packed is not None:
                 m.packed.refresh(m.weight)

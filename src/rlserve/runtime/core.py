@@ -129,6 +129,10 @@ class EngineCore:
 
     def handle(self, msg: ipc.ToEngine) -> None:
         if isinstance(msg, ipc.Add):
+            refused = sleep.refusal(self)
+            if refused is not None:  # sleep level 2: the weights are not there to run on
+                self.outbox.send(ipc.encode(ipc.Rejected(msg.key, refused, unavailable=True)))
+                return
             try:
                 req = self.engine.make_request(
                     msg.request_id, msg.prompt, msg.params, cache_salt=msg.cache_salt, adapter=msg.adapter

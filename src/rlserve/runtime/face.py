@@ -29,6 +29,10 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+class EngineUnavailableError(RuntimeError):
+    """The engine is alive but cannot run requests now (its weights released by sleep level 2): a 503."""
+
+
 class EngineFace(Protocol):
     """What the server reads from an engine and asks of it. Every call is safe from the event loop; mutations
     land between two engine steps."""

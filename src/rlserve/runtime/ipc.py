@@ -65,6 +65,7 @@ class Outputs(msgspec.Struct, tag=True, array_like=True):
 class Rejected(msgspec.Struct, tag=True, array_like=True):
     key: int
     message: str  # make_request's ValueError: a 400 naming the field
+    unavailable: bool = False  # the engine cannot run requests now (a 503), not a bad request
 
 
 class Reply(msgspec.Struct, tag=True, array_like=True):

@@ -29,7 +29,14 @@ from rlserve.engine.stats import EngineStats
 from rlserve.engine.wire_ints import wire_safe
 from rlserve.model.shape import ModelShape
 from rlserve.runtime import ipc
-from rlserve.runtime.face import EngineDeadError, FaceRules, check_pause_mode, dead_error, relay_outputs
+from rlserve.runtime.face import (
+    EngineDeadError,
+    EngineUnavailableError,
+    FaceRules,
+    check_pause_mode,
+    dead_error,
+    relay_outputs,
+)
 from rlserve.runtime.spawn import EngineProcess
 
 log = logging.getLogger(__name__)
@@ -133,7 +140,7 @@ class EngineClient(FaceRules):
         elif isinstance(msg, ipc.Rejected):
             queue = self._streams.get(msg.key)
             if queue is not None:
-                queue.put_nowait(ValueError(msg.message))
+                queue.put_nowait((EngineUnavailableError if msg.unavailable else ValueError)(msg.message))
         elif isinstance(msg, ipc.Failed):
             self._fail(RuntimeError(msg.message))
 

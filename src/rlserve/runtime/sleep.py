@@ -2,16 +2,24 @@
 gets empty storage, so the allocator returns its pages to the OS) and /wake_up allocates it again.
 Sleeping pauses the engine; requests in flight are aborted first, since their cache goes.
 
-Level 1 and 2 both free the KV cache. The weights stay resident at level 2 (see docs/vllm-compat.md):
-freeing them would mean reloading the served checkpoint on wake, losing a trainer's pushed weights.
+Level 1 frees the KV cache and keeps the weights (vLLM moves them to host memory, where a CPU engine
+already holds them). Level 2 also releases the weights' memory (model/release.py), as vLLM discards
+them: after /wake_up their contents are undefined, and requests are refused (503) until a weight
+update or /collective_rpc reload_weights has written every tensor (docs/vllm-compat.md).
 Registered into runtime/core.py's OPS.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 from typing import Any
 
 import torch
+
+from rlserve.engine.weights import StagingBuffers
+from rlserve.model.release import allocate_weights, release_weights, weights_unready
 
 TAGS = ("weights", "kv_cache")
 
@@ -31,6 +39,44 @@ def _check_supported(core: Any) -> None:
         )
 
 
+def _check_weights_releasable(core: Any) -> None:
+    e = core.engine
+    if e.device.type != "cpu" or e.model.expert_parallel or core.dp_sync is not None:
+        raise ValueError(
+            "sleep level 2 releases the weights' host memory on a CPU engine without expert parallelism; "
+            "use level 1 (frees the KV cache) here"
+        )
+
+
+def _free_weights(core: Any) -> None:
+    if "weights" in _asleep(core):
+        return
+    release_weights(core.engine.model)
+    core.staging = StagingBuffers()  # the last update's file bytes: a model's worth, reused by the next update
+    _asleep(core).add("weights")
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    """glibc's malloc_trim, or None: freed tensors under its mmap threshold stay in the heap without it."""
+    libc = ctypes.util.find_library("c")
+    fn = getattr(ctypes.CDLL(libc), "malloc_trim", None) if libc else None
+    if fn is not None:
+        fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
+
+
+def _return_to_os() -> None:
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+def refusal(core: Any) -> str | None:
+    """Why a new request is refused now (the weights released or not restored yet), or None."""
+    return weights_unready(core.engine.model)
+
+
 def _free_kv(core: Any) -> None:
     kv = core.engine.runner.kv_cache
     if "kv_cache" in _asleep(core) or kv.numel() == 0:
@@ -46,11 +92,16 @@ def op_sleep(core: Any, call_id: int, level: int, mode: str) -> int:
     if mode != "abort":
         raise ValueError("sleep frees the KV cache that in-flight requests use: only mode=abort is accepted")
     _check_supported(core)
+    if level >= 2:
+        _check_weights_releasable(core)
     aborted = core.engine.abort_all()
     core.pause.paused = True
     _asleep(core).add("paused")
     if level >= 1:
         _free_kv(core)
+    if level >= 2:
+        _free_weights(core)
+    _return_to_os()
     return aborted
 
 
@@ -62,6 +113,9 @@ def op_wake_up(core: Any, call_id: int, tags: list[str] | None) -> bool:
     """Allocate again what the tags name (all when None); True once fully awake, and the engine resumes."""
     asleep = _asleep(core)
     wanted = set(TAGS if tags is None else tags)
+    if "weights" in wanted and "weights" in asleep:
+        allocate_weights(core.engine.model)
+        asleep.discard("weights")
     if "kv_cache" in wanted and "kv_cache" in asleep:
         kv = core.engine.runner.kv_cache
         kv.set_(torch.zeros(core.kv_shape, dtype=kv.dtype, device=kv.device))

@@ -18,7 +18,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rlserve.config.schema import Config, warn_unapplied
 from rlserve.runtime.data_parallel import DataParallelClient, check_parallel, routing_hint
-from rlserve.runtime.face import EngineDeadError, EngineFace
+from rlserve.runtime.face import EngineDeadError, EngineFace, EngineUnavailableError
 from rlserve.runtime.inproc import AsyncEngine
 from rlserve.runtime.proc_client import EngineClient
 from rlserve.runtime.spawn import EngineProcess
@@ -77,6 +77,10 @@ def build_app(engine: EngineFace, config: Config) -> FastAPI:
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return APIError(503, str(exc), type="ServiceUnavailableError").response()
+
+    @app.exception_handler(EngineUnavailableError)
+    async def _engine_unavailable(request: Request, exc: EngineUnavailableError) -> JSONResponse:
         return APIError(503, str(exc), type="ServiceUnavailableError").response()
 
     install_openapi(app, _schema_limits(engine, config))

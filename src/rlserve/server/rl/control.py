@@ -77,6 +77,10 @@ async def _update_from_dir(
         raise APIError(403, str(exc), param=field) from None
     except WeightUpdateError as exc:
         raise bad_request(f"{exc}; the previous weights keep serving", field) from None
+    except EngineDeadError:
+        raise
+    except RuntimeError as exc:  # the weights released by /sleep level 2 and not woken
+        raise APIError(409, str(exc)) from None
     state.last_update = (fingerprint, version)
     return version
 

@@ -232,6 +232,8 @@ async def sleep(request: Request) -> dict:
     if level not in ("0", "1", "2"):
         raise bad_request(f"level must be 0, 1 or 2, got {level!r}", "level")
     await _on_all(state, "sleep", int(level), request.query_params.get("mode", "abort"))
+    if level == "2":  # the weights are gone: resending the last weight_dir must load it, not be a no-op
+        state.last_update = None
     await state.engine.refresh()
     return {"status": "sleeping", "level": int(level)}
 
@@ -280,7 +282,12 @@ async def collective_rpc(request: Request) -> dict:
     engines = _engines(state)
     if method == "reload_weights":  # the checkpoint this server started from, as a weight update
         model_dir = str(state.engine.model_dir)
-        await state.engine.update_weights_from_dir(model_dir, [model_dir])
+        try:
+            await state.engine.update_weights_from_dir(model_dir, [model_dir])
+        except EngineDeadError:
+            raise
+        except RuntimeError as exc:  # the weights released by /sleep level 2 and not woken
+            raise APIError(409, str(exc)) from None
         return {"results": [None] * len(engines)}
     if method == "reset_prefix_cache":
         return {"results": [bool(await state.engine.reset_prefix_cache())] * len(engines)}
