@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from rlserve.config.load import load_config
 from rlserve.config.schema import Config
@@ -14,9 +15,10 @@ from rlserve.engine.params import SamplingParams
 MAX_LEN = 256
 
 
-def make_engine(model_dir, offload: bool = False, **engine) -> Engine:
+def make_engine(model_dir, offload: bool = False, dtype: str = "float32", **engine) -> Engine:
     cfg = Config()
     cfg.model.name = str(model_dir)
+    cfg.model.dtype = dtype
     cfg.model.max_model_len = MAX_LEN
     cfg.engine.kv_cache_bytes = engine.pop("kv_cache_bytes", 8 << 20)
     cfg.engine.batch_invariant = True
@@ -83,13 +85,13 @@ def run_in_batch(engine: Engine, rng: random.Random, prompt, params, vocab: int)
     return done[rid].outputs
 
 
-def test_tokens_and_logprobs_bitwise_equal_alone_and_in_random_batches(engines):
+def check_random_batches(engines: list[Engine], count: int, seed: int) -> None:
     vocab = engines[0].vocab_size
-    rng = random.Random(1234)
+    rng = random.Random(seed)
     cases = subjects(vocab, rng)
     reference = [run_alone(engines[0], prompt, params) for prompt, params in cases]
     checked = 0
-    for case in range(240):
+    for case in range(count):
         k = rng.randrange(len(cases))
         engine = engines[case % len(engines)]
         got = run_in_batch(engine, rng, *cases[k], vocab)
@@ -98,9 +100,21 @@ def test_tokens_and_logprobs_bitwise_equal_alone_and_in_random_batches(engines):
             assert have.logprobs == want.logprobs, f"case {case}: logprobs differ"  # floats compared exactly
             assert have.top_logprobs == want.top_logprobs, f"case {case}: top logprobs differ"
         checked += 1
-    assert checked == 240
+    assert checked == count
+
+
+def test_tokens_and_logprobs_bitwise_equal_alone_and_in_random_batches(engines):
+    check_random_batches(engines, 240, seed=1234)
     offload = engines[2].offload
     assert offload is not None and offload.stats.cpu_hits > 0  # restored KV was among the cases
+
+
+def test_bf16_is_bitwise_batch_invariant_too(model_dir):
+    """bf16 weights and activations (the dtype RL trains in): plain and chunked prefill, 80 random batches."""
+    bf16 = [make_engine(model_dir, dtype="bfloat16"),
+            make_engine(model_dir, dtype="bfloat16", max_num_batched_tokens=16, max_num_seqs=5)]  # fmt: skip
+    assert bf16[0].dtype == torch.bfloat16
+    check_random_batches(bf16, 80, seed=4321)
 
 
 def test_prompt_logprobs_rescore_generation_bitwise(engines):
