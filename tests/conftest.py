@@ -75,6 +75,14 @@ def start_server(
         raise
 
 
+def assert_documented_error(case: str, route: str, status: int, fragment: str) -> None:
+    """docs/errors.md has exactly one row for `case`, naming the route, the status and the message fragment."""
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "errors.md").read_text()
+    lines = [line for line in docs.splitlines() if line.startswith(f"| {case} |")]
+    assert len(lines) == 1, f"docs/errors.md needs one row for {case!r}"
+    assert f"`{route}`" in lines[0] and f"| {status} |" in lines[0] and f"`{fragment}`" in lines[0], lines[0]
+
+
 def server_log(proc: subprocess.Popen) -> str:
     path = getattr(proc, "log_path", None)
     return path.read_text(errors="replace") if path is not None and path.exists() else ""

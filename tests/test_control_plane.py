@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import server_log, start_server, stop_server
+from conftest import assert_documented_error, server_log, start_server, stop_server
 from rlserve.deploy.process import free_port
 from rlserve.model.make import make_model
 
@@ -386,10 +386,4 @@ DOCUMENTED = [
 
 @pytest.mark.parametrize("row", DOCUMENTED, ids=[r[0] for r in DOCUMENTED])
 def test_control_plane_error_is_documented(row):
-    from pathlib import Path
-
-    case, route, status, fragment = row
-    docs = (Path(__file__).resolve().parents[1] / "docs" / "errors.md").read_text()
-    lines = [line for line in docs.splitlines() if line.startswith(f"| {case} |")]
-    assert len(lines) == 1, f"docs/errors.md needs one row for {case!r}"
-    assert f"`{route}`" in lines[0] and f"| {status} |" in lines[0] and f"`{fragment}`" in lines[0]
+    assert_documented_error(*row)

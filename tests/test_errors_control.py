@@ -10,8 +10,7 @@ import json
 import httpx
 import pytest
 
-from conftest import start_server, stop_server
-from test_server_errors import DOCS
+from conftest import assert_documented_error, start_server, stop_server
 
 INFO = {"names": ["x"], "dtype_names": ["float32"], "shapes": [[1]]}
 INIT = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2}
@@ -68,7 +67,4 @@ def test_control_route_refusal(server, row):
 
 @pytest.mark.parametrize("row", [(c, r, s, f) for c, r, _, _, s, f in ROWS] + ADAPTER_ROWS, ids=lambda r: r[0])
 def test_control_route_refusal_is_documented(row):
-    case, route, status, fragment = row
-    lines = [line for line in DOCS.read_text().splitlines() if line.startswith(f"| {case} |")]
-    assert len(lines) == 1, f"docs/errors.md needs one row for {case!r}"
-    assert f"`{route}`" in lines[0] and f"| {status} |" in lines[0] and f"`{fragment}`" in lines[0]
+    assert_documented_error(*row)

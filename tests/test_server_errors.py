@@ -3,15 +3,12 @@ and a server that keeps serving afterwards. Plus the API key (docs/protocols.md 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import httpx
 import openai
 import pytest
 
-from conftest import start_server, stop_server
+from conftest import assert_documented_error, start_server, stop_server
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
 USER = [{"role": "user", "content": "x"}]
 
 # (case, route, body (dict, or raw text sent as JSON), status, fragment of error.message)
@@ -222,9 +219,7 @@ def test_bad_input(server: str, case: str, route: str, body, status: int, fragme
 @pytest.mark.parametrize("row", BAD_INPUTS, ids=[r[0] for r in BAD_INPUTS])
 def test_bad_input_is_documented(row) -> None:
     case, route, _, status, fragment = row
-    lines = [line for line in DOCS.read_text().splitlines() if line.startswith(f"| {case} |")]
-    assert len(lines) == 1, f"docs/errors.md needs one row for {case!r}"
-    assert f"`{route}`" in lines[0] and f"| {status} |" in lines[0] and f"`{fragment}`" in lines[0]
+    assert_documented_error(case, route, status, fragment)
 
 
 def test_server_keeps_serving_after_errors(server: str) -> None:

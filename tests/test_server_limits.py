@@ -13,10 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import start_server, stop_server
+from conftest import assert_documented_error, start_server, stop_server
 
 USER = [{"role": "user", "content": "x"}]
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
 HANG_GUARD_S = 120
 
 
@@ -40,11 +39,6 @@ def limited() -> Iterator[tuple[str, int]]:
 def strict_json(text: str):
     """JSON as the standard defines it: NaN and Infinity are not numbers there."""
     return json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
-
-
-def documented(case: str, route: str, status: int, fragment: str) -> None:
-    lines = [line for line in DOCS.read_text().splitlines() if line.startswith(f"| {case} |")]
-    assert len(lines) == 1 and f"`{route}`" in lines[0] and f"| {status} |" in lines[0] and f"`{fragment}`" in lines[0]
 
 
 def test_health_answers_while_a_10mb_body_streams_in_and_is_refused(limited) -> None:
@@ -131,7 +125,7 @@ def test_full_waiting_queue_answers_429_with_retry_after(limited) -> None:
             http.post("/resume")
         waiter.join(HANG_GUARD_S)
         assert held["r"].status_code == 200
-    documented("waiting-queue-full", "/v1/completions", 429, "server.max_waiting_requests")
+    assert_documented_error("waiting-queue-full", "/v1/completions", 429, "server.max_waiting_requests")
 
 
 def test_request_chat_template_when_trusted(limited) -> None:
@@ -149,12 +143,12 @@ def test_request_chat_template_when_trusted(limited) -> None:
         assert ok.status_code == 200, ok.text
         empty = http.post("/v1/chat/completions", json={"messages": USER, "chat_template": "{# nothing #}"})
         assert empty.status_code == 400 and "rendered nothing" in empty.json()["error"]["message"]
-        documented("template-renders-nothing", "/v1/chat/completions", 400, "rendered nothing")
+        assert_documented_error("template-renders-nothing", "/v1/chat/completions", 400, "rendered nothing")
         loop = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x"
         slow = http.post("/v1/chat/completions", json={"messages": USER, "chat_template": loop})
         assert slow.status_code == 400 and "took longer than" in slow.json()["error"]["message"]
         assert slow.json()["error"]["param"] == "chat_template"
-        documented("template-too-slow", "/v1/chat/completions", 400, "took longer than")
+        assert_documented_error("template-too-slow", "/v1/chat/completions", 400, "took longer than")
         assert http.get("/health").status_code == 200
         assert http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 1}).status_code == 200
 

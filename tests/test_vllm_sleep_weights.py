@@ -17,7 +17,7 @@ import psutil
 import pytest
 from safetensors import safe_open
 
-from conftest import start_server, stop_server
+from conftest import assert_documented_error, start_server, stop_server
 from rlserve.model.make import PRESETS, make_model
 
 KV_BYTES = 64 << 20
@@ -201,11 +201,7 @@ DOCUMENTED = [
 
 @pytest.mark.parametrize("row", DOCUMENTED, ids=[r[0] for r in DOCUMENTED])
 def test_sleep_level_2_refusals_are_documented(row):
-    case, route, status, fragment = row
-    docs = (Path(__file__).resolve().parents[1] / "docs" / "errors.md").read_text()
-    lines = [line for line in docs.splitlines() if line.startswith(f"| {case} |")]
-    assert len(lines) == 1, f"docs/errors.md needs one row for {case!r}"
-    assert f"`{route}`" in lines[0] and f"| {status} |" in lines[0] and f"`{fragment}`" in lines[0]
+    assert_documented_error(*row)
 
 
 def test_trainer_push_restores_the_weights_after_sleep_level_2(tmp_path):
