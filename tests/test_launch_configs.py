@@ -66,7 +66,11 @@ def test_vllm_flags_set_rlserve_keys():
         "auto",
         "--enable-scale-out",
         "--trust-remote-code",
+        "--runner",
+        "generate",
+        "--enable-force-include-usage",
     )
+    assert c.server.enable_force_include_usage and launch("m", "--runner=auto").model.name == "m"
     assert (c.model.name, c.server.host, c.server.port, c.server.api_key) == ("/models/m", "0.0.0.0", 9000, "k")
     assert (c.model.served_model_name, c.model.max_model_len, c.model.dtype, c.seed) == ("name", 32000, "float16", 3)
     assert (c.parallel.tp, c.parallel.dp, c.model.tool_call_parser, c.model.reasoning_parser) == (
@@ -91,6 +95,7 @@ def test_vllm_flags_set_rlserve_keys():
         (["infer.toml"], "@ infer.toml"),
         (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size"),
         (["--generation-config", "/models/gen"], "--generation-config"),
+        (["--runner", "pooling"], "--runner"),
     ],
 )
 def test_inapplicable_vllm_flags_are_refused_by_name(argv, named):

@@ -57,6 +57,12 @@ def _one(value: str) -> str:
     return value
 
 
+def _runner(value: str) -> str:
+    if value not in ("auto", "generate"):
+        raise ConfigError(f"--runner {value!r}: rlserve serves generative models only (pass auto or generate)")
+    return value
+
+
 VLLM_FLAGS: dict[str, Flag] = {
     "--model": Flag("model.name"),
     "--host": Flag("server.host"),
@@ -86,6 +92,7 @@ VLLM_FLAGS: dict[str, Flag] = {
     "--no-enable-prefix-caching": Flag("engine.enable_prefix_caching", switch=True, const="false"),
     "--enforce-eager": Flag("model.enforce_eager", switch=True),
     "--enable-prompt-tokens-details": Flag("server.enable_prompt_tokens_details", switch=True),
+    "--enable-force-include-usage": Flag("server.enable_force_include_usage", switch=True),
     "--trust-remote-code": Flag("model.trust_remote_code", switch=True),
     "--enable-return-routed-experts": Flag("enable_return_routed_experts", switch=True),
     "--enable-expert-parallel": Flag("parallel.enable_expert_parallel", switch=True),
@@ -118,6 +125,7 @@ VLLM_FLAGS: dict[str, Flag] = {
     "--enable-tokenizer-info-endpoint": Flag(None, switch=True, note="GET /tokenizer_info is always served"),
     "--enable-server-load-tracking": Flag(None, switch=True, note="/load always counts the requests in flight"),
     "--pipeline-parallel-size": Flag(None, convert=_one, note="1 only"),
+    "--runner": Flag(None, convert=_runner, note="auto or generate: rlserve serves generative models"),
 }
 
 # vLLM flags with nothing behind them in rlserve: refused by name rather than half-honoured

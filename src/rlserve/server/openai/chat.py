@@ -38,6 +38,7 @@ from rlserve.server.state import (
     rid_header,
     sampled_first,
     usage,
+    usage_switches,
     version_fields,
 )
 from rlserve.server.streaming import ClientGone, Run, SSEResponse, run_to_end, sse, sse_stream, start_stream
@@ -71,7 +72,20 @@ class Ctx:
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     state: ServerState = request.app.state.rlserve
     check_auto_tool_choice(state.config.model.tool_call_parser, body)
-    return await _respond(request, await prepare(state, body, request_id(request, body)))
+    prompt = _forwarded_prompt(state, body)
+    return await _respond(request, await prepare(state, body, request_id(request, body), prompt=prompt))
+
+
+def _forwarded_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int] | None:
+    """vLLM's P/D token reuse: `kv_transfer_params.prompt_token_ids` (the prefill's prompt) is the prompt, verbatim."""
+    ids = (body.kv_transfer_params or {}).get("prompt_token_ids")
+    if ids is None:
+        return None
+    field = "kv_transfer_params.prompt_token_ids"
+    if not (isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+        raise bad_request(f"{field} must be a non-empty list of token ids", field)
+    state.check_token_ids(ids, field)
+    return ids
 
 
 @router.post("/v1/chat/completions/tokens")
@@ -271,7 +285,7 @@ async def _stream(ctx: Ctx, run: Run) -> AsyncIterator[str]:
     cursors = [ChoiceCursor() for _ in range(body.n)]
     streamers = [ctx.parser.streamer() for _ in range(body.n)]
     latest: RequestOutput | None = None
-    continuous = bool(options and options.include_usage and options.continuous_usage_stats)
+    include_usage, continuous = usage_switches(ctx.state, options)
     async for _, out in run.events():
         if latest is None:
             for i in range(body.n):  # the role goes first and alone, one chunk per choice
@@ -301,10 +315,10 @@ async def _stream(ctx: Ctx, run: Run) -> AsyncIterator[str]:
                 chunk = {**head, "choices": [choice]}
                 if continuous:
                     chunk["usage"] = stream_usage(_usage(ctx, out), details=True)
-                if choice["finish_reason"] is not None and not (options and options.include_usage):
+                if choice["finish_reason"] is not None and not include_usage:
                     chunk["system_fingerprint"] = SYSTEM_FINGERPRINT  # the last chunk carries it
                 yield sse(chunk)
-    if options and options.include_usage and latest is not None:
+    if include_usage and latest is not None:
         usage_chunk = {**head, "choices": [], "usage": stream_usage(_usage(ctx, latest), details=False)}
         yield sse({**usage_chunk, "system_fingerprint": SYSTEM_FINGERPRINT})
 
