@@ -96,6 +96,7 @@ def test_vllm_flags_set_rlserve_keys():
         (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size"),
         (["--generation-config", "/models/gen"], "--generation-config"),
         (["--runner", "pooling"], "--runner"),
+        (["--enable-prompt-embeds"], "--enable-prompt-embeds"),
     ],
 )
 def test_inapplicable_vllm_flags_are_refused_by_name(argv, named):

@@ -134,5 +134,6 @@ REFUSED = {
     "--quantization": "rlserve serves unquantized checkpoints only; drop the flag",
     "--speculative-config": "rlserve has no speculative decoding; drop the flag",
     "--kv-transfer-config": 'rlserve moves KV between its own servers: use deployment.type = "disaggregated"',
+    "--enable-prompt-embeds": "rlserve takes prompts as text or token ids, not embeddings; drop the flag",
     "--headless": "rlserve has no headless engine ranks; a server always serves HTTP",
 }
