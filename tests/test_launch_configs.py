@@ -69,8 +69,14 @@ def test_vllm_flags_set_rlserve_keys():
         "--runner",
         "generate",
         "--enable-force-include-usage",
+        "--return-tokens-as-token-ids",
+        "--structured-outputs-config.backend",
+        "xgrammar",
+        "--chat-template-content-format",
+        "string",
     )
-    assert c.server.enable_force_include_usage and launch("m", "--runner=auto").model.name == "m"
+    assert c.server.enable_force_include_usage and c.server.return_tokens_as_token_ids
+    assert launch("m", "--runner=auto").model.name == "m"
     assert (c.model.name, c.server.host, c.server.port, c.server.api_key) == ("/models/m", "0.0.0.0", 9000, "k")
     assert (c.model.served_model_name, c.model.max_model_len, c.model.dtype, c.seed) == ("name", 32000, "float16", 3)
     assert (c.parallel.tp, c.parallel.dp, c.model.tool_call_parser, c.model.reasoning_parser) == (
@@ -97,6 +103,10 @@ def test_vllm_flags_set_rlserve_keys():
         (["--generation-config", "/models/gen"], "--generation-config"),
         (["--runner", "pooling"], "--runner"),
         (["--enable-prompt-embeds"], "--enable-prompt-embeds"),
+        (["--chat-template-content-format", "openai"], "--chat-template-content-format"),
+        (["--structured-outputs-config.backend", "mine"], "--structured-outputs-config.backend"),
+        (["--limit-mm-per-prompt", "{}"], "--limit-mm-per-prompt"),
+        (["--tool-server", "demo"], "--tool-server"),
     ],
 )
 def test_inapplicable_vllm_flags_are_refused_by_name(argv, named):

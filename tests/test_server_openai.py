@@ -361,9 +361,18 @@ def test_chat_takes_forwarded_prompt_token_ids(http: httpx.Client) -> None:
     assert r.status_code == 400 and "kv_transfer_params.prompt_token_ids" in r.json()["error"]["message"]
 
 
-def test_force_include_usage_puts_usage_on_every_chunk() -> None:
-    url, proc = start_server("--enable-force-include-usage")  # vLLM's flag: stream_options need not ask
+def test_server_wide_usage_and_token_id_switches() -> None:
+    """vLLM's --enable-force-include-usage (usage on every chunk though stream_options do not ask) and
+    --return-tokens-as-token-ids (logprob tokens as token_id:N though the request does not ask)."""
+    url, proc = start_server("--enable-force-include-usage", "--return-tokens-as-token-ids")
     try:
+        body = {"messages": CHAT, "max_tokens": 2, "logprobs": True, "top_logprobs": 1, "return_token_ids": True}
+        choice = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
+        labels = [f"token_id:{t}" for t in choice["token_ids"]]
+        assert [e["token"] for e in choice["logprobs"]["content"]] == labels
+        body = {"prompt": "hi", "max_tokens": 2, "logprobs": 1, "return_token_ids": True}
+        choice = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+        assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
         for path, extra in (("/v1/chat/completions", {"messages": CHAT}), ("/v1/completions", {"prompt": "hi"})):
             body = {**extra, "max_tokens": 4, "ignore_eos": True, "stream": True}
             with httpx.stream("POST", f"{url}{path}", json=body, timeout=60) as r:

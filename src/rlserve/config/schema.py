@@ -131,9 +131,8 @@ class ServerConfig(Section):
         description="usage.prompt_tokens_details.cached_tokens (prefix-cache hits) in every answer; off: null, "
         "as vLLM's --enable-prompt-tokens-details",
     )
-    enable_force_include_usage: bool = Field(
-        False, description="usage on every stream chunk and a usage chunk at the end, whatever stream_options say"
-    )
+    enable_force_include_usage: bool = Field(False, description="usage on every stream chunk, whatever it asks")
+    return_tokens_as_token_ids: bool = Field(False, description="logprob tokens as token_id:N in every answer")
     max_stop_strings: int = Field(64, ge=0, description="most stop strings one request may send")
     max_stop_string_chars: int = Field(1024, ge=1, description="longest stop string")
     generate_max_tokens: int = Field(

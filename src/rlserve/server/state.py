@@ -134,6 +134,7 @@ class ServerState:
         return text
 
     def token_label(self, token_id: int, as_ids: bool) -> str:
+        as_ids = as_ids or self.config.server.return_tokens_as_token_ids  # vLLM: the request's or the server's
         return f"token_id:{token_id}" if as_ids else self.token_text(token_id)
 
     def check_token_ids(self, ids: list[int], what: str) -> None:
