@@ -70,12 +70,14 @@ def test_vllm_flags_set_rlserve_keys():
         "generate",
         "--enable-force-include-usage",
         "--return-tokens-as-token-ids",
+        "--exclude-tools-when-tool-choice-none",
         "--structured-outputs-config.backend",
         "xgrammar",
         "--chat-template-content-format",
         "string",
     )
     assert c.server.enable_force_include_usage and c.server.return_tokens_as_token_ids
+    assert c.server.exclude_tools_when_tool_choice_none
     assert launch("m", "--runner=auto").model.name == "m"
     assert (c.model.name, c.server.host, c.server.port, c.server.api_key) == ("/models/m", "0.0.0.0", 9000, "k")
     assert (c.model.served_model_name, c.model.max_model_len, c.model.dtype, c.seed) == ("name", 32000, "float16", 3)
@@ -107,6 +109,7 @@ def test_vllm_flags_set_rlserve_keys():
         (["--structured-outputs-config.backend", "mine"], "--structured-outputs-config.backend"),
         (["--limit-mm-per-prompt", "{}"], "--limit-mm-per-prompt"),
         (["--tool-server", "demo"], "--tool-server"),
+        (["--reasoning-config", "{}"], "--reasoning-config"),
     ],
 )
 def test_inapplicable_vllm_flags_are_refused_by_name(argv, named):

@@ -23,6 +23,7 @@ BAD_INPUTS = [
     ("prompt-empty", "/v1/completions", {"prompt": ""}, 400, "Either prompt or prompt_embeds must be provided"),
     ("prompt-missing", "/v1/completions", {"max_tokens": 1}, 400, "Either prompt or prompt_embeds must be"),
     ("prompt-embeds", "/v1/completions", {"prompt": "x", "prompt_embeds": "AAAA"}, 400, "prompt_embeds is not"),
+    ("thinking-budget", "/v1/chat/completions", {"messages": USER, "thinking_token_budget": 8}, 400, "thinking_token"),
     ("token-id-range", "/v1/completions", {"prompt": [1, 99999]}, 400, "token id 99999 is out of vocabulary"),
     ("context-overflow", "/v1/completions", {"prompt": [5] * 600}, 400, "maximum context length is 512 tokens"),
     (

@@ -361,11 +361,21 @@ def test_chat_takes_forwarded_prompt_token_ids(http: httpx.Client) -> None:
     assert r.status_code == 400 and "kv_transfer_params.prompt_token_ids" in r.json()["error"]["message"]
 
 
-def test_server_wide_usage_and_token_id_switches() -> None:
-    """vLLM's --enable-force-include-usage (usage on every chunk though stream_options do not ask) and
-    --return-tokens-as-token-ids (logprob tokens as token_id:N though the request does not ask)."""
-    url, proc = start_server("--enable-force-include-usage", "--return-tokens-as-token-ids")
+def test_server_wide_vllm_switches() -> None:
+    """vLLM's --enable-force-include-usage (usage on every chunk though stream_options do not ask),
+    --return-tokens-as-token-ids (logprob tokens as token_id:N though the request does not ask) and
+    --exclude-tools-when-tool-choice-none (tool_choice none renders no tools)."""
+    flags = ("--enable-force-include-usage", "--return-tokens-as-token-ids", "--exclude-tools-when-tool-choice-none")
+    url, proc = start_server(*flags)
     try:
+        tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+        body = {"messages": CHAT, "max_tokens": 1, "return_token_ids": True}
+        prompts = {
+            choice: httpx.post(f"{url}/v1/chat/completions", json={**body, **extra}, timeout=60).json()
+            for choice, extra in (("plain", {}), ("none", {"tools": tools, "tool_choice": "none"}))
+        }
+        rendered = httpx.post(f"{url}/tokenize", json={"messages": CHAT, "tools": tools}, timeout=60).json()["tokens"]
+        assert prompts["none"]["prompt_token_ids"] == prompts["plain"]["prompt_token_ids"] != rendered
         body = {"messages": CHAT, "max_tokens": 2, "logprobs": True, "top_logprobs": 1, "return_token_ids": True}
         choice = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
         labels = [f"token_id:{t}" for t in choice["token_ids"]]

@@ -133,6 +133,7 @@ class ServerConfig(Section):
     )
     enable_force_include_usage: bool = Field(False, description="usage on every stream chunk, whatever it asks")
     return_tokens_as_token_ids: bool = Field(False, description="logprob tokens as token_id:N in every answer")
+    exclude_tools_when_tool_choice_none: bool = Field(False, description="tool_choice none: tools not rendered")
     max_stop_strings: int = Field(64, ge=0, description="most stop strings one request may send")
     max_stop_string_chars: int = Field(1024, ge=1, description="longest stop string")
     generate_max_tokens: int = Field(

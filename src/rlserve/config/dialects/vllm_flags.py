@@ -109,6 +109,7 @@ VLLM_FLAGS: dict[str, Flag] = {
     "--enable-prompt-tokens-details": Flag("server.enable_prompt_tokens_details", switch=True),
     "--enable-force-include-usage": Flag("server.enable_force_include_usage", switch=True),
     "--return-tokens-as-token-ids": Flag("server.return_tokens_as_token_ids", switch=True),
+    "--exclude-tools-when-tool-choice-none": Flag("server.exclude_tools_when_tool_choice_none", switch=True),
     "--trust-remote-code": Flag("model.trust_remote_code", switch=True),
     "--enable-return-routed-experts": Flag("enable_return_routed_experts", switch=True),
     "--enable-expert-parallel": Flag("parallel.enable_expert_parallel", switch=True),
@@ -161,5 +162,6 @@ REFUSED = {
     "--tool-server": "rlserve's /v1/responses runs no built-in tools or MCP servers; drop the flag",
     "--worker-extension-cls": "rlserve loads no user worker classes; /collective_rpc offers a named allow-list",
     "--skip-tokenizer-init": "rlserve needs the model's tokenizer (it detokenizes and renders chat); drop the flag",
+    "--reasoning-config": "rlserve has no thinking_token_budget, which this configures; drop the flag",
     "--headless": "rlserve has no headless engine ranks; a server always serves HTTP",
 }

@@ -129,8 +129,11 @@ async def prepare(state: ServerState, body: ChatCompletionRequest, rid: str, pro
     await hold_for_policy_version(state, body.model_dump(include=POLICY_FIELDS))
     if body.truncate_prompt_tokens is None and prompt is None:
         check_text_fits(state, message_chars(body), "messages")
+    shown = body  # what the template sees: vLLM's --exclude-tools-when-tool-choice-none hides the tools
+    if state.config.server.exclude_tools_when_tool_choice_none and body.tool_choice == "none":
+        shown = body.model_copy(update={"tools": None})
     rendered = await state.off_loop(
-        render_chat, state.tokenizer, body, state.chat_template, state.config.server.trust_request_chat_template
+        render_chat, state.tokenizer, shown, state.chat_template, state.config.server.trust_request_chat_template
     )
     if prompt is None:
         prompt = truncate(rendered, body.truncate_prompt_tokens, state.max_model_len, body.truncation_side)
