@@ -30,6 +30,7 @@ DROPPED = {
     "--no-async-scheduling": False,
     "--enable-chunked-prefill": False,
     "--disable-frontend-multiprocessing": False,
+    "--limit-mm-per-prompt": True,  # the files that pass it test a vision model; rlserve refuses it (text only)
 }
 
 
