@@ -113,6 +113,7 @@ def test_vllm_flags_set_rlserve_keys():
         (["--limit-mm-per-prompt", "{}"], "--limit-mm-per-prompt"),
         (["--tool-server", "demo"], "--tool-server"),
         (["--reasoning-config", "{}"], "--reasoning-config"),
+        (["--uds", "/tmp/s.sock"], "--uds"),
     ],
 )
 def test_inapplicable_vllm_flags_are_refused_by_name(argv, named):
