@@ -53,6 +53,7 @@ def translate(model: str, args: list[str], seed: int | None) -> tuple[list[str],
     while i < len(args):
         arg = args[i]
         name, eq, inline = arg.partition("=")
+        name = name.replace("_", "-") if name.startswith("--") else name  # vLLM reads --max_model_len too
         value = inline if eq else (args[i + 1] if i + 1 < len(args) else None)
         step = 1 if eq else 2
         if name in DROPPED:
