@@ -114,6 +114,7 @@ def test_vllm_flags_set_rlserve_keys():
         (["--tool-server", "demo"], "--tool-server"),
         (["--reasoning-config", "{}"], "--reasoning-config"),
         (["--uds", "/tmp/s.sock"], "--uds"),
+        (["--watermark-config", "{}"], "--watermark-config"),
     ],
 )
 def test_inapplicable_vllm_flags_are_refused_by_name(argv, named):

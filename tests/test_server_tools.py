@@ -145,6 +145,29 @@ def test_named_and_required_tool_choice(client: openai.OpenAI, http: httpx.Clien
         assert resp.json()["error"]["param"] == "tool_choice"
 
 
+def test_required_tool_choice_with_defs_in_the_parameters(http: httpx.Client) -> None:
+    """Pydantic-made parameters point into their own `$defs`; the enforced call still compiles and fits them."""
+    options = {
+        "type": "object",
+        "properties": {"unit": {"enum": ["c", "f"]}},
+        "required": ["unit"],
+        "additionalProperties": False,
+    }
+    params = {
+        "type": "object",
+        "properties": {"city": {"enum": ["SF"]}, "options": {"$ref": "#/$defs/Options", "description": "units"}},
+        "required": ["city", "options"],
+        "additionalProperties": False,
+        "$defs": {"Options": options},
+    }
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": params}}]
+    body = {"messages": USER, "tools": tools, "tool_choice": "required", "max_tokens": 300, "seed": 1}
+    r = http.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.status_code == 200, r.text
+    (call,) = r.json()["choices"][0]["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"])["options"]["unit"] in ("c", "f")
+
+
 def test_reasoning_split_and_include_reasoning(client: openai.OpenAI, tok) -> None:
     ids = forced(tok, "<think>\nlet me see</think>\n\nhello")
     r = chat(client, ids, tools=openai.omit)

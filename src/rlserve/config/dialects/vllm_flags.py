@@ -163,6 +163,7 @@ REFUSED = {
     "--worker-extension-cls": "rlserve loads no user worker classes; /collective_rpc offers a named allow-list",
     "--skip-tokenizer-init": "rlserve needs the model's tokenizer (it detokenizes and renders chat); drop the flag",
     "--reasoning-config": "rlserve has no thinking_token_budget, which this configures; drop the flag",
+    "--watermark-config": "rlserve does not watermark its outputs; drop the flag",
     "--uds": "rlserve listens on TCP only; use --host and --port",
     "--headless": "rlserve has no headless engine ranks; a server always serves HTTP",
 }
