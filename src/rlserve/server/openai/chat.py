@@ -206,11 +206,7 @@ def _logprobs(ctx: Ctx, o: CompletionOutput, start: int) -> dict[str, list] | No
     return {"content": content}
 
 
-def finish_reason(o: CompletionOutput, has_tool_calls: bool, tool_choice: Any = None) -> str | None:
-    if isinstance(tool_choice, dict):  # a named tool: "stop" (OpenAI's and vLLM's), or "length"
-        return o.finish_reason
-    if tool_choice == "required":  # vLLM: "tool_calls" for a call that ended, "length" for one cut short
-        return "tool_calls" if o.finish_reason == "stop" else o.finish_reason
+def finish_reason(o: CompletionOutput, has_tool_calls: bool) -> str | None:
     # vLLM parity: parsed tool calls win over "length" too; len(token_ids) reveals truncation
     return "tool_calls" if has_tool_calls and o.finish_reason != "abort" else o.finish_reason
 
@@ -240,7 +236,7 @@ def _response(ctx: Ctx, out: RequestOutput) -> dict[str, Any]:
             "index": o.index,
             "message": message_json(parsed),
             "logprobs": _logprobs(ctx, o, 0),
-            "finish_reason": finish_reason(o, bool(parsed.tool_calls), body.tool_choice),
+            "finish_reason": finish_reason(o, bool(parsed.tool_calls)),
             "stop_reason": o.stop_reason,
             **CHAT_CHOICE,
         }
@@ -275,7 +271,7 @@ def _delta_choice(ctx: Ctx, o: CompletionOutput, cur: ChoiceCursor, streamer: Me
         "index": o.index,
         "delta": delta,
         "logprobs": _logprobs(ctx, o, cur.tokens),
-        "finish_reason": finish_reason(o, streamer.has_tool_calls, ctx.body.tool_choice) if finishing else None,
+        "finish_reason": finish_reason(o, streamer.has_tool_calls) if finishing else None,
     }
     choice["token_ids"] = new_ids if ctx.body.return_token_ids else None
     if finishing:
