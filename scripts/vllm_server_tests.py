@@ -69,8 +69,14 @@ def fetch_sdist(into: Path) -> Path:
 
 def extract(sdist: Path, into: Path) -> Path:
     root = into / f"vllm-{VERSION}"
-    if root.exists():
-        return root
+    if not root.exists():
+        _unpack(sdist, into, root)
+    for name in ("conftest.py", "utils.py"):  # every run: the shim of this checkout
+        (root / "tests" / name).write_text((SHIM / name).read_text())
+    return root
+
+
+def _unpack(sdist: Path, into: Path, root: Path) -> None:
     prefix = f"vllm-{VERSION}/"
     with tarfile.open(sdist) as tar:
         members = [
@@ -81,9 +87,6 @@ def extract(sdist: Path, into: Path) -> Path:
         tar.extractall(into, members=members, filter="data")
     # the shim's, not vLLM's (they import all of vLLM); names a test takes from vLLM's conftest come from it lazily
     (root / "tests" / "conftest.py").rename(root / "tests" / "vllm_conftest.py")
-    for name in ("conftest.py", "utils.py"):
-        (root / "tests" / name).write_text((SHIM / name).read_text())
-    return root
 
 
 def ensure_deps(work: Path) -> Path:

@@ -66,7 +66,22 @@ def test_vllm_flags_set_rlserve_keys():
         "auto",
         "--enable-scale-out",
         "--trust-remote-code",
+        "--runner",
+        "generate",
+        "--enable-force-include-usage",
+        "--return-tokens-as-token-ids",
+        "--exclude-tools-when-tool-choice-none",
+        "--structured-outputs-config.backend",
+        "xgrammar",
+        "--chat-template-content-format",
+        "string",
     )
+    assert c.server.enable_force_include_usage and c.server.return_tokens_as_token_ids
+    assert c.server.exclude_tools_when_tool_choice_none
+    assert launch("m", "--runner=auto").model.name == "m"
+    # vLLM's underscore spellings; rlserve's own top-level keys keep theirs
+    assert launch("m", "--max_model_len", "64", "--enable_force_include_usage").model.max_model_len == 64
+    assert launch("m", "--gpu_memory_utilization", "0.5").gpu_memory_utilization == 0.5
     assert (c.model.name, c.server.host, c.server.port, c.server.api_key) == ("/models/m", "0.0.0.0", 9000, "k")
     assert (c.model.served_model_name, c.model.max_model_len, c.model.dtype, c.seed) == ("name", 32000, "float16", 3)
     assert (c.parallel.tp, c.parallel.dp, c.model.tool_call_parser, c.model.reasoning_parser) == (
@@ -91,6 +106,15 @@ def test_vllm_flags_set_rlserve_keys():
         (["infer.toml"], "@ infer.toml"),
         (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size"),
         (["--generation-config", "/models/gen"], "--generation-config"),
+        (["--runner", "pooling"], "--runner"),
+        (["--enable-prompt-embeds"], "--enable-prompt-embeds"),
+        (["--chat-template-content-format", "openai"], "--chat-template-content-format"),
+        (["--structured-outputs-config.backend", "mine"], "--structured-outputs-config.backend"),
+        (["--limit-mm-per-prompt", "{}"], "--limit-mm-per-prompt"),
+        (["--tool-server", "demo"], "--tool-server"),
+        (["--reasoning-config", "{}"], "--reasoning-config"),
+        (["--uds", "/tmp/s.sock"], "--uds"),
+        (["--watermark-config", "{}"], "--watermark-config"),
     ],
 )
 def test_inapplicable_vllm_flags_are_refused_by_name(argv, named):

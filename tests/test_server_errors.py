@@ -17,9 +17,11 @@ BAD_INPUTS = [
     ("body-not-object", "/v1/completions", "[1, 2]", 400, "valid dictionary"),
     ("wrong-type", "/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
     ("prompt-type", "/v1/completions", {"prompt": 123}, 400, "prompt must be a string"),
-    ("prompt-empty", "/v1/completions", {"prompt": ""}, 400, "prompt is empty"),
-    ("prompt-missing", "/v1/completions", {"max_tokens": 1}, 400, "prompt is empty"),
-    ("token-id-range", "/v1/completions", {"prompt": [1, 99999]}, 400, "outside the vocabulary"),
+    ("prompt-empty", "/v1/completions", {"prompt": ""}, 400, "Either prompt or prompt_embeds must be provided"),
+    ("prompt-missing", "/v1/completions", {"max_tokens": 1}, 400, "Either prompt or prompt_embeds must be"),
+    ("prompt-embeds", "/v1/completions", {"prompt": "x", "prompt_embeds": "AAAA"}, 400, "prompt_embeds is not"),
+    ("thinking-budget", "/v1/chat/completions", {"messages": USER, "thinking_token_budget": 8}, 400, "thinking_token"),
+    ("token-id-range", "/v1/completions", {"prompt": [1, 99999]}, 400, "token id 99999 is out of vocabulary"),
     ("context-overflow", "/v1/completions", {"prompt": [5] * 600}, 400, "maximum context length is 512 tokens"),
     (
         "chat-overflow",
@@ -82,7 +84,7 @@ BAD_INPUTS = [
         "text only",
     ),
     ("tokenize-nothing", "/tokenize", {}, 400, "send either prompt"),
-    ("detokenize-range", "/detokenize", {"tokens": [99999]}, 400, "outside the vocabulary"),
+    ("detokenize-range", "/detokenize", {"tokens": [99999]}, 400, "out of vocabulary"),
     ("unknown-route", "/v1/nothing", {}, 404, "no route"),
     # bodies no route can use: refused before routing (server/limits.py)
     ("not-utf8", "/v1/completions", b'{"prompt": "\xff\xfe"}', 400, "not valid UTF-8"),

@@ -346,6 +346,56 @@ def test_prefix_cache_and_cache_salt() -> None:
         stop_server(proc)
 
 
+def test_chat_takes_forwarded_prompt_token_ids(http: httpx.Client) -> None:
+    """vLLM's P/D reuse: kv_transfer_params.prompt_token_ids is the prompt, whatever the messages render to."""
+    body = {"messages": CHAT, "max_tokens": 2, "return_token_ids": True}
+    first = http.post("/v1/chat/completions", json=body).json()
+    other = [{"role": "user", "content": "something else entirely"}]
+    forwarded = {**body, "messages": other, "kv_transfer_params": {"prompt_token_ids": first["prompt_token_ids"]}}
+    reused = http.post("/v1/chat/completions", json=forwarded).json()
+    assert reused["prompt_token_ids"] == first["prompt_token_ids"]
+    bad = http.post("/v1/chat/completions", json={**body, "kv_transfer_params": {"prompt_token_ids": [10**7]}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "kv_transfer_params.prompt_token_ids"
+    batch = {"messages": [CHAT, other], "max_tokens": 1, "kv_transfer_params": {"prompt_token_ids": [1, 2]}}
+    r = http.post("/v1/chat/completions/batch", json=batch)
+    assert r.status_code == 400 and "kv_transfer_params.prompt_token_ids" in r.json()["error"]["message"]
+
+
+def test_server_wide_vllm_switches() -> None:
+    """vLLM's --enable-force-include-usage (usage on every chunk though stream_options do not ask),
+    --return-tokens-as-token-ids (logprob tokens as token_id:N though the request does not ask) and
+    --exclude-tools-when-tool-choice-none (tool_choice none renders no tools)."""
+    flags = ("--enable-force-include-usage", "--return-tokens-as-token-ids", "--exclude-tools-when-tool-choice-none")
+    url, proc = start_server(*flags)
+    try:
+        tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+        body = {"messages": CHAT, "max_tokens": 1, "return_token_ids": True}
+        prompts = {
+            choice: httpx.post(f"{url}/v1/chat/completions", json={**body, **extra}, timeout=60).json()
+            for choice, extra in (("plain", {}), ("none", {"tools": tools, "tool_choice": "none"}))
+        }
+        rendered = httpx.post(f"{url}/tokenize", json={"messages": CHAT, "tools": tools}, timeout=60).json()["tokens"]
+        assert prompts["none"]["prompt_token_ids"] == prompts["plain"]["prompt_token_ids"] != rendered
+        body = {"messages": CHAT, "max_tokens": 2, "logprobs": True, "top_logprobs": 1, "return_token_ids": True}
+        choice = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
+        labels = [f"token_id:{t}" for t in choice["token_ids"]]
+        assert [e["token"] for e in choice["logprobs"]["content"]] == labels
+        body = {"prompt": "hi", "max_tokens": 2, "logprobs": 1, "return_token_ids": True}
+        choice = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+        assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+        for path, extra in (("/v1/chat/completions", {"messages": CHAT}), ("/v1/completions", {"prompt": "hi"})):
+            body = {**extra, "max_tokens": 4, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", f"{url}{path}", json=body, timeout=60) as r:
+                assert r.status_code == 200, r.read()
+                chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+            assert all(c["usage"] is not None for c in chunks), path
+            last = chunks[-1]
+            assert last["choices"] == [] and last["usage"]["completion_tokens"] == 4, path
+            assert last["usage"]["total_tokens"] == last["usage"]["prompt_tokens"] + 4
+    finally:
+        stop_server(proc)
+
+
 def test_echo_respects_skip_special_tokens(http: httpx.Client) -> None:
     ids = tokenize(http, messages=CHAT)
     body = {"prompt": ids, "echo": True, "max_tokens": 1}

@@ -131,8 +131,9 @@ def test_named_and_required_tool_choice(client: openai.OpenAI, http: httpx.Clien
     ids = forced(tok, CALL)
     r = chat(client, ids, thinking=False, tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
+    assert r.choices[0].message.content == ""  # vLLM's shape for an enforced call: "" beside it, not null
     r = chat(client, ids, thinking=False, tool_choice="required")
-    assert r.choices[0].finish_reason == "tool_calls"
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content == ""
     cases = [
         {"tool_choice": "required"},
         {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
@@ -143,6 +144,29 @@ def test_named_and_required_tool_choice(client: openai.OpenAI, http: httpx.Clien
         resp = http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2, **extra})
         assert resp.status_code == 400, extra
         assert resp.json()["error"]["param"] == "tool_choice"
+
+
+def test_required_tool_choice_with_defs_in_the_parameters(http: httpx.Client) -> None:
+    """Pydantic-made parameters point into their own `$defs`; the enforced call still compiles and fits them."""
+    options = {
+        "type": "object",
+        "properties": {"unit": {"enum": ["c", "f"]}},
+        "required": ["unit"],
+        "additionalProperties": False,
+    }
+    params = {
+        "type": "object",
+        "properties": {"city": {"enum": ["SF"]}, "options": {"$ref": "#/$defs/Options", "description": "units"}},
+        "required": ["city", "options"],
+        "additionalProperties": False,
+        "$defs": {"Options": options},
+    }
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": params}}]
+    body = {"messages": USER, "tools": tools, "tool_choice": "required", "max_tokens": 300, "seed": 1}
+    r = http.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.status_code == 200, r.text
+    (call,) = r.json()["choices"][0]["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"])["options"]["unit"] in ("c", "f")
 
 
 def test_reasoning_split_and_include_reasoning(client: openai.OpenAI, tok) -> None:

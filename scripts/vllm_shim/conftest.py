@@ -15,3 +15,35 @@ def __getattr__(name: str):
     import importlib
 
     return getattr(importlib.import_module("tests.vllm_conftest"), name)
+
+
+def _stand_in(name):
+    """A hub model id the tests load a tokenizer for names the served stand-in; local paths stay."""
+    model = os.environ.get("RLSERVE_SHIM_MODEL")
+    if model and isinstance(name, str) and not os.path.exists(name):
+        return model
+    return name
+
+
+def _point_tokenizers_at_stand_in() -> None:
+    """The server serves the stand-in under the test's model name, so the test's own tokenizer (to compare
+    token ids with the server's) must be the stand-in's too; the hub is not reachable here anyway."""
+    import transformers
+
+    auto = transformers.AutoTokenizer.from_pretrained
+    transformers.AutoTokenizer.from_pretrained = lambda name, *a, **kw: auto(_stand_in(name), *a, **kw)
+    if not site:
+        return
+    try:
+        import vllm.tokenizers as vllm_tokenizers
+    except ImportError:
+        return
+    get = vllm_tokenizers.get_tokenizer
+
+    def get_tokenizer(tokenizer_name=None, *args, **kwargs):
+        return get(_stand_in(tokenizer_name), *args, **kwargs)
+
+    vllm_tokenizers.get_tokenizer = get_tokenizer
+
+
+_point_tokenizers_at_stand_in()

@@ -1,7 +1,8 @@
 """Stands in for vLLM's tests/utils.py: `RemoteOpenAIServer` starts `rlserve serve` instead of `vllm serve`,
 with the same client helpers. The model name a test asks for becomes the served name of a model that
 `rlserve make-model` wrote (RLSERVE_SHIM_MODEL); its vLLM launch flags go through rlserve's vLLM dialect,
-except those listed in DROPPED (GPU memory and loading knobs with no meaning on this model)."""
+except those listed in DROPPED (GPU memory and loading knobs with no meaning on this model) and `--runner pooling`
+(the stand-in model generates)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ DROPPED = {
     "--no-async-scheduling": False,
     "--enable-chunked-prefill": False,
     "--disable-frontend-multiprocessing": False,
+    "--limit-mm-per-prompt": True,  # the files that pass it test a vision model; rlserve refuses it (text only)
 }
 
 
@@ -51,6 +53,7 @@ def translate(model: str, args: list[str], seed: int | None) -> tuple[list[str],
     while i < len(args):
         arg = args[i]
         name, eq, inline = arg.partition("=")
+        name = name.replace("_", "-") if name.startswith("--") else name  # vLLM reads --max_model_len too
         value = inline if eq else (args[i + 1] if i + 1 < len(args) else None)
         step = 1 if eq else 2
         if name in DROPPED:
@@ -62,6 +65,8 @@ def translate(model: str, args: list[str], seed: int | None) -> tuple[list[str],
             host = value
         elif name == "--dtype":
             out += ["--dtype", "float32"]  # the tests ask half precision to save GPU memory; CPU runs fp32
+        elif name == "--runner" and value == "pooling":
+            pass  # an embedding model's tests (middleware, headers) run on the generative stand-in; rlserve refuses it
         elif name == "--max-model-len":
             out += ["--max-model-len", str(min(int(value), MAX_MODEL_LEN))]
         else:

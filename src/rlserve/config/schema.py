@@ -131,12 +131,10 @@ class ServerConfig(Section):
         description="usage.prompt_tokens_details.cached_tokens (prefix-cache hits) in every answer; off: null, "
         "as vLLM's --enable-prompt-tokens-details",
     )
-    enable_per_request_metrics: bool = Field(
-        False,
-        description="`metrics` (time_to_first_token_ms, generation_time_ms, queue_time_ms, mean_itl_ms, "
-        "tokens_per_second) in the answer of a one-prompt, n=1 request (streamed: on the usage chunk); off: null, "
-        "as vLLM's --enable-per-request-metrics",
-    )
+    enable_per_request_metrics: bool = Field(False, description="vLLM's per-request timing `metrics` in answers")
+    enable_force_include_usage: bool = Field(False, description="usage on every stream chunk, whatever it asks")
+    return_tokens_as_token_ids: bool = Field(False, description="logprob tokens as token_id:N in every answer")
+    exclude_tools_when_tool_choice_none: bool = Field(False, description="tool_choice none: tools not rendered")
     max_stop_strings: int = Field(64, ge=0, description="most stop strings one request may send")
     max_stop_string_chars: int = Field(1024, ge=1, description="longest stop string")
     generate_max_tokens: int = Field(

@@ -17,7 +17,7 @@ def prompt_ids(prompt: str | list[int], tokenizer: Any, vocab_size: int) -> list
         raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
     for t in prompt:
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
-            raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab_size})")
+            raise ValueError(f"prompt token id {t!r} is out of vocabulary (ids run 0 to {vocab_size - 1})")
     return list(prompt)
 
 

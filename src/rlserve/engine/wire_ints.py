@@ -29,7 +29,7 @@ def wire_safe(prompt: list[int] | str, params: SamplingParams, vocab_size: int, 
     if not isinstance(prompt, str):
         for t in prompt:
             if isinstance(t, int) and not fits_wire(t):
-                raise ValueError(f"prompt token id {t} is outside the vocabulary [0, {vocab_size})")
+                raise ValueError(f"prompt token id {t} is out of vocabulary (ids run 0 to {vocab_size - 1})")
     changes: dict[str, Any] = {}
     for name in ("max_tokens", "min_tokens", "top_k"):  # past the context or the vocabulary: the same as the cap
         value = getattr(params, name)

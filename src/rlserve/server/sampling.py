@@ -104,6 +104,10 @@ def _reject_unsupported(body: GenerationFields) -> None:
     extra = body.model_extra or {}
     if extra.get("bad_words"):
         raise bad_request("bad_words is not supported yet; omit it", "bad_words")
+    if extra.get("thinking_token_budget") is not None:
+        raise bad_request(
+            "thinking_token_budget is not supported: bound the whole answer with max_tokens", "thinking_token_budget"
+        )
     if body.use_beam_search:
         raise bad_request(
             "use_beam_search is not supported: this server samples; omit it or send false", "use_beam_search"

@@ -134,13 +134,14 @@ class ServerState:
         return text
 
     def token_label(self, token_id: int, as_ids: bool) -> str:
+        as_ids = as_ids or self.config.server.return_tokens_as_token_ids  # vLLM: the request's or the server's
         return f"token_id:{token_id}" if as_ids else self.token_text(token_id)
 
     def check_token_ids(self, ids: list[int], what: str) -> None:
         vocab = self.engine.vocab_size
         for t in ids:
             if not 0 <= t < vocab:
-                raise bad_request(f"token id {t} in {what} is outside the vocabulary [0, {vocab})", what)
+                raise bad_request(f"token id {t} is out of vocabulary (ids run 0 to {vocab - 1}) in {what}", what)
 
 
 async def json_body(request: Request, model: type[Body] | None = None) -> dict[str, Any]:
@@ -248,6 +249,15 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None)
 def cached_tokens(state: ServerState, count: int) -> int | None:
     """The prefix-cache hits usage reports: only with server.enable_prompt_tokens_details (vLLM's default off)."""
     return count if state.config.server.enable_prompt_tokens_details else None
+
+
+def usage_switches(state: ServerState, options: Any) -> tuple[bool, bool]:
+    """(a usage chunk at the end, usage on every chunk) of a stream: as its stream_options ask, or both with
+    server.enable_force_include_usage (vLLM's --enable-force-include-usage)."""
+    if state.config.server.enable_force_include_usage:
+        return True, True
+    include = bool(options and options.include_usage)
+    return include, include and bool(options.continuous_usage_stats)
 
 
 @dataclass

@@ -21,7 +21,40 @@ Tool = dict[str, Any]
 
 def _function(tool: Tool) -> tuple[str, dict[str, Any]]:
     fn = tool["function"]
-    return fn["name"], fn.get("parameters") or {"type": "object"}
+    return fn["name"], _inline_local_refs(fn.get("parameters") or {"type": "object"})
+
+
+_LOCAL_REF = ("#/$defs/", "#/definitions/")
+
+
+def _inline_local_refs(params: Any) -> Any:
+    """The parameters' `#/$defs/X` refs replaced by X itself: the grammars embed parameters inside a larger
+    schema (or write one parameter at a time), where a pointer from the parameters' root finds nothing. A
+    recursive definition stays a ref (and the grammar then reports it)."""
+    if not isinstance(params, dict):
+        return params
+    defs = {**(params.get("definitions") or {}), **(params.get("$defs") or {})}
+    if not defs:
+        return params
+    unresolved = False
+
+    def walk(node: Any, inside: frozenset[str]) -> Any:
+        nonlocal unresolved
+        if isinstance(node, list):
+            return [walk(item, inside) for item in node]
+        if not isinstance(node, dict):
+            return node
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith(_LOCAL_REF):
+            key = ref.split("/", 2)[2]
+            if key in defs and key not in inside and isinstance(defs[key], dict):
+                siblings = {k: walk(v, inside) for k, v in node.items() if k != "$ref"}
+                return {**walk(defs[key], inside | {key}), **siblings}
+            unresolved = True
+        return {k: walk(v, inside) for k, v in node.items()}
+
+    body = walk({k: v for k, v in params.items() if k not in ("$defs", "definitions")}, frozenset())
+    return params if unresolved else body
 
 
 def _lit(text: str) -> str:

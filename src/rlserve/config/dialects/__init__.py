@@ -24,6 +24,16 @@ class Flag:
     note: str = ""
 
 
+def _dashed(name: str, *tables: dict) -> str:
+    """vLLM reads `--max_model_len` as `--max-model-len`; rlserve's own top-level keys keep their underscores."""
+    from rlserve.config.schema import Config
+
+    if not name.startswith("--") or "_" not in name or name[2:] in Config.model_fields:
+        return name
+    dashed = name.replace("_", "-")
+    return dashed if any(dashed in table for table in tables) else name
+
+
 def translate_launch_line(argv: list[str]) -> list[str]:
     """vLLM's and the MLX RL server's flags (positional model included) as rlserve's own; others pass through."""
     from rlserve.config.dialects.mlx_flags import MLX_FLAGS, MLX_ONLY
@@ -41,6 +51,7 @@ def translate_launch_line(argv: list[str]) -> list[str]:
     while i < len(argv):
         arg = argv[i]
         name, eq, inline = arg.partition("=")
+        name = _dashed(name, flags, REFUSED)
         flag = flags.get(name) if arg.startswith("-") else None
         if name in REFUSED:
             raise ConfigError(f"{name}: {REFUSED[name]}")

@@ -57,6 +57,27 @@ def _one(value: str) -> str:
     return value
 
 
+def _structured_backend(value: str) -> str:
+    if value not in ("auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer"):
+        raise ConfigError(f"--structured-outputs-config.backend {value!r}: not one of vLLM's backends")
+    return value
+
+
+def _content_format(value: str) -> str:
+    if value not in ("auto", "string"):
+        raise ConfigError(
+            f"--chat-template-content-format {value!r}: rlserve renders a message's text parts as one string "
+            "(pass auto or string)"
+        )
+    return value
+
+
+def _runner(value: str) -> str:
+    if value not in ("auto", "generate"):
+        raise ConfigError(f"--runner {value!r}: rlserve serves generative models only (pass auto or generate)")
+    return value
+
+
 VLLM_FLAGS: dict[str, Flag] = {
     "--model": Flag("model.name"),
     "--host": Flag("server.host"),
@@ -87,6 +108,9 @@ VLLM_FLAGS: dict[str, Flag] = {
     "--enforce-eager": Flag("model.enforce_eager", switch=True),
     "--enable-prompt-tokens-details": Flag("server.enable_prompt_tokens_details", switch=True),
     "--enable-per-request-metrics": Flag("server.enable_per_request_metrics", switch=True),
+    "--enable-force-include-usage": Flag("server.enable_force_include_usage", switch=True),
+    "--return-tokens-as-token-ids": Flag("server.return_tokens_as_token_ids", switch=True),
+    "--exclude-tools-when-tool-choice-none": Flag("server.exclude_tools_when_tool_choice_none", switch=True),
     "--trust-remote-code": Flag("model.trust_remote_code", switch=True),
     "--enable-return-routed-experts": Flag("enable_return_routed_experts", switch=True),
     "--enable-expert-parallel": Flag("parallel.enable_expert_parallel", switch=True),
@@ -119,6 +143,13 @@ VLLM_FLAGS: dict[str, Flag] = {
     "--enable-tokenizer-info-endpoint": Flag(None, switch=True, note="GET /tokenizer_info is always served"),
     "--enable-server-load-tracking": Flag(None, switch=True, note="/load always counts the requests in flight"),
     "--pipeline-parallel-size": Flag(None, convert=_one, note="1 only"),
+    "--runner": Flag(None, convert=_runner, note="auto or generate: rlserve serves generative models"),
+    "--structured-outputs-config.backend": Flag(
+        None, convert=_structured_backend, note="constraints always compile with llguidance"
+    ),
+    "--chat-template-content-format": Flag(
+        None, convert=_content_format, note="a message's text parts reach the template as one string"
+    ),
 }
 
 # vLLM flags with nothing behind them in rlserve: refused by name rather than half-honoured
@@ -127,5 +158,13 @@ REFUSED = {
     "--quantization": "rlserve serves unquantized checkpoints only; drop the flag",
     "--speculative-config": "rlserve has no speculative decoding; drop the flag",
     "--kv-transfer-config": 'rlserve moves KV between its own servers: use deployment.type = "disaggregated"',
+    "--enable-prompt-embeds": "rlserve takes prompts as text or token ids, not embeddings; drop the flag",
+    "--limit-mm-per-prompt": "rlserve serves text-only models; drop the flag",
+    "--tool-server": "rlserve's /v1/responses runs no built-in tools or MCP servers; drop the flag",
+    "--worker-extension-cls": "rlserve loads no user worker classes; /collective_rpc offers a named allow-list",
+    "--skip-tokenizer-init": "rlserve needs the model's tokenizer (it detokenizes and renders chat); drop the flag",
+    "--reasoning-config": "rlserve has no thinking_token_budget, which this configures; drop the flag",
+    "--watermark-config": "rlserve does not watermark its outputs; drop the flag",
+    "--uds": "rlserve listens on TCP only; use --host and --port",
     "--headless": "rlserve has no headless engine ranks; a server always serves HTTP",
 }

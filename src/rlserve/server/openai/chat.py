@@ -45,6 +45,7 @@ from rlserve.server.state import (
     rid_header,
     sampled_first,
     usage,
+    usage_switches,
     version_fields,
 )
 from rlserve.server.streaming import ClientGone, Run, SSEResponse, run_to_end, sse, sse_stream, start_stream
@@ -78,7 +79,20 @@ class Ctx:
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     state: ServerState = request.app.state.rlserve
     check_auto_tool_choice(state.config.model.tool_call_parser, body)
-    return await _respond(request, await prepare(state, body, request_id(request, body)))
+    prompt = _forwarded_prompt(state, body)
+    return await _respond(request, await prepare(state, body, request_id(request, body), prompt=prompt))
+
+
+def _forwarded_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int] | None:
+    """vLLM's P/D token reuse: `kv_transfer_params.prompt_token_ids` (the prefill's prompt) is the prompt, verbatim."""
+    ids = (body.kv_transfer_params or {}).get("prompt_token_ids")
+    if ids is None:
+        return None
+    field = "kv_transfer_params.prompt_token_ids"
+    if not (isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+        raise bad_request(f"{field} must be a non-empty list of token ids", field)
+    state.check_token_ids(ids, field)
+    return ids
 
 
 @router.post("/v1/chat/completions/tokens")
@@ -122,8 +136,11 @@ async def prepare(state: ServerState, body: ChatCompletionRequest, rid: str, pro
     await hold_for_policy_version(state, body.model_dump(include=POLICY_FIELDS))
     if body.truncate_prompt_tokens is None and prompt is None:
         check_text_fits(state, message_chars(body), "messages")
+    shown = body  # what the template sees: vLLM's --exclude-tools-when-tool-choice-none hides the tools
+    if state.config.server.exclude_tools_when_tool_choice_none and body.tool_choice == "none":
+        shown = body.model_copy(update={"tools": None})
     rendered = await state.off_loop(
-        render_chat, state.tokenizer, body, state.chat_template, state.config.server.trust_request_chat_template
+        render_chat, state.tokenizer, shown, state.chat_template, state.config.server.trust_request_chat_template
     )
     if prompt is None:
         prompt = truncate(rendered, body.truncate_prompt_tokens, state.max_model_len, body.truncation_side)
@@ -220,6 +237,8 @@ def _response(ctx: Ctx, out: RequestOutput) -> dict[str, Any]:
         parsed = ctx.parser.parse(o)
         if body.echo:
             parsed.content = echoed(body) + (parsed.content or "")
+        if body.tool_choice == "required" or isinstance(body.tool_choice, dict):
+            parsed.content = parsed.content or ""  # vLLM's: an enforced call comes with "" beside it, not null
         choice = {
             "index": o.index,
             "message": message_json(parsed),
@@ -278,7 +297,7 @@ async def _stream(ctx: Ctx, run: Run) -> AsyncIterator[str]:
     cursors = [ChoiceCursor() for _ in range(body.n)]
     streamers = [ctx.parser.streamer() for _ in range(body.n)]
     latest: RequestOutput | None = None
-    continuous = bool(options and options.include_usage and options.continuous_usage_stats)
+    include_usage, continuous = usage_switches(ctx.state, options)
     async for _, out in run.events():
         if latest is None:
             for i in range(body.n):  # the role goes first and alone, one chunk per choice
@@ -308,10 +327,10 @@ async def _stream(ctx: Ctx, run: Run) -> AsyncIterator[str]:
                 chunk = {**head, "choices": [choice]}
                 if continuous:
                     chunk["usage"] = stream_usage(_usage(ctx, out), details=True)
-                if choice["finish_reason"] is not None and not (options and options.include_usage):
+                if choice["finish_reason"] is not None and not include_usage:
                     chunk["system_fingerprint"] = SYSTEM_FINGERPRINT  # the last chunk carries it
                 yield sse(chunk)
-    if options and options.include_usage and latest is not None:
+    if include_usage and latest is not None:
         usage_chunk = {**head, "choices": [], "usage": stream_usage(_usage(ctx, latest), details=False)}
         yield sse({**usage_chunk, "system_fingerprint": SYSTEM_FINGERPRINT, **stream_metrics(run)})
 

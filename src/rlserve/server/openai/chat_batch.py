@@ -30,6 +30,9 @@ def _conversations(body: dict) -> list[ChatCompletionRequest]:
         raise bad_request("the batch endpoint does not stream; send stream false or use /v1/chat/completions", "stream")
     if body.get("tools"):
         raise bad_request("the batch endpoint takes no tools; use /v1/chat/completions", "tools")
+    if isinstance(body.get("kv_transfer_params"), dict) and body["kv_transfer_params"].get("prompt_token_ids"):
+        field = "kv_transfer_params.prompt_token_ids"
+        raise bad_request(f"the batch endpoint takes no {field}: one prompt cannot serve several conversations", field)
     if body.get("n", 1) not in (1, None):
         raise bad_request("the batch endpoint needs n = 1: one choice per conversation", "n")
     try:

@@ -26,6 +26,7 @@ from rlserve.server.state import (
     request_id,
     rid_header,
     usage,
+    usage_switches,
     version_fields,
 )
 from rlserve.server.streaming import ClientGone, Run, SSEResponse, run_to_end, sse, sse_stream, start_stream
@@ -95,6 +96,18 @@ def _logprobs_k(value: bool | int | None) -> int | None:
 def _prompts(state: ServerState, body: CompletionRequest) -> tuple[list[list[int]], list[str | None]]:
     """Token ids of every prompt, and its text when the client sent text (for echo)."""
     p = body.prompt
+    if (body.model_extra or {}).get("prompt_embeds"):
+        raise bad_request(
+            "prompt_embeds is not supported (rlserve has no --enable-prompt-embeds): send the prompt as text or "
+            "token ids",
+            "prompt_embeds",
+        )
+    if p is None or p == "" or p == []:
+        raise bad_request(  # vLLM's words first: clients match on them
+            "Either prompt or prompt_embeds must be provided and non-empty. rlserve takes prompt only: a string, "
+            "a list of strings or token ids",
+            "prompt",
+        )
     if isinstance(p, str):
         items: list = [p]
     elif isinstance(p, list) and p and all(_is_id(t) for t in p):
@@ -105,8 +118,6 @@ def _prompts(state: ServerState, body: CompletionRequest) -> tuple[list[list[int
         and all(isinstance(x, str) or (isinstance(x, list) and all(map(_is_id, x))) for x in p)
     ):
         items = p
-    elif isinstance(p, list) and not p or p is None:
-        raise bad_request("prompt is empty: send a string, a list of strings or token ids", "prompt")
     else:
         raise bad_request(
             "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists", "prompt"
@@ -265,7 +276,7 @@ def _response(ctx: Ctx, finals: list[RequestOutput]) -> dict[str, Any]:
 
 async def _stream(ctx: Ctx, run: Run) -> AsyncIterator[str]:
     head = {"id": ctx.id, "object": "text_completion", "created": ctx.created, "model": ctx.model}
-    options = ctx.body.stream_options
+    include_usage, continuous = usage_switches(ctx.state, ctx.body.stream_options)
     cursors: dict[tuple[int, int], ChoiceCursor] = {}
     latest: dict[int, RequestOutput] = {}
     async for i, out in run.events():
@@ -274,12 +285,12 @@ async def _stream(ctx: Ctx, run: Run) -> AsyncIterator[str]:
             choice = _choice(ctx, i, out, _visible(ctx, o), cursors.setdefault((i, o.index), ChoiceCursor()))
             if choice is not None:
                 chunk = {**head, "choices": [choice]}
-                if options and options.include_usage and options.continuous_usage_stats:
+                if continuous:
                     chunk["usage"] = stream_usage(_usage(ctx, latest), details=False)
-                if choice["finish_reason"] is not None and not (options and options.include_usage):
+                if choice["finish_reason"] is not None and not include_usage:
                     chunk["system_fingerprint"] = SYSTEM_FINGERPRINT  # the last chunk carries it
                 yield sse(chunk)
-    if options and options.include_usage:
+    if include_usage:
         usage_chunk = {**head, "choices": [], "usage": stream_usage(_usage(ctx, latest), details=False)}
         yield sse({**usage_chunk, "system_fingerprint": SYSTEM_FINGERPRINT, **stream_metrics(run)})
 
