@@ -43,28 +43,28 @@ def srv(root):
 
 
 def versions(url):
-    return httpx.get(f"{url}/get_weight_version").json()
+    return httpx.get(f"{url}/get_weight_version", timeout=120).json()
 
 
 def generated_tokens(url) -> float:
-    text = httpx.get(f"{url}/metrics").text
+    text = httpx.get(f"{url}/metrics", timeout=120).text
     return float(re.search(r"^vllm:generation_tokens_total(?:{[^}]*})? (\S+)$", text, re.M).group(1))
 
 
 def run_until_every_request_steps(url, n: int) -> None:
     """Resume, wait until the engine has produced n more tokens (every running request one), pause."""
     start = generated_tokens(url)
-    assert httpx.post(f"{url}/resume").status_code == 200
+    assert httpx.post(f"{url}/resume", timeout=120).status_code == 200
     deadline = time.monotonic() + 120
     while generated_tokens(url) < start + n:
         assert time.monotonic() < deadline, "the engine made no progress"
         time.sleep(0.005)
-    assert httpx.post(f"{url}/pause", params={"mode": "keep"}).status_code == 200
+    assert httpx.post(f"{url}/pause", params={"mode": "keep"}, timeout=120).status_code == 200
 
 
 def test_each_span_keeps_the_label_its_tokens_were_produced_under(srv, root):
     url, _ = srv
-    assert httpx.post(f"{url}/update_weight_version", json={"new_version": "step-1"}).status_code == 200
+    assert httpx.post(f"{url}/update_weight_version", json={"new_version": "step-1"}, timeout=120).status_code == 200
     v0 = versions(url)["policy_version"]
     sampling = {"temperature": 0, "max_tokens": 400, "ignore_eos": True}
     calls = [
@@ -76,7 +76,7 @@ def test_each_span_keeps_the_label_its_tokens_were_produced_under(srv, root):
             {"input_ids": PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True}},
         ),
     ]
-    assert httpx.post(f"{url}/pause", params={"mode": "keep"}).status_code == 200
+    assert httpx.post(f"{url}/pause", params={"mode": "keep"}, timeout=120).status_code == 200
 
     async def scenario():
         async with httpx.AsyncClient(base_url=url, timeout=300) as client:
@@ -153,7 +153,7 @@ def test_every_file_read_resolves_under_a_root(srv, root, outside, peft_adapter)
     (escape / "adapter_config.json").write_bytes((real / "adapter_config.json").read_bytes())
     (escape / "adapter_model.safetensors").symlink_to(real / "adapter_model.safetensors")
     for path, body in ADAPTER_ROUTES:
-        r = httpx.post(f"{url}{path}", json=body(escape))
+        r = httpx.post(f"{url}{path}", json=body(escape), timeout=120)
         assert r.status_code == 403 and "weight roots" in r.json()["error"]["message"], (path, r.text)
     # a weight dir whose model.safetensors links outside
     ckpt = make_model("tiny", outside / "ckpt", seed=4)
@@ -221,9 +221,9 @@ def test_nan_and_rank_zero_adapters_are_refused(srv, root, peft_adapter):
     cfg = json.loads((zero / "adapter_config.json").read_text())
     (zero / "adapter_config.json").write_text(json.dumps({**cfg, "r": 0}))
     for path, body in ADAPTER_ROUTES:
-        r = httpx.post(f"{url}{path}", json=body(nan))
+        r = httpx.post(f"{url}{path}", json=body(nan), timeout=120)
         assert r.status_code == 400 and "NaN" in r.json()["error"]["message"], (path, r.text)
-        r = httpx.post(f"{url}{path}", json=body(zero))
+        r = httpx.post(f"{url}{path}", json=body(zero), timeout=120)
         assert r.status_code == 400 and "r must be a positive integer" in r.json()["error"]["message"], (path, r.text)
     assert versions(url)["policy_version"] == before
 
@@ -274,16 +274,22 @@ def test_upload_adapter_peft_and_mlx_layouts(srv, root, peft_adapter, tmp_path):
     assert _lps(url, PROMPT) == (ids, lps)
     # refused: pickles, configs that are not JSON, bodies over server.max_upload_bytes
     pickled = b"\x80\x04\x95" + b"cos\nsystem\n" * 10
-    r = httpx.post(f"{url}/upload_adapter", files={"adapter_weights": ("a", pickled), "adapter_config": ("c", config)})
+    r = httpx.post(
+        f"{url}/upload_adapter", files={"adapter_weights": ("a", pickled), "adapter_config": ("c", config)}, timeout=120
+    )
     assert r.status_code == 400 and "cannot read" in r.json()["error"]["message"]
-    r = httpx.post(f"{url}/upload_adapter", files={"adapter_weights": ("a", weights), "adapter_config": ("c", b"{")})
+    r = httpx.post(
+        f"{url}/upload_adapter", files={"adapter_weights": ("a", weights), "adapter_config": ("c", b"{")}, timeout=120
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "adapter_weights"
     big = b"\0" * (2 << 20)
-    r = httpx.post(f"{url}/upload_adapter", files={"adapter_weights": ("a", big), "adapter_config": ("c", config)})
+    r = httpx.post(
+        f"{url}/upload_adapter", files={"adapter_weights": ("a", big), "adapter_config": ("c", config)}, timeout=120
+    )
     assert r.status_code == 413 and "max_upload_bytes" in r.json()["error"]["message"]
-    r = httpx.post(f"{url}/upload_adapter", data={"adapter_weights": "x"})
+    r = httpx.post(f"{url}/upload_adapter", data={"adapter_weights": "x"}, timeout=120)
     assert r.status_code == 400 and "multipart files" in r.json()["error"]["message"]
-    assert httpx.get(f"{url}/health").status_code == 200
+    assert httpx.get(f"{url}/health", timeout=120).status_code == 200
 
 
 TRAINER = textwrap.dedent(
@@ -330,6 +336,7 @@ def _abandoned_update(url: str, proc: subprocess.Popen, root: Path, engines: int
         r = httpx.post(
             f"{url}/init_broadcaster",
             json={"host": "127.0.0.1", "port": port, "rank_offset": 0, "inference_world_size": engines, "timeout": 120},
+            timeout=120,
         )
         assert r.status_code == 200
         assert trainer.stdout.readline().strip() == "joined"
