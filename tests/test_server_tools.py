@@ -132,6 +132,7 @@ def test_named_and_required_tool_choice(client: openai.OpenAI, http: httpx.Clien
     r = chat(client, ids, thinking=False, tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
     assert r.choices[0].message.content == ""  # vLLM's shape for an enforced call: "" beside it, not null
+    assert r.choices[0].finish_reason == "stop"  # a call forced by name: vLLM's and OpenAI's finish
     r = chat(client, ids, thinking=False, tool_choice="required")
     assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content == ""
     cases = [

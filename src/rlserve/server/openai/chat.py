@@ -213,9 +213,15 @@ def _logprobs(ctx: Ctx, o: CompletionOutput, start: int) -> dict[str, list] | No
     return {"content": content}
 
 
-def finish_reason(o: CompletionOutput, has_tool_calls: bool) -> str | None:
-    # vLLM parity: parsed tool calls win over "length" too; len(token_ids) reveals truncation
-    return "tool_calls" if has_tool_calls and o.finish_reason != "abort" else o.finish_reason
+def finish_reason(o: CompletionOutput, has_tool_calls: bool, tool_choice: Any = None) -> str | None:
+    """vLLM's and OpenAI's: calls the model chose finish "tool_calls" (over "length" too; len(token_ids)
+    reveals truncation); a `required` call "tool_calls" unless cut short; a call forced by name finishes as
+    the engine finished ("stop")."""
+    if not has_tool_calls or o.finish_reason == "abort" or isinstance(tool_choice, dict):
+        return o.finish_reason
+    if tool_choice == "required" and o.finish_reason != "stop":
+        return o.finish_reason
+    return "tool_calls"
 
 
 def message_json(parsed: ParsedMessage) -> dict[str, Any]:
@@ -243,7 +249,7 @@ def _response(ctx: Ctx, out: RequestOutput) -> dict[str, Any]:
             "index": o.index,
             "message": message_json(parsed),
             "logprobs": _logprobs(ctx, o, 0),
-            "finish_reason": finish_reason(o, bool(parsed.tool_calls)),
+            "finish_reason": finish_reason(o, bool(parsed.tool_calls), body.tool_choice),
             "stop_reason": o.stop_reason,
             **CHAT_CHOICE,
         }
@@ -278,7 +284,7 @@ def _delta_choice(ctx: Ctx, o: CompletionOutput, cur: ChoiceCursor, streamer: Me
         "index": o.index,
         "delta": delta,
         "logprobs": _logprobs(ctx, o, cur.tokens),
-        "finish_reason": finish_reason(o, streamer.has_tool_calls) if finishing else None,
+        "finish_reason": finish_reason(o, streamer.has_tool_calls, ctx.body.tool_choice) if finishing else None,
     }
     choice["token_ids"] = new_ids if ctx.body.return_token_ids else None
     if finishing:
