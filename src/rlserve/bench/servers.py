@@ -183,9 +183,16 @@ def _die_with_parent() -> None:
 
 
 def exit_on_sigterm() -> None:
-    """SIGTERM unwinds the benchmark like Ctrl-C, so the `finally` blocks stop the servers."""
+    """SIGTERM unwinds the benchmark like Ctrl-C, so the `finally` blocks stop the servers. Ctrl-C raises
+    KeyboardInterrupt where it lands: asyncio.run would otherwise turn it into a cancel of its main task,
+    which a measured round can absorb and then go on to the next."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+        signal.signal(signal.SIGINT, _interrupt)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 @contextlib.contextmanager
