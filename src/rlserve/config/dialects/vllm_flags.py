@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 from rlserve.config.dialects import Flag
 from rlserve.config.errors import ConfigError
@@ -39,13 +40,33 @@ def _length(value: str) -> str:
     return str(int(float(m.group(1)) * scale))
 
 
-def _generation_config(value: str) -> str:
-    if value not in ("auto", "vllm"):
-        raise ConfigError(
-            f"--generation-config {value!r}: rlserve reads generation_config.json from the model "
-            "directory only (pass auto or vllm)"
-        )
-    return value
+def _one_of(flag: str, allowed: tuple[str, ...], why: str) -> Callable[[str], str]:
+    """A converter that passes a value in `allowed` through and refuses any other, saying why."""
+
+    def convert(value: str) -> str:
+        if value not in allowed:
+            raise ConfigError(f"{flag} {value!r}: {why}")
+        return value
+
+    return convert
+
+
+_generation_config = _one_of(
+    "--generation-config",
+    ("auto", "vllm"),
+    "rlserve reads generation_config.json from the model directory only (pass auto or vllm)",
+)
+_structured_backend = _one_of(
+    "--structured-outputs-config.backend",
+    ("auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer"),
+    "not one of vLLM's backends",
+)
+_content_format = _one_of(
+    "--chat-template-content-format",
+    ("auto", "string"),
+    "rlserve renders a message's text parts as one string (pass auto or string)",
+)
+_runner = _one_of("--runner", ("auto", "generate"), "rlserve serves generative models only (pass auto or generate)")
 
 
 def _one(value: str) -> str:
@@ -54,27 +75,6 @@ def _one(value: str) -> str:
             f"--pipeline-parallel-size {value}: rlserve has no pipeline parallelism; use "
             "--tensor-parallel-size or --data-parallel-size"
         )
-    return value
-
-
-def _structured_backend(value: str) -> str:
-    if value not in ("auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer"):
-        raise ConfigError(f"--structured-outputs-config.backend {value!r}: not one of vLLM's backends")
-    return value
-
-
-def _content_format(value: str) -> str:
-    if value not in ("auto", "string"):
-        raise ConfigError(
-            f"--chat-template-content-format {value!r}: rlserve renders a message's text parts as one string "
-            "(pass auto or string)"
-        )
-    return value
-
-
-def _runner(value: str) -> str:
-    if value not in ("auto", "generate"):
-        raise ConfigError(f"--runner {value!r}: rlserve serves generative models only (pass auto or generate)")
     return value
 
 
