@@ -153,13 +153,42 @@ def test_gemv_bf16_rounds_the_fp32_sum_of_bf16_products(kernels, rows, k, n):
     assert ((got.double() - want).abs() <= want.abs() * 2.0**-8 + 1e-5 * k).all()
 
 
-@pytest.mark.parametrize("rows", [1, 3])  # one row: the row-at-a-time dot; more: the 4-row tiles
+@pytest.mark.parametrize("rows", [1, 3, 203])  # one row: the row-at-a-time dot; more: the 4-row tiles, in blocks
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemv_split_across_threads_equals_one_thread(kernels, dtype, rows):
-    """Enough work to pass PARALLEL_MIN_WORK: the outputs split across 2 threads, tiles unchanged."""
+    """Enough work to pass PARALLEL_MIN_WORK: the outputs split across the caller and 1, 2 or 4
+    helpers of parallel.c's pool (more threads than this machine's cores too), tiles unchanged."""
     gen = torch.Generator().manual_seed(3)
     x, weight = torch.randn(rows, 1536, generator=gen).to(dtype), torch.randn(3073, 1536, generator=gen).to(dtype)
-    assert torch.equal(kernels.gemv(x, weight, threads=2), kernels.gemv(x, weight, threads=1))
+    one = kernels.gemv(x, weight, threads=1)
+    for threads in (2, 3, 5, 2):
+        assert torch.equal(kernels.gemv(x, weight, threads=threads), one), threads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_kernels_split_across_threads_equal_one_thread(kernels, dtype):
+    """Attention, residual + RMSNorm and SiLU x up take torch's thread count into the same pool:
+    a row (or a sequence's KV head) is one thread's work in one order, whatever the count."""
+    q, k_cache, v_cache, tables, lens = case(5, 24, 2, 3, 64, 16, [700 - 29 * i for i in range(24)])
+    q, k_cache, v_cache = q.to(dtype), k_cache.to(dtype), v_cache.to(dtype)
+    gen = torch.Generator().manual_seed(6)
+    hidden, delta = torch.randn(2, 300, 1024, generator=gen).to(dtype).unbind(0)
+    weight, gate_up = torch.randn(1024, generator=gen).to(dtype), torch.randn(300, 2048, generator=gen).to(dtype)
+
+    def outputs():
+        h, out = hidden.clone(), torch.empty_like(hidden)
+        kernels.add_rms_norm(h, delta, weight, out, 1e-6)
+        return kernels.attention(q, k_cache, v_cache, tables, lens, 16, 0.125), h, out, kernels.silu_mul(gate_up)
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = outputs()
+        for n in (2, 3, 5):
+            torch.set_num_threads(n)
+            assert all(torch.equal(a, b) for a, b in zip(outputs(), one)), n
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_projections_take_the_gemv_up_to_its_row_limit_and_see_weight_updates(kernels, model_dir, monkeypatch):

@@ -9,6 +9,7 @@ Only what PyTorch has no fast op for on CPU, in `kernels/`, each in an fp32 and 
   q/k norm + RoPE + KV-cache write, SiLU x up), one call each instead of 3-8 eager ops.
 - `gemv.c`: the projections of a few rows (decode at small batch), reading each weight once in
   its own layout; MKL's and oneDNN's GEMMs read it slower at those sizes.
+- `parallel.c`: the one thread pool all of them share (no OpenMP: see there why).
 
 The shared library is cached under `$RLSERVE_CACHE_DIR/kernels` (default ~/.cache/rlserve),
 keyed by the sources, the compiler and the CPU; `-march=native` code never moves to another CPU
@@ -43,11 +44,11 @@ DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 # on 2 cores (AVX-512, AVX512_BF16) with every SmolLM2-135M projection and its LM head, 1.0-1.2x at 1
 # row and 2-10x at 4-8 rows (fp32), 1.3-1.7x up to 16 rows (bf16).
 GEMV_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 16}
-# Threads the GEMV splits its outputs over; 0: torch's thread count. Not an OpenMP team: gemv.c's
-# caller + helper thread never waits for a descheduled thread at a barrier (OpenMP's two threads
-# were 2-4x slower than one on the shared box; the helper ~1.6x faster than one at 1-4 rows).
+# Threads the GEMV splits its outputs over; 0: torch's thread count. Not an OpenMP team: parallel.c's
+# caller + helpers never wait for a descheduled thread at a barrier (OpenMP's two threads were 2-4x
+# slower than one on the shared box; caller + helper ~1.6x faster than one at 1-4 rows).
 GEMV_THREADS = int(os.environ.get("RLSERVE_GEMV_THREADS", "0"))
-FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC", "-shared"]
+FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fPIC", "-shared"]
 
 
 def _compiler() -> str | None:

@@ -7,12 +7,13 @@
  * in one pass over the rows. The arithmetic follows transformers' order (the residual sum first,
  * then mean of squares, rsqrt, scale by the weight), in fp32, rounding to T where it does.
  *
- * Rows are split across threads when there are enough of them (PARALLEL_MIN_WORK); a row is at
- * most a few KB, so one row is never split.
+ * Rows are split across parallel.c's threads when there are enough of them (PARALLEL_MIN_WORK); a
+ * row is at most a few KB, so one row is never split.
  */
 #include <math.h>
 #include <stdint.h>
 
+#include "parallel.h"
 #include "scalar.h"
 
 static inline void NAME(rms_norm_row)(const T *x, const T *weight, T *out, int64_t dim, float eps) {
@@ -22,29 +23,51 @@ static inline void NAME(rms_norm_row)(const T *x, const T *weight, T *out, int64
     for (int64_t i = 0; i < dim; ++i) out[i] = ST(LD(weight[i]) * ROUND(LD(x[i]) * scale));
 }
 
-/* hidden [rows, dim] += delta (when delta is not NULL), then out = rms_norm(hidden) * weight */
-void NAME(rlserve_add_rms_norm)(T *hidden, const T *delta, const T *weight, T *out, int64_t rows, int64_t dim,
-                                float eps, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (rows > 1 && rows * dim >= PARALLEL_MIN_WORK)
-    for (int64_t r = 0; r < rows; ++r) {
-        T *h = hidden + r * dim;
-        if (delta != 0) {
-            const T *d = delta + r * dim;
-            for (int64_t i = 0; i < dim; ++i) h[i] = ST(LD(h[i]) + LD(d[i]));
+struct NAME(norm_job) {
+    T *hidden;
+    const T *delta, *weight;
+    T *out;
+    int64_t dim;
+    float eps;
+};
+
+static void NAME(add_rms_norm_rows)(const void *job_ptr, int64_t begin, int64_t end) {
+    const struct NAME(norm_job) *j = job_ptr;
+    for (int64_t r = begin; r < end; ++r) {
+        T *h = j->hidden + r * j->dim;
+        if (j->delta != 0) {
+            const T *d = j->delta + r * j->dim;
+            for (int64_t i = 0; i < j->dim; ++i) h[i] = ST(LD(h[i]) + LD(d[i]));
         }
-        NAME(rms_norm_row)(h, weight, out + r * dim, dim, eps);
+        NAME(rms_norm_row)(h, j->weight, j->out + r * j->dim, j->dim, j->eps);
     }
 }
 
-/* qkv [tokens, (nh + 2 * nkv) * D] in place: q/k heads RMS-normed per head (when q_norm is not
- * NULL; Qwen3), then rotated (rotate-half RoPE, cos/sin [tokens, D] with sin's first half
- * negated); then each token's k and v heads copied to its KV slot in k_cache/v_cache [slots, nkv, D]. */
-void NAME(rlserve_qk_rope_store)(T *qkv, const T *cos, const T *sin_signed, const T *q_norm, const T *k_norm,
-                                 float eps, const int64_t *slots, T *k_cache, T *v_cache, int64_t tokens, int64_t nh,
-                                 int64_t nkv, int64_t D, int num_threads) {
+/* hidden [rows, dim] += delta (when delta is not NULL), then out = rms_norm(hidden) * weight */
+void NAME(rlserve_add_rms_norm)(T *hidden, const T *delta, const T *weight, T *out, int64_t rows, int64_t dim,
+                                float eps, int num_threads) {
+    const struct NAME(norm_job) job = {hidden, delta, weight, out, dim, eps};
+    const int threads = rows * dim >= PARALLEL_MIN_WORK ? num_threads : 1;
+    rlserve_parallel_for(NAME(add_rms_norm_rows), &job, rows, rlserve_rows_per_chunk(rows, threads), threads);
+}
+
+struct NAME(rope_job) {
+    T *qkv;
+    const T *cos, *sin_signed, *q_norm, *k_norm;
+    float eps;
+    const int64_t *slots;
+    T *k_cache, *v_cache;
+    int64_t nh, nkv, D;
+};
+
+static void NAME(qk_rope_store_rows)(const void *job_ptr, int64_t begin, int64_t end) {
+    const struct NAME(rope_job) *j = job_ptr;
+    T *qkv = j->qkv, *k_cache = j->k_cache, *v_cache = j->v_cache;
+    const T *cos = j->cos, *sin_signed = j->sin_signed, *q_norm = j->q_norm, *k_norm = j->k_norm;
+    const int64_t *slots = j->slots, nh = j->nh, nkv = j->nkv, D = j->D;
+    const float eps = j->eps;
     const int64_t half = D / 2, width = (nh + 2 * nkv) * D;
-#pragma omp parallel for num_threads(num_threads) if (tokens > 1 && tokens * width >= PARALLEL_MIN_WORK)
-    for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t t = begin; t < end; ++t) {
         T *row = qkv + t * width;
         const T *c = cos + t * D, *s = sin_signed + t * D;
         for (int64_t h = 0; h < nh + nkv; ++h) {
@@ -67,15 +90,39 @@ void NAME(rlserve_qk_rope_store)(T *qkv, const T *cos, const T *sin_signed, cons
     }
 }
 
-/* gate_up [rows, 2 * inter] -> out [rows, inter] = silu(gate) * up */
-void NAME(rlserve_silu_mul)(const T *gate_up, T *out, int64_t rows, int64_t inter, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (rows > 1 && rows * inter >= PARALLEL_MIN_WORK)
-    for (int64_t r = 0; r < rows; ++r) {
-        const T *g = gate_up + r * 2 * inter, *u = g + inter;
-        T *o = out + r * inter;
+/* qkv [tokens, (nh + 2 * nkv) * D] in place: q/k heads RMS-normed per head (when q_norm is not
+ * NULL; Qwen3), then rotated (rotate-half RoPE, cos/sin [tokens, D] with sin's first half
+ * negated); then each token's k and v heads copied to its KV slot in k_cache/v_cache [slots, nkv, D]. */
+void NAME(rlserve_qk_rope_store)(T *qkv, const T *cos, const T *sin_signed, const T *q_norm, const T *k_norm,
+                                 float eps, const int64_t *slots, T *k_cache, T *v_cache, int64_t tokens, int64_t nh,
+                                 int64_t nkv, int64_t D, int num_threads) {
+    const struct NAME(rope_job) job = {qkv, cos, sin_signed, q_norm, k_norm, eps, slots, k_cache, v_cache, nh, nkv, D};
+    const int threads = tokens * (nh + 2 * nkv) * D >= PARALLEL_MIN_WORK ? num_threads : 1;
+    rlserve_parallel_for(NAME(qk_rope_store_rows), &job, tokens, rlserve_rows_per_chunk(tokens, threads), threads);
+}
+
+struct NAME(silu_job) {
+    const T *gate_up;
+    T *out;
+    int64_t inter;
+};
+
+static void NAME(silu_mul_rows)(const void *job_ptr, int64_t begin, int64_t end) {
+    const struct NAME(silu_job) *j = job_ptr;
+    const int64_t inter = j->inter;
+    for (int64_t r = begin; r < end; ++r) {
+        const T *g = j->gate_up + r * 2 * inter, *u = g + inter;
+        T *o = j->out + r * inter;
         for (int64_t i = 0; i < inter; ++i) {
             const float gi = LD(g[i]);
             o[i] = ST(ROUND(gi / (1.0f + expf(-gi))) * LD(u[i]));
         }
     }
+}
+
+/* gate_up [rows, 2 * inter] -> out [rows, inter] = silu(gate) * up */
+void NAME(rlserve_silu_mul)(const T *gate_up, T *out, int64_t rows, int64_t inter, int num_threads) {
+    const struct NAME(silu_job) job = {gate_up, out, inter};
+    const int threads = rows * inter >= PARALLEL_MIN_WORK ? num_threads : 1;
+    rlserve_parallel_for(NAME(silu_mul_rows), &job, rows, rlserve_rows_per_chunk(rows, threads), threads);
 }

@@ -15,6 +15,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "parallel.h"
 #include "scalar.h"
 
 #ifndef MAX_GROUP
@@ -77,27 +78,43 @@ static inline __attribute__((always_inline)) void NAME(attend_one)(
     }
 }
 
+struct NAME(attention_job) {
+    const T *q, *k_cache, *v_cache;
+    const int64_t *blocks, *ctx_lens;
+    T *out;
+    int64_t q_stride, W, H, KVH, D, block_size;
+    float scale;
+};
+
+/* Items [begin, end) of (sequence, KV head) pairs. */
+static void NAME(attend_items)(const void *job_ptr, int64_t begin, int64_t end) {
+    const struct NAME(attention_job) *j = job_ptr;
+    const int64_t KVH = j->KVH, D = j->D, G = j->H / KVH;
+    for (int64_t item = begin; item < end; ++item) {
+        const int64_t b = item / KVH, kvh = item % KVH;
+        const T *qb = j->q + b * j->q_stride + kvh * G * D;
+        T *ob = j->out + (b * j->H + kvh * G) * D;
+        const int64_t *table = j->blocks + b * j->W, len = j->ctx_lens[b];
+        if (D == 64)
+            NAME(attend_one)(qb, j->k_cache, j->v_cache, table, len, ob, G, KVH, kvh, 64, j->block_size, j->scale);
+        else if (D == 128)
+            NAME(attend_one)(qb, j->k_cache, j->v_cache, table, len, ob, G, KVH, kvh, 128, j->block_size, j->scale);
+        else
+            NAME(attend_one)(qb, j->k_cache, j->v_cache, table, len, ob, G, KVH, kvh, D, j->block_size, j->scale);
+    }
+}
+
 /* q: [B, H, D] with q_stride values between sequences (a view into the QKV rows); out: [B, H, D];
  * k_cache, v_cache: [slots, KVH, D] (one layer); blocks: [B, W] block ids; ctx_lens: [B].
- * Slot of position t of sequence b: blocks[b, t / block_size] * block_size + t % block_size. */
+ * Slot of position t of sequence b: blocks[b, t / block_size] * block_size + t % block_size.
+ * Items are claimed one at a time by parallel.c's threads: contexts differ in length. */
 void NAME(rlserve_paged_attention)(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache,
                                    const int64_t *blocks, const int64_t *ctx_lens, T *out, int64_t B, int64_t W,
                                    int64_t H, int64_t KVH, int64_t D, int64_t block_size, float scale,
                                    int num_threads) {
-    const int64_t G = H / KVH;
     int64_t work = 0; /* multiply-adds: every query head against every K and V of its context */
     for (int64_t b = 0; b < B; ++b) work += ctx_lens[b] * H * D * 2;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (work >= PARALLEL_MIN_WORK && B * KVH > 1)
-    for (int64_t item = 0; item < B * KVH; ++item) {
-        const int64_t b = item / KVH, kvh = item % KVH;
-        const T *qb = q + b * q_stride + kvh * G * D;
-        T *ob = out + (b * H + kvh * G) * D;
-        const int64_t *table = blocks + b * W;
-        if (D == 64)
-            NAME(attend_one)(qb, k_cache, v_cache, table, ctx_lens[b], ob, G, KVH, kvh, 64, block_size, scale);
-        else if (D == 128)
-            NAME(attend_one)(qb, k_cache, v_cache, table, ctx_lens[b], ob, G, KVH, kvh, 128, block_size, scale);
-        else
-            NAME(attend_one)(qb, k_cache, v_cache, table, ctx_lens[b], ob, G, KVH, kvh, D, block_size, scale);
-    }
+    const struct NAME(attention_job) job = {q, k_cache, v_cache, blocks, ctx_lens, out, q_stride, W, H, KVH, D,
+                                            block_size, scale};
+    rlserve_parallel_for(NAME(attend_items), &job, B * KVH, 1, work >= PARALLEL_MIN_WORK ? num_threads : 1);
 }
