@@ -85,6 +85,8 @@ def push(
     die_after: int | None,
     body_extra: dict,
     generate: bool,
+    start: bool = True,
+    finish: bool = True,
 ) -> dict:
     tensors = sorted(load_file(ckpt).items())
     names = [n for n, _ in tensors]
@@ -104,7 +106,8 @@ def push(
         info_extra = {**info_extra, "checksums": {names[0]: "0" * 64}}
     info = {"names": names, "dtype_names": dtypes, "shapes": shapes, **info_extra}
     before = version()
-    post("/start_weight_update", {})
+    if start:
+        post("/start_weight_update", {})
     with ThreadPoolExecutor(1) as pool:
         done = pool.submit(post, "/update_weights", {"update_info": info, **body_extra})
         try:
@@ -112,7 +115,7 @@ def push(
         except RuntimeError as exc:  # the server dropped the group after refusing the push
             print(json.dumps({"trainer_error": str(exc)[:200]}), file=sys.stderr)
         status, body = done.result()
-    fin = post("/finish_weight_update", {}) if status == 200 else None
+    fin = post("/finish_weight_update", {}) if status == 200 and finish else None
     out = {"status": status, "body": body, "before": before, "after": version(), "finish": fin}
     if status == 200 and generate:  # a generation under the new weights
         gen = {
@@ -138,6 +141,8 @@ for step in plan:
             opts.get("die_after"),
             opts.get("body", {}),  # fields beside update_info
             opts.get("generate", True),  # false: the engine may be asleep or paused
+            opts.get("start", True),  # false: a further part of the update already open
+            opts.get("finish", True),  # false: more parts follow (or a "post" step finishes it)
         )
     elif kind == "post":  # another call between pushes (/sleep, /wake_up): ["post", path, query, json body]
         query, body = (step[2:] + [None, None])[:2]

@@ -106,3 +106,12 @@ def commit(model: CausalLM, staged: StagedWeights) -> None:
         copy_tensor(model, params, name, tensor, staged.sharded)
     note_written(model, staged.tensors)
     model.refresh_packed()
+
+
+def void_update(why: str, policy_version: int, weight_version: str) -> str:
+    """The refusal of a finish whose update lost a part (a receive failed or was refused after others
+    were staged): committing the rest would serve a mix of two policies under one label."""
+    return (
+        f"this weight update lost a part ({why}), so nothing of it was committed: the previous weights keep "
+        f"serving at policy_version {policy_version} ({weight_version!r}); start the update again"
+    )

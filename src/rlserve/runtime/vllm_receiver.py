@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from rlserve import weight_transfer
-from rlserve.engine.weights import StagedWeights, WeightUpdateError, stage
+from rlserve.engine.weights import StagedWeights, WeightUpdateError, stage, void_update
 
 log = logging.getLogger("rlserve.engine.vllm_receiver")
 
@@ -37,6 +37,7 @@ class Receiver:
     buffer_bytes: int = weight_transfer.VLLM_PACKED_BUFFER_BYTES
     staged: dict[str, torch.Tensor] = field(default_factory=dict)
     inflight: str | None = None  # the open update's in-flight policy, applied at its commit
+    void: str | None = None  # why the open update lost a part: its finish commits nothing
 
 
 def receiver_of(core: Any) -> Receiver:
@@ -116,7 +117,7 @@ def op_vllm_shutdown(core: Any, call_id: int) -> None:
 
 def op_vllm_start(core: Any, call_id: int) -> None:
     r = receiver_of(core)
-    r.open, r.staged, r.inflight = True, {}, None
+    r.open, r.staged, r.inflight, r.void = True, {}, None, None
 
 
 def _sha256(tensor: torch.Tensor) -> str:
@@ -234,8 +235,9 @@ def op_vllm_receive(
             if commit_now:
                 _push_to_ranks(core, call_id, staged)
             return staged
-        except BaseException:
-            core.done.put(lambda: setattr(r, "receiving", False))
+        except BaseException as exc:
+            why = str(exc) or type(exc).__name__
+            core.done.put(lambda: _failed(r, why, within_update=not commit_now))
             raise
 
     def commit(staged: dict[str, torch.Tensor]) -> int:
@@ -249,6 +251,13 @@ def op_vllm_receive(
         )
 
     return core.off_loop(call_id, work, commit)
+
+
+def _failed(r: Receiver, why: str, within_update: bool) -> None:
+    """A receive failed: within an open update, the tensors staged before it must not go live alone."""
+    r.receiving = False
+    if within_update:
+        r.void, r.staged, r.inflight = why, {}, None
 
 
 def _lost(core: Any) -> None:
@@ -268,6 +277,9 @@ def op_vllm_finish(core: Any, call_id: int, label: str | None, inflight: str | N
     r = receiver_of(core)
     staged, r.staged, r.open = r.staged, {}, False
     inflight, r.inflight = inflight or r.inflight, None
+    if r.void is not None:
+        why, r.void = r.void, None
+        raise RuntimeError(void_update(why, core.engine.policy_version, core.engine.weight_version))
     if not staged:
         if label is not None:
             core.engine.weight_version = label

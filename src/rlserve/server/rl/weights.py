@@ -18,7 +18,7 @@ import torch
 from fastapi import APIRouter, Request
 
 from rlserve import weight_transfer
-from rlserve.engine.weights import StagedWeights, WeightUpdateError, stage
+from rlserve.engine.weights import StagedWeights, WeightUpdateError, stage, void_update
 from rlserve.server.errors import APIError, bad_request
 from rlserve.server.openapi import documented
 from rlserve.server.rl import vllm_rl
@@ -38,6 +38,7 @@ class Transfer:
     packed: bool = True  # init_info's packed and packed_buffer_size_bytes (vLLM >= 0.28 sends them there)
     buffer_bytes: int = weight_transfer.VLLM_PACKED_BUFFER_BYTES
     inflight: str | None = None  # the open update's in-flight policy, applied at its commit
+    void: str | None = None  # why the open update lost a part: its finish commits nothing
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
@@ -137,7 +138,7 @@ async def start_weight_update(request: Request) -> dict:
         await vllm_rl.on_engines(state, "vllm_start")
         return {"message": "Weight update started"}
     transfer = _transfer(request)
-    transfer.open, transfer.staged, transfer.inflight = True, {}, None
+    transfer.open, transfer.staged, transfer.inflight, transfer.void = True, {}, None, None
     return {"message": "Weight update started"}
 
 
@@ -171,20 +172,24 @@ async def receive_update(request: Request, info: dict, label: str | None, inflig
     buffer_bytes = buffer_bytes or transfer.buffer_bytes
     device = "cuda" if _local_engine(state).device.type == "cuda" else "cpu"
     async with transfer.lock:
-        # receive everything first so the group stays in step with the trainer, then validate
-        received = await asyncio.to_thread(
-            weight_transfer.receive_vllm,
-            [str(n) for n in names],
-            dtypes,
-            [list(s) for s in shapes],
-            packed,
-            buffer_bytes,
-            device,
-        )
         try:
+            # receive everything first so the group stays in step with the trainer, then validate
+            received = await asyncio.to_thread(
+                weight_transfer.receive_vllm,
+                [str(n) for n in names],
+                dtypes,
+                [list(s) for s in shapes],
+                packed,
+                buffer_bytes,
+                device,
+            )
             staged = stage(_local_engine(state).model, received, "update_info", require_all=False)
-        except WeightUpdateError as exc:
-            raise bad_request(f"{exc}; the previous weights keep serving", "update_info") from None
+        except BaseException as exc:
+            if transfer.open:  # the tensors staged before this part must not go live without it
+                transfer.void, transfer.staged, transfer.inflight = str(exc) or type(exc).__name__, {}, None
+            if isinstance(exc, WeightUpdateError):
+                raise bad_request(f"{exc}; the previous weights keep serving", "update_info") from None
+            raise
         transfer.staged.update(staged.tensors)
         if transfer.open:
             transfer.inflight = inflight or transfer.inflight
@@ -205,6 +210,10 @@ async def finish_weight_update(request: Request) -> dict:
         return {"message": "Weight update finished", "policy_version": version}
     async with transfer.lock:
         transfer.open, inflight, transfer.inflight = False, inflight or transfer.inflight, None
+        if transfer.void is not None:
+            why, transfer.void, transfer.staged = transfer.void, None, {}
+            engine = state.engine
+            raise APIError(409, void_update(why, engine.policy_version, engine.weight_version))
         if not transfer.staged:
             return {"message": "Weight update finished", "policy_version": state.engine.policy_version}
         version = await _commit(state, transfer, label, inflight)
