@@ -3,7 +3,7 @@
 A row's numbers must not depend on how many other rows share its step. GEMM libraries break that:
 MKL and oneDNN pick kernels and blockings by the row count, and the engine itself switches from the
 C GEMV to the packed GEMM above a few rows. In this mode every projection (the LM head too) runs
-through the C GEMV at every row count: its 4x4 tiles give each (row, output) pair its own
+through the C GEMV at every row count: its register tiles give each (row, output) pair its own
 accumulator that walks K in one fixed order, whatever the tile's other rows. Attention runs every
 query token through the paged decode kernel (one online softmax over the token's own context, in
 block-size steps from position 0): a prompt token is computed as if it were decoded, so chunked

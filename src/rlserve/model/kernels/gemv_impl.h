@@ -5,8 +5,8 @@
  * weight: each weight value is used once per row. A GEMM library tuned for large products reads
  * it slower than the memory allows (MKL's packed sgemm at 1 row streamed ~15 GB/s where llama.cpp
  * reads ~25). Here the weight is read once, in torch's own [out, in] layout (each output's row
- * contiguous, so no packed copy and nothing to refresh after a weight update): a tile of 4 output
- * rows against up to 4 rows of x, 16 accumulators in registers, the x rows staying in L1; one row
+ * contiguous, so no packed copy and nothing to refresh after a weight update): a tile of 4 (AVX2: 3)
+ * output rows against up to 4 rows of x, their accumulators in registers, the x rows staying in L1; one row
  * of x reads each weight row front to back instead (gemv_dot). With num_threads > 1 the outputs
  * are shared over parallel.c's threads (no barrier that waits for a descheduled thread) when the
  * call has PARALLEL_MIN_WORK multiply-adds.
@@ -23,7 +23,14 @@
 #include <immintrin.h>
 #endif
 
+/* 3 outputs x 4 rows: 12 accumulators, 3 weight vectors and an x vector fill AVX2's 16 registers
+ * (4 x 4 spilled: 15-25% slower from 8 to 4096 rows, one thread); AVX-512 has 32. The tile's
+ * shape changes no bit: each (row, output) sum walks K in the same lanes either way. */
+#if defined(__AVX512F__)
 #define GEMV_TILE_OUT 4
+#else
+#define GEMV_TILE_OUT 3
+#endif
 #define GEMV_TILE_ROWS 4
 #define GEMV_BLOCK_BYTES (128 * 1024)
 /* Each weight row is short (K values) and a tile reads 4 of them side by side, so the hardware
@@ -186,10 +193,10 @@ static void NAME(gemv_tiles)(const void *job_ptr, int64_t begin, int64_t end) {
         for (int64_t r0 = rb; r0 < rows_end; r0 += GEMV_TILE_ROWS) {
             const int64_t nr = rows_end - r0 < GEMV_TILE_ROWS ? rows_end - r0 : GEMV_TILE_ROWS;
             /* the full tiles with constant sizes, so gemv_tile unrolls; edges through the generic one */
-            if (nj == GEMV_TILE_OUT && nr == 4) NAME(gemv_store)(j->x, j->w, j->bias, j->out, j->out_f32, j->K, j->N, r0, n, 4, 4);
-            else if (nj == GEMV_TILE_OUT && nr == 3) NAME(gemv_store)(j->x, j->w, j->bias, j->out, j->out_f32, j->K, j->N, r0, n, 3, 4);
-            else if (nj == GEMV_TILE_OUT && nr == 2) NAME(gemv_store)(j->x, j->w, j->bias, j->out, j->out_f32, j->K, j->N, r0, n, 2, 4);
-            else if (nj == GEMV_TILE_OUT && nr == 1) NAME(gemv_store)(j->x, j->w, j->bias, j->out, j->out_f32, j->K, j->N, r0, n, 1, 4);
+            if (nj == GEMV_TILE_OUT && nr == 4) NAME(gemv_store)(j->x, j->w, j->bias, j->out, j->out_f32, j->K, j->N, r0, n, 4, GEMV_TILE_OUT);
+            else if (nj == GEMV_TILE_OUT && nr == 3) NAME(gemv_store)(j->x, j->w, j->bias, j->out, j->out_f32, j->K, j->N, r0, n, 3, GEMV_TILE_OUT);
+            else if (nj == GEMV_TILE_OUT && nr == 2) NAME(gemv_store)(j->x, j->w, j->bias, j->out, j->out_f32, j->K, j->N, r0, n, 2, GEMV_TILE_OUT);
+            else if (nj == GEMV_TILE_OUT && nr == 1) NAME(gemv_store)(j->x, j->w, j->bias, j->out, j->out_f32, j->K, j->N, r0, n, 1, GEMV_TILE_OUT);
             else NAME(gemv_store)(j->x, j->w, j->bias, j->out, j->out_f32, j->K, j->N, r0, n, nr, nj);
         }
     }
