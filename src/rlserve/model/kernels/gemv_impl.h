@@ -5,9 +5,9 @@
  * weight: each weight value is used once per row. A GEMM library tuned for large products reads
  * it slower than the memory allows (MKL's packed sgemm at 1 row streamed ~15 GB/s where llama.cpp
  * reads ~25). Here the weight is read once, in torch's own [out, in] layout (each output's row
- * contiguous, so no packed copy and nothing to refresh after a weight update): a tile of 4 (AVX2: 3)
- * output rows against up to 4 rows of x, their accumulators in registers, the x rows staying in L1; one row
- * of x reads each weight row front to back instead (gemv_dot). With num_threads > 1 the outputs
+ * contiguous, so no packed copy and nothing to refresh after a weight update): a tile of 4
+ * (AVX2: 3) output rows against up to 4 rows of x, its accumulators in registers, the x rows
+ * staying in L1; one row of x reads each weight row front to back instead (gemv_dot). With num_threads > 1 the outputs
  * are shared over parallel.c's threads (no barrier that waits for a descheduled thread) when the
  * call has PARALLEL_MIN_WORK multiply-adds.
  *
