@@ -235,6 +235,14 @@ def test_unknown_fields_stay_ignored_on_typed_native_routes(server: str) -> None
         assert r.status_code == 200, r.text
 
 
+@pytest.mark.parametrize("field, value", [("rank_offset", 2**70), ("inference_world_size", 2**64), ("timeout", 1e300)])
+def test_init_broadcaster_refuses_numbers_no_process_group_takes(server: str, field: str, value) -> None:
+    """Found by the fuzzer: a rank past 64 bits reached the engine's message encoding and came back a 500."""
+    body = {"host": "127.0.0.1", "port": 1, "rank_offset": 0, "inference_world_size": 1, "timeout": 1, field: value}
+    r = httpx.post(f"{server}/init_broadcaster", json=body, timeout=HANG_GUARD_S)
+    assert r.status_code == 400 and field in r.text, r.text
+
+
 def test_openapi_describes_every_body_with_this_servers_caps(server: str) -> None:
     spec = httpx.get(f"{server}/openapi.json", timeout=HANG_GUARD_S).json()
     for path in (

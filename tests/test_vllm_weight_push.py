@@ -161,6 +161,34 @@ def test_an_update_that_lost_a_part_commits_nothing(ckpts, engine):
         stop_server(proc)
 
 
+def test_an_update_whose_broadcast_broke_commits_nothing(ckpts):
+    """start, one part received and staged, then the trainer dies in the next part's broadcast; a
+    finish (from whoever sends it) is refused and neither the part nor the label goes live."""
+    url, proc = start_server()
+    try:
+        good, other = str(ckpts[0] / "model.safetensors"), str(ckpts[1] / "model.safetensors")
+        out = run_trainer(
+            url,
+            [
+                ["join", {"packed_buffer_size_bytes": 1 << 16}],
+                ["push", good, {"buffer_bytes": 1 << 16}],
+                ["push", other, {"buffer_bytes": 1 << 16, "finish": False, "generate": False}],
+                ["push", other, {"buffer_bytes": 1 << 16, "start": False, "die_after": 1}],
+            ],
+        )
+        before = out[1]["after"]
+        assert out[2]["status"] == 200 and len(out) == 3, out
+        fin = httpx.post(f"{url}/finish_weight_update", json={"weight_version": "broken"}, timeout=60)
+        assert fin.status_code == 409 and "nothing of it was committed" in fin.text, fin.text
+        info = httpx.get(f"{url}/weight_info", timeout=30).json()
+        assert info["policy_version"] == before and info["weight_version"] != "broken", info
+        out = run_trainer(url, [["join"], ["push", other]])
+        assert out[1]["status"] == 200 and out[1]["after"] == before + 1, out[1]
+        assert_serves(out[1]["choice"], ckpts[1])
+    finally:
+        stop_server(proc)
+
+
 @pytest.mark.parametrize("parallel", [("--parallel.tp", "2"), ("--parallel.dp", "2")], ids=["tp2", "dp2"])
 def test_weight_push_under_parallelism(ckpts, parallel):
     url, proc = start_server(*parallel, timeout=600)

@@ -38,6 +38,7 @@ class Receiver:
     staged: dict[str, torch.Tensor] = field(default_factory=dict)
     inflight: str | None = None  # the open update's in-flight policy, applied at its commit
     void: str | None = None  # why the open update lost a part: its finish commits nothing
+    update: int = 0  # counts starts and finishes: a part lands only in the open update it was sent for
 
 
 def receiver_of(core: Any) -> Receiver:
@@ -118,6 +119,7 @@ def op_vllm_shutdown(core: Any, call_id: int) -> None:
 def op_vllm_start(core: Any, call_id: int) -> None:
     r = receiver_of(core)
     r.open, r.staged, r.inflight, r.void = True, {}, None, None
+    r.update += 1
 
 
 def _sha256(tensor: torch.Tensor) -> str:
@@ -213,7 +215,7 @@ def op_vllm_receive(
     use_packed = r.packed if packed is None else bool(packed)
     chunk = int(buffer_bytes or r.buffer_bytes)
     device = "cuda" if core.engine.device.type == "cuda" else "cpu"
-    model, commit_now = core.engine.model, not r.open
+    model, commit_now, update = core.engine.model, not r.open, r.update
     r.receiving = True
 
     def work() -> dict[str, torch.Tensor]:
@@ -237,12 +239,14 @@ def op_vllm_receive(
             return staged
         except BaseException as exc:
             why = str(exc) or type(exc).__name__
-            core.done.put(lambda: _failed(r, why, within_update=not commit_now))
+            core.done.put(lambda: _failed(r, why, within_update=not commit_now and r.update == update))
             raise
 
     def commit(staged: dict[str, torch.Tensor]) -> int:
         r.receiving = False
         if not commit_now:
+            if not (r.open and r.update == update):  # that update was finished or refused meanwhile
+                return core.engine.policy_version
             r.staged.update(staged)
             r.inflight = inflight or r.inflight
             return core.engine.policy_version
@@ -277,6 +281,9 @@ def op_vllm_finish(core: Any, call_id: int, label: str | None, inflight: str | N
     r = receiver_of(core)
     staged, r.staged, r.open = r.staged, {}, False
     inflight, r.inflight = inflight or r.inflight, None
+    r.update += 1
+    if r.receiving and r.void is None:  # finished before its last part arrived
+        r.void = "a part was still being received at the finish"
     if r.void is not None:
         why, r.void = r.void, None
         raise RuntimeError(void_update(why, core.engine.policy_version, core.engine.weight_version))

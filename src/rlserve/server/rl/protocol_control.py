@@ -10,6 +10,8 @@ from pydantic import Field
 from rlserve.server.protocol import Body
 
 Label = str | int  # weight_version labels: trainers send step numbers too
+MAX_RANK = 2**31 - 2  # torch.distributed's ranks and world sizes are int32 (the trainer is one more)
+MAX_RENDEZVOUS_S = 86_400.0
 INFLIGHT_DESCRIPTION = (
     "what the requests in flight do at this update (default: the server's engine.inflight_update_policy): keep, "
     "recompute (their KV recomputed with the new weights first), abort (they end with their tokens), "
@@ -45,9 +47,9 @@ class FinishWeightUpdateRequest(Body):
 class InitBroadcasterRequest(Body):
     host: str | None = None
     port: int | None = Field(None, ge=0, le=65535)
-    rank_offset: int = Field(0, ge=0)
-    inference_world_size: int = Field(1, ge=1)
-    timeout: float = Field(300.0, gt=0)
+    rank_offset: int = Field(0, ge=0, le=MAX_RANK)
+    inference_world_size: int = Field(1, ge=1, le=MAX_RANK)
+    timeout: float = Field(300.0, gt=0, le=MAX_RENDEZVOUS_S)
     quantize_in_weight_transfer: bool = False
     session_id: str = "default"
 
