@@ -47,7 +47,7 @@ static void NAME(add_rms_norm_rows)(const void *job_ptr, int64_t begin, int64_t 
 void NAME(rlserve_add_rms_norm)(T *hidden, const T *delta, const T *weight, T *out, int64_t rows, int64_t dim,
                                 float eps, int num_threads) {
     const struct NAME(norm_job) job = {hidden, delta, weight, out, dim, eps};
-    const int threads = rows * dim >= PARALLEL_MIN_WORK ? num_threads : 1;
+    const int threads = rlserve_threads_for(rows * dim, num_threads);
     rlserve_parallel_for(NAME(add_rms_norm_rows), &job, rows, rlserve_rows_per_chunk(rows, threads), threads);
 }
 
@@ -97,7 +97,7 @@ void NAME(rlserve_qk_rope_store)(T *qkv, const T *cos, const T *sin_signed, cons
                                  float eps, const int64_t *slots, T *k_cache, T *v_cache, int64_t tokens, int64_t nh,
                                  int64_t nkv, int64_t D, int num_threads) {
     const struct NAME(rope_job) job = {qkv, cos, sin_signed, q_norm, k_norm, eps, slots, k_cache, v_cache, nh, nkv, D};
-    const int threads = tokens * (nh + 2 * nkv) * D >= PARALLEL_MIN_WORK ? num_threads : 1;
+    const int threads = rlserve_threads_for(tokens * (nh + 2 * nkv) * D, num_threads);
     rlserve_parallel_for(NAME(qk_rope_store_rows), &job, tokens, rlserve_rows_per_chunk(tokens, threads), threads);
 }
 
@@ -123,6 +123,6 @@ static void NAME(silu_mul_rows)(const void *job_ptr, int64_t begin, int64_t end)
 /* gate_up [rows, 2 * inter] -> out [rows, inter] = silu(gate) * up */
 void NAME(rlserve_silu_mul)(const T *gate_up, T *out, int64_t rows, int64_t inter, int num_threads) {
     const struct NAME(silu_job) job = {gate_up, out, inter};
-    const int threads = rows * inter >= PARALLEL_MIN_WORK ? num_threads : 1;
+    const int threads = rlserve_threads_for(rows * inter, num_threads);
     rlserve_parallel_for(NAME(silu_mul_rows), &job, rows, rlserve_rows_per_chunk(rows, threads), threads);
 }

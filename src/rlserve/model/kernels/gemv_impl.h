@@ -7,9 +7,9 @@
  * reads ~25). Here the weight is read once, in torch's own [out, in] layout (each output's row
  * contiguous, so no packed copy and nothing to refresh after a weight update): a tile of 4
  * (AVX2: 3) output rows against up to 4 rows of x, its accumulators in registers, the x rows
- * staying in L1; one row of x reads each weight row front to back instead (gemv_dot). With num_threads > 1 the outputs
- * are shared over parallel.c's threads (no barrier that waits for a descheduled thread) when the
- * call has PARALLEL_MIN_WORK multiply-adds.
+ * staying in L1; one row of x reads each weight row front to back instead (gemv_dot). With
+ * num_threads > 1 the outputs are shared over parallel.c's threads (no barrier that waits for a
+ * descheduled thread) when the call has PARALLEL_MIN_WORK multiply-adds.
  *
  * bf16 multiplies pairs with AVX512_BF16's dot product (fp32 accumulation) where the CPU has it;
  * elsewhere the same tiles in plain C, bf16 widened to fp32 (the engine takes this routine for
@@ -17,6 +17,7 @@
  */
 #include <stdint.h>
 
+#include "parallel.h"
 #include "scalar.h"
 
 #if defined(__AVX512F__)
@@ -210,7 +211,7 @@ static void NAME(gemv_any)(const T *x, const T *w, const T *bias, void *out, int
     const struct NAME(gemv_job) job = {x, w, bias, out, out_f32, rows, K, N};
     const int64_t tiles = (N + GEMV_TILE_OUT - 1) / GEMV_TILE_OUT;
     rlserve_parallel_for(NAME(gemv_tiles), &job, tiles, tiles >= 16 ? tiles / 16 : 1,
-                         rows * K * N >= PARALLEL_MIN_WORK ? num_threads : 1);
+                         rlserve_threads_for(rows * K * N, num_threads));
 }
 
 void NAME(rlserve_gemv)(const T *x, const T *w, const T *bias, T *out, int64_t rows, int64_t K, int64_t N,

@@ -116,5 +116,5 @@ void NAME(rlserve_paged_attention)(const T *q, int64_t q_stride, const T *k_cach
     for (int64_t b = 0; b < B; ++b) work += ctx_lens[b] * H * D * 2;
     const struct NAME(attention_job) job = {q, k_cache, v_cache, blocks, ctx_lens, out, q_stride, W, H, KVH, D,
                                             block_size, scale};
-    rlserve_parallel_for(NAME(attend_items), &job, B * KVH, 1, work >= PARALLEL_MIN_WORK ? num_threads : 1);
+    rlserve_parallel_for(NAME(attend_items), &job, B * KVH, 1, rlserve_threads_for(work, num_threads));
 }

@@ -23,12 +23,6 @@ static inline bf16 f32_to_bf16(float f) {
     return (bf16)(u >> 16);
 }
 
-/* Below this much work (multiply-adds or elements) a call runs on one thread. Opening a parallel
- * region costs microseconds on an idle machine but up to a scheduler time slice (milliseconds)
- * when the cores are shared, waiting for a descheduled worker at the barrier: decode attention of
- * one sequence (~0.04 ms on one thread) measured 1.35 ms on two threads with the 2 cores loaded. */
-#define PARALLEL_MIN_WORK (1 << 18)
-
 static inline float f32_load(float x) { return x; }
 static inline float f32_store(float x) { return x; }
 #endif
