@@ -4,7 +4,9 @@
   workload of benchmarks/batch_invariant.py: 8 prompts x n=8, 64 + 64 tokens, RL rollouts);
 - the trainer: one forward + backward of `rlserve.train.token_logprobs` (16 sequences, prompts of
   32-64 and completions of 32-64 tokens, right-padded) on a transformers model patched by
-  `rlserve.train.patch` against the same model unpatched; and the forward alone.
+  `rlserve.train.patch` against the same model unpatched; and the forward alone. Both run the LM head
+  on the completions' rows only (the rows the loss reads, as TRL's `logits_to_keep` does), so the
+  difference is the patched side's own: its exact forward, and the backward's recompute.
 
 Each side runs its two variants in alternation over rounds, so load from other processes lands on
 both; the table gives medians and the median per-round ratio with its range. The cores other

@@ -142,10 +142,28 @@ def test_patched_forward_keeps_names_and_gradients(model_dir):
     patch(model)
     assert [n for n, _ in model.named_parameters()] == names
     prompts, completions = [[5, 6, 7], [9, 10, 11, 12, 13]], [[20, 21, 22, 23], [30, 31]]
-    for m in (reference, model):
-        sum(lp.sum() for lp in token_logprobs(m, prompts, completions)).backward()
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        assert p.grad is not None and (p.grad - q.grad).norm() <= 1e-4 * q.grad.norm(), name
+    sum(lp.sum() for lp in token_logprobs(reference, prompts, completions)).backward()
+    expected = [q.grad for q in reference.parameters()]
+
+    def completion_logprobs_through_forward():
+        """The patched forward called as transformers' (all rows' logits), a loss over the completions."""
+        ids = torch.tensor([[5, 6, 7, 20, 21, 22, 23], [9, 10, 11, 12, 13, 30, 31]])
+        logp = torch.log_softmax(model(input_ids=ids).logits, -1)
+        return sum(
+            logp[row, len(p) - 1 + j, t]
+            for row, (p, c) in enumerate(zip(prompts, completions))
+            for j, t in enumerate(c)
+        )
+
+    for loss in (
+        lambda: sum(lp.sum() for lp in token_logprobs(model, prompts, completions)),
+        lambda: sum(lp.sum() for lp in token_logprobs(model, prompts, completions, packed=True)),
+        completion_logprobs_through_forward,
+    ):
+        model.zero_grad(set_to_none=True)
+        loss().backward()
+        for (name, p), q in zip(model.named_parameters(), expected):
+            assert p.grad is not None and (p.grad - q).norm() <= 1e-4 * q.norm(), name
 
 
 def decode_experts(payload: dict) -> torch.Tensor:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from rlserve.model.invariant_ops import row_log_softmax
+from rlserve.train.patch import FAMILIES, logits_of, segments
 
 
 def token_logprobs(
@@ -32,16 +33,31 @@ def token_logprobs(
     for start in range(0, len(prompt_ids), batch_size):
         prompts, completions = prompt_ids[start : start + batch_size], completion_ids[start : start + batch_size]
         seqs = [list(p) + list(c) for p, c in zip(prompts, completions, strict=True)]
-        input_ids, mask, pos, where = _packed(seqs) if packed else _padded(seqs)
-        logits = model(input_ids=input_ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
-        for (row, first), p, c in zip(where, prompts, completions, strict=True):
+        batch = _packed(seqs) if packed else _padded(seqs)
+        wanted = [range(len(p) - 1, len(p) - 1 + len(c)) for p, c in zip(prompts, completions)]
+        rows = _completion_logits(model, *batch, wanted).split([len(c) for c in completions])
+        for logits, c in zip(rows, completions, strict=True):
             if not c:
                 out.append(torch.zeros(0, dtype=torch.float32))
                 continue
-            rows = logits[row, first + len(p) - 1 : first + len(p) - 1 + len(c)].float()
             targets = torch.tensor(c).unsqueeze(1)
-            out.append(row_log_softmax(rows).gather(1, targets).squeeze(1))
+            out.append(row_log_softmax(logits.float()).gather(1, targets).squeeze(1))
     return out
+
+
+def _completion_logits(model: nn.Module, input_ids, mask, pos, starts, wanted: list[range]) -> torch.Tensor:
+    """The logits of the wanted rows of each sequence, concatenated. The LM head runs on those rows
+    only where the model's logits are its head over the decoder's output (a patched model, or a
+    family rlserve serves), as TRL's `logits_to_keep` does; other models run their whole forward."""
+    if getattr(model, "_rlserve_exact", None) is not None:
+        return logits_of(model, input_ids, segments(mask, pos), wanted)
+    places = [(row, first + w) for (row, first), positions in zip(starts, wanted) for w in positions]
+    rows, cols = torch.tensor(places, dtype=torch.long).reshape(-1, 2).unbind(1)
+    if getattr(model.config, "model_type", None) in FAMILIES:
+        hidden = model.get_decoder()(input_ids=input_ids, attention_mask=mask, position_ids=pos, use_cache=False)
+        return model.get_output_embeddings()(hidden.last_hidden_state[rows, cols])
+    logits = model(input_ids=input_ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+    return logits[rows, cols]
 
 
 def _padded(seqs: list[list[int]]):

@@ -71,10 +71,12 @@ class ExactMirror:
         if changed:
             self.model.refresh_packed()
 
-    @torch.inference_mode()
-    def logits(self, sequences: list[list[int]], want_experts: bool = False):
-        """fp32 logits [total tokens, vocab] of the sequences' tokens, concatenated in order (and,
-        with `want_experts`, the routed experts [total tokens, sparse layers, top_k])."""
+    @torch.no_grad()  # not inference mode: the logits become the output of the patch's autograd function
+    def logits(self, sequences: list[list[int]], want_experts: bool = False, rows: torch.Tensor | None = None):
+        """fp32 logits [total tokens, vocab] of the sequences' tokens, concatenated in order, or of
+        only the tokens at `rows` of that order (each row's bits are the same either way: the head's
+        GEMV computes a row alone); with `want_experts`, also the routed experts [total tokens,
+        sparse layers, top_k]."""
         self.sync()
         bs = self.block_size
         ids, positions, slots, blocks, lens = [], [], [], [], []
@@ -106,7 +108,7 @@ class ExactMirror:
             kernels=self.kernels,
         )
         hidden = self.model(torch.tensor(ids), torch.tensor(positions), attn, kv)
-        logits = self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden if rows is None else hidden.index_select(0, rows))
         if not want_experts:
             return logits
         return logits, routed_experts(self.model.layers, len(ids))
