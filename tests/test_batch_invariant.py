@@ -74,7 +74,8 @@ def run_in_batch(engine: Engine, rng: random.Random, prompt, params, vocab: int)
             if rng.random() < 0.3:  # shares the subject's leading blocks
                 other = prompt[: rng.randint(1, len(prompt))] + other
             engine.add_request(f"filler-{rng.random()}", other, SamplingParams(
-                temperature=rng.choice((0, 1.0)), max_tokens=rng.randint(1, 12), ignore_eos=True, logprobs=0,
+                temperature=rng.choice((0, 1.0)), max_tokens=rng.randint(1, 12), ignore_eos=True,
+                logprobs=rng.choice((0, 3, None)),
                 n=rng.choice((1, 1, 3))))  # fmt: skip
         for _ in range(rng.randint(0, 3)):
             for out in engine.step():

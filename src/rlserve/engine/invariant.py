@@ -77,8 +77,9 @@ def token_rows(attn: AttentionBatch, batch, positions: list[int]) -> AttentionBa
 
 
 class InvariantSampler(Sampler):
-    """The sampler one row at a time on one thread; a token's logprob is log_softmax of the
-    distribution its row was sampled from (raw or processed), whether the row was greedy or not."""
+    """The sampler one row at a time on one thread; a token's logprob (and its top-k) is log_softmax
+    of the distribution its row was sampled from (raw or processed), whether the row was greedy or
+    not. The row's distribution is processed once, for the draw and the logprobs alike."""
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
@@ -91,18 +92,25 @@ class InvariantSampler(Sampler):
         want = any(r.num_logprobs is not None for r in rows)
         return SampleResult(
             [r.token_ids[0] for r in results],
-            [r.logprobs[0] for r in results] if want else None,
+            [None if r.logprobs is None else r.logprobs[0] for r in results] if want else None,  # type: ignore[misc]
             [r.top_logprobs[0] for r in results],
         )
 
     def _one_row(self, logits: torch.Tensor, row: SamplingRow) -> SampleResult:
-        result = self._sample(logits.clone(), [row])
-        if row.num_logprobs is None or row.forced_id is not None:
-            return result
-        dist = logits if row.raw_logprobs else processed_logits(logits.clone(), row)
+        if row.forced_id is not None:  # test-only rows keep the general path
+            return self._sample(logits.clone(), [row])
+        processed = processed_logits(logits.clone(), row)
+        greedy = row.temperature == 0
+        token = int(self._draw(processed, [row], [greedy])[0][0])
+        if row.num_logprobs is None:
+            return SampleResult([token], None, [[]])
+        dist = logits if row.raw_logprobs else processed
         values = dist if row.as_logits else torch.log_softmax(dist, dim=-1)
-        result.logprobs = [values[0, result.token_ids[0]].item()]
-        return result
+        top: list[tuple[int, float]] = []
+        if row.num_logprobs:
+            best_v, best_i = values[0].topk(min(row.num_logprobs, values.shape[1]))
+            top = list(zip(best_i.tolist(), best_v.tolist()))
+        return SampleResult([token], [values[0, token].item()], [top])
 
 
 def processed_logits(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
