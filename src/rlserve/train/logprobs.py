@@ -53,7 +53,7 @@ def _completion_logits(model: nn.Module, input_ids, mask, pos, starts, wanted: l
         return logits_of(model, input_ids, segments(mask, pos), wanted)
     places = [(row, first + w) for (row, first), positions in zip(starts, wanted) for w in positions]
     rows, cols = torch.tensor(places, dtype=torch.long).reshape(-1, 2).unbind(1)
-    if getattr(model.config, "model_type", None) in FAMILIES:
+    if getattr(getattr(model, "config", None), "model_type", None) in FAMILIES:
         hidden = model.get_decoder()(input_ids=input_ids, attention_mask=mask, position_ids=pos, use_cache=False)
         return model.get_output_embeddings()(hidden.last_hidden_state[rows, cols])
     logits = model(input_ids=input_ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
