@@ -170,7 +170,7 @@ class KVTransfer:
             shape, dtype, md = self.block_shape, self.kv_cache.dtype, self.metadata
             heads = kv_format.kv_heads(hashes, generation, shape, dtype, md)
             digests = [
-                kv_format.kv_parts(h, generation, shape, dtype, self._views(b, self.metadata), head, metadata=md)[-1]
+                kv_format.kv_parts(h, generation, shape, dtype, self._views(b, md), head, metadata=md)[-1]
                 for b, h, head in zip(blocks, hashes, heads)
             ]
         with self.lock:
@@ -204,7 +204,7 @@ class KVTransfer:
         return len(tids)
 
     def _views(self, block: int, metadata: tuple[kv_format.MetadataSpec, ...]) -> list[memoryview]:
-        """A CPU pool block's KV runs, then the memory of its `metadata` arrays in name order."""
+        """A CPU pool block's KV runs (none off CPU), then the memory of its `metadata` arrays in name order."""
         arrays = self.block_metadata(block) if metadata else {}
         md = [v for name, _, _ in metadata for v in kv_format.tensor_views(arrays[name])]
         return [*(self.pool_blocks.views(block) if self.pool_blocks is not None else []), *md]
@@ -225,9 +225,9 @@ class KVTransfer:
         try:
             bs, shape, dtype = self.block_size, self.block_shape, self.kv_cache.dtype
             # on CPU the pool's own memory is sent, no copy, with the head and checksum made at pin time; off
-            # CPU a host copy of each block, hashed here (send_blocks may hold several before sending)
-            # (the pin-time head and checksum cover every array this server keeps: D asking for fewer gets
-            # them made here)
+            # CPU a host copy of each block, hashed here (send_blocks may hold several before sending). The
+            # pin-time head and checksum cover every per-block array this server keeps: a D asking for fewer
+            # gets them made here
             made = self.pool_blocks is not None and metadata == self.metadata
             for i in range(first, first + count):
                 b = pin.blocks[i]

@@ -144,9 +144,8 @@ def recv_blocks_into(
     metadata: tuple[kv_format.MetadataSpec, ...] = (),
 ) -> tuple[list[tuple[bytes, int]], int]:
     """Blocks written straight into `targets` (each a destination pool block's per-layer k/v runs, then its
-    `metadata` arrays' memory in name order), a
-    group of _CHECK_BYTES (at least one block) per recvmsg_into, and each block's checksum checked on them
-    there while they are in cache; each block's (hash, weight generation) and the bytes read. `heads`: the
+    `metadata` arrays' memory in name order), a group of _CHECK_BYTES (at least one block) per recvmsg_into,
+    and each block's checksum checked on them there while they are in cache; each block's (hash, weight generation) and the bytes read. `heads`: the
     kv_format.kv_head each block should have, with the hash and weight generation in it (this engine's for
     the block): one that differs in content is parsed (a block for other tokens or weights: the caller stops
     there), one that differs in length ends the pull. On any error the targets hold garbage: the caller
@@ -272,8 +271,7 @@ def pull_into(
     metadata: tuple[kv_format.MetadataSpec, ...] = (),
 ) -> tuple[list[tuple[bytes, int]], int]:
     """The decode side: blocks `first`.. `first + count` of a transfer with their `metadata` arrays, one into
-    each of the targets that
-    `destinations()` gives with their expected heads (recv_blocks_into). It is called once the pull is asked
+    each of the targets that `destinations()` gives with their expected heads (recv_blocks_into). It is called once the pull is asked
     for: making the views overlaps the prefill server's start, whose first blocks wait in the socket buffer."""
     with socket.create_connection((host, port), timeout=timeout_s) as sock:
         tune_socket(sock, timeout_s)
