@@ -4,6 +4,7 @@ timeout (twice is harmless), and the block server survives bad input."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import struct
@@ -230,7 +231,7 @@ class FakePrefillServer:
         from rlserve.engine.kv import format as kv_format
 
         conn, _ = self.sock.accept()
-        with conn:
+        with conn, contextlib.suppress(ConnectionError):  # D hangs up at the first block it refuses
             ask = recv_frame(conn)
             send_frame(conn, {"ok": True, "blocks": ask["count"]})
             shape = tuple(self.kt["kv_shape"])
@@ -281,4 +282,87 @@ def test_a_spoiled_pull_frees_its_reserved_blocks_and_d_prefills_locally(engines
     while got is None:
         got = next((o.outputs[0].token_ids for o in d.step() if o.finished), None)
     assert got == want and d.stats.prompt_tokens_computed - computed == len(PROMPT)
+    settle(p, lambda: p.kv_transfer.pinned_blocks == 0, "the unpulled pin to time out")
+
+
+# ---- router replay: each block's routed experts travel with its KV ----------------------------
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    """(P with router replay, D with router replay, a server without it) on a tiny Qwen3-MoE."""
+    from rlserve.model.make import make_model
+
+    model = make_model("tiny-moe", tmp_path_factory.mktemp("models") / "tiny-moe")
+
+    def moe_engine(replay: bool) -> Engine:
+        return Engine(
+            Config.model_validate(
+                {
+                    "model": {"name": str(model), "max_model_len": 256},
+                    "engine": {"kv_cache_bytes": 8 << 20},
+                    "kv_transfer": {"pin_timeout_s": 1.0},
+                    "enable_return_routed_experts": replay,
+                }
+            )
+        )
+
+    engines = moe_engine(True), moe_engine(True), moe_engine(False)
+    yield engines
+    for e in engines:
+        e.close()
+
+
+def replay_decode(d: Engine, kt: dict | None):
+    d.pool.reset_prefix_cache()
+    return run(d, SamplingParams(max_tokens=5, temperature=0, kv_transfer_params=kt)).outputs[0]
+
+
+def test_pulled_blocks_bring_their_routed_experts_into_d_s_rows(moe):
+    """D's rows of the blocks it pulled are P's; a D without router replay asks for the KV alone."""
+    p, d, plain = moe
+    kt = prefill(p)
+    assert kt["block_metadata"] == {"routed_experts": {"shape": [16, 3, 2], "dtype": "uint8"}}
+    src = [p.runner.routing.block_rows(b).clone() for b in kt["remote_block_ids"]]
+    d.pool.reset_prefix_cache()
+    d.add_request("x", PROMPT, SamplingParams(max_tokens=1, kv_transfer_params=kt))
+    settle(d, lambda: not d.transfers_pending, "the pull to land")
+    held = d.requests["x"][0].held_blocks
+    assert len(held) == (len(PROMPT) - 1) // 16 and d.kv_transfer.stats.fallbacks == 0
+    for b, want in zip(held, src):
+        assert want.any() and torch.equal(d.runner.routing.block_rows(b), want)
+    while d.has_unfinished():
+        d.step()
+    settle(p, lambda: p.kv_transfer.pinned_blocks == 0, "P to free the pulled blocks")
+    want = replay_decode(plain, None)
+    pulled = plain.kv_transfer.stats.tokens_in
+    assert replay_decode(plain, prefill(p)).token_ids == want.token_ids
+    assert plain.kv_transfer.stats.tokens_in - pulled == (len(PROMPT) - 1) // 16 * 16
+    settle(p, lambda: p.kv_transfer.pinned_blocks == 0, "P to free the pulled blocks")
+
+
+def test_blocks_without_routed_experts_are_recomputed_never_zeros(moe, caplog, monkeypatch):
+    """A D with router replay takes no block without its routed experts: from a P without replay it prefills
+    locally (P's params say its blocks carry none), and a block that arrives without them (a P that claims
+    them) fails the pull. Either way its routed experts equal a local prefill's."""
+    from rlserve.engine.kv import wire as kv_wire
+
+    monkeypatch.setattr(kv_wire, "_CHECK_BYTES", 1)  # one block per receive: the short block's size is read whole
+    caplog.set_level(logging.INFO, logger="rlserve.engine.kv.transfer")
+    p, d, plain = moe
+    want = replay_decode(d, None)
+    fallbacks, failures = d.kv_transfer.stats.fallbacks, d.kv_transfer.stats.pull_failures
+    got = replay_decode(d, prefill(plain))
+    assert "carry no routed_experts" in caplog.text and d.kv_transfer.stats.fallbacks == fallbacks + 1
+    assert got.token_ids == want.token_ids and np.array_equal(got.routed_experts, want.routed_experts)
+    settle(plain, lambda: plain.kv_transfer.pinned_blocks == 0, "the release to reach the plain P")
+    kt = prefill(p)
+    fake = FakePrefillServer(kt, "kv only")  # KV alone, whatever the pull asks for
+    try:
+        got = replay_decode(d, kt | {"remote_port": fake.port})
+    finally:
+        fake.close()
+    assert "of KV and ['routed_experts']" in caplog.text.split("KV pull failed")[-1]
+    assert d.kv_transfer.stats.pull_failures == failures + 1 and d.kv_transfer.stats.fallbacks == fallbacks + 2
+    assert got.token_ids == want.token_ids and np.array_equal(got.routed_experts, want.routed_experts)
     settle(p, lambda: p.kv_transfer.pinned_blocks == 0, "the unpulled pin to time out")

@@ -31,11 +31,6 @@ def check_deployment(config: Config) -> None:
             )
         if d.on_ray:
             _check_ray_roles(d)
-        if config.enable_return_routed_experts:
-            raise ValueError(
-                "enable_return_routed_experts cannot be used with deployment.type = 'disaggregated': "
-                "transferred KV carries no routed experts"
-            )
     elif (
         (d.num_prefill_replicas, d.num_decode_replicas, d.num_prefill_nodes, d.num_decode_nodes) != (1, 1, None, None)
         or d.prefill_env_vars

@@ -164,7 +164,7 @@ class Engine:
                 self.scheduler,
                 self._cache_key,
                 lambda: self.weight_generation,
-                self.runner.routing is not None,
+                self.runner.routing.block_metadata if self.runner.routing is not None else None,
             )
         self.sampler = (InvariantSampler if ec.batch_invariant else Sampler)(torch.Generator().manual_seed(config.seed))
         self.detectors = Detectors(config.logits_processors, self.vocab_size)

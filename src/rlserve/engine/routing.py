@@ -33,6 +33,11 @@ class RoutedExpertsPool:
         """A block's rows, to travel with its KV through the offload tiers."""
         return self.ids[block * self.block_size : (block + 1) * self.block_size]
 
+    def block_metadata(self, block: int) -> dict[str, torch.Tensor]:
+        """A block's rows as the per-block array a P/D transfer carries with its KV (engine/kv/transfer.py):
+        the decode server's pull writes them in place."""
+        return {"routed_experts": self.block_rows(block)}
+
     def restore_block(self, block: int, rows: torch.Tensor) -> None:
         self.block_rows(block).copy_(rows.to(self.ids.dtype))
 

@@ -116,26 +116,49 @@ def _parts(block: KVBlock) -> list[memoryview]:
     return [_head(block.block_hash, block.weight_generation, block.block_size, tensors), *payload]
 
 
-def kv_head(block_hash: bytes, weight_generation: int, shape: tuple[int, ...], dtype: torch.dtype) -> bytes:
-    """MAGIC, header length and header of a block holding KV alone: what precedes its payload."""
-    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-    return bytes(_head(block_hash, weight_generation, shape[2], [_tensor_entry("kv", shape, dtype, 0, nbytes)]))
+# a per-block array beside the KV: (name, shape with block_size first, dtype)
+MetadataSpec = tuple[str, tuple[int, ...], torch.dtype]
+
+
+def _layout(shape: tuple[int, ...], dtype: torch.dtype, metadata: tuple[MetadataSpec, ...]) -> list[dict]:
+    """The tensor entries of a block holding KV of this shape and dtype, then `metadata` in name order: _parts'."""
+    entries, offset = [], 0
+    for name, s, dt in [("kv", shape, dtype), *sorted(metadata, key=lambda m: m[0])]:
+        nbytes = math.prod(s) * torch.empty(0, dtype=dt).element_size()
+        entries.append(_tensor_entry(name, s, dt, offset, nbytes))
+        offset += nbytes
+    return entries
+
+
+def kv_head(
+    block_hash: bytes,
+    weight_generation: int,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    metadata: tuple[MetadataSpec, ...] = (),
+) -> bytes:
+    """MAGIC, header length and header of a block holding KV (and `metadata`): what precedes its payload."""
+    return bytes(_head(block_hash, weight_generation, shape[2], _layout(shape, dtype, metadata)))
 
 
 def kv_heads(
-    block_hashes: list[bytes], weight_generation: int, shape: tuple[int, ...], dtype: torch.dtype
+    block_hashes: list[bytes],
+    weight_generation: int,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    metadata: tuple[MetadataSpec, ...] = (),
 ) -> list[bytes]:
     """kv_head of each block: one header made, the others by putting each hash in its place (equal-length
     hashes give equal-length headers)."""
     if not block_hashes:
         return []
-    template = kv_head(block_hashes[0], weight_generation, shape, dtype)
+    template = kv_head(block_hashes[0], weight_generation, shape, dtype, metadata)
     at = template.index(block_hashes[0].hex().encode())
     end = at + 2 * len(block_hashes[0])
     return [
         template[:at] + h.hex().encode() + template[end:]
         if len(h) == len(block_hashes[0])
-        else kv_head(h, weight_generation, shape, dtype)
+        else kv_head(h, weight_generation, shape, dtype, metadata)
         for h in block_hashes
     ]
 
@@ -148,11 +171,12 @@ def kv_parts(
     views: list[memoryview],
     head: bytes | None = None,
     digest: bytes | None = None,
+    metadata: tuple[MetadataSpec, ...] = (),
 ) -> list[memoryview | bytes]:
-    """`encode_parts` of a block holding KV alone, given as the views of its bytes in order (PoolBlocks).
-    `head` and `digest`: what an earlier call gave for the same block (its first and last part), when its
-    bytes have not changed since."""
-    head = head if head is not None else kv_head(block_hash, weight_generation, shape, dtype)
+    """`encode_parts` of a block holding KV (and `metadata`), given as the views of its bytes in order
+    (PoolBlocks, then each array's in name order). `head` and `digest`: what an earlier call gave for the
+    same block (its first and last part), when its bytes have not changed since."""
+    head = head if head is not None else kv_head(block_hash, weight_generation, shape, dtype, metadata)
     if digest is None:
         h = checksum(head)
         for v in views:
@@ -279,20 +303,30 @@ def _parse_header(raw: bytes | bytearray | memoryview) -> tuple[dict, dict[str, 
     return header, tensors, block_hash, generation
 
 
-def kv_only_header(
-    raw: bytes | bytearray | memoryview, shape: tuple[int, ...], dtype: torch.dtype
+def layout_header(
+    raw: bytes | bytearray | memoryview,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    metadata: tuple[MetadataSpec, ...] = (),
 ) -> tuple[bytes, int]:
-    """The hash and weight generation of a block whose payload is its KV alone, of this shape and dtype, at
-    offset 0: a reader that streams the payload straight into place (P/D pulls) checks this before it."""
+    """The hash and weight generation of a block whose payload is its KV of this shape and dtype at offset 0,
+    then exactly `metadata` (kv_head's layout): a reader that streams the payload straight into place (P/D
+    pulls) checks this before it."""
     header, tensors, block_hash, generation = _parse_header(raw)
-    kv = tensors["kv"]
-    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-    if len(tensors) != 1:
-        raise BlockFormatError(f"the block carries {sorted(set(tensors) - {'kv'})}, which this reader cannot place")
-    if kv.get("dtype") != _dtype_name(dtype) or kv.get("shape") != list(shape) or header.get("block_size") != shape[2]:
-        raise BlockFormatError(f"kv {kv.get('dtype')} {kv.get('shape')}, expected {_dtype_name(dtype)} {list(shape)}")
-    if kv.get("offset") != 0 or kv.get("nbytes") != nbytes:
-        raise BlockFormatError(f"kv at offset {kv.get('offset')} of {kv.get('nbytes')} bytes, expected 0 and {nbytes}")
+    expected = _layout(shape, dtype, metadata)
+    if sorted(tensors) != sorted(e["name"] for e in expected):
+        raise BlockFormatError(
+            f"the block carries {sorted(tensors)}, this reader places {sorted(e['name'] for e in expected)}"
+        )
+    for want in expected:
+        got = tensors[want["name"]]
+        if any(got.get(k) != want[k] for k in ("dtype", "shape", "offset", "nbytes")):
+            raise BlockFormatError(
+                f"{want['name']} {got.get('dtype')} {got.get('shape')} at offset {got.get('offset')}, expected "
+                f"{want['dtype']} {want['shape']} at offset {want['offset']}"
+            )
+    if header.get("block_size") != shape[2]:
+        raise BlockFormatError(f"block_size {header.get('block_size')}, expected {shape[2]}")
     return block_hash, generation
 
 

@@ -14,6 +14,11 @@ P computed, so tokens, weights, adapter and cache_salt all agree) and held until
 admitted; the normal prefix-cache path then skips their prefill. Any mismatch or failure: the reserved
 blocks are freed and the request prefills locally (counted as a fallback).
 
+Per-block arrays an engine keeps beside its KV (router replay's routed experts, engine/routing.py) travel
+with each block: P sends a pinned block's rows with its KV, D receives them straight into its own rows of
+the reserved block. A D that keeps them pulls only from a P whose blocks carry them (its
+`kv_transfer_params.block_metadata` says so); otherwise it prefills locally, never leaving zeros.
+
 The wire and the prefill side's block server are engine/kv/wire.py.
 """
 
@@ -41,6 +46,18 @@ if TYPE_CHECKING:
     from rlserve.engine.sequence import Request, Sequence
 
 log = logging.getLogger(__name__)
+
+
+def _metadata_specs(arrays: dict[str, torch.Tensor]) -> tuple[kv_format.MetadataSpec, ...]:
+    for name, t in arrays.items():
+        if t.device.type != "cpu" or not t.is_contiguous():  # a pull writes a block's rows in place
+            raise ValueError(f"the per-block array {name!r} must be a contiguous CPU tensor to travel with the KV")
+    return tuple(sorted(((name, tuple(t.shape), t.dtype) for name, t in arrays.items()), key=lambda m: m[0]))
+
+
+def _metadata_json(metadata: tuple[kv_format.MetadataSpec, ...]) -> dict[str, dict]:
+    return {name: {"shape": list(shape), "dtype": str(dtype).removeprefix("torch.")} for name, shape, dtype in metadata}
+
 
 # ---- the engine's side of both ----------------------------------------------------------------
 
@@ -90,8 +107,9 @@ class KVTransfer:
     """Owned by the Engine; every method but the block server's callbacks runs in the engine's thread.
 
     It sees only what a transfer touches: the block pool and the KV tensor, the scheduler (a landed request
-    goes back to it), the engine's prefix-cache key and its weight generation, and whether router replay is on
-    (transfers carry no routed experts)."""
+    goes back to it), the engine's prefix-cache key and its weight generation, and `block_metadata`: the
+    per-block arrays (name -> a block's rows, block_size first) the engine keeps beside the KV, which travel
+    with each block (router replay's routed experts)."""
 
     def __init__(
         self,
@@ -101,14 +119,16 @@ class KVTransfer:
         scheduler: Scheduler,
         cache_key: Callable[[Request], bytes],
         weight_generation: Callable[[], int],
-        routed_experts: bool,
+        block_metadata: Callable[[int], dict[str, torch.Tensor]] | None = None,
     ):
         self.config = config
         self.pool, self.kv_cache, self.scheduler = pool, kv_cache, scheduler
-        self.cache_key, self.weight_generation, self.routed_experts = cache_key, weight_generation, routed_experts
+        self.cache_key, self.weight_generation = cache_key, weight_generation
         layers, _, _, kv_heads, head_dim = self.kv_cache.shape
         self.block_size = pool.block_size
         self.block_shape = (layers, 2, self.block_size, kv_heads, head_dim)
+        self.block_metadata = block_metadata or (lambda block: {})
+        self.metadata = _metadata_specs(self.block_metadata(0))
         self.stats = TransferStats()
         self.pins: dict[str, _Pin] = {}
         self.lock = threading.Lock()  # pins, shared with the block server's threads
@@ -147,10 +167,10 @@ class KVTransfer:
             # hashed now, on the engine thread (~8 ms for a 1,024-token smollm2-135m prompt here, next to its
             # prefill's ~1 s), so that a pull only copies: pinned blocks are never written, so their checksum
             # holds until they are sent
-            shape, dtype = self.block_shape, self.kv_cache.dtype
-            heads = kv_format.kv_heads(hashes, generation, shape, dtype)
+            shape, dtype, md = self.block_shape, self.kv_cache.dtype, self.metadata
+            heads = kv_format.kv_heads(hashes, generation, shape, dtype, md)
             digests = [
-                kv_format.kv_parts(h, generation, shape, dtype, self.pool_blocks.views(b), head)[-1]
+                kv_format.kv_parts(h, generation, shape, dtype, self._views(b, md), head, metadata=md)[-1]
                 for b, h, head in zip(blocks, hashes, heads)
             ]
         with self.lock:
@@ -172,6 +192,7 @@ class KVTransfer:
             "weight_generation": generation,
             "dtype": str(self.kv_cache.dtype).removeprefix("torch."),
             "kv_shape": list(self.block_shape),
+            "block_metadata": _metadata_json(self.metadata),
         }
 
     def release_request(self, request_id: str) -> int:
@@ -182,8 +203,18 @@ class KVTransfer:
             self._unpin(tid)
         return len(tids)
 
-    def _blocks(self, tid: str, first: int, count: int) -> Iterator[list]:
+    def _views(self, block: int, metadata: tuple[kv_format.MetadataSpec, ...]) -> list[memoryview]:
+        """A CPU pool block's KV runs (none off CPU), then the memory of its `metadata` arrays in name order."""
+        arrays = self.block_metadata(block) if metadata else {}
+        md = [v for name, _, _ in metadata for v in kv_format.tensor_views(arrays[name])]
+        return [*(self.pool_blocks.views(block) if self.pool_blocks is not None else []), *md]
+
+    def _blocks(self, tid: str, first: int, count: int, names: tuple[str, ...] = ()) -> Iterator[list]:
         # block server thread: pinned blocks are never written or handed out, so reading them is safe
+        missing = sorted(set(names) - {m[0] for m in self.metadata})
+        if missing:
+            raise KeyError(f"this prefill server keeps no {missing} per block (router replay is off here)")
+        metadata = tuple(m for m in self.metadata if m[0] in names)
         with self.lock:
             pin = self.pins.get(tid)
             if pin is None:
@@ -194,24 +225,27 @@ class KVTransfer:
         try:
             bs, shape, dtype = self.block_size, self.block_shape, self.kv_cache.dtype
             # on CPU the pool's own memory is sent, no copy, with the head and checksum made at pin time; off
-            # CPU a host copy of each block, hashed here (send_blocks may hold several before sending)
+            # CPU a host copy of each block, hashed here (send_blocks may hold several before sending). The
+            # pin-time head and checksum cover every per-block array this server keeps: a D asking for fewer
+            # gets them made here
+            made = self.pool_blocks is not None and metadata == self.metadata
             for i in range(first, first + count):
                 b = pin.blocks[i]
                 if self.pool_blocks is not None:
-                    yield kv_format.kv_parts(
-                        pin.hashes[i],
-                        pin.weight_generation,
-                        shape,
-                        dtype,
-                        self.pool_blocks.views(b),
-                        pin.heads[i],
-                        pin.digests[i],
-                    )
+                    views = self._views(b, metadata)
                 else:  # device to host: no host threads
                     host = self.kv_cache[:, :, b * bs : (b + 1) * bs].to("cpu")
-                    yield kv_format.kv_parts(
-                        pin.hashes[i], pin.weight_generation, shape, dtype, kv_format.tensor_views(host)
-                    )
+                    views = kv_format.tensor_views(host) + self._views(b, metadata)
+                yield kv_format.kv_parts(
+                    pin.hashes[i],
+                    pin.weight_generation,
+                    shape,
+                    dtype,
+                    views,
+                    pin.heads[i] if made else None,
+                    pin.digests[i] if made else None,
+                    metadata,
+                )
         finally:
             with self.lock:
                 pin.serving -= 1
@@ -306,8 +340,15 @@ class KVTransfer:
             return f"dtype {kt.get('dtype')} differs from this server's {self.kv_cache.dtype}"
         if kt.get("kv_shape") != list(self.block_shape):
             return f"KV block shape {kt.get('kv_shape')} differs from this server's {list(self.block_shape)}"
-        if self.routed_experts:
-            return "router replay needs each block's routed experts, which transfers do not carry"
+        carried = kt.get("block_metadata") or {}
+        for name, spec in _metadata_json(self.metadata).items():
+            if name not in carried:
+                return (
+                    f"its blocks carry no {name}, which this server keeps per block (router replay): "
+                    "set enable_return_routed_experts on the prefill servers too"
+                )
+            if carried[name] != spec:
+                return f"its blocks' {name} {carried[name]} differ from this server's {spec}"
         if req.params.prompt_logprobs is not None:
             return "prompt_logprobs need the whole prompt computed here"
         if not self.pool.enable_caching:
@@ -325,13 +366,17 @@ class KVTransfer:
     def _pull(self, landing: _Landing, host: str, port: int, tid: str, hashes: list[bytes], generation: int) -> None:
         shape, dtype = self.block_shape, self.kv_cache.dtype
 
-        def destinations():  # the reserved blocks' memory and the heads expected in front of them
+        md = self.metadata
+
+        def destinations():  # the reserved blocks' memory (KV, then their arrays) and the heads expected before it
             if self.pool_blocks is not None:
-                targets = [self.pool_blocks.views(b) for b in landing.blocks]
+                targets = [self._views(b, md) for b in landing.blocks]
             else:
                 landing.staging = [torch.empty(shape, dtype=dtype) for _ in landing.blocks]
-                targets = [kv_format.tensor_views(t) for t in landing.staging]
-            heads = kv_format.kv_heads(hashes, generation, shape, dtype)
+                targets = [
+                    kv_format.tensor_views(t) + self._views(b, md) for t, b in zip(landing.staging, landing.blocks)
+                ]
+            heads = kv_format.kv_heads(hashes, generation, shape, dtype, md)
             return targets, [(head, h, generation) for head, h in zip(heads, hashes)]
 
         try:
@@ -345,6 +390,7 @@ class KVTransfer:
                 self.config.pull_timeout_s,
                 shape,
                 dtype,
+                md,
             )
         except (OSError, TransferError) as e:
             landing.error = str(e) or type(e).__name__

@@ -2,9 +2,13 @@
 pickle), then raw blocks in engine/kv/format.py's layout, received straight into pool memory; and the prefill
 side's BlockServer that answers pulls. The engine's side of a transfer is engine/kv/transfer.py.
 
-    D -> P  {"op": "pull", "transfer_id": T, "first": k, "count": n}  |  {"op": "release", "transfer_id": T}
+    D -> P  {"op": "pull", "transfer_id": T, "first": k, "count": n, "metadata": [names]}
+            |  {"op": "release", "transfer_id": T}
     P -> D  {"ok": true, "blocks": m}, then m blocks, each a u64 LE length + engine/kv/format.py bytes
-            |  {"ok": false, "error": "..."}"""
+            |  {"ok": false, "error": "..."}
+
+`metadata` names the per-block arrays D keeps beside its KV (router replay's routed experts) and wants with
+each block; P refuses a pull for one it does not keep."""
 
 from __future__ import annotations
 
@@ -137,20 +141,21 @@ def recv_blocks_into(
     heads: list[tuple[bytes, bytes, int]],
     shape: tuple[int, ...],
     dtype: torch.dtype,
+    metadata: tuple[kv_format.MetadataSpec, ...] = (),
 ) -> tuple[list[tuple[bytes, int]], int]:
-    """Blocks written straight into `targets` (each a destination pool block's per-layer k/v runs), a
-    group of _CHECK_BYTES (at least one block) per recvmsg_into, and each block's checksum checked on them
-    there while they are in cache; each block's (hash, weight generation) and the bytes read. `heads`: the
+    """Blocks written straight into `targets` (each a destination pool block's per-layer k/v runs, then its
+    `metadata` arrays' memory in name order), a group of _CHECK_BYTES (at least one block) per recvmsg_into,
+    and each block's checksum checked on them there while they are in cache; each block's (hash, weight generation) and the bytes read. `heads`: the
     kv_format.kv_head each block should have, with the hash and weight generation in it (this engine's for
     the block): one that differs in content is parsed (a block for other tokens or weights: the caller stops
     there), one that differs in length ends the pull. On any error the targets hold garbage: the caller
     frees them."""
-    kv_bytes = sum(v.nbytes for v in targets[0]) if targets else 0
+    payload_bytes = sum(v.nbytes for v in targets[0]) if targets else 0
     got, total, i = [], 0, 0
     while i < len(targets):
         group, iov = [], []
         while i < len(targets) and len(iov) + len(targets[i]) + 3 <= _IOV_MAX:
-            if group and (len(group) + 1) * kv_bytes > _CHECK_BYTES:
+            if group and (len(group) + 1) * payload_bytes > _CHECK_BYTES:
                 break
             size, head, digest = bytearray(8), bytearray(len(heads[i][0])), bytearray(kv_format.CHECKSUM_BYTES)
             group.append((size, head, digest, targets[i], heads[i]))
@@ -162,14 +167,19 @@ def recv_blocks_into(
         for size, head, digest, views, expected in group:
             (n,) = struct.unpack("<Q", size)
             try:
-                if n != len(expected[0]) + kv_bytes + kv_format.CHECKSUM_BYTES:
-                    raise kv_format.BlockFormatError(f"a block of {n} bytes, expected one of {kv_bytes} bytes of KV")
+                if n != len(expected[0]) + payload_bytes + kv_format.CHECKSUM_BYTES:
+                    raise kv_format.BlockFormatError(
+                        f"a block of {n} bytes, expected one of {payload_bytes} bytes of KV"
+                        + (f" and {[m[0] for m in metadata]}" if metadata else "")
+                    )
                 if head == expected[0]:
                     block_hash, generation = expected[1:]
                 elif kv_format.header_length(head) + kv_format.PREFIX_BYTES != len(head):
                     raise kv_format.BlockFormatError("a block's header is not the size this engine's is")
                 else:
-                    block_hash, generation = kv_format.kv_only_header(head[kv_format.PREFIX_BYTES :], shape, dtype)
+                    block_hash, generation = kv_format.layout_header(
+                        head[kv_format.PREFIX_BYTES :], shape, dtype, metadata
+                    )
             except kv_format.BlockFormatError as e:
                 raise TransferError(str(e)) from None
             h = kv_format.checksum(head)
@@ -186,14 +196,15 @@ def recv_blocks_into(
 
 
 class BlockServer:
-    """Accepts pulls on host:port, one thread per connection. `blocks(transfer_id, first, count)` yields
-    the blocks as kv_format.kv_parts (KeyError: unknown transfer); `done(transfer_id)` is called when the connection ends."""
+    """Accepts pulls on host:port, one thread per connection. `blocks(transfer_id, first, count, metadata)`
+    yields the blocks as kv_format.kv_parts with those per-block arrays (KeyError: unknown transfer, or an
+    array it does not keep); `done(transfer_id)` is called when the connection ends."""
 
     def __init__(
         self,
         host: str,
         port: int,
-        blocks: Callable[[str, int, int], Iterator[list]],
+        blocks: Callable[[str, int, int, tuple[str, ...]], Iterator[list]],
         done: Callable[[str, int, float], None],
         timeout_s: float,
     ):
@@ -219,7 +230,11 @@ class BlockServer:
                 msg = recv_frame(conn)
                 tid = str(msg.get("transfer_id"))
                 if msg.get("op") == "pull":
-                    blocks = self.blocks(tid, int(msg.get("first", 0)), int(msg.get("count", 0)))
+                    names = msg.get("metadata") or []
+                    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                        send_frame(conn, {"ok": False, "error": "metadata must be a list of names"})
+                        return
+                    blocks = self.blocks(tid, int(msg.get("first", 0)), int(msg.get("count", 0)), tuple(names))
                     try:
                         first = next(blocks, None)
                     except KeyError as e:
@@ -253,20 +268,22 @@ def pull_into(
     timeout_s: float,
     shape: tuple[int, ...],
     dtype: torch.dtype,
+    metadata: tuple[kv_format.MetadataSpec, ...] = (),
 ) -> tuple[list[tuple[bytes, int]], int]:
-    """The decode side: blocks `first`.. `first + count` of a transfer, one into each of the targets that
-    `destinations()` gives with their expected heads (recv_blocks_into). It is called once the pull is asked
+    """The decode side: blocks `first`.. `first + count` of a transfer with their `metadata` arrays, one into
+    each of the targets that `destinations()` gives with their expected heads (recv_blocks_into). It is called once the pull is asked
     for: making the views overlaps the prefill server's start, whose first blocks wait in the socket buffer."""
     with socket.create_connection((host, port), timeout=timeout_s) as sock:
         tune_socket(sock, timeout_s)
-        send_frame(sock, {"op": "pull", "transfer_id": transfer_id, "first": first, "count": count})
+        names = sorted(m[0] for m in metadata)
+        send_frame(sock, {"op": "pull", "transfer_id": transfer_id, "first": first, "count": count, "metadata": names})
         targets, heads = destinations()
         head = recv_frame(sock)
         if not head.get("ok"):
             raise TransferError(f"the prefill server refused: {head.get('error')}")
         if head.get("blocks") != count:
             raise TransferError(f"the prefill server has {head.get('blocks')} of the {count} blocks asked for")
-        return recv_blocks_into(sock, targets, heads, shape, dtype)
+        return recv_blocks_into(sock, targets, heads, shape, dtype, metadata)
 
 
 def release_remote(host: str, port: int, transfer_id: str, timeout_s: float) -> None:
