@@ -1,0 +1,138 @@
+"""Trainer pushes across a 2-replica deployment are replayable and all-or-none, as updates from disk are: after a
+push (rlserve's broadcast, and vLLM's weight transfer) one replica writes a copy of the pushed weights, so a
+replica killed afterwards restarts and rejoins at the pushed weights and version before the router sends it
+traffic; and a push that commits on one replica but fails on the other (killed between the last part and
+/finish_weight_update) is taken back on the first, the admin call naming the one that failed, and one retry
+brings both to the new version.
+
+While replicas restart, greedy one-token requests run through the router, and every answer's token and
+logprob must be those of the weights its label names (test_deploy_faults.py's Load): no answer carries the
+pushed label with a fresh process's startup weights. Only processes this test started are killed, by PID."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from test_deploy_faults import PROMPTS, Load, check_labels_match_weights, versions
+from transformers import AutoModelForCausalLM
+
+from deploy_helpers import replicas, two_replicas_under, wait_for
+from rlserve.model.make import make_model
+from test_server_rl import TRAINER, generate, hf_check, trainer_push
+
+VLLM_TRAINER = str(Path(__file__).parent.parent / "vllm_trainer.py")
+BROADCASTER = TRAINER.replace('admin_api_key="admin"', "admin_api_key=None")  # pushes with the label "step-7"
+
+
+@pytest.fixture(scope="module")
+def deployment(root):
+    with two_replicas_under(root) as running:
+        yield running
+
+
+def greedy_rows(model_dir: Path) -> list[tuple[int, float]]:
+    """Per prompt of PROMPTS: transformers' greedy token and its logprob under these weights."""
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    rows = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            lp = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1].float(), -1)
+            token = int(lp.argmax())
+            rows.append((token, float(lp[token])))
+    return rows
+
+
+def rejoined(admin: str, victim: dict) -> dict | None:
+    """The victim's row once its next incarnation serves; fails at once if it sits out instead."""
+    (row,) = [r for r in replicas(admin) if r["index"] == victim["index"]]
+    assert row["status"] != "stale", f"{row['url']} sits out: {row['detail']}"
+    if row["status"] == "serving" and row["restarts"] == victim["restarts"] + 1:
+        return row
+    return None
+
+
+def same_answers_everywhere(admin: str, version: tuple[int, str], model_dir: Path) -> None:
+    """Every replica serves `version`, with the weights of `model_dir`, and they agree token for token."""
+    rows = wait_for(
+        lambda: (rows := replicas(admin)) and all(r["status"] == "serving" for r in rows) and rows, 120, "both serving"
+    )
+    for prompt in PROMPTS[:2]:
+        answers = [generate(row["url"], prompt)["choices"][0] for row in rows]
+        for choice in answers:
+            assert (choice["policy_version"], choice["weight_version"]) == version
+            hf_check(model_dir, prompt, choice)
+        assert answers[0]["token_ids"] == answers[1]["token_ids"]
+        assert answers[0]["logprobs"] == answers[1]["logprobs"]
+    for row in rows:
+        assert versions(row["url"]) == version
+
+
+def kill_and_rejoin(admin: str, index: int) -> None:
+    (victim,) = [r for r in replicas(admin) if r["index"] == index]
+    os.kill(victim["pid"], signal.SIGKILL)
+    wait_for(lambda: rejoined(admin, victim), 600, f"replica {index} to rejoin")
+
+
+def test_a_replica_killed_after_a_broadcast_push_rejoins_at_the_pushed_weights(deployment, root):
+    public, admin, _ = deployment
+    pushed = make_model("tiny", root / "pushed-7", seed=7)
+    version = (replicas(admin)[0]["policy_version"] + 1, "step-7")
+    assert trainer_push(admin, pushed, timeout=300, trainer=BROADCASTER) == [version[0]]
+    with Load(public, workers=1) as load:
+        kill_and_rejoin(admin, 1)
+        answers = load.finish()
+    assert check_labels_match_weights(answers, {"step-7": greedy_rows(pushed)}) == {"step-7"}
+    same_answers_everywhere(admin, version, pushed)
+
+
+def vllm_push(admin: str, ckpt: Path) -> None:
+    """vLLM's weight transfer up to its last part: the group joined, the update opened and every tensor received;
+    the test sends /finish_weight_update itself."""
+    plan = [["join"], ["push", str(ckpt / "model.safetensors"), {"finish": False, "generate": False}]]
+    proc = subprocess.run(
+        [sys.executable, VLLM_TRAINER, admin, json.dumps(plan)], capture_output=True, text=True, timeout=600
+    )
+    steps = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [s["status"] for s in steps] == [200, 200], proc.stderr[-3000:]
+
+
+def finish(admin: str, label: str) -> httpx.Response:
+    return httpx.post(f"{admin}/finish_weight_update", json={"weight_version": label}, timeout=600)
+
+
+def test_a_vllm_push_that_fails_on_one_replica_is_taken_back_and_a_retry_applies_it(deployment, root):
+    public, admin, _ = deployment
+    step_1 = make_model("tiny", root / "step-1", seed=1)
+    step_8 = make_model("tiny", root / "step-8", seed=8)
+    r = httpx.post(f"{admin}/update_weights", json={"weight_dir": str(step_1), "weight_version": "step-1"}, timeout=300)
+    assert r.status_code == 200, r.text
+    old = versions(replicas(admin)[0]["url"])
+    expected = {"step-1": greedy_rows(step_1), "step-8": greedy_rows(step_8)}
+    with Load(public, workers=1) as load:
+        vllm_push(admin, step_8)
+        first, victim = replicas(admin)
+        os.kill(victim["pid"], signal.SIGKILL)  # received every part; dies before the commit
+        r = finish(admin, "step-8")
+        message = r.json()["error"]["message"]
+        assert r.status_code == 502 and f"replica 1 ({victim['url']})" in message and "Nothing changed" in message
+        assert versions(first["url"]) == old  # taken back before the call answered
+        wait_for(lambda: rejoined(admin, victim), 600, "replica 1 to rejoin")
+        same_answers_everywhere(admin, old, step_1)
+
+        vllm_push(admin, step_8)  # the retry: the restarted replica joins the trainer's new group
+        r = finish(admin, "step-8")
+        assert r.status_code == 200, r.text
+        new = (old[0] + 1, "step-8")
+        same_answers_everywhere(admin, new, step_8)
+        kill_and_rejoin(admin, 0)  # the copy kept of vLLM's form is replayed too
+        answers = load.finish()
+    same_answers_everywhere(admin, new, step_8)
+    assert check_labels_match_weights(answers, expected) == {"step-1", "step-8"}
