@@ -270,13 +270,7 @@ class DeploymentConfig(Section):
         description="disaggregated: a request with fewer prompt tokens missing from the decode server's "
         "prefix cache is prefilled there instead of pulling KV (kv_transfer.non_cached_tokens)",
     )
-    snapshot_dir: str | None = Field(
-        None,
-        description="where the deployment keeps a copy of weights a trainer pushed (the current and the previous), "
-        "so a restarted replica gets them and a push that fails on one replica is undone on the others; it is "
-        "added to every replica's weight_roots. none = a private directory of the supervisor's (multi_node: set "
-        "one that every node mounts at the same path)",
-    )
+    snapshot_dir: str | None = Field(None, description="where pushed weights are kept for restarts and undo")
     bind_cores: bool = Field(
         True,
         description="replicas on this machine: give each its own CPU cores (sched_setaffinity, inherited by its "

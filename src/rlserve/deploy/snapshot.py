@@ -53,22 +53,28 @@ async def keep_copy(dep: Deployment, applied: list[Slot]) -> None:
     the next update from disk, as the record's `replayable` says."""
     s = dep.state
     root = Path(str(dep.config.deployment.snapshot_dir))
-    target = root / f"{PREFIX}{s.policy_version}-{time.time_ns()}"
-    previous = (s.base or {}).get("weight_dir")
-    try:
-        if not applied:
-            raise RuntimeError("no replica that applied it is serving")
-        r = await dep._post(applied[0], SAVE_PATH, {"weight_dir": str(target)})
-        written = r.json()
-        if (written["policy_version"], written["weight_version"]) != (s.policy_version, s.weight_version):
-            raise RuntimeError(f"the copy carries {written}, the deployment serves {s.policy_version}")
-    except (httpx.HTTPError, RuntimeError, ValueError, KeyError) as exc:
-        s.base, s.replayable = None, f"the current weights came from a trainer broadcast and no copy was kept: {exc}"
-        log.error("could not keep a copy of the pushed weights: %s", exc)
+    previous, written, why = (s.base or {}).get("weight_dir"), None, "no replica that applied it is serving"
+    for slot in applied:  # the first that can: one killed while writing leaves the others
+        try:
+            written = await _write(dep, slot, root / f"{PREFIX}{s.policy_version}-{time.time_ns()}")
+            break
+        except (httpx.HTTPError, RuntimeError, ValueError, KeyError) as exc:
+            why = f"{slot.name}: {exc}"
+            log.error("%s could not write a copy of the pushed weights: %s", slot.name, exc)
+    if written is None:
+        s.base, s.replayable = None, f"the current weights came from a trainer broadcast and no copy was kept ({why})"
         return
     s.base, s.replayable = {"weight_dir": written["weight_dir"], "weight_version": s.weight_version}, None
     log.info("kept the pushed weights (policy_version %s) in %s", s.policy_version, written["weight_dir"])
     _prune(root, keep={Path(written["weight_dir"]).name, Path(str(previous)).name if previous else ""})
+
+
+async def _write(dep: Deployment, slot: Slot, target: Path) -> dict[str, Any]:
+    written = (await dep._post(slot, SAVE_PATH, {"weight_dir": str(target)})).json()
+    s = dep.state
+    if (written["policy_version"], written["weight_version"]) != (s.policy_version, s.weight_version):
+        raise RuntimeError(f"the copy carries {written}, the deployment serves {s.policy_version}")
+    return written
 
 
 def _prune(root: Path, keep: set[str]) -> None:

@@ -168,7 +168,7 @@ class Deployment:
         Called under self.lock."""
         s = self.state
         if s.replayable is not None:
-            slot.status, slot.detail = "stale", f"sits out until the next update from disk: {s.replayable}"
+            slot.status, slot.detail = "stale", f"sits out until the next weight update: {s.replayable}"
             log.warning("%s %s", slot.name, slot.detail)
             return
         try:
