@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM
 
 from deploy_helpers import replicas, two_replicas_under, wait_for
 from rlserve.model.make import make_model
+from test_deploy import _environ
 from test_server_rl import TRAINER, generate, hf_check, trainer_push
 
 VLLM_TRAINER = str(Path(__file__).parent.parent / "vllm_trainer.py")
@@ -136,3 +137,28 @@ def test_a_vllm_push_that_fails_on_one_replica_is_taken_back_and_a_retry_applies
         answers = load.finish()
     same_answers_everywhere(admin, new, step_8)
     assert check_labels_match_weights(answers, expected) == {"step-1", "step-8"}
+
+
+def test_only_the_deployment_can_have_a_replica_write_its_weights(deployment, root, tmp_path):
+    """The copy route exists only on a deployment's replicas, takes the deployment's key, and writes only under
+    the replica's weight roots; the admin address does not forward it."""
+    public, admin, _ = deployment
+    rows = replicas(admin)
+    wanted = root / "not-a-copy"
+    for row in rows:
+        r = httpx.post(f"{row['url']}/deployment/save_weights", json={"weight_dir": str(wanted)}, timeout=60)
+        assert r.status_code == 403 and admin in r.json()["error"]["message"]
+    assert (
+        httpx.post(f"{admin}/deployment/save_weights", json={"weight_dir": str(wanted)}, timeout=60).status_code == 404
+    )
+    assert httpx.post(
+        f"{public}/deployment/save_weights", json={"weight_dir": str(wanted)}, timeout=60
+    ).status_code in (
+        403,
+        404,
+    )
+    key = {"x-rlserve-deployment-key": _environ(rows[0]["pid"])["RLSERVE_DEPLOYMENT_KEY"]}
+    outside = tmp_path / "outside-the-roots"
+    r = httpx.post(f"{rows[0]['url']}/deployment/save_weights", json={"weight_dir": str(outside)}, headers=key)
+    assert r.status_code == 403 and "weight_roots" in r.json()["error"]["message"]
+    assert not wanted.exists() and not outside.exists()
