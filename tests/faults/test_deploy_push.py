@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import httpx
@@ -25,6 +26,7 @@ from test_deploy_faults import PROMPTS, Load, check_labels_match_weights, versio
 from transformers import AutoModelForCausalLM
 
 from deploy_helpers import replicas, two_replicas_under, wait_for
+from rlserve.deploy.process import free_port
 from rlserve.model.make import make_model
 from test_deploy import _environ
 from test_server_rl import TRAINER, generate, hf_check, trainer_push
@@ -92,6 +94,58 @@ def test_a_replica_killed_after_a_broadcast_push_rejoins_at_the_pushed_weights(d
         answers = load.finish()
     assert check_labels_match_weights(answers, {"step-7": greedy_rows(pushed)}) == {"step-7"}
     same_answers_everywhere(admin, version, pushed)
+
+
+STEADY_TRAINER = textwrap.dedent(
+    """
+    import json, sys
+    from safetensors.torch import load_file
+    from rlserve.client.weights import WeightBroadcaster
+    url, port = sys.argv[1], int(sys.argv[2])
+    with WeightBroadcaster([url], "127.0.0.1", port, bucket_bytes=1 << 20) as b:
+        print(json.dumps("joined"), flush=True)
+        for line in sys.stdin:  # "checkpoint label" per push; its policy versions back
+            ckpt, label = line.split()
+            print(json.dumps(b.push(sorted(load_file(ckpt).items()), weight_version=label)), flush=True)
+    """
+)
+
+
+def test_a_replica_outside_the_trainers_group_gets_each_push_from_the_copy(deployment, root):
+    """The trainer joined while replica 1 was restarting, so its pushes reach replica 0 only: replica 1 leaves
+    the rotation, replays the copy of each push and its versions, and comes back, without a restart."""
+    public, admin, _ = deployment
+    pushed, step_1 = make_model("tiny", root / "pushed-9", seed=9), make_model("tiny", root / "step-1", seed=1)
+    r = httpx.post(f"{admin}/update_weights", json={"weight_dir": str(step_1), "weight_version": "step-1"}, timeout=300)
+    assert r.status_code == 200, r.text
+    (victim,) = [r for r in replicas(admin) if r["index"] == 1]
+    os.kill(victim["pid"], signal.SIGKILL)
+    wait_for(lambda: replicas(admin)[1]["status"] != "serving", 60, "the supervisor to see replica 1 die")
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", STEADY_TRAINER, admin, str(free_port())],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert json.loads(trainer.stdout.readline()) == "joined"
+        back = wait_for(lambda: rejoined(admin, victim), 600, "replica 1 to rejoin")
+        version = (back["policy_version"] + 1, "step-9")
+        with Load(public, workers=1) as load:
+            trainer.stdin.write(f"{pushed / 'model.safetensors'} step-9\n")
+            trainer.stdin.flush()
+            assert json.loads(trainer.stdout.readline()) == [version[0]]
+            answers = load.finish()
+        trainer.stdin.close()
+        assert trainer.wait(timeout=120) == 0
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+    same_answers_everywhere(admin, version, pushed)
+    assert [r["restarts"] for r in replicas(admin)][1] == back["restarts"]  # replayed in place
+    expected = {"step-1": greedy_rows(step_1), "step-9": greedy_rows(pushed)}
+    assert "step-9" in check_labels_match_weights(answers, expected)
 
 
 def vllm_push(admin: str, ckpt: Path) -> None:

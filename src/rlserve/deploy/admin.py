@@ -161,9 +161,10 @@ async def _settle(
     _record(dep, path, body, request, [s for s, _ in ok])
     for slot, r in failed:
         await dep.evict(slot, f"{path} failed there: {_why(slot, r)}")
-    before = dep.state.policy_version
-    await _check_versions(dep)
-    if snapshot.is_push(path, body) and dep.state.policy_version != before:  # a push committed
+    before, pushed = dep.state.policy_version, snapshot.is_push(path, body)
+    await _check_versions(dep, [s for s, _ in ok] if pushed else None)
+    if pushed and dep.state.policy_version != before:  # a push committed
+        await snapshot.set_aside(dep, [s for s in dep.serving() if s not in targets])
         await snapshot.keep_copy(dep, [s for s, _ in ok if s.status == "serving"])
     for slot in [s for s in dep.slots if s.status == "stale"]:
         await dep.rejoin(slot)
@@ -217,9 +218,9 @@ def _why(slot: Slot, r: Any) -> str:
     return f"{slot.name} unreachable: {r!r}"
 
 
-async def _check_versions(dep: Deployment) -> None:
-    """Every serving replica must now report the same versions; one that does not is taken out."""
-    serving = dep.serving()
+async def _check_versions(dep: Deployment, among: list[Slot] | None = None) -> None:
+    """Every serving replica (of `among`) must now report the same versions; one that does not is taken out."""
+    serving = [s for s in among if s.status == "serving"] if among is not None else dep.serving()
     versions = await asyncio.gather(*(dep._versions(s) for s in serving), return_exceptions=True)
     good = [v for v in versions if isinstance(v, tuple)]
     if not good:

@@ -47,6 +47,16 @@ def joins_group(path: str) -> bool:
     return path in ("/init_broadcaster", "/init_weight_transfer_engine")
 
 
+async def set_aside(dep: Deployment, left_out: list[Slot]) -> None:
+    """Serving replicas outside the trainer's group (restarted since it joined) did not get the push: out of the
+    router's rotation until they replay the copy (the admin call rejoins every stale replica before it answers)."""
+    for slot in left_out:
+        slot.status, slot.detail = "stale", "not in the trainer's group: gets the pushed weights from their copy"
+        if dep.router is not None and slot.url is not None:
+            await dep.router.remove(dep.http, slot.url)
+        log.warning("%s %s", slot.name, slot.detail)
+
+
 async def keep_copy(dep: Deployment, applied: list[Slot]) -> None:
     """A push committed on every replica in `applied`: have one write it, and make that copy the record's base.
     Called under dep.lock. Without a copy (the replica cannot write one), restarted replicas sit out until
