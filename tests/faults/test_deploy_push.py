@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -174,8 +175,15 @@ def test_a_vllm_push_that_fails_on_one_replica_is_taken_back_and_a_retry_applies
     with Load(public, workers=1) as load:
         vllm_push(admin, step_8)
         first, victim = replicas(admin)
-        os.kill(victim["pid"], signal.SIGKILL)  # received every part; dies before the commit
-        r = finish(admin, "step-8")
+        # mid-commit by construction: replica 1 (every part received) holds the finish while replica 0 commits
+        os.kill(victim["pid"], signal.SIGSTOP)
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(finish, admin, "step-8")
+            try:
+                wait_for(lambda: versions(first["url"]) == (old[0] + 1, "step-8"), 300, "replica 0 to commit")
+            finally:
+                os.kill(victim["pid"], signal.SIGKILL)
+            r = pending.result()
         message = r.json()["error"]["message"]
         assert r.status_code == 502 and f"replica 1 ({victim['url']})" in message and "Nothing changed" in message
         assert versions(first["url"]) == old  # taken back before the call answered
