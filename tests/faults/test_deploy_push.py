@@ -58,7 +58,7 @@ def rejoined(admin: str, victim: dict) -> dict | None:
     """The victim's row once its next incarnation serves; fails at once if it sits out instead."""
     (row,) = [r for r in replicas(admin) if r["index"] == victim["index"]]
     assert row["status"] != "stale", f"{row['url']} sits out: {row['detail']}"
-    if row["status"] == "serving" and row["restarts"] == victim["restarts"] + 1:
+    if row["status"] == "serving" and row["restarts"] > victim["restarts"]:
         return row
     return None
 
