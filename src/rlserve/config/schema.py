@@ -270,6 +270,7 @@ class DeploymentConfig(Section):
         description="disaggregated: a request with fewer prompt tokens missing from the decode server's "
         "prefix cache is prefilled there instead of pulling KV (kv_transfer.non_cached_tokens)",
     )
+    snapshot_dir: str | None = Field(None, description="where pushed weights are kept for restarts and undo")
     bind_cores: bool = Field(
         True,
         description="replicas on this machine: give each its own CPU cores (sched_setaffinity, inherited by its "

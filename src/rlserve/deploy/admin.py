@@ -12,6 +12,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from rlserve.deploy import snapshot
 from rlserve.deploy.supervisor import Deployment, Slot
 from rlserve.deploy.transaction import PutBack, refused_unchanged, restore, undo_for
 from rlserve.server.auth import ADMIN_PATHS, Gate
@@ -68,6 +69,12 @@ async def _fan_out(dep: Deployment, path: str, request: Request) -> Response:
     headers = {k: v for k in _FORWARDED_HEADERS if (v := request.headers.get(k)) is not None} | dep.headers
     async with dep.lock:
         targets = _targets(dep, path, body)
+        if not targets and snapshot.is_push(path, body) and dep.serving():
+            raise APIError(
+                409,
+                "no serving replica is in the trainer's group: call /init_broadcaster (or, for vLLM's weight transfer, "
+                "/init_weight_transfer_engine) first",
+            )
         if not targets:
             raise APIError(503, "no replica is serving; GET /deployment shows why")
         contents = _bodies(dep, path, body, raw, targets)
@@ -93,22 +100,15 @@ def _json(raw: bytes, request: Request) -> dict[str, Any]:
     return body if isinstance(body, dict) else {}
 
 
-def _is_push(path: str, body: dict[str, Any]) -> bool:
-    return (
-        path == "/update_weights"
-        and "weight_path" not in body
-        and "update_info" not in body
-        and body.get("weight_dir") is None
-    )
-
-
 def _targets(dep: Deployment, path: str, body: dict[str, Any]) -> list[Slot]:
-    if _is_push(path, body):  # only replicas in the trainer's group can receive its broadcast
+    if snapshot.is_push(path, body):  # only replicas in the trainer's group can receive its broadcast
         return [s for s in dep.serving() if (s.replica.index, s.incarnation) in dep.group]
     return dep.serving()
 
 
 def _bodies(dep: Deployment, path: str, body: dict[str, Any], raw: bytes, targets: list[Slot]) -> list[bytes]:
+    if path == "/init_weight_transfer_engine":
+        return _transfer_bodies(body, raw, targets)
     if path != "/init_broadcaster":
         return [raw] * len(targets)
     # one group: the trainer (rank 0) and every replica, each with its own rank
@@ -127,6 +127,25 @@ def _bodies(dep: Deployment, path: str, body: dict[str, Any], raw: bytes, target
     ]
 
 
+def _transfer_bodies(body: dict[str, Any], raw: bytes, targets: list[Slot]) -> list[bytes]:
+    """vLLM's form of the same: init_info's rank_offset is the first replica's rank, the others follow."""
+    info = body.get("init_info")
+    if not isinstance(info, dict) or "rank_offset" not in info or "world_size" not in info:
+        return [raw] * len(targets)  # the replicas name what is missing
+    try:
+        offset, world = int(info["rank_offset"]), int(info["world_size"])
+    except (TypeError, ValueError):
+        return [raw] * len(targets)
+    if world < offset + len(targets):
+        raise APIError(
+            400,
+            f"this deployment has {len(targets)} serving replicas: set init_info.world_size to at least "
+            f"rank_offset + {len(targets)} (GET /get_world_size tells the count)",
+            param="init_info",
+        )
+    return [json.dumps(body | {"init_info": info | {"rank_offset": offset + i}}).encode() for i in range(len(targets))]
+
+
 async def _settle(
     dep: Deployment, path: str, body: dict[str, Any], request: Request, targets: list[Slot], results: list
 ) -> Response:
@@ -142,7 +161,11 @@ async def _settle(
     _record(dep, path, body, request, [s for s, _ in ok])
     for slot, r in failed:
         await dep.evict(slot, f"{path} failed there: {_why(slot, r)}")
-    await _check_versions(dep)
+    before, pushed = dep.state.policy_version, snapshot.is_push(path, body)
+    await _check_versions(dep, [s for s, _ in ok] if pushed else None)
+    if pushed and dep.state.policy_version != before:  # a push committed
+        await snapshot.set_aside(dep, [s for s in dep.serving() if s not in targets])
+        await snapshot.keep_copy(dep, [s for s, _ in ok if s.status == "serving"])
     for slot in [s for s in dep.slots if s.status == "stale"]:
         await dep.rejoin(slot)
     if failed:
@@ -195,9 +218,9 @@ def _why(slot: Slot, r: Any) -> str:
     return f"{slot.name} unreachable: {r!r}"
 
 
-async def _check_versions(dep: Deployment) -> None:
-    """Every serving replica must now report the same versions; one that does not is taken out."""
-    serving = dep.serving()
+async def _check_versions(dep: Deployment, among: list[Slot] | None = None) -> None:
+    """Every serving replica (of `among`) must now report the same versions; one that does not is taken out."""
+    serving = [s for s in among if s.status == "serving"] if among is not None else dep.serving()
     versions = await asyncio.gather(*(dep._versions(s) for s in serving), return_exceptions=True)
     good = [v for v in versions if isinstance(v, tuple)]
     if not good:
@@ -219,8 +242,6 @@ def _record(dep: Deployment, path: str, body: dict[str, Any], request: Request, 
             s.adapters[name] = ("/load_lora_adapter", {"lora_name": name, "lora_path": p})
         else:
             s.base, s.replayable = {"weight_dir": p, "weight_version": label}, None
-    elif _is_push(path, body):
-        s.base, s.replayable = None, "the current weights came from a trainer broadcast"
     elif path == "/update_weights" and body.get("weight_dir") is not None:
         s.base, s.replayable = {"weight_dir": body["weight_dir"], "weight_version": label}, None
     elif path == "/update_weights_from_disk":
@@ -234,7 +255,7 @@ def _record(dep: Deployment, path: str, body: dict[str, Any], request: Request, 
         s.adapters["mlx-adapter"] = ("/load_adapter", {"adapter_path": body["adapter_path"]})
     elif path == "/upload_adapter":
         s.replayable = "an uploaded adapter cannot be replayed"
-    elif path == "/init_broadcaster":
+    elif snapshot.joins_group(path):
         dep.group = {(slot.replica.index, slot.incarnation) for slot in applied}
     elif path in ("/pause", "/pause_generation"):
         s.paused = "keep"  # a replica joining a paused deployment holds what it gets, like the others

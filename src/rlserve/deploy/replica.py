@@ -37,6 +37,8 @@ def replica_config(
         transfer["non_cached_tokens"] = d.non_cached_tokens
     if config.num_threads is None:
         data["num_threads"] = replica_threads(config, cpu_count)
+    if d.snapshot_dir is not None:  # the deployment's copies of pushed weights: a replica must be able to load them
+        data["weight_roots"] = [*config.weight_roots, d.snapshot_dir]
     return data
 
 

@@ -64,6 +64,8 @@ async def _main(config: Config) -> None:
     key, workdir, dep = new_key(), None, None
     try:  # whatever fails from here on (a replica that cannot even be set up included) closes and removes these
         workdir = private_dir("rlserve-deploy-")
+        if config.deployment.snapshot_dir is None:
+            config.deployment.snapshot_dir = str(workdir / "snapshots")
         dep = Deployment(config, _replicas(config, key, admin_url, workdir), key, host, port)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, whose own SIGTERM handler exits mid-loop

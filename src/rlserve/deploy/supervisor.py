@@ -168,7 +168,7 @@ class Deployment:
         Called under self.lock."""
         s = self.state
         if s.replayable is not None:
-            slot.status, slot.detail = "stale", f"sits out until the next update from disk: {s.replayable}"
+            slot.status, slot.detail = "stale", f"sits out until the next weight update: {s.replayable}"
             log.warning("%s %s", slot.name, slot.detail)
             return
         try:
@@ -198,11 +198,11 @@ class Deployment:
         """Out of the rotation now; its process is restarted and rejoins at the current weights."""
         if slot.status == "restarting":  # the watch loop saw it die first
             return
-        slot.status, slot.detail = "failed", why
+        # marked before the first await, or the watch loop seeing it die meanwhile restarts it a second time
+        slot.status, slot.detail = "restarting", why
         if self.router is not None and slot.url is not None:
             await self.router.remove(self.http, slot.url)
         log.error("%s left the router's rotation: %s", slot.name, why)
-        slot.status = "restarting"
         self._spawn(self._restart(slot))
 
     # ---- talking to replicas ---------------------------------------------------------------------

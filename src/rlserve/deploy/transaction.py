@@ -1,7 +1,9 @@
-"""All-or-none weight updates across a deployment: when an update of the base weights from disk, or a LoRA
-adapter load, reaches some replicas and fails on others (a refusal, a replica killed mid-way), the replicas
-that applied it are brought back to the previous weights (or adapter) and versions before the admin call
-answers, so every replica serves what the deployment's record says and a retry starts from one state.
+"""All-or-none weight updates across a deployment: when an update of the base weights from disk, a trainer's
+push, or a LoRA adapter load reaches some replicas and fails on others (a refusal, a replica killed mid-way),
+the replicas that applied it are brought back to the previous weights (or adapter) and versions before the
+admin call answers, so every replica serves what the deployment's record says and a retry starts from one
+state. The previous base weights are a directory: the last update from disk, the copy kept of the last push
+(deploy/snapshot.py), or the one the replicas started from.
 
 A replica is restored while paused (mode keep): between the replayed commit and the version sync nothing is
 generated, so no token ever carries a label of weights it was not computed with."""
@@ -15,6 +17,7 @@ from typing import Any
 
 import httpx
 
+from rlserve.deploy.snapshot import is_push
 from rlserve.deploy.supervisor import Deployment, Slot
 
 log = logging.getLogger("rlserve.deploy")
@@ -27,7 +30,7 @@ PutBack = Callable[[Deployment, Slot], Awaitable[None]]
 def undo_for(path: str, body: dict[str, Any]) -> PutBack | None:
     """How to take back `path` on a replica that applied it, for the calls that are all-or-none; None for
     the others (a failure there takes the replica out of the rotation until it replays the record)."""
-    if is_base_update_from_disk(path, body):
+    if is_base_update_from_disk(path, body) or is_push(path, body):
         return _base_weights
     name = adapter_loaded_by(path, body)
     return None if name is None else _previous_adapter(name)

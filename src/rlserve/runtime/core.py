@@ -30,7 +30,7 @@ from rlserve.engine.engine import Engine
 from rlserve.engine.sequence import Request
 from rlserve.engine.tp.dp_sync import DataParallelSync
 from rlserve.engine.weights import StagingBuffers, check_under_roots, stage, stage_from_dir
-from rlserve.runtime import ipc, sleep, vllm_receiver
+from rlserve.runtime import ipc, sleep, vllm_receiver, weight_snapshot
 from rlserve.runtime.pause import PauseState
 
 log = logging.getLogger("rlserve.runtime.core")
@@ -349,6 +349,7 @@ DEFERRED = object()  # the operation replies later (helper thread, or pause wait
 OPS: dict[str, Callable[..., Any]] = {name[3:]: fn for name, fn in vars(EngineCore).items() if name.startswith("op_")}
 OPS.update(vllm_receiver.OPS)  # vLLM's weight-transfer routes, received in this process
 OPS.update(sleep.OPS)  # vLLM's sleep mode
+OPS.update(weight_snapshot.OPS)  # a deployment's copy of pushed weights
 
 
 def _run_in_thread(fn: Callable[[], None]) -> None:

@@ -15,11 +15,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rlserve.server.auth import ADMIN_PATHS
 from rlserve.server.errors import APIError, bad_request
+from rlserve.server.fleet import save_weights
 from rlserve.server.state import ServerState, json_body
 
 KEY_ENV, ADMIN_URL_ENV = "RLSERVE_DEPLOYMENT_KEY", "RLSERVE_DEPLOYMENT_ADMIN_URL"
 KEY_HEADER = b"x-rlserve-deployment-key"
 SYNC_PATH = "/deployment/sync_version"
+DEPLOYMENT_PATHS = frozenset({SYNC_PATH, save_weights.SAVE_PATH})  # the supervisor's own calls to its replicas
 
 router = APIRouter()
 
@@ -28,6 +30,7 @@ def install(app: FastAPI) -> None:
     key = os.environ.get(KEY_ENV)
     if key:
         app.include_router(router)
+        app.include_router(save_weights.router)
         app.add_middleware(DeploymentGuard, key=key, admin_url=os.environ.get(ADMIN_URL_ENV, "the admin address"))
 
 
@@ -38,7 +41,7 @@ class DeploymentGuard:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             path = scope["path"].rstrip("/") or "/"
-            if (path in ADMIN_PATHS or path == SYNC_PATH) and not self._from_deployment(scope):
+            if (path in ADMIN_PATHS or path in DEPLOYMENT_PATHS) and not self._from_deployment(scope):
                 error = APIError(
                     403,
                     f"this server is a replica of a deployment: send {path} to the deployment's "
