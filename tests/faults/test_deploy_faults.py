@@ -43,17 +43,19 @@ def weights(root):
 @pytest.fixture(scope="module")
 def expected(weights):
     """label -> prompt index -> (greedy token, its logprob) under that label's weights."""
-    out = {}
-    for label, path in weights.items():
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        rows = []
-        with torch.no_grad():
-            for prompt in PROMPTS:
-                lp = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1].float(), -1)
-                token = int(lp.argmax())
-                rows.append((token, float(lp[token])))
-        out[label] = rows
-    return out
+    return {label: greedy_rows(path) for label, path in weights.items()}
+
+
+def greedy_rows(model_dir) -> list[tuple[int, float]]:
+    """Per prompt of PROMPTS: transformers' greedy token and its logprob under these weights."""
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    rows = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            lp = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1].float(), -1)
+            token = int(lp.argmax())
+            rows.append((token, float(lp[token])))
+    return rows
 
 
 @pytest.fixture(scope="module")

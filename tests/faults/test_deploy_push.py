@@ -22,9 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
-from test_deploy_faults import PROMPTS, Load, check_labels_match_weights, versions
-from transformers import AutoModelForCausalLM
+from test_deploy_faults import PROMPTS, Load, check_labels_match_weights, greedy_rows, versions
 
 from deploy_helpers import replicas, two_replicas_under, wait_for
 from rlserve.deploy.process import free_port
@@ -40,18 +38,6 @@ BROADCASTER = TRAINER.replace('admin_api_key="admin"', "admin_api_key=None")  # 
 def deployment(root):
     with two_replicas_under(root) as running:
         yield running
-
-
-def greedy_rows(model_dir: Path) -> list[tuple[int, float]]:
-    """Per prompt of PROMPTS: transformers' greedy token and its logprob under these weights."""
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    rows = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            lp = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1].float(), -1)
-            token = int(lp.argmax())
-            rows.append((token, float(lp[token])))
-    return rows
 
 
 def rejoined(admin: str, victim: dict) -> dict | None:
