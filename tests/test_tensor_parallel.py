@@ -300,3 +300,44 @@ def test_step_inputs_cross_as_fixed_schema_msgspec_never_pickle():
         parallel.to_worker.decode(pickle.dumps(step))
     with pytest.raises(KeyError):  # only the dtypes a step uses
         parallel.Tensor("object", [1], b"x").to(cpu)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
+def test_the_served_weights_are_put_together_from_every_rank(root, preset):
+    """What a deployment keeps after a trainer's push (runtime/weight_snapshot.py): under tp=2 each checkpoint
+    tensor is gathered from both ranks' slices (MoE's experts split within each expert) and equals the
+    checkpoint bit for bit, so a replica restarted after a push can replay it."""
+    from safetensors.torch import load_file
+
+    from rlserve.engine.engine import Engine
+    from rlserve.runtime.weight_snapshot import checkpoint_tensors
+
+    model_dir = make_model(preset, root / f"copy-{preset}", seed=5)
+    cfg = {"model": {"name": str(model_dir), "max_model_len": 512}, "engine": {"kv_cache_bytes": 16 << 20}}
+    engine = Engine(Config.model_validate(cfg | {"parallel": {"tp": 2}}))
+    try:
+        got = checkpoint_tensors(engine.model, engine.tp, call_id=1)
+    finally:
+        engine.close()
+    want = {name: t for f in sorted(model_dir.glob("*.safetensors")) for name, t in load_file(f).items()}
+    assert got and set(got) <= set(want)
+    for name, tensor in got.items():
+        assert torch.equal(tensor.to(want[name].dtype), want[name]), name
+
+
+def test_unshard_undoes_shard_for_every_kind_of_tensor():
+    from rlserve.model.tensor_parallel import shard, unshard
+
+    names = {
+        "model.layers.0.self_attn.q_proj.weight": (8, 6),
+        "model.layers.0.self_attn.o_proj.weight": (6, 8),
+        "model.layers.1.mlp.experts.3.gate_proj.weight": (8, 6),
+        "model.layers.1.mlp.experts.3.down_proj.weight": (6, 8),
+        "model.layers.1.mlp.experts.gate_up_proj": (4, 16, 6),  # [E, 2I, H]: gate rows, then up rows
+        "model.layers.1.mlp.experts.down_proj": (4, 6, 8),
+        "model.norm.weight": (6,),
+    }
+    for name, shape in names.items():
+        full = torch.randn(shape)
+        for tp in (2, 4):
+            assert torch.equal(unshard(name, [shard(name, full, r, tp) for r in range(tp)]), full), (name, tp)

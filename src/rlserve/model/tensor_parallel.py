@@ -113,6 +113,17 @@ def shard(name: str, tensor: torch.Tensor, rank: int, tp: int, experts_whole: bo
     return tensor.narrow(dim, rank * size, size)
 
 
+def unshard(name: str, parts: list[torch.Tensor], experts_whole: bool = False) -> torch.Tensor:
+    """The full checkpoint tensor `name` from every rank's slice, in rank order (`shard`'s inverse)."""
+    dim = shard_dim(name, experts_whole) if len(parts) > 1 else None
+    if dim is None:
+        return parts[0]
+    if _STACKED_GATE_UP.search(name):  # each rank's gate rows beside its up rows
+        halves = [p.chunk(2, 1) for p in parts]
+        return torch.cat([gate for gate, _ in halves] + [up for _, up in halves], 1)
+    return torch.cat(parts, dim)
+
+
 def shard_adapter(adapter: LoraAdapter, rank: int, tp: int) -> LoraAdapter:
     """A LoRA adapter cut like its base layers: B by output rows on column-parallel projections
     (each rank adds its own output slice), A by input columns on row-parallel ones (each rank adds

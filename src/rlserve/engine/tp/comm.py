@@ -261,6 +261,22 @@ def send_bytes(
     return out
 
 
+def gather_bytes(
+    group: Any, part: torch.Tensor, rank: int, tp: int, name: str, experts_whole: bool = False
+) -> list[torch.Tensor] | None:
+    """`send_bytes` reversed: every rank's slice of `name` to rank 0, which gets them in rank order (a
+    replicated tensor is rank 0's own). Bytes on gloo."""
+    if shard_dim(name, experts_whole) is None:
+        return [part] if rank == 0 else None
+    flat = part.contiguous().view(-1).view(torch.uint8)
+    if rank != 0:
+        group.gather([], [flat], _root0(dist.GatherOptions())).wait()
+        return None
+    out = [torch.empty_like(flat) for _ in range(tp)]
+    group.gather([out], [flat], _root0(dist.GatherOptions())).wait()
+    return [o.view(part.dtype).view(part.shape) for o in out]
+
+
 def _root0(opts: Any) -> Any:
     opts.rootRank = 0
     return opts

@@ -43,6 +43,7 @@ from rlserve.engine.tp.comm import (
     attach,
     encode,
     encode_step,
+    gather_bytes,
     make_group,
     send_bytes,
     to_leader,
@@ -217,6 +218,26 @@ class TensorParallelLeader:
         for name, tensor in tensors.items():
             send_bytes(self.weights_group, tensor.cpu(), 0, self.tp, name, self.config.parallel.enable_expert_parallel)
         self.wait_staged(call_id)
+
+    def gather(self, call_id: int, model: CausalLM) -> dict[str, torch.Tensor]:
+        """The full checkpoint as the ranks serve it now: each tensor put together from every rank's slice
+        (copies on the CPU). Called between steps."""
+        from rlserve.model.loader import checkpoint_shapes, target_of
+        from rlserve.model.tensor_parallel import unshard
+
+        names = list(checkpoint_shapes(model.full_shape))
+        whole = self.config.parallel.enable_expert_parallel
+        params = dict(model.named_parameters())
+        self.stage(call_id, "gather", names)
+        try:
+            out = {}
+            for name in names:
+                parts = gather_bytes(self.weights_group, target_of(model, params, name).cpu(), 0, self.tp, name, whole)
+                out[name] = unshard(name, parts, whole).clone()
+            self.wait_staged(call_id)
+        finally:
+            self.discard(call_id)
+        return out
 
     def commit(self, call_id: int) -> None:
         self._broadcast(encode(Commit(call_id)))

@@ -34,6 +34,7 @@ from rlserve.engine.tp.comm import (
     device_of_rank,
     encode,
     expert_parallel,
+    gather_bytes,
     make_group,
     send_bytes,
     to_worker,
@@ -175,6 +176,16 @@ class Worker:
                 tensors[name] = raw.view(dt).view(part.shape).to(self.device)
             # rank 0 validated the full tensors already; these are this rank's slices
             return "weights", StagedWeights(tensors, "broadcast", sharded=True)
+        if msg.kind == "gather":  # a deployment's copy of the served weights: this rank's slices to rank 0
+            from rlserve.model.loader import target_of
+
+            params = dict(self.model.named_parameters())
+            whole = self.config.parallel.enable_expert_parallel
+            for name in msg.args:
+                gather_bytes(
+                    self.weights_group, target_of(self.model, params, name).cpu(), self.rank, self.tp, name, whole
+                )
+            return "gathered", None
         raise ValueError(f"unknown staged work {msg.kind!r}")
 
     def commit(self, call_id: int) -> None:
