@@ -4,9 +4,9 @@ bit for bit, although D decodes over KV that P computed, in other batches, in an
 default mode's P/D test, the single server answers cold (no warm-up to put it in D's prefix-cache state)
 and the P/D requests run concurrently.
 
-Logprobs are float32 values; they are compared as float32, bit for bit. The router re-parses the JSON it
-passes on, and a value can come back one float64 ulp away from the float32 the server sent (seen here:
--0.17661058902740479 sent, -0.1766105890274048 received), which rounds back to the same float32."""
+Logprobs are float32 values; they are compared as float32, bit for bit. In P/D mode the router re-parses the
+JSON it passes on, and a value can come back one float64 ulp away from the float32 the server sent (seen
+here: -0.17661058902740479 sent, -0.1766105890274048 received), which rounds back to the same float32."""
 
 from __future__ import annotations
 
