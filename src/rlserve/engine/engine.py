@@ -154,7 +154,7 @@ class Engine:
             self.scheduler.offload = self.offload
             self.pool.on_evict = self.offload.save
             if self.runner.routing is not None:
-                offload_routed_experts(self.offload, self.runner.routing, ec.block_size)
+                offload_routed_experts(self.offload, self.runner.routing)
         self.kv_transfer: KVTransfer | None = None
         if config.kv_transfer is not None:
             self.kv_transfer = KVTransfer(

@@ -63,9 +63,8 @@ def encode_routed_experts(rows: np.ndarray, start: int) -> dict:
     }
 
 
-def offload_routed_experts(offload, routing: RoutedExpertsPool, bs: int) -> None:
+def offload_routed_experts(offload, routing: RoutedExpertsPool) -> None:
     """Router replay with KV offload: a block's routed experts travel with its KV; one without them is recomputed."""
-    rows = lambda block: routing.ids[block * bs : (block + 1) * bs]  # noqa: E731
     offload.required_metadata = frozenset({"routed_experts"})
-    offload.metadata_of = lambda block: {"routed_experts": rows(block)}
-    offload.restore_metadata = lambda block, md: rows(block).copy_(md["routed_experts"])
+    offload.metadata_of = routing.block_metadata
+    offload.restore_metadata = lambda block, md: routing.restore_block(block, md["routed_experts"])
