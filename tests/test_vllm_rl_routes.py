@@ -4,7 +4,10 @@ ids, /weight_info and /weight_checker (checksum, compare, reset)."""
 
 from __future__ import annotations
 
+import json
 import threading
+import time
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -21,37 +24,48 @@ def url():
         stop_server(proc)
 
 
-def _stream_until_first_token(url: str, body: dict) -> tuple[threading.Thread, dict, threading.Event]:
-    """A streaming completion in a thread; returns once its first chunk arrived (so it is in flight)."""
-    seen, first = {"finish": None, "id": None}, threading.Event()
+@pytest.fixture(autouse=True)
+def _resumed(url):
+    """A test that fails while the server is paused must not leave every later test's request queued."""
+    yield
+    httpx.post(f"{url}/resume", timeout=60)
+
+
+def _queued_behind_a_pause(url: str, rid: str) -> tuple[threading.Thread, dict]:
+    """A streaming completion that a keep-pause holds in the engine's queue: in flight however fast the
+    engine runs, until the test aborts it. Returns its thread and what it saw (finish reason, chunk id)."""
+    assert httpx.post(f"{url}/pause", params={"mode": "keep"}, timeout=60).json() == {"status": "paused"}
+    seen = {"finish": None, "id": None}
 
     def run() -> None:
-        import json
-
-        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=300) as r:
+        body = {"prompt": "hello", "max_tokens": 8, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers={"x-request-id": rid}, timeout=300) as r:
             for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                seen["id"] = chunk["id"]
-                first.set()
-                if chunk["choices"] and chunk["choices"][0].get("finish_reason"):
-                    seen["finish"] = chunk["choices"][0]["finish_reason"]
-        first.set()
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    seen["id"] = chunk["id"]
+                    seen["finish"] = chunk["choices"][0]["finish_reason"] or seen["finish"]
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    assert first.wait(300) and seen["id"] is not None
-    return thread, seen, first
+    return thread, seen
 
 
-LONG = {"prompt": "hello", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+def _until_one_aborted(call: Callable[[], httpx.Response]) -> dict:
+    """Repeat an aborting call until it finds the queued request (the stream's POST may not have reached the
+    engine yet); each call before that aborts nothing."""
+    for _ in range(600):
+        r = call()
+        assert r.status_code == 200, r.text
+        if r.json()["aborted"]:
+            return r.json()
+        time.sleep(0.05)
+    raise AssertionError("the queued request never reached the engine")
 
 
 def test_pause_defaults_to_vllms_abort(url):
-    thread, seen, _ = _stream_until_first_token(url, LONG)
-    r = httpx.post(f"{url}/pause", timeout=60)
-    assert r.status_code == 200 and r.json()["status"] == "paused"
+    thread, seen = _queued_behind_a_pause(url, "pause-default")
+    assert _until_one_aborted(lambda: httpx.post(f"{url}/pause", timeout=60))["status"] == "paused"
     thread.join(120)
     assert seen["finish"] == "abort"
     assert httpx.get(f"{url}/is_paused").json() == {"is_paused": True}
@@ -59,11 +73,13 @@ def test_pause_defaults_to_vllms_abort(url):
 
 
 def test_abort_requests_takes_vllm_internal_ids(url):
-    thread, seen, _ = _stream_until_first_token(url, LONG)
-    r = httpx.post(f"{url}/abort_requests", json={"request_ids": [f"{seen['id']}-0"]}, timeout=60)
-    assert r.status_code == 200 and r.json()["aborted"] >= 1
+    thread, seen = _queued_behind_a_pause(url, "by-internal-id")
+    # vLLM's internal id of a completion's choice 0: the completion's id, then -0
+    abort = {"request_ids": ["cmpl-by-internal-id-0"]}
+    assert _until_one_aborted(lambda: httpx.post(f"{url}/abort_requests", json=abort, timeout=60))["aborted"] == 1
     thread.join(120)
-    assert seen["finish"] == "abort"
+    assert seen == {"finish": "abort", "id": "cmpl-by-internal-id"}
+    assert httpx.post(f"{url}/resume").json() == {"status": "resumed"}
 
 
 def test_version_and_load_keys(url):
