@@ -238,7 +238,6 @@ def test_nemo_gym_launch_line_starts():
 # ---- prime-rl's inference docs: one test per TOML block ------------------------------------------------
 
 REFUSED_BLOCKS = {  # what rlserve cannot do yet, refused with the key named
-    "08_rl_deployment.toml": "num_infer_replicas",
     "09_router_llm_d.toml": "llm-d",
     "13_vllm_extra.toml": "vllm_extra.headless",
 }
@@ -268,6 +267,17 @@ def test_prime_rl_layout_reads_inference_and_logs_what_it_ignores(tmp_path, capl
     assert c.model.enforce_eager
     assert any("num_train_nodes" in r.message and "type" in r.message for r in caplog.records)
     assert any("trainer" in r.message for r in caplog.records)
+
+
+def test_num_infer_replicas_makes_copies_with_their_own_router_ports():
+    (path,) = [p for p in DOCS if p.name == "08_rl_deployment.toml"]
+    d = load_config(["@", str(path)]).deployment
+    assert (d.copies, d.size, d.copy_of(2)) == (3, 3, 2)
+    d = load_config(["--server.port", "8000", "--deployment.copies", "2", "--deployment.replicas", "2"]).deployment
+    assert [d.router_port(c, 8000) for c in range(2)] == [8000, 8002]  # 8001: the admin address
+    assert [d.copy_of(i) for i in range(4)] == [0, 0, 1, 1]
+    with pytest.raises(ConfigError, match="admin_port"):
+        load_config(["--server.port", "8000", "--deployment.copies", "3", "--deployment.admin_port", "8003"])
 
 
 def test_router_non_cached_tokens_moves_to_the_deployment(tmp_path):

@@ -66,10 +66,17 @@ def check_deployment(config: Config) -> None:
             f"deployment.admin_port {d.admin_port} equals server.port: give the admin address "
             "its own port (default server.port + 1)"
         )
+    admin = d.admin_port if d.admin_port is not None else (port + 1 if port else None)
+    routers = [d.router_port(c, port) for c in range(d.copies)]
+    if port and (admin in routers or routers[-1] > 65535):
+        raise ValueError(
+            f"deployment.copies = {d.copies} puts the copies' routers on ports {routers[0]}..{routers[-1]} "
+            f"(copy c: server.port + 1 + c), which {'holds the admin port' if admin in routers else 'passes 65535'}; "
+            "move deployment.admin_port or server.port"
+        )
     if d.backend_port:
         backends = range(d.backend_port, d.backend_port + d.size)
-        admin = d.admin_port if d.admin_port is not None else (port + 1 if port else None)
-        clash = [p for p in (port, admin) if p and p in backends]
+        clash = [p for p in (*routers, admin) if p and p in backends]
         if clash:
             raise ValueError(
                 f"deployment.backend_port {d.backend_port}..{backends[-1]} (one port per replica) "

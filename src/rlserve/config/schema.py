@@ -7,13 +7,11 @@ import logging
 import os
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from rlserve.config.checks import check_combinations
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+from rlserve.config.deployment import DeploymentConfig
+from rlserve.config.section import Section
 
 
 class ModelConfig(Section):
@@ -216,102 +214,6 @@ class EngineConfig(Section):
         "prefix-cached (CPU, dense models, tp=1; also VLLM_BATCH_INVARIANT=1 or --batch-invariant); "
         "see docs/batch-invariance.md",
     )
-
-
-class RouterConfig(Section):
-    type: Literal["vllm-router"] = Field("vllm-router", description="the router in front of several replicas")
-    policy: Literal["consistent_hash", "round_robin", "power_of_two", "cache_aware"] = Field(
-        "consistent_hash", description="consistent_hash keeps an X-Session-ID on one replica"
-    )
-    extra_args: list[str] = Field(default_factory=list, description="more vllm-router arguments, passed as given")
-    allow_open_worker_routes: bool = Field(
-        False,
-        description="run the router on a non-loopback server.host although its worker routes "
-        "(/add_worker, /remove_worker) take no key (behind a firewall that admits only your clients)",
-    )
-
-
-class DeploymentConfig(Section):
-    type: Literal["single_node", "multi_node", "disaggregated"] = Field(
-        "single_node",
-        description="single_node: replicas on this machine; multi_node: one replica per Ray node; "
-        "disaggregated: prefill and decode replicas behind vllm-router's P/D mode, KV moved between them",
-    )
-    replicas: int = Field(1, ge=1, description="engine servers on this machine (single_node); 1 = no router")
-    num_nodes: int = Field(1, ge=1, description="multi_node: Ray nodes, one replica each")
-    backend_port: int | None = Field(
-        None, ge=0, le=65535, description="first replica port (replica i: +i); none = free ports"
-    )
-    admin_port: int | None = Field(
-        None, ge=0, le=65535, description="admin fan-out address of every replica; none = server.port + 1"
-    )
-    ray_address: str = Field("auto", description="multi_node, disaggregated on Ray: the Ray cluster to join")
-    router: RouterConfig = Field(default_factory=RouterConfig)
-    num_prefill_replicas: int = Field(1, ge=1, description="disaggregated: prefill servers on this machine")
-    num_decode_replicas: int = Field(1, ge=1, description="disaggregated: decode servers on this machine")
-    num_prefill_nodes: int | None = Field(
-        None,
-        ge=1,
-        description="disaggregated on Ray: Ray nodes with one prefill server each; setting it (or "
-        "num_decode_nodes) places the servers on the cluster at ray_address instead of this machine",
-    )
-    num_decode_nodes: int | None = Field(
-        None, ge=1, description="disaggregated on Ray: Ray nodes with one decode server each (default 1 on Ray)"
-    )
-    prefill_env_vars: dict[str, str] = Field(
-        default_factory=dict, description="disaggregated: extra environment of every prefill server"
-    )
-    decode_env_vars: dict[str, str] = Field(
-        default_factory=dict, description="disaggregated: extra environment of every decode server"
-    )
-    non_cached_tokens: int = Field(
-        0,
-        ge=0,
-        description="disaggregated: a request with fewer prompt tokens missing from the decode server's "
-        "prefix cache is prefilled there instead of pulling KV (kv_transfer.non_cached_tokens)",
-    )
-    snapshot_dir: str | None = Field(None, description="where pushed weights are kept for restarts and undo")
-    bind_cores: bool = Field(
-        True,
-        description="replicas on this machine: give each its own CPU cores (sched_setaffinity, inherited by its "
-        "threads and engine processes) when their threads fit the cores this process may use; false = the OS "
-        "places them. Unbound, the scheduler puts a KV pull's sender and receiver on one core",
-    )
-
-    @property
-    def on_ray(self) -> bool:
-        """multi_node, or disaggregated with num_prefill_nodes / num_decode_nodes: one server per Ray node."""
-        return self.type == "multi_node" or (
-            self.type == "disaggregated" and (self.num_prefill_nodes, self.num_decode_nodes) != (None, None)
-        )
-
-    @property
-    def prefill_servers(self) -> int:
-        if self.type != "disaggregated":
-            return 0
-        return (self.num_prefill_nodes or 1) if self.on_ray else self.num_prefill_replicas
-
-    @property
-    def decode_servers(self) -> int:
-        if self.type != "disaggregated":
-            return 0
-        return (self.num_decode_nodes or 1) if self.on_ray else self.num_decode_replicas
-
-    @property
-    def size(self) -> int:
-        if self.type == "disaggregated":
-            return self.prefill_servers + self.decode_servers
-        return self.num_nodes if self.type == "multi_node" else self.replicas
-
-    def role(self, index: int) -> str | None:
-        """disaggregated: replica `index` is "prefill" (the first prefill_servers) or "decode"."""
-        if self.type != "disaggregated":
-            return None
-        return "prefill" if index < self.prefill_servers else "decode"
-
-    @property
-    def enabled(self) -> bool:
-        return self.type != "single_node" or self.replicas > 1
 
 
 class ParallelConfig(Section):

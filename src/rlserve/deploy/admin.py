@@ -31,7 +31,7 @@ def build_admin_app(dep: Deployment) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        up = dep.router is not None and dep.router.exited() is None and bool(dep.serving())
+        up = bool(dep.routers) and all(r.exited() is None for r in dep.routers) and bool(dep.serving())
         return JSONResponse(
             {"status": "healthy" if up else "unhealthy", "replicas_serving": len(dep.serving())},
             status_code=200 if up else 503,

@@ -133,7 +133,7 @@ def ray_replicas(config: Config, key: str, admin_url: str) -> list[RayReplica]:
                 "deployment.num_prefill_nodes / num_decode_nodes",
             )
         else:
-            what, lower = f"{d.size} replicas", "deployment.num_nodes"
+            what, lower = f"{d.size} replicas", "deployment.num_nodes (or copies)"
         raise RuntimeError(
             f"Ray could not place {what} on {d.size} distinct nodes with a free CPU each: add nodes "
             f"(ray start --address ...) or lower {lower}"
@@ -141,7 +141,7 @@ def ray_replicas(config: Config, key: str, admin_url: str) -> list[RayReplica]:
     prefill_hosts = None
     if d.type == "disaggregated":
         ips = _bundle_ips(group)
-        prefill_hosts = sorted({ips[i] for i in range(d.prefill_servers)})
+        prefill_hosts = sorted({ips[i] for i in range(d.size) if d.role(i) == "prefill"})
     return [RayReplica(i, config, key, admin_url, group, prefill_hosts) for i in range(d.size)]
 
 

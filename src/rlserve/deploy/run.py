@@ -85,8 +85,11 @@ async def _main(config: Config) -> None:
         shape = (
             f"{d.prefill_servers} prefill + {d.decode_servers} decode replicas{where} behind vllm-router in P/D mode"
             if d.type == "disaggregated"
-            else f"{len(dep.slots)} replicas behind vllm-router"
+            else f"{d.copy_size} replicas behind vllm-router"
         )
+        if d.copies > 1:
+            others = ", ".join(r.url for r in dep.routers[1:])
+            shape = f"{d.copies} copies of {shape}; the other copies on {others}"
         print(
             f"rlserve: serving {config.model.served_model_name or config.model.name or 'rlserve-default'} on "
             f"{dep.router.url} ({shape}; admin: {admin_url})",

@@ -47,6 +47,7 @@ class WeightState:
 @dataclass(eq=False)
 class Slot:
     replica: Replica
+    copy: int = 0  # which copy of the deployment (deployment.copies): the router that sends it requests
     url: str | None = None
     status: str = "starting"  # starting | serving | stale | failed | restarting | unresponsive
     incarnation: int = 0
@@ -60,9 +61,9 @@ class Slot:
 class Deployment:
     def __init__(self, config: Config, replicas: list[Replica], key: str, host: str, port: int):
         self.config, self.key, self.host, self.port = config, key, host, port
-        self.slots = [Slot(r) for r in replicas]
+        self.slots = [Slot(r, copy=config.deployment.copy_of(r.index)) for r in replicas]
         self.state = WeightState(weight_version=config.weight_version)
-        self.router: Router | None = None
+        self.routers: list[Router] = []  # one per copy, in copy order
         self.lock = asyncio.Lock()  # one admin mutation (or rejoin) at a time, so versions stay in step
         # no idle connections kept: a replica's server closes one it finds idle (after a pause or a freeze) just
         # as a call goes out on it, and an admin call cannot be resent blindly
@@ -71,7 +72,7 @@ class Deployment:
         )
         self.group: set[tuple[int, int]] = set()  # (replica index, incarnation) in the trainer's broadcast group
         self._tasks: set[asyncio.Task] = set()
-        self._router_restarting = False
+        self._routers_restarting: set[int] = set()
 
     @property
     def headers(self) -> dict[str, str]:
@@ -79,6 +80,14 @@ class Deployment:
 
     def serving(self) -> list[Slot]:
         return [s for s in self.slots if s.status == "serving"]
+
+    @property
+    def router(self) -> Router | None:
+        """Copy 0's router: the deployment's public URL (server.port)."""
+        return self.routers[0] if self.routers else None
+
+    def router_of(self, slot: Slot) -> Router | None:
+        return self.routers[slot.copy] if self.routers else None
 
     # ---- start and stop ------------------------------------------------------------------------
 
@@ -90,10 +99,12 @@ class Deployment:
             slot.url, slot.status = url, "serving"
         info = await self._versions(self.slots[0])
         self.state.policy_version, self.state.weight_version = info
-        self.router = Router(self.config, self.host, self.port)
-        await self.router.start(
-            [s.url for s in self.slots], roles=[getattr(s.replica, "role", None) for s in self.slots]
-        )
+        d = self.config.deployment
+        for copy in range(d.copies):
+            router = Router(self.config, self.host, d.router_port(copy, self.port))
+            self.routers.append(router)
+            slots = [s for s in self.slots if s.copy == copy]
+            await router.start([s.url for s in slots], roles=[getattr(s.replica, "role", None) for s in slots])
 
     async def _wait_ready(self, slot: Slot) -> str:
         url = await asyncio.to_thread(slot.replica.wait_listening, HEALTH_TIMEOUT_S)
@@ -112,8 +123,7 @@ class Deployment:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self.router is not None:
-            await asyncio.to_thread(self.router.stop)
+        await asyncio.gather(*(asyncio.to_thread(r.stop) for r in self.routers))
         await asyncio.gather(*(asyncio.to_thread(s.replica.stop) for s in self.slots))
         await self.http.aclose()
 
@@ -124,10 +134,11 @@ class Deployment:
         stops answering without exiting leaves the rotation until it answers again (deploy/liveness.py)."""
         self._spawn(watch_liveness(self))
         while True:
-            if self.router is not None and self.router.exited() is not None and not self._router_restarting:
-                log.warning("vllm-router exited with code %s; restarting it", self.router.exited())
-                self._router_restarting = True
-                self._spawn(self._restart_router())
+            for copy, router in enumerate(self.routers):
+                if router.exited() is not None and copy not in self._routers_restarting:
+                    log.warning("vllm-router of copy %d exited with code %s; restarting it", copy, router.exited())
+                    self._routers_restarting.add(copy)
+                    self._spawn(self._restart_router(copy))
             for slot in self.slots:
                 if slot.status != "restarting" and slot.replica.exited() is not None:
                     code = slot.replica.exited()
@@ -136,13 +147,13 @@ class Deployment:
                     self._spawn(self._restart(slot))
             await asyncio.sleep(interval_s)
 
-    async def _restart_router(self) -> None:
-        assert self.router is not None
+    async def _restart_router(self, copy: int) -> None:
+        router = self.routers[copy]
         try:
-            await asyncio.to_thread(self.router.stop)
-            await self.router.start([s.url for s in self.serving() if s.url])  # same port as before
+            await asyncio.to_thread(router.stop)
+            await router.start([s.url for s in self.serving() if s.url and s.copy == copy])  # same port as before
         finally:
-            self._router_restarting = False
+            self._routers_restarting.discard(copy)
 
     def _spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)
@@ -150,8 +161,9 @@ class Deployment:
         task.add_done_callback(self._tasks.discard)
 
     async def _restart(self, slot: Slot) -> None:
-        if slot.url is not None and self.router is not None:
-            await self.router.remove(self.http, slot.url)
+        router = self.router_of(slot)
+        if slot.url is not None and router is not None:
+            await router.remove(self.http, slot.url)
         await asyncio.to_thread(slot.replica.stop)
         slot.replica.start()  # on the event loop's thread: children die with the thread that forked them
         slot.incarnation += 1
@@ -189,8 +201,9 @@ class Deployment:
             slot.status, slot.detail = "failed", f"could not be brought to the current weights: {exc}"
             log.error("%s %s", slot.name, slot.detail)
             return
-        assert self.router is not None and slot.url is not None
-        await self.router.add(self.http, slot.url, getattr(slot.replica, "role", None))
+        router = self.router_of(slot)
+        assert router is not None and slot.url is not None
+        await router.add(self.http, slot.url, getattr(slot.replica, "role", None))
         slot.status, slot.detail = "serving", ""
         log.info("%s rejoined at policy_version %s (%s)", slot.name, s.policy_version, s.weight_version)
 
@@ -200,8 +213,9 @@ class Deployment:
             return
         # marked before the first await, or the watch loop seeing it die meanwhile restarts it a second time
         slot.status, slot.detail = "restarting", why
-        if self.router is not None and slot.url is not None:
-            await self.router.remove(self.http, slot.url)
+        router = self.router_of(slot)
+        if router is not None and slot.url is not None:
+            await router.remove(self.http, slot.url)
         log.error("%s left the router's rotation: %s", slot.name, why)
         self._spawn(self._restart(slot))
 
@@ -233,6 +247,7 @@ class Deployment:
         async def one(slot: Slot) -> dict[str, Any]:
             row = {
                 "index": slot.replica.index,
+                "copy": slot.copy,
                 "role": getattr(slot.replica, "role", None),
                 "url": slot.url,
                 "status": slot.status,
@@ -260,10 +275,13 @@ class Deployment:
 
         rows = await asyncio.gather(*(one(s) for s in self.slots))
         s = self.state
-        router = self.router.child if self.router else None
+        routers = [
+            {"copy": c, "url": r.url, "pid": r.child.pid if r.child else None} for c, r in enumerate(self.routers)
+        ]
         return {
-            "router": self.router.url if self.router else None,
-            "router_pid": router.pid if router else None,
+            "router": routers[0]["url"] if routers else None,  # copy 0's: the deployment's public URL
+            "router_pid": routers[0]["pid"] if routers else None,
+            "routers": routers,
             "policy_version": s.policy_version,
             "weight_version": s.weight_version,
             "paused": s.paused,

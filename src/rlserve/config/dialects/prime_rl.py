@@ -118,15 +118,10 @@ def _read_rl_deployment(rl: dict[str, Any], data: dict[str, Any]) -> None:
         log.warning(
             "prime-rl config: RL-level [deployment] fields for the trainer ignored: %s", ", ".join(trainer_side)
         )
-    replicas = rl.get("num_infer_replicas", 1)
-    if replicas != 1:
-        raise ConfigError(
-            f"deployment.num_infer_replicas = {replicas}: k copies of the inference deployment "
-            "(each behind its own router) are not supported yet; use 1, or one deployment with "
-            "inference.deployment.num_replicas"
-        )
     nodes = rl.get("num_infer_nodes")
     deployment = data.setdefault("deployment", {})
+    if "num_infer_replicas" in rl:  # k copies of the inference deployment, each behind its own router
+        deployment["copies"] = rl["num_infer_replicas"]
     if (
         nodes is not None
         and deployment.get("type") == "multi_node"
