@@ -64,6 +64,15 @@ def test_toml_section(tmp_path):
         ),
         (["--deployment.replicas", "2", "--model.device", "cuda:1"], "model.device = 'cuda'"),
         (["--deployment.router.policy", "random"], "deployment.router.policy"),
+        (["--deployment.nodes_per_replica", "2"], "deployment.type = 'multi_node'"),
+        (
+            ["--deployment.type", "multi_node", "--deployment.num_nodes", "2", "--deployment.nodes_per_replica", "2"],
+            "and parallel.tp (1: every node runs the same number",
+        ),
+        (
+            ["--deployment.type", "multi_node", "--deployment.num_nodes", "3", "--deployment.nodes_per_replica", "2"],
+            "must divide",
+        ),
     ],
 )
 def test_impossible_combinations_say_what_to_change(args, message):

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import server_log, start_server, stop_server
 from deploy_helpers import alive, descendants, local_ray_cluster, replicas, start_deployment, stop_deployment, wait_for
-from rlserve.model.make import make_model
+from rlserve.model.make import default_model_dir, make_model
 from test_pd import BLOCK, completion, metric, prompts, same_choice, warm
 from test_server_rl import generate, hf_check
 
@@ -126,3 +126,80 @@ def _all_serving_after_restart(admin: str) -> list[dict] | None:
     rows = sorted(replicas(admin), key=lambda r: r["index"])
     restarted = [r["restarts"] for r in rows] == [1, 0] and all(r["status"] == "serving" for r in rows)
     return rows if restarted else None
+
+
+def _raylet_above(pid: int, raylets: set[int]) -> int | None:
+    """The Ray node's raylet among pid's ancestors: the node that runs the process."""
+    while pid > 1:
+        if pid in raylets:
+            return pid
+        pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+    return None
+
+
+def _raylets(cluster) -> set[int]:
+    return {p.pid for node in cluster.list_all_nodes() for name, p in node.live_processes() if name == "raylet"}
+
+
+def _tp_workers(cluster) -> list[int]:
+    """Tensor-parallel worker processes on this cluster's nodes (not other tests' local ones)."""
+    found, raylets = [], _raylets(cluster)
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and b"rlserve.engine.tp.worker" in open(f"/proc/{entry}/cmdline", "rb").read():
+                if _raylet_above(int(entry), raylets) is not None:
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def test_a_replica_spanning_two_nodes_matches_transformers_and_stops_whole(cluster, tmp_path):
+    """One tp=2 replica over both nodes: rank 0 (and its HTTP server) on one, rank 1 on the other, the ranks
+    talking over gloo; its answers match transformers before and after an update that both ranks stage, and after
+    the remote rank is killed and the replica restarted; SIGTERM ends the processes on both nodes."""
+    step1 = make_model("tiny", tmp_path / "step-1", seed=1)
+    public, admin, proc = start_deployment(
+        "--deployment.type",
+        "multi_node",
+        "--deployment.num_nodes",
+        "2",
+        "--deployment.nodes_per_replica",
+        "2",
+        "--parallel.tp",
+        "2",
+        "--deployment.ray_address",
+        cluster.address,
+        "--weight_roots",
+        json.dumps([str(tmp_path)]),
+        "--engine.kv_cache_bytes",
+        str(16 << 20),
+        timeout=400,
+    )
+    try:
+        (row,) = replicas(admin)
+        (worker,) = _tp_workers(cluster)
+        raylets = _raylets(cluster)
+        server_node, worker_node = _raylet_above(row["pid"], raylets), _raylet_above(worker, raylets)
+        assert None not in (server_node, worker_node) and server_node != worker_node
+        default = default_model_dir()
+        for prompt in ([11, 22, 33, 44, 55], [100, 7, 300, 9]):
+            hf_check(default, prompt, generate(public, prompt)["choices"][0])
+        r = httpx.post(f"{admin}/update_weights", json={"weight_dir": str(step1)}, timeout=300)
+        assert r.status_code == 200, r.text
+        choice = generate(public, [11, 22, 33])["choices"][0]
+        assert choice["policy_version"] == 1
+        hf_check(step1, [11, 22, 33], choice)
+        # the remote rank dies: the replica fails as a whole, restarts on its two bundles and rejoins at step 1
+        os.kill(worker, signal.SIGKILL)
+        wait_for(
+            lambda: replicas(admin)[0]["restarts"] == 1 and replicas(admin)[0]["status"] == "serving", 300, "a restart"
+        )
+        (worker,) = _tp_workers(cluster)
+        row = replicas(admin)[0]
+        choice = generate(public, [11, 22, 33])["choices"][0]
+        assert choice["policy_version"] == 1
+        hf_check(step1, [11, 22, 33], choice)
+    finally:
+        stop_deployment(proc)
+    wait_for(lambda: not alive(worker) and not alive(row["pid"]), 120, "both nodes' processes to exit")

@@ -41,6 +41,20 @@ def check_deployment(config: Config) -> None:
             "deployment.num_prefill_*/num_decode_*, prefill_env_vars, decode_env_vars and "
             "non_cached_tokens need deployment.type = 'disaggregated'"
         )
+    if d.nodes_per_replica != 1:
+        if d.type != "multi_node":
+            raise ValueError(
+                "deployment.nodes_per_replica needs deployment.type = 'multi_node' (a server spanning Ray nodes); "
+                "the disaggregated shape runs one server per node"
+            )
+        if d.num_nodes % d.nodes_per_replica or config.parallel.tp % d.nodes_per_replica:
+            raise ValueError(
+                f"deployment.nodes_per_replica = {d.nodes_per_replica} must divide deployment.num_nodes "
+                f"({d.num_nodes}: whole replicas) and parallel.tp ({config.parallel.tp}: every node runs the same "
+                "number of a replica's ranks)"
+            )
+        if config.parallel.dp != 1:
+            raise ValueError("deployment.nodes_per_replica > 1 spreads tensor-parallel ranks only: set parallel.dp = 1")
     if d.type == "multi_node":
         if d.replicas != 1:
             raise ValueError(

@@ -37,7 +37,13 @@ class DeploymentConfig(Section):
         "num_infer_replicas): copy 0's router on server.port, copy c's on server.port + 1 + c (free ports when "
         "server.port is 0); one admin address reaches the replicas of every copy",
     )
-    num_nodes: int = Field(1, ge=1, description="multi_node: Ray nodes, one replica each")
+    num_nodes: int = Field(1, ge=1, description="multi_node: Ray nodes, one replica each (see nodes_per_replica)")
+    nodes_per_replica: int = Field(
+        1,
+        ge=1,
+        description="multi_node: each replica spans this many Ray nodes, its parallel.tp ranks split evenly over "
+        "them (one HTTP server on the first; the ranks talk over torch.distributed); num_nodes / this = replicas",
+    )
     backend_port: int | None = Field(
         None, ge=0, le=65535, description="first replica port (replica i: +i); none = free ports"
     )
@@ -101,7 +107,12 @@ class DeploymentConfig(Section):
         """Engine servers in one copy."""
         if self.type == "disaggregated":
             return self.prefill_servers + self.decode_servers
-        return self.num_nodes if self.type == "multi_node" else self.replicas
+        return self.num_nodes // self.nodes_per_replica if self.type == "multi_node" else self.replicas
+
+    @property
+    def span(self) -> int:
+        """Ray nodes under each server (one bundle each, in server order)."""
+        return self.nodes_per_replica if self.type == "multi_node" else 1
 
     @property
     def size(self) -> int:

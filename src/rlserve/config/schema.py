@@ -216,6 +216,15 @@ class EngineConfig(Section):
     )
 
 
+class RayRanksConfig(Section):
+    """Written by a Ray deployment into the config of a server that spans nodes (engine/tp/ray_ranks.py)."""
+
+    address: str = Field(description="the Ray cluster (its GCS address)")
+    namespace: str = Field(description="the Ray namespace of the deployment's placement group")
+    placement_group: str = Field(description="the placement group's name")
+    bundles: list[int] = Field(description="the bundle of each tensor-parallel rank, rank 0's first")
+
+
 class ParallelConfig(Section):
     tp: int = Field(1, ge=1, description="tensor-parallel ranks per engine")
     dp: int = Field(1, ge=1, description="data-parallel engines behind the one API server")
@@ -237,6 +246,9 @@ class ParallelConfig(Section):
     data_parallel_address: str = Field("127.0.0.1", description="expert parallelism over dp engines: rendezvous host")
     data_parallel_rpc_port: int | None = Field(
         None, ge=1, le=65535, description="expert parallelism over dp engines: rendezvous port (engine 0 listens)"
+    )
+    ray_ranks: RayRanksConfig | None = Field(
+        None, description="set by a Ray deployment: where the ranks of a server spanning nodes run (not by hand)"
     )
 
 

@@ -2,7 +2,9 @@
 small actor that runs `rlserve serve` on its node as a child process (the same process tree as on one
 machine); the supervisor, the router and the admin address stay on the head node with the driver.
 Disaggregated on Ray: the first num_prefill_nodes bundles run prefill servers, the rest decode servers; each
-server's KV block server listens on its node's IP, and decode servers may pull from the prefill nodes' IPs."""
+server's KV block server listens on its node's IP, and decode servers may pull from the prefill nodes' IPs.
+A replica spanning nodes (deployment.nodes_per_replica) takes that many bundles in a row: its server runs on the
+first, and its other tensor-parallel ranks on the rest (engine/tp/ray_ranks.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import json
 import os
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 
 import ray
@@ -21,6 +24,7 @@ from rlserve.deploy.process import ServerChild
 from rlserve.deploy.replica import ADMIN_URL_ENV, KEY_ENV, replica_config
 
 PLACEMENT_TIMEOUT_S = 300.0
+NAMESPACE = "rlserve"
 
 
 class ReplicaHost:
@@ -58,12 +62,28 @@ class RayReplica:
     """The supervisor's handle on a replica in bundle `index` of the placement group."""
 
     def __init__(
-        self, index: int, config: Config, key: str, admin_url: str, group, prefill_hosts: list[str] | None = None
+        self,
+        index: int,
+        config: Config,
+        key: str,
+        admin_url: str,
+        group,
+        group_name: str,
+        prefill_hosts: list[str] | None = None,
     ):
         d = config.deployment
         self.index, self.role, self.group = index, d.role(index), group
+        self.bundle = index * d.span  # its first bundle; the next span - 1 hold its other ranks
         self.name = f"replica {index}" if self.role is None else f"{self.role} replica {index}"
         self.config = replica_config(config, index, "0.0.0.0", prefill_hosts=prefill_hosts)
+        if d.span > 1:
+            tp, each = config.parallel.tp, config.parallel.tp // d.span
+            self.config.setdefault("parallel", {})["ray_ranks"] = {
+                "address": ray.get_runtime_context().gcs_address,
+                "namespace": NAMESPACE,
+                "placement_group": group_name,
+                "bundles": [self.bundle + rank // each for rank in range(tp)],
+            }
         if config.num_threads is None:  # a node's replica uses that node's cores
             self.config.pop("num_threads", None)
         role_env = {"prefill": d.prefill_env_vars, "decode": d.decode_env_vars}.get(self.role or "", {})
@@ -74,7 +94,9 @@ class RayReplica:
         self._exit_code: int | None = None
 
     def start(self) -> None:
-        strategy = PlacementGroupSchedulingStrategy(placement_group=self.group, placement_group_bundle_index=self.index)
+        strategy = PlacementGroupSchedulingStrategy(
+            placement_group=self.group, placement_group_bundle_index=self.bundle
+        )
         # threaded: a poll must not queue behind `start`, which blocks until the server listens
         self.actor = (
             ray.remote(num_cpus=1, max_concurrency=4)(ReplicaHost).options(scheduling_strategy=strategy).remote()
@@ -121,8 +143,9 @@ class RayReplica:
 def ray_replicas(config: Config, key: str, admin_url: str) -> list[RayReplica]:
     """Join the running cluster and reserve one CPU on each of deployment.size distinct nodes."""
     d = config.deployment
-    ray.init(address=d.ray_address, log_to_driver=True)
-    group = placement_group([{"CPU": 1}] * d.size, strategy="STRICT_SPREAD")
+    ray.init(address=d.ray_address, namespace=NAMESPACE, log_to_driver=True)
+    name = f"rlserve-{uuid.uuid4().hex}"  # spanning replicas' ranks find their bundles by it
+    group = placement_group([{"CPU": 1}] * (d.size * d.span), strategy="STRICT_SPREAD", name=name)
     try:
         ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
@@ -135,14 +158,14 @@ def ray_replicas(config: Config, key: str, admin_url: str) -> list[RayReplica]:
         else:
             what, lower = f"{d.size} replicas", "deployment.num_nodes (or copies)"
         raise RuntimeError(
-            f"Ray could not place {what} on {d.size} distinct nodes with a free CPU each: add nodes "
+            f"Ray could not place {what} on {d.size * d.span} distinct nodes with a free CPU each: add nodes "
             f"(ray start --address ...) or lower {lower}"
         ) from None
     prefill_hosts = None
     if d.type == "disaggregated":
         ips = _bundle_ips(group)
         prefill_hosts = sorted({ips[i] for i in range(d.size) if d.role(i) == "prefill"})
-    return [RayReplica(i, config, key, admin_url, group, prefill_hosts) for i in range(d.size)]
+    return [RayReplica(i, config, key, admin_url, group, name, prefill_hosts) for i in range(d.size)]
 
 
 def _bundle_ips(group) -> dict[int, str]:

@@ -64,41 +64,38 @@ class TensorParallelLeader:
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(device)  # NCCL binds rank 0 to the current device
+        ranks = config.parallel.ray_ranks
+        host = "127.0.0.1"
+        if ranks is not None and set(ranks.bundles) != {ranks.bundles[0]}:  # some ranks on other nodes
+            from rlserve.engine.tp.ray_ranks import join_cluster
+
+            host = join_cluster(ranks)
         self.store = dist.TCPStore(
-            "127.0.0.1", 0, self.tp, True, timeout=datetime.timedelta(seconds=START_TIMEOUT_S), wait_for_workers=False
+            host, 0, self.tp, True, timeout=datetime.timedelta(seconds=START_TIMEOUT_S), wait_for_workers=False
         )
         self.ctx = zmq.Context()
         self.replies = self._socket(zmq.PULL)
-        reply_port = self.replies.bind_to_random_port("tcp://127.0.0.1")
+        reply_port = self.replies.bind_to_random_port(f"tcp://{host}")
         self.inboxes: list[zmq.Socket] = []
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list = []  # subprocess.Popen, or a RayRank (ray_ranks.py) for a rank on another node
         self.send_lock = threading.Lock()  # steps from the loop thread, staged work from the helper
         self.failure: str | None = None
         try:
             payload = config.model_dump_json().encode()
             for rank in range(1, self.tp):
                 inbox = self._socket(zmq.PUSH)
-                port = inbox.bind_to_random_port("tcp://127.0.0.1")
+                port = inbox.bind_to_random_port(f"tcp://{host}")
                 self.inboxes.append(inbox)
-                proc = subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "rlserve.engine.tp.worker",
-                        str(rank),
-                        str(self.tp),
-                        str(self.store.port),
-                        f"tcp://127.0.0.1:{port}",
-                        f"tcp://127.0.0.1:{reply_port}",
-                        str(num_blocks),
-                        str(device),
-                    ],
-                    stdin=subprocess.PIPE,
-                    env=child_env(),
-                )
-                proc.stdin.write(payload)
-                proc.stdin.close()
-                self.procs.append(proc)
+                args = [
+                    str(rank),
+                    str(self.tp),
+                    f"{host}:{self.store.port}",
+                    f"tcp://{host}:{port}",
+                    f"tcp://{host}:{reply_port}",
+                    str(num_blocks),
+                    str(device),
+                ]
+                self.procs.append(self._start_rank(rank, args, payload))
             self._wait_loaded()
             # every worker is up and creating these same groups now
             self.step_group = make_group(self.store, "step", 0, self.tp, self.backend)
@@ -107,6 +104,19 @@ class TensorParallelLeader:
             self.close()
             raise
         log.info("tensor parallel: %d ranks (%s), workers %s", self.tp, self.backend, [p.pid for p in self.procs])
+
+    def _start_rank(self, rank: int, args: list[str], payload: bytes):
+        ranks = self.config.parallel.ray_ranks
+        if ranks is not None and ranks.bundles[rank] != ranks.bundles[0]:
+            from rlserve.engine.tp.ray_ranks import RayRank
+
+            return RayRank(ranks, rank, args, payload)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rlserve.engine.tp.worker", *args], stdin=subprocess.PIPE, env=child_env()
+        )
+        proc.stdin.write(payload)
+        proc.stdin.close()
+        return proc
 
     def _socket(self, kind: int) -> zmq.Socket:
         sock = self.ctx.socket(kind)
@@ -264,3 +274,7 @@ class TensorParallelLeader:
         for sock in [*self.inboxes, self.replies]:
             sock.close(linger=0)
         self.ctx.term()
+        if self.config.parallel.ray_ranks is not None:
+            from rlserve.engine.tp.ray_ranks import leave_cluster
+
+            leave_cluster()

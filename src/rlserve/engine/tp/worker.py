@@ -222,7 +222,7 @@ class Worker:
 
 
 def worker_main(argv: list[str]) -> int:
-    rank, tp, store_port, inbox_addr, reply_addr, num_blocks, device = argv
+    rank, tp, store_addr, inbox_addr, reply_addr, num_blocks, device = argv
     config = start_child()
     if config is None:
         return 1
@@ -235,8 +235,9 @@ def worker_main(argv: list[str]) -> int:
     inbox, replies = connect_pair(zmq.Context(), inbox_addr, reply_addr, 2000)
     try:
         worker = Worker(rank_i, tp_i, config, int(num_blocks), dev, replies)
+        store_host, store_port = store_addr.rsplit(":", 1)
         store = dist.TCPStore(
-            "127.0.0.1", int(store_port), tp_i, False, timeout=datetime.timedelta(seconds=START_TIMEOUT_S)
+            store_host, int(store_port), tp_i, False, timeout=datetime.timedelta(seconds=START_TIMEOUT_S)
         )
         replies.send(encode(Loaded(rank_i)))
         worker.join_groups(store)
