@@ -203,3 +203,37 @@ def test_a_replica_spanning_two_nodes_matches_transformers_and_stops_whole(clust
     finally:
         stop_deployment(proc)
     wait_for(lambda: not alive(worker) and not alive(row["pid"]), 120, "both nodes' processes to exit")
+
+
+def test_wide_ep_one_moe_replica_with_its_experts_on_two_nodes(cluster, tmp_path):
+    """Expert parallelism across nodes (prime-rl's Wide-EP): each node's rank holds half of every layer's experts,
+    tokens reach them by all-to-all over gloo between the nodes; the answers match transformers."""
+    moe = make_model("tiny-moe", tmp_path / "tiny-moe", seed=0)
+    public, admin, proc = start_deployment(
+        "--model.name",
+        str(moe),
+        "--deployment.type",
+        "multi_node",
+        "--deployment.num_nodes",
+        "2",
+        "--deployment.nodes_per_replica",
+        "2",
+        "--parallel.tp",
+        "2",
+        "--parallel.enable_expert_parallel",
+        "true",
+        "--deployment.ray_address",
+        cluster.address,
+        "--engine.kv_cache_bytes",
+        str(16 << 20),
+        timeout=400,
+    )
+    try:
+        (worker,) = _tp_workers(cluster)
+        raylets = _raylets(cluster)
+        assert _raylet_above(worker, raylets) != _raylet_above(replicas(admin)[0]["pid"], raylets)
+        for prompt in ([11, 22, 33, 44, 55], [100, 7, 300, 9]):
+            hf_check(moe, prompt, generate(public, prompt)["choices"][0])
+    finally:
+        stop_deployment(proc)
+    wait_for(lambda: not alive(worker), 120, "the remote rank to exit")
