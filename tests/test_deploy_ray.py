@@ -11,12 +11,17 @@ import signal
 from urllib.parse import urlparse
 
 import httpx
+import numpy as np
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from conftest import server_log, start_server, stop_server
 from deploy_helpers import alive, descendants, local_ray_cluster, replicas, start_deployment, stop_deployment, wait_for
 from rlserve.model.make import default_model_dir, make_model
+from test_moe import hf_experts
 from test_pd import BLOCK, completion, metric, prompts, same_choice, warm
+from test_server_moe import decode
 from test_server_rl import generate, hf_check
 
 ray = pytest.importorskip("ray")
@@ -207,7 +212,8 @@ def test_a_replica_spanning_two_nodes_matches_transformers_and_stops_whole(clust
 
 def test_wide_ep_one_moe_replica_with_its_experts_on_two_nodes(cluster, tmp_path):
     """Expert parallelism across nodes (prime-rl's Wide-EP): each node's rank holds half of every layer's experts,
-    tokens reach them by all-to-all over gloo between the nodes; the answers match transformers."""
+    tokens reach them by all-to-all over gloo between the nodes; the answers and the routed experts (router
+    replay) match transformers."""
     moe = make_model("tiny-moe", tmp_path / "tiny-moe", seed=0)
     public, admin, proc = start_deployment(
         "--model.name",
@@ -222,6 +228,7 @@ def test_wide_ep_one_moe_replica_with_its_experts_on_two_nodes(cluster, tmp_path
         "2",
         "--parallel.enable_expert_parallel",
         "true",
+        "--enable_return_routed_experts",
         "--deployment.ray_address",
         cluster.address,
         "--engine.kv_cache_bytes",
@@ -232,8 +239,12 @@ def test_wide_ep_one_moe_replica_with_its_experts_on_two_nodes(cluster, tmp_path
         (worker,) = _tp_workers(cluster)
         raylets = _raylets(cluster)
         assert _raylet_above(worker, raylets) != _raylet_above(replicas(admin)[0]["pid"], raylets)
+        hf = AutoModelForCausalLM.from_pretrained(moe, dtype=torch.float32).eval()
         for prompt in ([11, 22, 33, 44, 55], [100, 7, 300, 9]):
-            hf_check(moe, prompt, generate(public, prompt)["choices"][0])
+            choice = generate(public, prompt)["choices"][0]
+            hf_check(moe, prompt, choice)
+            forwarded = (prompt + choice["token_ids"])[:-1]  # the router choices of every forwarded token
+            np.testing.assert_array_equal(decode(choice["routed_experts"]), hf_experts(hf, forwarded))
     finally:
         stop_deployment(proc)
     wait_for(lambda: not alive(worker), 120, "the remote rank to exit")
