@@ -119,6 +119,17 @@ def test_expert_parallel_over_two_ranks_dispatches_with_all_to_all(model_dir, hf
     assert min(stats["ep_rank_load"]) > 0
 
 
+def test_dual_batch_overlap_keeps_every_token_and_routing(model_dir, hf, prompts, one_rank):
+    """enable_dbo: each sparse layer runs two micro-batches with their all-to-alls interleaved (twice the
+    collectives, three per micro-batch); tokens and routed experts stay those of one rank and transformers."""
+    plain, overlapped = {}, {}
+    check(model_dir, hf, prompts, one_rank, plain, tp=2, enable_expert_parallel=True)
+    check(model_dir, hf, prompts, one_rank, overlapped, tp=2, enable_expert_parallel=True, enable_dbo=True)
+    assert overlapped["layer"].dbo and not plain["layer"].dbo
+    assert overlapped["ep_all_to_alls"] == 2 * plain["ep_all_to_alls"] > 0
+    assert overlapped["ep_rank_load"] == plain["ep_rank_load"]
+
+
 def dp_engine(rank: int, model_dir: str, prompt: list[int], results, **parallel) -> None:
     """One data-parallel engine of an expert-parallel group spanning several engines (a process)."""
     engine = Engine(
@@ -195,9 +206,12 @@ def test_prime_rl_and_vllm_spellings_turn_expert_parallelism_on(tmp_path):
     assert launch("-ep", "--enable-eplb").parallel.enable_eplb
     with pytest.raises(ConfigError, match="enable_expert_parallel = true"):
         launch("--enable-eplb")
-    with pytest.raises(ConfigError, match="enable_dbo"):
+    with pytest.raises(ConfigError, match="enable_dbo overlaps expert parallelism"):
         path.write_text("[inference]\nenable_dbo = true\n")
         load_config(["@", str(path)])
+    path.write_text("[inference]\nenable_expert_parallel = true\nenable_dbo = true\n")
+    assert load_config(["@", str(path)]).parallel.enable_dbo
+    assert launch("-ep", "--enable-dbo").parallel.enable_dbo
 
 
 def test_expert_parallelism_needs_a_mixture_of_experts_model_and_even_experts(model_dir, tmp_path):

@@ -98,7 +98,6 @@ def test_vllm_flags_set_rlserve_keys():
 @pytest.mark.parametrize(
     "argv, named",
     [
-        (["--enable-dbo"], "--enable-dbo"),
         (["--logprobs-mode", "logits"], "--logprobs-mode"),
         (["--speculative-config", "{}"], "--speculative-config"),
         (["--served-model-name", "a", "b"], "--served-model-name"),

@@ -16,6 +16,8 @@ def check_combinations(config: Config) -> None:
     p = config.parallel
     if p.enable_eplb and not p.enable_expert_parallel:
         raise ValueError("enable_eplb balances experts over expert-parallel ranks: set enable_expert_parallel = true")
+    if p.enable_dbo and not p.enable_expert_parallel:
+        raise ValueError("enable_dbo overlaps expert parallelism's all-to-all: set enable_expert_parallel = true")
     if p.eplb_num_redundant_experts and not p.enable_eplb:
         raise ValueError("eplb_num_redundant_experts places replicas for the load balancer: set enable_eplb = true")
     check_deployment(config)

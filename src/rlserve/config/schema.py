@@ -237,6 +237,11 @@ class ParallelConfig(Section):
         False, description="expert parallelism: re-place and replicate hot experts from their measured load"
     )
     eplb_step_interval: int = Field(3000, ge=1, description="enable_eplb: engine steps between rebalances")
+    enable_dbo: bool = Field(
+        False,
+        description="expert parallelism: dual-batch overlap, two micro-batches per sparse layer so one's all-to-all "
+        "runs while the other's experts compute (vLLM's --enable-dbo; see docs/expert-parallel.md for when it pays)",
+    )
     eplb_num_redundant_experts: int = Field(
         0, ge=0, description="enable_eplb: extra expert slots in all, holding replicas of the hottest experts"
     )

@@ -67,6 +67,7 @@ class EngineStats:
     ep_expert_load: list[int] = field(default_factory=list)
     eplb_rebalances: int = 0
     ep_all_to_all_seconds: float = 0.0  # rank 0's time in the dispatch and combine all-to-alls
+    ep_all_to_alls: int = 0  # rank 0's all-to-alls (three per sparse layer and batch; enable_dbo: two batches)
 
 
 def engine_stats(engine: Any) -> EngineStats:

@@ -9,11 +9,16 @@ moving weights rank to rank, and a token on a replicated expert goes to replica 
 Ranks that share one step's tokens (the tensor-parallel ranks of one engine) each dispatch a slice of
 them and all-reduce the combined rows, so every rank ends with every token's output.
 The combine adds each token's expert outputs in logical-expert order, as the one-rank layer does.
+
+Dual-batch overlap (enable_dbo) splits a rank's tokens into two micro-batches and interleaves their phases, so
+one's all-to-all is in flight while the other's experts compute. Every rank issues the same collectives in the
+same order (a micro-batch may be empty), and each token's output is computed as without it.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,6 +50,7 @@ class ExpertParallelMoe(SparseMoe):
         self.group: Any = None  # the expert-parallel process group (set by `attach`)
         self.share = (0, 1)  # (this rank's index, ranks) among the ranks holding the same tokens
         self.eplb_interval = 0  # forwards between rebalances; 0 = never
+        self.dbo = False  # dual-batch overlap
         self.forwards = 0
         # counters live on the host (built under the meta device, like the parameters, before loading)
         self.window = torch.zeros(
@@ -55,6 +61,7 @@ class ExpertParallelMoe(SparseMoe):
             placement.ep_size, dtype=torch.int64, device="cpu"
         )  # assignments each rank computed
         self.all_to_all_seconds = 0.0
+        self.all_to_alls = 0
         self.rebalances = 0
 
     @property
@@ -76,26 +83,39 @@ class ExpertParallelMoe(SparseMoe):
         index, ranks = self.share
         chunk = -(-t // ranks)
         lo, hi = min(t, index * chunk), min(t, (index + 1) * chunk)
-        own = self._dispatch_combine(
-            x[lo:hi], weights[lo:hi], flat[lo * k : hi * k], physical[lo * k : hi * k], kernels
-        )
+        if self.dbo:
+            mid = lo + (hi - lo) // 2
+            own = torch.cat(
+                _overlapped(
+                    self._dispatch_combine(x[a:b], weights[a:b], flat[a * k : b * k], physical[a * k : b * k], kernels)
+                    for a, b in ((lo, mid), (mid, hi))
+                )
+            )
+        else:
+            own = _run(
+                self._dispatch_combine(
+                    x[lo:hi], weights[lo:hi], flat[lo * k : hi * k], physical[lo * k : hi * k], kernels
+                )
+            )
         if ranks == 1:
             return own
         out = torch.zeros_like(x)
         out[lo:hi] = own
         return self.reduce(out)
 
-    def _dispatch_combine(self, x, weights, flat, physical, kernels) -> torch.Tensor:
+    def _dispatch_combine(self, x, weights, flat, physical, kernels) -> Generator[Any, None, torch.Tensor]:
+        """One batch's dispatch, experts and combine; yields each all-to-all it starts, to be waited for
+        before the generator is resumed (`_run`, `_overlapped`); returns the batch's output rows."""
         n, size, s = self.placement.ep_size, x.shape[1], self.placement.slots_per_rank
         send_order = physical.argsort(stable=True)  # by physical slot, so by destination rank
         send_slot_counts = torch.bincount(physical, minlength=n * s)
         recv_slot_counts = torch.empty_like(send_slot_counts)
-        self._all_to_all(recv_slot_counts, send_slot_counts, [s] * n, [s] * n)
+        yield self._all_to_all(recv_slot_counts, send_slot_counts, [s] * n, [s] * n)
         send_counts = send_slot_counts.view(n, s).sum(1).tolist()
         recv_counts = recv_slot_counts.view(n, s).sum(1).tolist()
         rows = x.index_select(0, send_order // self.top_k)
         received = x.new_empty(sum(recv_counts), size)
-        self._all_to_all(received, rows, recv_counts, send_counts)
+        yield self._all_to_all(received, rows, recv_counts, send_counts)
         # the received rows come source by source, each source's by slot: regroup them slot by slot
         slot_of_row = torch.arange(s, device=x.device).repeat(n).repeat_interleave(recv_slot_counts)
         by_slot = slot_of_row.argsort(stable=True)
@@ -104,19 +124,22 @@ class ExpertParallelMoe(SparseMoe):
         )
         results = torch.empty_like(computed).index_copy_(0, by_slot, computed)
         back = x.new_empty(rows.shape)
-        self._all_to_all(back, results, send_counts, recv_counts)
+        yield self._all_to_all(back, results, send_counts, recv_counts)
         per_assignment = torch.empty_like(back).index_copy_(0, send_order, back)
         order = flat.argsort(stable=True)  # the one-rank layer's summation order
         out = per_assignment.index_select(0, order)
         out.mul_(weights.view(-1).index_select(0, order).unsqueeze(1))
         return torch.zeros_like(x).index_add_(0, order // self.top_k, out)
 
-    def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> None:
+    def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]):
+        """Starts it; the returned handle's wait() ends it and counts the seconds spent there."""
         start = time.perf_counter()
         if inp.dim() > 1 and inp.dtype != torch.uint8 and out.numel() + inp.numel():  # bytes: any dtype crosses gloo
             out, inp = out.view(torch.uint8), inp.contiguous().view(torch.uint8)
-        self.group.alltoall_base(out, inp, out_splits, in_splits, dist.AllToAllOptions()).wait()
+        work = self.group.alltoall_base(out, inp, out_splits, in_splits, dist.AllToAllOptions())
         self.all_to_all_seconds += time.perf_counter() - start
+        self.all_to_alls += 1
+        return _Timed(work, self, (out, inp))
 
     def _count(self, flat: torch.Tensor, physical: torch.Tensor) -> None:
         """Load of the tokens this layer routed: every rank counts the same when ranks share tokens."""
@@ -165,6 +188,46 @@ class ExpertParallelMoe(SparseMoe):
         self.rebalances += 1
 
 
+class _Timed:
+    """An all-to-all in flight; waiting for it adds the time waited to its layer's all_to_all_seconds."""
+
+    def __init__(self, work: Any, layer: ExpertParallelMoe, buffers: tuple[torch.Tensor, ...]):
+        self.work, self.layer, self.buffers = work, layer, buffers  # the buffers live until the transfer ends
+
+    def wait(self) -> None:
+        start = time.perf_counter()
+        self.work.wait()
+        self.layer.all_to_all_seconds += time.perf_counter() - start
+
+
+def _run(batch: Generator[Any, None, torch.Tensor]) -> torch.Tensor:
+    """One batch: each all-to-all waited for as soon as it starts."""
+    try:
+        while True:
+            next(batch).wait()
+    except StopIteration as done:
+        return done.value
+
+
+def _overlapped(batches) -> list[torch.Tensor]:
+    """Several batches' phases in turn: each batch's next phase (its compute included) runs while the other
+    batches' all-to-alls are in flight. Every rank starts the same collectives in the same order."""
+    batches = list(batches)
+    pending: list[Any] = [None] * len(batches)
+    outputs: list[torch.Tensor | None] = [None] * len(batches)
+    while any(o is None for o in outputs):
+        for i, batch in enumerate(batches):
+            if outputs[i] is not None:
+                continue
+            if pending[i] is not None:
+                pending[i].wait()
+            try:
+                pending[i] = next(batch)
+            except StopIteration as done:
+                outputs[i] = done.value
+    return outputs
+
+
 def convert(model: nn.Module, ep_rank: int, ep_size: int, redundant: int = 0) -> None:
     """Swap every sparse layer of a model built on the meta device for its expert-parallel form."""
     for layer in model.layers:
@@ -179,10 +242,10 @@ def expert_layers(model: nn.Module) -> list[ExpertParallelMoe]:
     return [layer.mlp for layer in model.layers if isinstance(layer.mlp, ExpertParallelMoe)]
 
 
-def attach(model: nn.Module, group: Any, share: tuple[int, int], eplb_interval: int = 0) -> None:
+def attach(model: nn.Module, group: Any, share: tuple[int, int], eplb_interval: int = 0, dbo: bool = False) -> None:
     """Give the sparse layers their expert-parallel group and this rank's slice of shared tokens."""
     for mlp in expert_layers(model):
-        mlp.group, mlp.share, mlp.eplb_interval = group, share, eplb_interval
+        mlp.group, mlp.share, mlp.eplb_interval, mlp.dbo = group, share, eplb_interval, dbo
 
 
 @torch.no_grad()
@@ -223,4 +286,5 @@ def expert_stats(model: nn.Module) -> dict[str, Any]:
         "ep_expert_load": [int(v) for v in sum(m.expert_load for m in layers).tolist()],
         "eplb_rebalances": max(m.rebalances for m in layers),
         "ep_all_to_all_seconds": sum(m.all_to_all_seconds for m in layers),
+        "ep_all_to_alls": sum(m.all_to_alls for m in layers),
     }

@@ -352,6 +352,7 @@ def _expert_metrics(s, names: list[str], values: list[str]):
     for name, doc, value in (
         ("rlserve:eplb_rebalances", "Expert re-placements by the load balancer.", s.eplb_rebalances),
         ("rlserve:ep_all_to_all_seconds", "Seconds rank 0 spent in expert all-to-alls.", s.ep_all_to_all_seconds),
+        ("rlserve:ep_all_to_alls", "Expert all-to-alls rank 0 started.", s.ep_all_to_alls),
     ):
         m = CounterMetricFamily(name, doc, labels=names)
         m.add_metric(values, value)

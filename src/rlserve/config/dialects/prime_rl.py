@@ -22,10 +22,11 @@ RL_DEPLOYMENT_KEYS = {
     "num_infer_gpus",
     "gpus_per_node",
 }
-_UNSUPPORTED = {  # prime-rl switches rlserve has no implementation of yet: refused when turned on
-    "enable_dbo": "rlserve has no dual-batch overlap",
-}
-_TO_PARALLEL = ("enable_expert_parallel", "enable_eplb")  # prime-rl's [inference] keys, rlserve's [parallel] ones
+_TO_PARALLEL = (
+    "enable_expert_parallel",
+    "enable_eplb",
+    "enable_dbo",
+)  # prime-rl's [inference] keys, rlserve's [parallel] ones
 
 
 def from_prime_rl(data: dict[str, Any]) -> dict[str, Any]:
@@ -62,9 +63,6 @@ def _aliases(data: dict[str, Any]) -> None:
         if key in data:
             parallel = data["parallel"] = dict(data.get("parallel") or {})
             parallel[key] = data.pop(key)
-    for key, why in _UNSUPPORTED.items():
-        if key in data and data.pop(key) not in (False, None):
-            raise ConfigError(f"{key} = true: {why}; remove it or set it false (it is a separate issue)")
     deployment = data.get("deployment")
     if isinstance(deployment, dict):
         deployment = data["deployment"] = dict(deployment)

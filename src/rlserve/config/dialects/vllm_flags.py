@@ -116,6 +116,7 @@ VLLM_FLAGS: dict[str, Flag] = {
     "--enable-expert-parallel": Flag("parallel.enable_expert_parallel", switch=True),
     "-ep": Flag("parallel.enable_expert_parallel", switch=True),
     "--enable-eplb": Flag("parallel.enable_eplb", switch=True),
+    "--enable-dbo": Flag("parallel.enable_dbo", switch=True),
     # accepted and ignored: rlserve already behaves as the flag asks, or has no such limit
     "--enable-auto-tool-choice": Flag(
         None, switch=True, note="tool calls are parsed whenever --tool-call-parser is set and a request has tools"
@@ -154,7 +155,6 @@ VLLM_FLAGS: dict[str, Flag] = {
 
 # vLLM flags with nothing behind them in rlserve: refused by name rather than half-honoured
 REFUSED = {
-    "--enable-dbo": "rlserve has no dual-batch overlap; drop the flag",
     "--quantization": "rlserve serves unquantized checkpoints only; drop the flag",
     "--speculative-config": "rlserve has no speculative decoding; drop the flag",
     "--kv-transfer-config": 'rlserve moves KV between its own servers: use deployment.type = "disaggregated"',

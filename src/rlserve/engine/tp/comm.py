@@ -217,7 +217,7 @@ def attach(model: CausalLM, group: Any, rank: int = 0, config: Config | None = N
     if placed is not None:
         p = config.parallel
         experts = group if p.dp == 1 else expert_group(config, placed[0], "nccl" if _on_cuda(model) else "gloo")
-        ep.attach(model, experts, (rank, p.tp), p.eplb_step_interval if p.enable_eplb else 0)
+        ep.attach(model, experts, (rank, p.tp), p.eplb_step_interval if p.enable_eplb else 0, p.enable_dbo)
     if group is None:
         return
 
