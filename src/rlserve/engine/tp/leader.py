@@ -36,6 +36,7 @@ from rlserve.engine.tp.comm import (
     Died,
     Discard,
     Loaded,
+    Move,
     RemoveAdapter,
     Stage,
     Staged,
@@ -74,6 +75,7 @@ class TensorParallelLeader:
         self.procs: list[subprocess.Popen] = []
         self.send_lock = threading.Lock()  # steps from the loop thread, staged work from the helper
         self.failure: str | None = None
+        self.moves: list[Move] = []  # rank 0's KV offload moves, sent with the next step (tp/offload.py)
         try:
             payload = config.model_dump_json().encode()
             for rank in range(1, self.tp):
@@ -174,7 +176,12 @@ class TensorParallelLeader:
         attn: AttentionBatch,
         block_copies: list[tuple[int, int]],
     ) -> None:
-        self._broadcast(encode_step(input_ids, positions, attn, block_copies))
+        moves, self.moves = self.moves, []
+        self._broadcast(encode_step(input_ids, positions, attn, block_copies, moves))
+
+    def record_move(self, kind: str, block: int, slot: int, key: bytes) -> None:
+        """Rank 0's offload tier moved a block: every worker moves its slice alike before the next step."""
+        self.moves.append(Move(kind, block, slot, key))
 
     # ---- staged work: every worker stages, then all commit at one step boundary ---------------
 
