@@ -146,3 +146,79 @@ def test_mooncake_under_tensor_parallelism_is_refused_by_name(model_dir):
     )
     with pytest.raises(ValueError, match=r"kv_cache_offload.type = 'mooncake' does not run under tensor parallel"):
         Engine(cfg)
+
+
+def test_server_with_two_ranks_loads_prefixes_from_every_rank_tier_like_one_rank(model_dir, tmp_path):
+    """A tp=2 server (config file, HTTP, SIGTERM): the second round's prompts come back from the tiers and
+    answer as one rank with the same tiers; SIGTERM removes every rank's disk directory."""
+    import signal
+
+    import httpx
+
+    from conftest import start_server, stop_server
+    from test_server_rl import choice_lps, generate
+
+    disk = tmp_path / "kv"
+    disk.mkdir()
+    offload = {"cpu": {"num_bytes": 4 * BLOCK_BYTES}, "disk": {"path": str(disk)}}
+    config = tmp_path / "offload.toml"
+    config.write_text(
+        f'[kv_cache_offload]\ntype = "native"\n[kv_cache_offload.cpu]\nnum_bytes = {4 * BLOCK_BYTES}\n'
+        f'[kv_cache_offload.disk]\npath = "{disk}"\n'
+    )
+    rng = random.Random(5)
+    sessions = [[rng.randrange(250) for _ in range(200)] for _ in range(4)]  # 4 x 13 blocks, the pool holds 32
+    url, proc = start_server(
+        "@",
+        str(config),
+        "--model.name",
+        str(model_dir),
+        "--parallel.tp",
+        "2",
+        "--engine.kv_cache_bytes",
+        str(32 * BLOCK_BYTES),
+    )
+    try:
+        served = [generate(url, prompt, max_tokens=4)["choices"][0] for _ in range(2) for prompt in sessions]
+        assert len(list(disk.iterdir())) == 2  # rank 0's directory and rank 1's
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+        tier_hits = sum(
+            float(line.split()[-1]) for line in text.splitlines() if line.startswith("rlserve:kv_offload_hits_total{")
+        )
+        assert tier_hits >= len(sessions) * 8 * BLOCK  # most of each second-round prompt came from the tiers
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        stop_server(proc)
+    assert not any(disk.iterdir())  # SIGTERM removed every rank's files and folder
+
+    engine = make_engine(model_dir, 1, offload | {"disk": {"path": str(tmp_path)}}, pool_blocks=32)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=0)
+        local = [engine.generate([prompt], params)[0].outputs[0] for _ in range(2) for prompt in sessions]
+        assert engine.stats.kv_offload_disk_hits + engine.stats.kv_offload_cpu_hits == tier_hits
+    finally:
+        engine.close()
+    for choice, one in zip(served, local, strict=True):
+        assert choice["token_ids"] == one.token_ids
+        assert torch.allclose(torch.tensor(choice_lps(choice)), torch.tensor(one.logprobs), atol=1e-5)
+
+
+def test_a_worker_missing_its_copy_of_a_disk_block_fails_the_engine_loudly(model_dir, tmp_path, capfd):
+    """Rank 0 counts a disk block as loaded before the step; a worker whose own file is gone cannot compute its
+    slice, so the engine fails (as with a dead rank) rather than answer from wrong KV."""
+    engine = make_engine(model_dir, 2, {"cpu": {"num_bytes": 4 * BLOCK_BYTES}, "disk": {"path": str(tmp_path)}})
+    try:
+        rng = random.Random(3)
+        convs = [[rng.randrange(engine.vocab_size) for _ in range(HISTORY + NEW)] for _ in range(SESSIONS)]
+        params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        engine.generate(convs, params)
+        (rank1,) = tmp_path.glob("rlserve-kv-rank1-*")
+        for f in rank1.glob("*.kvb"):
+            f.unlink()
+        with pytest.raises(RuntimeError) as info:
+            engine.generate(convs, params)
+        assert engine.tp.explain(info.value).startswith("tensor-parallel rank 1")
+        assert "missing or damaged in this rank's disk tier" in capfd.readouterr().err  # the worker says why
+    finally:
+        engine.close()

@@ -257,10 +257,13 @@ class TensorParallelLeader:
 
     def close(self) -> None:
         """Stop every worker: ask, wait a little, then kill; no process is left behind."""
-        try:
-            self._broadcast(encode(Stop()))
-        except zmq.ZMQError:
-            pass
+        stop = encode(Stop())
+        with self.send_lock:
+            for inbox in self.inboxes:
+                try:  # a dead worker's inbox has no peer left: a blocking send would wait forever
+                    inbox.send(stop, zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
         deadline = time.monotonic() + 10
         for proc in self.procs:
             try:
