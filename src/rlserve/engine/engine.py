@@ -72,11 +72,11 @@ class Engine:
             )
         tp = config.parallel.tp
         check_tp(self.shape, tp, experts_whole=config.parallel.enable_expert_parallel)
-        # each rank holds its heads' slice of every block: offload and transfer would move rank 0's alone
-        if tp > 1 and config.kv_cache_offload is not None:
+        # each rank holds its heads' slice of every block: the Mooncake store and transfer would move rank 0's alone
+        if tp > 1 and config.kv_cache_offload is not None and config.kv_cache_offload.type == "mooncake":
             raise ValueError(
-                f"parallel.tp={tp}: KV cache offload does not run under tensor parallelism yet; "
-                "drop [kv_cache_offload] or set parallel.tp=1"
+                f"parallel.tp={tp}: kv_cache_offload.type = 'mooncake' does not run under tensor parallelism "
+                "yet; use type = 'native' (each rank keeps its slice) or set parallel.tp=1"
             )
         if tp > 1 and config.kv_transfer is not None:
             raise ValueError(
@@ -150,7 +150,7 @@ class Engine:
                     lambda: self.weight_version,
                 )
             else:
-                self.offload = KVOffload(config.kv_cache_offload, self.runner.kv_cache, ec.block_size)
+                self.offload = KVOffload(config.kv_cache_offload, self.runner.kv_cache, ec.block_size, self.tp)
             self.scheduler.offload = self.offload
             self.pool.on_evict = self.offload.save
             if self.runner.routing is not None:

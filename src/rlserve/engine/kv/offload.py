@@ -4,6 +4,9 @@ A cached block the pool hands out again is first copied into the CPU tier; when 
 full its least recently used block is spilled to the disk tier. Both tiers are keyed by the same
 chained block hash as the prefix cache, so a block only ever matches the weights, adapter and
 cache_salt it was computed under.
+
+Under tensor parallelism (engine/tp/offload.py) each rank's tiers hold its heads' slice of the same blocks:
+rank 0 decides every move and reports it through `on_move`; the workers replay the moves on their slices.
 """
 
 from __future__ import annotations
@@ -18,12 +21,16 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from rlserve.config.schema import KVOffloadConfig
 from rlserve.engine.kv import format as kv_format
 from rlserve.engine.kv.format import BlockFormatError, KVBlock
+
+if TYPE_CHECKING:
+    from rlserve.engine.tp.leader import TensorParallelLeader
 
 log = logging.getLogger(__name__)
 
@@ -54,14 +61,14 @@ class _CpuEntry:
 class DiskTier:
     """One file per block in a private directory under `root`, removed with everything in it at close."""
 
-    def __init__(self, root: str, max_bytes: int | None):
+    def __init__(self, root: str, max_bytes: int | None, prefix: str = "rlserve-kv-"):
         base = Path(root)
         if not base.is_dir():
             raise ValueError(
                 f"kv_cache_offload.disk.path {root!r} is not an existing directory: create it or fix the path"
             )
         try:
-            self.dir = Path(tempfile.mkdtemp(prefix="rlserve-kv-", dir=base))
+            self.dir = Path(tempfile.mkdtemp(prefix=prefix, dir=base))
             (self.dir / "probe").write_bytes(b"x")
             (self.dir / "probe").unlink()
         except OSError as e:
@@ -73,6 +80,7 @@ class DiskTier:
         self.files: OrderedDict[bytes, int] = OrderedDict()  # hash -> file size, least recently used first
         self.used_bytes = 0
         self.writable = True
+        self.on_remove: Callable[[bytes], None] | None = None  # tensor parallelism: the workers drop it too
 
     def path(self, h: bytes) -> Path:
         return self.dir / f"{h.hex()}.kvb"
@@ -112,6 +120,8 @@ class DiskTier:
 
     def remove(self, h: bytes) -> None:
         self.used_bytes -= self.files.pop(h)
+        if self.on_remove is not None:
+            self.on_remove(h)
         with contextlib.suppress(OSError):  # a directory gone or unusable under us: the entry goes all the same
             self.path(h).unlink()
 
@@ -124,25 +134,48 @@ class DiskTier:
         self._remove_dir()
 
 
+def cpu_slots(config: KVOffloadConfig, block_bytes: int, ranks: int) -> int:
+    """How many blocks the CPU tier holds. Like vLLM's kv_offloading_size, cpu.num_bytes is the total over the
+    tensor-parallel ranks: each holds its slice (`block_bytes`) of every block."""
+    capacity = config.cpu.num_bytes // (block_bytes * ranks)
+    if capacity == 0:
+        raise ValueError(
+            f"kv_cache_offload.cpu.num_bytes ({config.cpu.num_bytes}) holds no KV block of "
+            f"{block_bytes * ranks} bytes: raise it"
+        )
+    return capacity
+
+
 class KVOffload:
-    def __init__(self, config: KVOffloadConfig, kv_cache: torch.Tensor, block_size: int):
+    def __init__(
+        self,
+        config: KVOffloadConfig,
+        kv_cache: torch.Tensor,
+        block_size: int,
+        leader: TensorParallelLeader | None = None,
+    ):
         self.kv_cache, self.block_size = kv_cache, block_size
         layers, _, _, kv_heads, head_dim = kv_cache.shape
         self.block_shape = (layers, 2, block_size, kv_heads, head_dim)
         self.block_bytes = kv_cache[:, :, :block_size].numel() * kv_cache.element_size()
-        capacity = config.cpu.num_bytes // self.block_bytes
-        if capacity == 0:
-            raise ValueError(
-                f"kv_cache_offload.cpu.num_bytes ({config.cpu.num_bytes}) holds no KV block of "
-                f"{self.block_bytes} bytes: raise it"
-            )
+        ranks = 1 if leader is None else leader.tp
+        capacity = cpu_slots(config, self.block_bytes, ranks)
         self.cuda = kv_cache.device.type == "cuda"
         # pinned host memory and a side stream: evictions copy out while the step goes on
         self.cpu_buffer = torch.empty((capacity, *self.block_shape), dtype=kv_cache.dtype, pin_memory=self.cuda)
         self.copy_stream = torch.cuda.Stream(kv_cache.device) if self.cuda else None
         self.cpu: OrderedDict[bytes, _CpuEntry] = OrderedDict()  # least recently used first
         self.free_slots = list(range(capacity))
-        self.disk = DiskTier(config.disk.path, config.disk.num_bytes) if config.disk is not None else None
+        self.disk = None
+        if config.disk is not None:  # disk.num_bytes too is the total over the ranks
+            cap = config.disk.num_bytes and config.disk.num_bytes // ranks
+            self.disk = DiskTier(config.disk.path, cap, "rlserve-kv-" if leader is None else "rlserve-kv-rank0-")
+        # tensor parallelism: every move of a block (kind, pool block, CPU slot, hash) goes to the workers
+        self.on_move: Callable[[str, int, int, bytes], None] | None = None
+        if leader is not None:
+            self.on_move = leader.record_move
+            if self.disk is not None:
+                self.disk.on_remove = lambda h: leader.record_move("drop", -1, -1, h)
         self.stats = OffloadStats()
         self.weight_generation = 0  # recorded in disk blocks' headers
         # Router replay (MoE): per-block arrays the engine keeps beside the KV (routed experts)
@@ -181,6 +214,8 @@ class KVOffload:
         else:
             dst.copy_(src)
         entry.on_disk = self.disk is not None and h in self.disk
+        if self.on_move is not None:
+            self.on_move("save", block, entry.slot, h)
         if self.metadata_of is not None:
             entry.metadata = {k: v.cpu().clone() for k, v in self.metadata_of(block).items()}
         self.cpu[h] = entry
@@ -191,7 +226,10 @@ class KVOffload:
             if entry.copied is not None:
                 entry.copied.synchronize()
             block = KVBlock(h, self.cpu_buffer[entry.slot], self.weight_generation, entry.metadata)
-            self.stats.bytes_to_disk += self.disk.write(block)
+            written = self.disk.write(block)
+            self.stats.bytes_to_disk += written
+            if written and self.on_move is not None:
+                self.on_move("spill", -1, entry.slot, h)
         self.free_slots.append(entry.slot)
 
     def where(self, h: bytes) -> str | None:
@@ -217,6 +255,8 @@ class KVOffload:
             if not self._restore(block, entry.metadata):
                 return False
             dst.copy_(self.cpu_buffer[entry.slot], non_blocking=True)
+            if self.on_move is not None:
+                self.on_move("load", block, entry.slot, h)
             self.stats.bytes_from_cpu += self.block_bytes
             self.stats.cpu_hits += self.block_size
             return True
@@ -229,6 +269,8 @@ class KVOffload:
         if not self._restore(block, found.metadata):
             return False
         dst.copy_(found.kv)
+        if self.on_move is not None:
+            self.on_move("load_disk", block, -1, h)
         self.stats.bytes_from_disk += self.block_bytes
         self.stats.disk_hits += self.block_size
         return True
@@ -249,6 +291,8 @@ class KVOffload:
         """Drop every block (the weights changed: none can match again) and delete the disk files."""
         if weight_generation is not None:
             self.weight_generation = weight_generation
+            if self.on_move is not None:
+                self.on_move("generation", -1, weight_generation, b"")
         self.free_slots.extend(e.slot for e in self.cpu.values())
         self.cpu.clear()
         if self.disk is not None:

@@ -72,6 +72,15 @@ class Cascade(msgspec.Struct, array_like=True):
     suffix_mask: Tensor
 
 
+class Move(msgspec.Struct, array_like=True):
+    """One block move of rank 0's KV offload tiers (kv/offload.py), for each worker to replay on its slice."""
+
+    kind: str  # save | spill | drop | load | load_disk | generation
+    block: int  # pool block (save, load, load_disk)
+    slot: int  # CPU-tier slot (save, spill, load); the weight generation (generation)
+    key: bytes  # the block's chained hash (spill, drop, load_disk)
+
+
 class Step(msgspec.Struct, tag=True, array_like=True):
     input_ids: Tensor
     positions: Tensor
@@ -86,6 +95,7 @@ class Step(msgspec.Struct, tag=True, array_like=True):
     lora: list[tuple[str, Tensor]]  # (adapter name, its rows)
     block_copies: list[tuple[int, int]]
     kernels: bool  # rank 0 ran the C kernels (no decode mask was built): so must every rank
+    offload: list[Move] = []  # rank 0's tier moves since the last step, before this step's copies and forward
 
 
 class Stage(msgspec.Struct, tag=True, array_like=True):
@@ -138,7 +148,11 @@ to_leader = msgspec.msgpack.Decoder(ToLeader)
 
 
 def encode_step(
-    input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch, block_copies: list[tuple[int, int]]
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    attn: AttentionBatch,
+    block_copies: list[tuple[int, int]],
+    offload: list[Move] | None = None,
 ) -> bytes:
     c = attn.cascade
     cascade = (
@@ -170,6 +184,7 @@ def encode_step(
             lora,
             [tuple(c) for c in block_copies],
             attn.kernels is not None,
+            offload or [],
         )
     )
 

@@ -36,6 +36,7 @@ from rlserve.engine.tp.comm import (
     Died,
     Discard,
     Loaded,
+    Move,
     RemoveAdapter,
     Stage,
     Staged,
@@ -80,6 +81,7 @@ class TensorParallelLeader:
         self.procs: list = []  # subprocess.Popen, or a RayRank (ray_ranks.py) for a rank on another node
         self.send_lock = threading.Lock()  # steps from the loop thread, staged work from the helper
         self.failure: str | None = None
+        self.moves: list[Move] = []  # rank 0's KV offload moves, sent with the next step (tp/offload.py)
         try:
             payload = config.model_dump_json().encode()
             for rank in range(1, self.tp):
@@ -184,7 +186,12 @@ class TensorParallelLeader:
         attn: AttentionBatch,
         block_copies: list[tuple[int, int]],
     ) -> None:
-        self._broadcast(encode_step(input_ids, positions, attn, block_copies))
+        moves, self.moves = self.moves, []
+        self._broadcast(encode_step(input_ids, positions, attn, block_copies, moves))
+
+    def record_move(self, kind: str, block: int, slot: int, key: bytes) -> None:
+        """Rank 0's offload tier moved a block: every worker moves its slice alike before the next step."""
+        self.moves.append(Move(kind, block, slot, key))
 
     # ---- staged work: every worker stages, then all commit at one step boundary ---------------
 
@@ -260,10 +267,13 @@ class TensorParallelLeader:
 
     def close(self) -> None:
         """Stop every worker: ask, wait a little, then kill; no process is left behind."""
-        try:
-            self._broadcast(encode(Stop()))
-        except zmq.ZMQError:
-            pass
+        stop = encode(Stop())
+        with self.send_lock:
+            for inbox in self.inboxes:
+                try:  # a dead worker's inbox has no peer left: a blocking send would wait forever
+                    inbox.send(stop, zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
         deadline = time.monotonic() + 10
         for proc in self.procs:
             try:

@@ -75,6 +75,11 @@ class Worker:
             pack_weights=ec.pack_weights,
             use_cpu_kernels=ec.cpu_kernels,
         )
+        self.tiers = None  # this rank's slice of rank 0's KV offload tiers (tp/offload.py)
+        if config.kv_cache_offload is not None:
+            from rlserve.engine.tp.offload import WorkerTiers
+
+            self.tiers = WorkerTiers(config.kv_cache_offload, self.runner.kv_cache, ec.block_size, rank, tp)
         self.adapters: dict = {}
         self.staged: dict[int, Any] = {}  # call id -> ("weights", StagedWeights) | ("adapter", LoraAdapter)
         self.staged_lock = threading.Lock()
@@ -95,6 +100,8 @@ class Worker:
     @torch.inference_mode()
     def run_step(self, msg: Step) -> None:
         dev = self.device
+        if msg.offload:  # as rank 0's scheduler moved them, before this step's copies
+            self.tiers.apply(msg.offload)
         if msg.block_copies:
             self.runner._copy_blocks(msg.block_copies)
         c = msg.cascade
@@ -241,7 +248,11 @@ def worker_main(argv: list[str]) -> int:
         )
         replies.send(encode(Loaded(rank_i)))
         worker.join_groups(store)
-        worker.serve(inbox)
+        try:
+            worker.serve(inbox)
+        finally:  # os._exit below skips the disk tier's own clean-up
+            if worker.tiers is not None:
+                worker.tiers.close()
     except BaseException as exc:
         log.exception("tensor-parallel rank %s died", rank)
         replies.send(encode(Died(rank_i, repr(exc))))
