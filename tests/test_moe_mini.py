@@ -1,0 +1,44 @@
+"""The qwen3-30b-a3b-mini preset (Qwen3-MoE's shape scaled down: 128 experts, top-8, every layer sparse) over
+ranks, as tests/test_expert_parallel.py runs tiny-moe: expert parallelism over 4 ranks of data-parallel
+engines (each engine's answer equal to one rank's, and one rank's to transformers'), and tensor parallelism
+splitting every expert or expert parallelism over the 2 ranks of one engine, each giving one rank's tokens and
+routed experts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from rlserve.model.make import bench_cache_dir, make_model
+from test_engine import random_prompts
+from test_expert_parallel import (
+    run,
+    test_expert_parallel_over_four_ranks_of_data_parallel_engines,  # noqa: F401 (runs here on this model)
+)
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    # 1.8 GB of fp32 experts, built once per machine (the benchmarks' cache)
+    return make_model("qwen3-30b-a3b-mini", bench_cache_dir() / "qwen3-30b-a3b-mini")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(4, 1000, lo=4, hi=10, seed=5)
+
+
+@pytest.fixture(scope="module")
+def one_rank(model_dir, prompts):
+    return run(model_dir, prompts)
+
+
+@pytest.mark.parametrize("parallel", [{"tp": 2}, {"tp": 2, "enable_expert_parallel": True}], ids=["tp2", "ep2"])
+def test_two_ranks_of_one_engine_give_one_ranks_answers(model_dir, prompts, one_rank, parallel):
+    """Measured against one rank (itself checked against transformers above): 3e-5 at most here, the order of
+    the ranks' fp32 sums; 128 random experts over 12 layers carry that further than tiny-moe's 8 over 4."""
+    for out, ref in zip(run(model_dir, prompts, **parallel), one_rank):
+        assert out.token_ids == ref.token_ids
+        np.testing.assert_array_equal(out.routed_experts, ref.routed_experts)
+        assert torch.allclose(torch.tensor(out.logprobs), torch.tensor(ref.logprobs), atol=1e-4)
