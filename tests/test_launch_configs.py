@@ -277,6 +277,14 @@ def test_num_infer_replicas_makes_copies_with_their_own_router_ports():
     assert [d.copy_of(i) for i in range(4)] == [0, 0, 1, 1]
     with pytest.raises(ConfigError, match="admin_port"):
         load_config(["--server.port", "8000", "--deployment.copies", "3", "--deployment.admin_port", "8003"])
+    # each copy of a disaggregated deployment has its own prefill and decode servers
+    d = load_config(["--deployment.type", "disaggregated", "--deployment.copies", "2"]).deployment
+    assert [(d.copy_of(i), d.role(i)) for i in range(d.size)] == [
+        (0, "prefill"),
+        (0, "decode"),
+        (1, "prefill"),
+        (1, "decode"),
+    ]
 
 
 def test_router_non_cached_tokens_moves_to_the_deployment(tmp_path):
