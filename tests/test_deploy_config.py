@@ -73,6 +73,31 @@ def test_toml_section(tmp_path):
             ["--deployment.type", "multi_node", "--deployment.num_nodes", "3", "--deployment.nodes_per_replica", "2"],
             "must divide",
         ),
+        (
+            [
+                "--deployment.type",
+                "multi_node",
+                "--deployment.num_nodes",
+                "2",
+                "--parallel.enable_expert_parallel",
+                "true",
+            ],
+            "set parallel.dp to a multiple of 2",
+        ),
+        (["--parallel.data_parallel_size", "2"], "set enable_expert_parallel"),
+        (
+            [
+                "--parallel.enable_expert_parallel",
+                "true",
+                "--parallel.data_parallel_size",
+                "2",
+                "--parallel.dp",
+                "2",
+                "--parallel.data_parallel_start_rank",
+                "1",
+            ],
+            "must lie inside it",
+        ),
     ],
 )
 def test_impossible_combinations_say_what_to_change(args, message):

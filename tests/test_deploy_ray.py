@@ -159,12 +159,9 @@ def _tp_workers(cluster) -> list[int]:
     return found
 
 
-def test_a_replica_spanning_two_nodes_matches_transformers_and_stops_whole(cluster, tmp_path):
-    """One tp=2 replica over both nodes: rank 0 (and its HTTP server) on one, rank 1 on the other, the ranks
-    talking over gloo; its answers match transformers before and after an update that both ranks stage, and after
-    the remote rank is killed and the replica restarted; SIGTERM ends the processes on both nodes."""
-    step1 = make_model("tiny", tmp_path / "step-1", seed=1)
-    public, admin, proc = start_deployment(
+def _one_replica_over_both_nodes(cluster, *args: str):
+    """A multi_node deployment of one tp=2 replica spanning the cluster's two nodes, one rank on each."""
+    return start_deployment(
         "--deployment.type",
         "multi_node",
         "--deployment.num_nodes",
@@ -175,12 +172,19 @@ def test_a_replica_spanning_two_nodes_matches_transformers_and_stops_whole(clust
         "2",
         "--deployment.ray_address",
         cluster.address,
-        "--weight_roots",
-        json.dumps([str(tmp_path)]),
         "--engine.kv_cache_bytes",
         str(16 << 20),
+        *args,
         timeout=400,
     )
+
+
+def test_a_replica_spanning_two_nodes_matches_transformers_and_stops_whole(cluster, tmp_path):
+    """One tp=2 replica over both nodes: rank 0 (and its HTTP server) on one, rank 1 on the other, the ranks
+    talking over gloo; its answers match transformers before and after an update that both ranks stage, and after
+    the remote rank is killed and the replica restarted; SIGTERM ends the processes on both nodes."""
+    step1 = make_model("tiny", tmp_path / "step-1", seed=1)
+    public, admin, proc = _one_replica_over_both_nodes(cluster, "--weight_roots", json.dumps([str(tmp_path)]))
     try:
         (row,) = replicas(admin)
         (worker,) = _tp_workers(cluster)
@@ -215,25 +219,8 @@ def test_wide_ep_one_moe_replica_with_its_experts_on_two_nodes(cluster, tmp_path
     tokens reach them by all-to-all over gloo between the nodes; the answers and the routed experts (router
     replay) match transformers."""
     moe = make_model("tiny-moe", tmp_path / "tiny-moe", seed=0)
-    public, admin, proc = start_deployment(
-        "--model.name",
-        str(moe),
-        "--deployment.type",
-        "multi_node",
-        "--deployment.num_nodes",
-        "2",
-        "--deployment.nodes_per_replica",
-        "2",
-        "--parallel.tp",
-        "2",
-        "--parallel.enable_expert_parallel",
-        "true",
-        "--enable_return_routed_experts",
-        "--deployment.ray_address",
-        cluster.address,
-        "--engine.kv_cache_bytes",
-        str(16 << 20),
-        timeout=400,
+    public, admin, proc = _one_replica_over_both_nodes(
+        cluster, "--model.name", str(moe), "--parallel.enable_expert_parallel", "true", "--enable_return_routed_experts"
     )
     try:
         (worker,) = _tp_workers(cluster)
@@ -248,3 +235,45 @@ def test_wide_ep_one_moe_replica_with_its_experts_on_two_nodes(cluster, tmp_path
     finally:
         stop_deployment(proc)
     wait_for(lambda: not alive(worker), 120, "the remote rank to exit")
+
+
+def test_wide_ep_one_expert_group_over_the_servers_of_two_nodes(cluster, tmp_path):
+    """prime-rl's Wide-EP shape (multi_node, enable_expert_parallel, parallel.dp counted over all nodes): one
+    server per node, each with dp / nodes engines, all of them one expert group. A request served on one node
+    makes the other node's engine step with it (a dummy forward) and exchange tokens over gloo; answers and
+    routed experts match transformers."""
+    moe = make_model("tiny-moe", tmp_path / "tiny-moe", seed=0)
+    public, admin, proc = start_deployment(
+        "--model.name",
+        str(moe),
+        "--deployment.type",
+        "multi_node",
+        "--deployment.num_nodes",
+        "2",
+        "--parallel.dp",
+        "2",
+        "--parallel.enable_expert_parallel",
+        "true",
+        "--enable_return_routed_experts",
+        "--deployment.ray_address",
+        cluster.address,
+        "--engine.kv_cache_bytes",
+        str(16 << 20),
+        timeout=400,
+    )
+    try:
+        rows = replicas(admin)
+        assert [r["status"] for r in rows] == ["serving", "serving"]
+        hf = AutoModelForCausalLM.from_pretrained(moe, dtype=torch.float32).eval()
+        prompt = [11, 22, 33, 44, 55]
+        choice = generate(rows[0]["url"], prompt)["choices"][0]  # served by node 0's server alone
+        hf_check(moe, prompt, choice)
+        np.testing.assert_array_equal(
+            decode(choice["routed_experts"]), hf_experts(hf, (prompt + choice["token_ids"])[:-1])
+        )
+        for row in rows:  # one engine a node, and both exchanged tokens: node 1 stepped along with node 0
+            assert httpx.get(f"{row['url']}/get_world_size", timeout=30).json() == {"world_size": 1}
+            assert metric(row["url"], "rlserve:ep_all_to_alls_total") > 0
+        assert generate(public, prompt)["choices"][0]["token_ids"] == choice["token_ids"]
+    finally:
+        stop_deployment(proc)

@@ -18,6 +18,7 @@ from rlserve.config.schema import Config
 from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams
 from rlserve.model.make import make_model
+from test_kv_offload import assert_same_outputs  # tokens equal, logprobs to the engine's exactness
 
 BLOCK = 16
 SESSIONS, TURNS, HISTORY, NEW = 6, 3, 64, 32  # final history 160 tokens = 10 blocks a session
@@ -67,15 +68,6 @@ def run(model_dir, tp: int, offload: dict, inspect=None) -> tuple[list, list[int
         return outs, computed, asdict(engine.stats)
     finally:
         engine.close()
-
-
-def assert_same_outputs(a: list, b: list) -> None:
-    """Same tokens; logprobs equal to the engine's exactness (the ranks' partial sums add in another order)."""
-    for turn_a, turn_b in zip(a, b, strict=True):
-        for x, y in zip(turn_a, turn_b, strict=True):
-            assert x.outputs[0].token_ids == y.outputs[0].token_ids
-            assert x.outputs[0].top_logprobs[0].keys() == y.outputs[0].top_logprobs[0].keys()
-            assert torch.allclose(torch.tensor(x.outputs[0].logprobs), torch.tensor(y.outputs[0].logprobs), atol=1e-5)
 
 
 def hits(stats: dict) -> tuple[int, int]:

@@ -16,6 +16,17 @@ def check_combinations(config: Config) -> None:
     p = config.parallel
     if p.enable_eplb and not p.enable_expert_parallel:
         raise ValueError("enable_eplb balances experts over expert-parallel ranks: set enable_expert_parallel = true")
+    if p.data_parallel_size is not None:
+        if not p.enable_expert_parallel:
+            raise ValueError(
+                "parallel.data_parallel_size joins servers in one expert group: set enable_expert_parallel"
+            )
+        if p.data_parallel_start_rank + p.dp > p.data_parallel_size or p.data_parallel_rpc_port is None:
+            raise ValueError(
+                f"parallel.data_parallel_size = {p.data_parallel_size}: this server's engines (start rank "
+                f"{p.data_parallel_start_rank}, parallel.dp = {p.dp}) must lie inside it, and every server needs the "
+                "group's parallel.data_parallel_address and data_parallel_rpc_port"
+            )
     if p.enable_dbo and not p.enable_expert_parallel:
         raise ValueError("enable_dbo overlaps expert parallelism's all-to-all: set enable_expert_parallel = true")
     if p.eplb_num_redundant_experts and not p.enable_eplb:
@@ -57,6 +68,14 @@ def check_deployment(config: Config) -> None:
             )
         if config.parallel.dp != 1:
             raise ValueError("deployment.nodes_per_replica > 1 spreads tensor-parallel ranks only: set parallel.dp = 1")
+    p = config.parallel
+    if d.type == "multi_node" and p.enable_expert_parallel and d.span == 1 and d.copy_size > 1:
+        if p.dp % d.copy_size or p.data_parallel_size is not None:
+            raise ValueError(
+                f"multi_node with enable_expert_parallel is Wide-EP: the {d.copy_size} nodes' servers form one expert "
+                f"group and parallel.dp ({p.dp}) counts its engines in all, split evenly over the nodes: set "
+                f"parallel.dp to a multiple of {d.copy_size} (and leave parallel.data_parallel_size unset)"
+            )
     if d.type == "multi_node":
         if d.replicas != 1:
             raise ValueError(

@@ -252,9 +252,22 @@ class ParallelConfig(Section):
     data_parallel_rpc_port: int | None = Field(
         None, ge=1, le=65535, description="expert parallelism over dp engines: rendezvous port (engine 0 listens)"
     )
+    data_parallel_size: int | None = Field(
+        None,
+        ge=1,
+        description="expert parallelism over several servers (Wide-EP): the engines of the whole expert group, of "
+        "which this server runs dp from data_parallel_start_rank on; none = dp (vLLM's --data-parallel-size with "
+        "--data-parallel-size-local)",
+    )
+    data_parallel_start_rank: int = Field(0, ge=0, description="Wide-EP: this server's first engine's rank")
     ray_ranks: RayRanksConfig | None = Field(
         None, description="set by a Ray deployment: where the ranks of a server spanning nodes run (not by hand)"
     )
+
+    @property
+    def dp_total(self) -> int:
+        """Engines in the expert group: this server's dp, or data_parallel_size across servers."""
+        return self.data_parallel_size or self.dp
 
 
 class GibberishDetectionConfig(Section):

@@ -20,8 +20,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlserve.config.schema import Config
-from rlserve.deploy.process import ServerChild
-from rlserve.deploy.replica import ADMIN_URL_ENV, KEY_ENV, replica_config
+from rlserve.deploy.process import ServerChild, free_port
+from rlserve.deploy.replica import ADMIN_URL_ENV, KEY_ENV, engines_per_replica, replica_config, wide_ep
 
 PLACEMENT_TIMEOUT_S = 300.0
 NAMESPACE = "rlserve"
@@ -165,7 +165,29 @@ def ray_replicas(config: Config, key: str, admin_url: str) -> list[RayReplica]:
     if d.type == "disaggregated":
         ips = _bundle_ips(group)
         prefill_hosts = sorted({ips[i] for i in range(d.size) if d.role(i) == "prefill"})
-    return [RayReplica(i, config, key, admin_url, group, name, prefill_hosts) for i in range(d.size)]
+    replicas = [RayReplica(i, config, key, admin_url, group, name, prefill_hosts) for i in range(d.size)]
+    if wide_ep(config):
+        _join_expert_groups(config, replicas, _bundle_ips(group))
+    return replicas
+
+
+def _join_expert_groups(config: Config, replicas: list[RayReplica], ips: dict[int, str]) -> None:
+    """Wide-EP: each copy's servers are one expert group, rank 0 of its first server hosting the rendezvous
+    (parallel.data_parallel_rpc_port, or a port free here: pin it where the nodes' free ports differ)."""
+    d, p = config.deployment, config.parallel
+    local = engines_per_replica(config)
+    ports: dict[int, int] = {}
+    for replica in replicas:
+        copy, position = d.copy_of(replica.index), replica.index % d.copy_size
+        port = ports.setdefault(copy, p.data_parallel_rpc_port or free_port("127.0.0.1"))
+        replica.config.setdefault("parallel", {}).update(
+            dp=local,
+            data_parallel_size=p.dp,
+            data_parallel_start_rank=position * local,
+            data_parallel_rank=position * local,
+            data_parallel_address=ips[copy * d.copy_size],
+            data_parallel_rpc_port=port,
+        )
 
 
 def _bundle_ips(group) -> dict[int, str]:

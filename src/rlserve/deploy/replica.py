@@ -42,6 +42,18 @@ def replica_config(
     return data
 
 
+def wide_ep(config: Config) -> bool:
+    """multi_node with expert parallelism (prime-rl's Wide-EP): the replicas of a copy, one per node, form one
+    expert group, each running parallel.dp / replicas of its data-parallel engines."""
+    d, p = config.deployment, config.parallel
+    return d.type == "multi_node" and p.enable_expert_parallel and d.span == 1 and d.copy_size > 1
+
+
+def engines_per_replica(config: Config) -> int:
+    """Data-parallel engines behind each replica's one API server."""
+    return config.parallel.dp // config.deployment.copy_size if wide_ep(config) else config.parallel.dp
+
+
 def replica_threads(config: Config, cpu_count: int | None = None) -> int:
     """Torch threads per engine rank of each replica: the configured ones, or an even share of the cores."""
     return config.num_threads or max(1, (cpu_count or len(usable_cores())) // config.deployment.size)

@@ -13,6 +13,7 @@ import httpx
 
 from rlserve.config.schema import Config
 from rlserve.deploy.process import Child, free_port
+from rlserve.deploy.replica import engines_per_replica
 
 log = logging.getLogger("rlserve.deploy")
 
@@ -47,8 +48,8 @@ def router_argv(
         "--log-level",
         "debug" if config.server.log_level.lower() == "debug" else "warning",
     ]
-    dp = getattr(getattr(config, "parallel", None), "dp", None)  # engines behind one port, when configured
-    if isinstance(dp, int) and dp > 1:
+    dp = engines_per_replica(config)  # engines behind one port
+    if dp > 1:
         argv += ["--intra-node-data-parallel-size", str(dp)]
     return argv + list(r.extra_args)
 

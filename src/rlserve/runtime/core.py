@@ -54,7 +54,7 @@ class EngineCore:
         self.poller.register(inbox, zmq.POLLIN)
         self.landed_r = None
         p = engine.config.parallel
-        self.dp_sync = DataParallelSync(engine.config) if p.enable_expert_parallel and p.dp > 1 else None
+        self.dp_sync = DataParallelSync(engine.config) if p.enable_expert_parallel and p.dp_total > 1 else None
         if engine.kv_transfer is not None:  # a pull thread wakes the loop when its blocks have landed
             self.landed_r, self.landed_w = os.pipe()
             os.set_blocking(self.landed_r, False)

@@ -67,19 +67,20 @@ def _cuda_devices() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def engine_config(config: Config, rank: int, expert_port: int | None = None) -> Config:
+def engine_config(config: Config, index: int, expert_port: int | None = None) -> Config:
     """Each engine's config: its share of the cores, its own seed (unseeded samples differ across engines),
-    and under expert parallelism its rank in the expert group and that group's rendezvous port."""
-    threads = config.num_threads or max(1, (os.cpu_count() or 1) // (config.parallel.dp * config.parallel.tp))
+    and under expert parallelism its rank in the expert group (Wide-EP: counted from this server's start rank)
+    and that group's rendezvous port."""
+    p = config.parallel
+    rank = p.data_parallel_start_rank + index
+    threads = config.num_threads or max(1, (os.cpu_count() or 1) // (p.dp * p.tp))
     update: dict = {"seed": config.seed + rank, "num_threads": threads}
     if expert_port is not None:
-        update["parallel"] = config.parallel.model_copy(
-            update={"data_parallel_rank": rank, "data_parallel_rpc_port": expert_port}
-        )
+        update["parallel"] = p.model_copy(update={"data_parallel_rank": rank, "data_parallel_rpc_port": expert_port})
     device = config.model.device
-    if config.parallel.dp > 1 and (device == "cuda" or (device == "auto" and _cuda_devices())):
+    if p.dp > 1 and (device == "cuda" or (device == "auto" and _cuda_devices())):
         # each engine its own devices: engine i's tensor-parallel ranks use cuda:i*tp .. cuda:i*tp+tp-1
-        update["model"] = config.model.model_copy(update={"device": f"cuda:{rank * config.parallel.tp}"})
+        update["model"] = config.model.model_copy(update={"device": f"cuda:{index * p.tp}"})
     return config.model_copy(update=update)
 
 
@@ -94,8 +95,8 @@ class DataParallelClient(FaceRules):
         p = config.parallel
         expert_port = (p.data_parallel_rpc_port or _free_port()) if p.enable_expert_parallel else None
         try:
-            for rank in range(config.parallel.dp):
-                self.engines.append(EngineClient(engine_config(config, rank, expert_port), wait=False))
+            for index in range(config.parallel.dp):
+                self.engines.append(EngineClient(engine_config(config, index, expert_port), wait=False))
             for engine in self.engines:
                 engine.wait_ready()
         except BaseException:

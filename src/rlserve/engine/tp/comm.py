@@ -207,9 +207,9 @@ def expert_parallel(config: Config, rank: int) -> tuple[int, int, int] | None:
     """(ep rank, ep size, redundant experts) of tensor-parallel rank `rank` under enable_expert_parallel:
     the experts spread over every rank of the tp * dp engines."""
     p = config.parallel
-    if not p.enable_expert_parallel or p.tp * p.dp == 1:
+    if not p.enable_expert_parallel or p.tp * p.dp_total == 1:
         return None
-    return p.data_parallel_rank * p.tp + rank, p.tp * p.dp, p.eplb_num_redundant_experts
+    return p.data_parallel_rank * p.tp + rank, p.tp * p.dp_total, p.eplb_num_redundant_experts
 
 
 def expert_group(config: Config, ep_rank: int, backend: str) -> Any:
@@ -218,8 +218,9 @@ def expert_group(config: Config, ep_rank: int, backend: str) -> Any:
     if p.data_parallel_rpc_port is None:
         raise ValueError("expert parallelism over parallel.dp engines needs parallel.data_parallel_rpc_port")
     timeout = datetime.timedelta(seconds=START_TIMEOUT_S)
-    store = dist.TCPStore(p.data_parallel_address, p.data_parallel_rpc_port, p.tp * p.dp, ep_rank == 0, timeout=timeout)
-    return make_group(store, "experts", ep_rank, p.tp * p.dp, backend)  # the group holds on to its store
+    world = p.tp * p.dp_total
+    store = dist.TCPStore(p.data_parallel_address, p.data_parallel_rpc_port, world, ep_rank == 0, timeout=timeout)
+    return make_group(store, "experts", ep_rank, world, backend)  # the group holds on to its store
 
 
 def attach(model: CausalLM, group: Any, rank: int = 0, config: Config | None = None) -> None:
@@ -231,7 +232,7 @@ def attach(model: CausalLM, group: Any, rank: int = 0, config: Config | None = N
     placed = None if config is None else expert_parallel(config, rank)
     if placed is not None:
         p = config.parallel
-        experts = group if p.dp == 1 else expert_group(config, placed[0], "nccl" if _on_cuda(model) else "gloo")
+        experts = group if p.dp_total == 1 else expert_group(config, placed[0], "nccl" if _on_cuda(model) else "gloo")
         ep.attach(model, experts, (rank, p.tp), p.eplb_step_interval if p.enable_eplb else 0, p.enable_dbo)
     if group is None:
         return
