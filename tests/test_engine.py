@@ -40,8 +40,8 @@ def hf_logprobs(hf, prompt: list[int], completion: list[int], temperature: float
     return torch.log_softmax(logits[start : start + len(completion)] / temperature, dim=-1)
 
 
-def assert_matches_hf(hf, prompts, outs):
-    """Greedy tokens equal transformers `generate`; logprobs equal its forward pass."""
+def assert_matches_hf(hf, prompts, outs, atol: float = 1e-4):
+    """Greedy tokens equal transformers `generate`; logprobs equal its forward pass (to `atol`)."""
     for prompt, out in zip(prompts, outs):
         comp = out.outputs[0]
         ref = hf.generate(
@@ -53,7 +53,7 @@ def assert_matches_hf(hf, prompts, outs):
         )
         assert comp.token_ids == ref[0, len(prompt) :].tolist()
         lp = hf_logprobs(hf, prompt, comp.token_ids).gather(1, torch.tensor(comp.token_ids).unsqueeze(1)).squeeze(1)
-        assert torch.allclose(torch.tensor(comp.logprobs), lp, atol=1e-4)
+        assert torch.allclose(torch.tensor(comp.logprobs), lp, atol=atol)
 
 
 def test_greedy_matches_transformers_generate(engine, hf):

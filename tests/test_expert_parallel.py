@@ -158,6 +158,13 @@ def dp_engine(rank: int, model_dir: str, prompt: list[int], results, **parallel)
 def test_expert_parallel_over_four_ranks_of_data_parallel_engines(model_dir, hf, prompts, one_rank, tp, dp):
     """Each engine serves its own prompt; their sparse layers exchange tokens over all tp * dp ranks
     (every engine steps as often as the others here: one prompt each, the same number of tokens)."""
+    assert_dp_engines_give_one_ranks_answers(model_dir, prompts, one_rank, tp, dp)
+    assert_matches_hf(hf, prompts[:dp], [_Wrapped(one_rank[r]) for r in range(dp)])
+
+
+def assert_dp_engines_give_one_ranks_answers(model_dir, prompts, one_rank, tp: int, dp: int) -> None:
+    """dp engine processes of tp ranks, one expert group, engine r serving prompts[r]: one rank's tokens,
+    routed experts and logprobs (to 1e-5), and each engine's rank 0 holding its share of the experts."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
@@ -180,14 +187,13 @@ def test_expert_parallel_over_four_ranks_of_data_parallel_engines(model_dir, hf,
             p.join(60)
             if p.is_alive():
                 p.kill()
+    e = json.loads((model_dir / "config.json").read_text())["num_experts"]
     for rank, token_ids, logprobs, routed, slots in got:
-        e = json.loads((model_dir / "config.json").read_text())["num_experts"]
         assert slots == list(range(rank * e // dp, rank * e // dp + e // (tp * dp)))  # rank 0 of each engine
         ref = one_rank[rank]
         assert token_ids == ref.token_ids
         np.testing.assert_array_equal(routed, ref.routed_experts)
         assert torch.allclose(torch.tensor(logprobs), torch.tensor(ref.logprobs), atol=1e-5)
-    assert_matches_hf(hf, prompts[:dp], [_Wrapped(one_rank[r]) for r in range(dp)])
 
 
 def test_prime_rl_and_vllm_spellings_turn_expert_parallelism_on(tmp_path):
