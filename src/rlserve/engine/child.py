@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
 import sys
 
 import zmq
@@ -19,6 +20,17 @@ PARENT_ENV = "RLSERVE_PARENT_PID"
 def child_env() -> dict[str, str]:
     """The environment for a child that calls start_child(): it names this process as the one to die with."""
     return {**os.environ, PARENT_ENV: str(os.getpid())}
+
+
+def start_tp_worker(args: list[str], payload: bytes) -> subprocess.Popen:
+    """`python -m rlserve.engine.tp.worker *args`, dying with this process, its config (`payload`) on stdin."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlserve.engine.tp.worker", *args], stdin=subprocess.PIPE, env=child_env()
+    )
+    assert proc.stdin is not None
+    proc.stdin.write(payload)
+    proc.stdin.close()
+    return proc
 
 
 def parent_pid() -> int:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import datetime
 import logging
 import subprocess
-import sys
 import threading
 import time
 from typing import Any
@@ -28,7 +27,7 @@ import torch.distributed as dist
 import zmq
 
 from rlserve.config.schema import Config
-from rlserve.engine.child import child_env
+from rlserve.engine.child import start_tp_worker
 from rlserve.engine.tp.comm import (
     POLL_MS,
     START_TIMEOUT_S,
@@ -113,12 +112,7 @@ class TensorParallelLeader:
             from rlserve.engine.tp.ray_ranks import RayRank
 
             return RayRank(ranks, rank, args, payload)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "rlserve.engine.tp.worker", *args], stdin=subprocess.PIPE, env=child_env()
-        )
-        proc.stdin.write(payload)
-        proc.stdin.close()
-        return proc
+        return start_tp_worker(args, payload)
 
     def _socket(self, kind: int) -> zmq.Socket:
         sock = self.ctx.socket(kind)

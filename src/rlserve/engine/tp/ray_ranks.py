@@ -13,10 +13,9 @@ The actors are owned by rank 0's process: when it exits, Ray ends them, and a wo
 from __future__ import annotations
 
 import subprocess
-import sys
 
 from rlserve.config.schema import RayRanksConfig
-from rlserve.engine.child import child_env
+from rlserve.engine.child import start_tp_worker
 
 
 class RankHost:
@@ -26,11 +25,7 @@ class RankHost:
         self.proc: subprocess.Popen | None = None
 
     def start(self, args: list[str], payload: bytes) -> int:
-        argv = [sys.executable, "-m", "rlserve.engine.tp.worker", *args]
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, env=child_env())
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(payload)
-        self.proc.stdin.close()
+        self.proc = start_tp_worker(args, payload)
         return self.proc.pid
 
     def poll(self) -> int | None:
