@@ -162,9 +162,12 @@ def test_expert_parallel_over_four_ranks_of_data_parallel_engines(model_dir, hf,
     assert_matches_hf(hf, prompts[:dp], [_Wrapped(one_rank[r]) for r in range(dp)])
 
 
-def assert_dp_engines_give_one_ranks_answers(model_dir, prompts, one_rank, tp: int, dp: int) -> None:
+def assert_dp_engines_give_one_ranks_answers(
+    model_dir, prompts, one_rank, tp: int, dp: int, tp_atol: float = 1e-5
+) -> None:
     """dp engine processes of tp ranks, one expert group, engine r serving prompts[r]: one rank's tokens,
-    routed experts and logprobs (to 1e-5), and each engine's rank 0 holding its share of the experts."""
+    routed experts and logprobs (to 1e-5; to `tp_atol` with tp > 1, see assert_routing_as_one_ranks), and each
+    engine's rank 0 holding its share of the experts."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
@@ -192,8 +195,22 @@ def assert_dp_engines_give_one_ranks_answers(model_dir, prompts, one_rank, tp: i
         assert slots == list(range(rank * e // dp, rank * e // dp + e // (tp * dp)))  # rank 0 of each engine
         ref = one_rank[rank]
         assert token_ids == ref.token_ids
-        np.testing.assert_array_equal(routed, ref.routed_experts)
-        assert torch.allclose(torch.tensor(logprobs), torch.tensor(ref.logprobs), atol=1e-5)
+        assert_routing_as_one_ranks(routed, ref.routed_experts, tp)
+        atol = 1e-5 if tp == 1 else tp_atol
+        assert torch.allclose(torch.tensor(logprobs), torch.tensor(ref.logprobs), atol=atol)
+
+
+def assert_routing_as_one_ranks(routed, want, tp: int) -> None:
+    """Routed experts (tokens x layers x top-k, each token's choices best first) equal one rank's. Under tensor
+    parallelism a layer's input is summed over the ranks in another order, and that can swap a near-tie for a
+    token's last choice (seen once in 1,920 choices, on an AVX-512 machine); any other difference fails."""
+    routed, want = np.asarray(routed), np.asarray(want)
+    if tp == 1:
+        np.testing.assert_array_equal(routed, want)
+        return
+    differ = routed != want
+    assert not differ[..., :-1].any(), "a choice other than a token's last differs from one rank's"
+    assert differ.sum() <= max(1, differ.size // 500), f"{differ.sum()} of {differ.size} last choices differ"
 
 
 def test_prime_rl_and_vllm_spellings_turn_expert_parallelism_on(tmp_path):

@@ -5,13 +5,12 @@ the 2 ranks of one engine, each giving one rank's tokens and routed experts."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from rlserve.model.make import bench_cache_dir, make_model
 from test_engine import assert_matches_hf, random_prompts
-from test_expert_parallel import _Wrapped, assert_dp_engines_give_one_ranks_answers, run
+from test_expert_parallel import _Wrapped, assert_dp_engines_give_one_ranks_answers, assert_routing_as_one_ranks, run
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +37,9 @@ def test_one_rank_matches_transformers(hf, prompts, one_rank):
 
 @pytest.mark.parametrize("tp,dp", [(1, 4), (2, 2)])
 def test_expert_parallel_over_four_ranks_of_data_parallel_engines(model_dir, prompts, one_rank, tp, dp):
-    assert_dp_engines_give_one_ranks_answers(model_dir, prompts, one_rank, tp, dp)
+    """With tp=2, a near-tie for a token's last expert can swap (the ranks sum in another order), and the
+    swapped expert moves that token's later logprobs by up to 8e-4 (seen): within transformers' own 2e-3."""
+    assert_dp_engines_give_one_ranks_answers(model_dir, prompts, one_rank, tp, dp, tp_atol=2e-3)
 
 
 @pytest.mark.parametrize("parallel", [{"tp": 2}, {"tp": 2, "enable_expert_parallel": True}], ids=["tp2", "ep2"])
@@ -47,5 +48,5 @@ def test_two_ranks_of_one_engine_give_one_ranks_answers(model_dir, prompts, one_
     the ranks' fp32 sums; 128 random experts over 12 layers carry that further than tiny-moe's 8 over 4."""
     for out, ref in zip(run(model_dir, prompts, **parallel), one_rank):
         assert out.token_ids == ref.token_ids
-        np.testing.assert_array_equal(out.routed_experts, ref.routed_experts)
+        assert_routing_as_one_ranks(out.routed_experts, ref.routed_experts, tp=2)
         assert torch.allclose(torch.tensor(out.logprobs), torch.tensor(ref.logprobs), atol=1e-4)

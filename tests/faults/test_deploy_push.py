@@ -22,13 +22,14 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from test_deploy_faults import PROMPTS, Load, check_labels_match_weights, greedy_rows, versions
 
 from deploy_helpers import replicas, two_replicas_under, wait_for
 from rlserve.deploy.process import free_port
 from rlserve.model.make import make_model
 from test_deploy import _environ
-from test_server_rl import TRAINER, generate, hf_check, trainer_push
+from test_server_rl import TRAINER, choice_lps, generate, hf_check, trainer_push
 
 VLLM_TRAINER = str(Path(__file__).parent.parent / "vllm_trainer.py")
 BROADCASTER = TRAINER.replace('admin_api_key="admin"', "admin_api_key=None")  # pushes with the label "step-7"
@@ -60,7 +61,10 @@ def same_answers_everywhere(admin: str, version: tuple[int, str], model_dir: Pat
             assert (choice["policy_version"], choice["weight_version"]) == version
             hf_check(model_dir, prompt, choice)
         assert answers[0]["token_ids"] == answers[1]["token_ids"]
-        assert answers[0]["logprobs"] == answers[1]["logprobs"]
+        # not bitwise: a replica that served the prompt before computes it after a prefix-cache hit, and on
+        # AVX-512 that path sums one row by another routine (~2e-6); different weights part by far more
+        first, second = (torch.tensor(choice_lps(choice)) for choice in answers)
+        assert torch.allclose(first, second, rtol=0, atol=1e-5)
     for row in rows:
         assert versions(row["url"]) == version
 

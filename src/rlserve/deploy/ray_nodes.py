@@ -22,6 +22,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rlserve.config.schema import Config
 from rlserve.deploy.process import ServerChild, free_port
 from rlserve.deploy.replica import ADMIN_URL_ENV, KEY_ENV, engines_per_replica, replica_config, wide_ep
+from rlserve.engine.tp.ray_ranks import ActorExit
 
 PLACEMENT_TIMEOUT_S = 300.0
 NAMESPACE = "rlserve"
@@ -90,8 +91,8 @@ class RayReplica:
         self.env = {**role_env, KEY_ENV: key, ADMIN_URL_ENV: admin_url}
         self.pid: int | None = None  # the server's process id on its node
         self.actor = None
-        self._url_ref = self._poll_ref = None
-        self._exit_code: int | None = None
+        self._url_ref = None
+        self._exit: ActorExit | None = None
 
     def start(self) -> None:
         strategy = PlacementGroupSchedulingStrategy(
@@ -102,8 +103,7 @@ class RayReplica:
             ray.remote(num_cpus=1, max_concurrency=4)(ReplicaHost).options(scheduling_strategy=strategy).remote()
         )
         self._url_ref = self.actor.start.remote(self.index, self.config, self.env)
-        self._poll_ref = None
-        self._exit_code = None
+        self._exit = ActorExit(self.actor)
 
     def wait_listening(self, timeout_s: float) -> str:
         url = ray.get(self._url_ref, timeout=timeout_s)
@@ -111,23 +111,8 @@ class RayReplica:
         return url
 
     def exited(self) -> int | None:
-        """Never blocks (the supervisor's event loop calls it): the answer of the last finished poll.
-
-        A slow answer on a busy node is not a death; only Ray saying the actor or its node is gone is.
-        """
-        if self.actor is None or self._exit_code is not None:
-            return self._exit_code
-        if self._poll_ref is None:
-            self._poll_ref = self.actor.poll.remote()
-        done, _ = ray.wait([self._poll_ref], timeout=0)
-        if not done:
-            return None
-        ref, self._poll_ref = self._poll_ref, None
-        try:
-            self._exit_code = ray.get(ref)
-        except ray.exceptions.RayActorError:
-            self._exit_code = -1  # the actor (or its node) is gone
-        return self._exit_code
+        """Never blocks (the supervisor's event loop calls it; see ActorExit)."""
+        return None if self._exit is None else self._exit()
 
     def stop(self) -> None:
         if self.actor is None:
@@ -137,7 +122,7 @@ class RayReplica:
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
             pass
         ray.kill(self.actor)
-        self.actor, self._poll_ref = None, None
+        self.actor, self._exit = None, None
 
 
 def ray_replicas(config: Config, key: str, admin_url: str) -> list[RayReplica]:

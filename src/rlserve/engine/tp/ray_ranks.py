@@ -41,6 +41,33 @@ class RankHost:
             return self.proc.wait()
 
 
+class ActorExit:
+    """A Ray actor's exit code, asked without blocking: each call returns the answer of the last finished `poll()`
+    on the actor (None while it runs or while the question is in flight). A slow answer from a busy node is not a
+    death; Ray reporting the actor or its node gone is (-1)."""
+
+    def __init__(self, actor) -> None:
+        self._actor = actor
+        self._pending = None
+        self.code: int | None = None
+
+    def __call__(self) -> int | None:
+        import ray
+
+        if self.code is not None:
+            return self.code
+        if self._pending is None:
+            self._pending = self._actor.poll.remote()
+        done, _ = ray.wait([self._pending], timeout=0)
+        if done:
+            ref, self._pending = self._pending, None
+            try:
+                self.code = ray.get(ref)
+            except ray.exceptions.RayActorError:
+                self.code = -1
+        return self.code
+
+
 class RayRank:
     """Rank 0's handle on a rank on another node, shaped like the subprocess.Popen of a local rank."""
 
@@ -56,22 +83,13 @@ class RayRank:
         )
         self.actor = ray.remote(num_cpus=1, max_concurrency=4)(RankHost).options(scheduling_strategy=strategy).remote()
         self.pid: int = ray.get(self.actor.start.remote(args, payload))
-        self._poll_ref = None
+        self._exit = ActorExit(self.actor)
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
-        """Never blocks: the answer of the last finished poll; Ray losing the actor (or its node) is an exit."""
-        if self.returncode is not None:
-            return self.returncode
-        if self._poll_ref is None:
-            self._poll_ref = self.actor.poll.remote()
-        done, _ = self._ray.wait([self._poll_ref], timeout=0)
-        if done:
-            ref, self._poll_ref = self._poll_ref, None
-            try:
-                self.returncode = self._ray.get(ref)
-            except self._ray.exceptions.RayActorError:
-                self.returncode = -1
+        """Never blocks (see ActorExit)."""
+        if self.returncode is None:
+            self.returncode = self._exit()
         return self.returncode
 
     def wait(self, timeout: float) -> int:
