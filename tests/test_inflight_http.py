@@ -146,7 +146,8 @@ def test_recompute_makes_later_logprobs_those_of_the_new_weights(server, root, r
     assert all(len(o["token_ids"]) == LONG for o in outs)
     # against transformers: this tiny model's fp32 noise is ~1e-5 for any request (a fresh one too)
     assert max(new_span_errors(weights, outs, version)) <= 3e-5
-    # and what a fresh request under the new weights gives from the same point, within 1e-5
+    # and what a fresh request under the new weights gives from the same point, within the same noise (the two
+    # run in other batches: 1.03e-5 apart once on an AVX-512 machine); keep is > 1e-3 off (below)
     for prompt, out in zip(PROMPTS, outs):
         switch = out["weight_versions"][1]["start"]
         fresh = httpx.post(
@@ -159,7 +160,7 @@ def test_recompute_makes_later_logprobs_those_of_the_new_weights(server, root, r
         ).json()["choices"][0]
         assert fresh["policy_version"] == version and fresh["token_ids"] == out["token_ids"][switch:]
         lps = [e["logprob"] for e in fresh["logprobs"]["content"]]
-        assert max(abs(a - b) for a, b in zip(lps, out["logprobs"][switch:])) <= 1e-5
+        assert max(abs(a - b) for a, b in zip(lps, out["logprobs"][switch:])) <= 3e-5
 
 
 @pytest.mark.parametrize("policy", ["keep", "recompute_if_older_than:1"])

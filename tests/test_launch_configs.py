@@ -4,6 +4,7 @@ line, prime-rl's inference docs (one test per TOML block), and every file under 
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import httpx
@@ -93,6 +94,34 @@ def test_vllm_flags_set_rlserve_keys():
     assert not c.engine.enable_prefix_caching and c.model.enforce_eager and c.model.trust_remote_code
     assert (c.gpu_memory_utilization, c.engine.logprobs_mode, c.model.chat_template) == (0.9, "raw_logprobs", "t.jinja")
     assert launch("--port=9001", "--enable-prefix-caching").engine.enable_prefix_caching
+
+
+def test_vllm_data_parallel_flags_are_read_together():
+    def parallel(*argv):
+        p = launch("m", *argv).parallel
+        return p.dp, p.data_parallel_size, p.data_parallel_start_rank, p.data_parallel_address, p.data_parallel_rpc_port
+
+    assert parallel("--data-parallel-size", "2") == (2, None, 0, "127.0.0.1", None)  # one server's engines
+    assert parallel("-dp", "4", "-dpl", "4") == (4, None, 0, "127.0.0.1", None)  # all of them on this node
+    # vLLM's multi-node example: the head node, then the next with its start rank (an expert group over servers)
+    head = ("-ep", "-dp", "4", "-dpl", "2", "--data-parallel-address", "10.0.0.1", "--data-parallel-rpc-port", "13345")
+    assert parallel(*head) == (2, 4, 0, "10.0.0.1", 13345)
+    assert parallel(*head, "--data-parallel-start-rank", "2") == (2, 4, 2, "10.0.0.1", 13345)
+    # one engine per server (external load balancing), and vLLM's default rendezvous port
+    assert parallel("-ep", "-dp", "4", "--data-parallel-rank", "3", "-dpe", "-dpa", "h") == (1, 4, 3, "h", 29550)
+    assert parallel("--data_parallel_size=2", "--data-parallel-backend", "mp") == (2, None, 0, "127.0.0.1", None)
+    for argv, named in [
+        (("-dp", "2", "-dpl", "3"), "more than --data-parallel-size"),
+        (("-dp", "2", "--data-parallel-start-rank", "1"), "--data-parallel-start-rank needs"),
+        (("-ep", "-dp", "4", "--data-parallel-rank", "1", "-dpl", "2"), "one engine of the group"),
+        (("-dp", "two"), "--data-parallel-size 'two': give a whole number"),
+        (("-dp", "4", "-dpl", "2"), "set enable_expert_parallel"),  # a group over servers shares experts
+        (("--data-parallel-backend", "ray"), 'deployment.type = "multi_node"'),
+        (("--headless",), "--data-parallel-start-rank"),
+        (("-dpm",), "--data-parallel-rank"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(named)):
+            launch("m", *argv)
 
 
 @pytest.mark.parametrize(

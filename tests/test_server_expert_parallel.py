@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
 import pytest
 
 from conftest import start_server, stop_server
+from rlserve.deploy.process import free_port
 from rlserve.model.make import make_model
 from test_moe import hf_experts
 from test_server_moe import decode
@@ -118,3 +120,22 @@ def test_data_parallel_engines_share_their_experts_and_step_together(base):
             np.testing.assert_array_equal(rows, hf_experts(hf, (list(prompt) + choice["token_ids"])[:-1]))
     finally:
         stop_server(proc)
+
+
+def test_vllm_multi_node_launch_lines_make_one_expert_group_over_two_servers(base):
+    """vLLM's multi-node data-parallel launch (docs: a head node, then `--data-parallel-start-rank` on the next),
+    with one engine per "node" on 127.0.0.1: the two servers form one expert group of two ranks, and each answers
+    as transformers, with transformers' routed experts, whichever server the request goes to."""
+    group = ("-dp", "2", "-dpl", "1", "-dpa", "127.0.0.1", "-dpp", str(free_port()), "--enable-expert-parallel")
+    lines = [group, (*group, "--data-parallel-start-rank", "1")]
+    flags = ("--enable-return-routed-experts", "--max-model-len", "512")
+    with ThreadPoolExecutor(2) as pool:  # each waits in the group's rendezvous for the other
+        started = list(pool.map(lambda line: start_server(*line, *flags, head=(str(base),)), lines))
+    try:
+        for url, _ in started:
+            check_answers(url, base)
+            ranks = metric(url, "rlserve:ep_rank_load_total", "ep_rank")
+            assert set(ranks) == {"0", "1"} and min(ranks.values()) > 0  # both servers' ranks computed experts
+    finally:
+        for _, proc in started:
+            stop_server(proc)

@@ -84,7 +84,7 @@ def _serve(argv: list[str], prog: str) -> int:
 
     signal.signal(signal.SIGTERM, early_stop.on_signal)
     engine_process = None
-    if config.engine.core_process and config.parallel.dp == 1:
+    if config.engine.core_process and not config.parallel.data_parallel:
         from rlserve.runtime.spawn import EngineProcess
 
         # the engine process imports torch and loads the model while this one imports the server stack: on

@@ -265,6 +265,12 @@ class ParallelConfig(Section):
     )
 
     @property
+    def data_parallel(self) -> bool:
+        """The engines run behind the data-parallel client: several here, or this server's one engine of an expert
+        group over servers (which takes its rank in the group from data_parallel_start_rank)."""
+        return self.dp > 1 or self.data_parallel_size is not None
+
+    @property
     def dp_total(self) -> int:
         """Engines in the expert group: this server's dp, or data_parallel_size across servers."""
         return self.data_parallel_size or self.dp

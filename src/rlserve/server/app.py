@@ -231,7 +231,7 @@ def serve(config: Config, engine_process: EngineProcess | None = None) -> int:
         try:
             check_vocabulary(config.model.tool_call_parser, config.model.reasoning_parser)
             check_parallel(config)
-            if config.parallel.dp > 1:
+            if config.parallel.data_parallel:
                 engine: EngineFace = DataParallelClient(config)
             elif config.engine.core_process:
                 engine, engine_process = EngineClient(config, process=engine_process), None

@@ -78,6 +78,14 @@ def _one(value: str) -> str:
     return value
 
 
+_EACH_SERVER_SERVES = "every server serves HTTP for its own engines; put the servers behind vllm-router"
+_dp_backend = _one_of(
+    "--data-parallel-backend",
+    ("mp",),
+    'rlserve runs a server\'s engines as its own processes; on Ray, use deployment.type = "multi_node"',
+)
+
+
 VLLM_FLAGS: dict[str, Flag] = {
     "--model": Flag("model.name"),
     "--host": Flag("server.host"),
@@ -89,8 +97,6 @@ VLLM_FLAGS: dict[str, Flag] = {
     "--seed": Flag("seed"),
     "--tensor-parallel-size": Flag("parallel.tp"),
     "-tp": Flag("parallel.tp"),
-    "--data-parallel-size": Flag("parallel.dp"),
-    "-dp": Flag("parallel.dp"),
     "--tool-call-parser": Flag("model.tool_call_parser"),
     "--reasoning-parser": Flag("model.reasoning_parser"),
     "--gpu-memory-utilization": Flag("gpu_memory_utilization"),
@@ -144,6 +150,12 @@ VLLM_FLAGS: dict[str, Flag] = {
     "--enable-tokenizer-info-endpoint": Flag(None, switch=True, note="GET /tokenizer_info is always served"),
     "--enable-server-load-tracking": Flag(None, switch=True, note="/load always counts the requests in flight"),
     "--pipeline-parallel-size": Flag(None, convert=_one, note="1 only"),
+    "--data-parallel-hybrid-lb": Flag(None, switch=True, note=_EACH_SERVER_SERVES),
+    "-dph": Flag(None, switch=True, note=_EACH_SERVER_SERVES),
+    "--data-parallel-external-lb": Flag(None, switch=True, note=_EACH_SERVER_SERVES),
+    "-dpe": Flag(None, switch=True, note=_EACH_SERVER_SERVES),
+    "--data-parallel-backend": Flag(None, convert=_dp_backend, note="mp: the engines are this server's processes"),
+    "-dpb": Flag(None, convert=_dp_backend, note="mp: the engines are this server's processes"),
     "--runner": Flag(None, convert=_runner, note="auto or generate: rlserve serves generative models"),
     "--structured-outputs-config.backend": Flag(
         None, convert=_structured_backend, note="constraints always compile with llguidance"
@@ -166,5 +178,70 @@ REFUSED = {
     "--reasoning-config": "rlserve has no thinking_token_budget, which this configures; drop the flag",
     "--watermark-config": "rlserve does not watermark its outputs; drop the flag",
     "--uds": "rlserve listens on TCP only; use --host and --port",
-    "--headless": "rlserve has no headless engine ranks; a server always serves HTTP",
+    "--headless": "rlserve has no headless engine ranks: on each node, start a server with --data-parallel-size-local "
+    "and --data-parallel-start-rank (its engines join the group) and put the servers behind vllm-router",
+    "-dpm": "rlserve starts no per-rank API servers; give each server --data-parallel-rank (one engine each)",
+    "--data-parallel-multi-port-external-lb": "rlserve starts no per-rank API servers; give each server "
+    "--data-parallel-rank (one engine each)",
 }
+
+
+# vLLM's data-parallel flags, read together: --data-parallel-size alone is one server's engines; with
+# --data-parallel-size-local (and --data-parallel-start-rank on later nodes) it is a group spread over servers,
+# this server running its share (vLLM's hybrid load balancing); --data-parallel-rank is one engine of the group
+# per server (external load balancing). A group over servers is rlserve's Wide-EP (docs/expert-parallel.md).
+DATA_PARALLEL = {
+    "--data-parallel-size": "size",
+    "-dp": "size",
+    "--data-parallel-size-local": "local",
+    "-dpl": "local",
+    "--data-parallel-start-rank": "start",
+    "-dpr": "start",
+    "--data-parallel-rank": "rank",
+    "-dpn": "rank",
+    "--data-parallel-address": "address",
+    "-dpa": "address",
+    "--data-parallel-rpc-port": "port",
+    "-dpp": "port",
+}
+VLLM_DP_RPC_PORT = "29550"  # vLLM's default port for the group's rendezvous
+
+
+def data_parallel_keys(given: dict[str, str]) -> list[str]:
+    """rlserve's parallel keys for vLLM's data-parallel flags (`given`: DATA_PARALLEL's role -> value)."""
+
+    def number(role: str) -> int | None:
+        if role not in given:
+            return None
+        value = given[role].strip()
+        if not value.isdigit():
+            flag = next(name for name, r in DATA_PARALLEL.items() if r == role)
+            raise ConfigError(f"{flag} {value!r}: give a whole number")
+        return int(value)
+
+    size, local, start, rank = number("size"), number("local"), number("start"), number("rank")
+    if rank is not None:  # one engine per server
+        if local not in (None, 1) or (start is not None and start != rank):
+            raise ConfigError(
+                "--data-parallel-rank runs one engine of the group on this server: leave out "
+                "--data-parallel-size-local (or give 1) and --data-parallel-start-rank"
+            )
+        local, start = 1, rank
+    out: list[str] = []
+    if local is None or size is None or local >= size:
+        if local is not None and size is not None and local > size:
+            raise ConfigError(f"--data-parallel-size-local {local} is more than --data-parallel-size {size}")
+        if start:
+            raise ConfigError("--data-parallel-start-rank needs --data-parallel-size-local below --data-parallel-size")
+        dp = local if local is not None else size
+        out += ["--parallel.dp", str(dp)] if dp is not None else []
+    else:
+        out += ["--parallel.dp", str(local), "--parallel.data_parallel_size", str(size)]
+        out += ["--parallel.data_parallel_start_rank", str(start or 0)]
+        out += ["--parallel.data_parallel_rpc_port", given.get("port", VLLM_DP_RPC_PORT)]
+        given = {k: v for k, v in given.items() if k != "port"}
+    if "address" in given:
+        out += ["--parallel.data_parallel_address", given["address"]]
+    if "port" in given:
+        out += ["--parallel.data_parallel_rpc_port", given["port"]]
+    return out
