@@ -228,6 +228,7 @@ def data_parallel_keys(given: dict[str, str]) -> list[str]:
             )
         local, start = 1, rank
     out: list[str] = []
+    port = given.get("port")
     if local is None or size is None or local >= size:
         if local is not None and size is not None and local > size:
             raise ConfigError(f"--data-parallel-size-local {local} is more than --data-parallel-size {size}")
@@ -238,10 +239,9 @@ def data_parallel_keys(given: dict[str, str]) -> list[str]:
     else:
         out += ["--parallel.dp", str(local), "--parallel.data_parallel_size", str(size)]
         out += ["--parallel.data_parallel_start_rank", str(start or 0)]
-        out += ["--parallel.data_parallel_rpc_port", given.get("port", VLLM_DP_RPC_PORT)]
-        given = {k: v for k, v in given.items() if k != "port"}
+        port = port or VLLM_DP_RPC_PORT
     if "address" in given:
         out += ["--parallel.data_parallel_address", given["address"]]
-    if "port" in given:
-        out += ["--parallel.data_parallel_rpc_port", given["port"]]
+    if port is not None:
+        out += ["--parallel.data_parallel_rpc_port", port]
     return out
