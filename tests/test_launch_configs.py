@@ -287,12 +287,12 @@ def test_prime_rl_layout_reads_inference_and_logs_what_it_ignores(tmp_path, capl
         '[trainer]\nlr = 1e-6\n\n[inference]\nmodel = "m"\nenv_vars = { "A" = "1" }\n'
         '[inference.deployment]\ntype = "multi_node"\nnum_replicas = 1\n'
         '[inference.deployment.router]\ntype = "vllm-router"\n'
-        "[inference.vllm_extra]\nmax_num_seqs = 7\nenforce_eager = true\n"
+        "[inference.vllm_extra]\nmax_num_seqs = 7\nenforce_eager = true\ndata_parallel_size = 2\n"
     )
     with caplog.at_level(logging.INFO, logger="rlserve.config.schema"):
         c = load_config(["@", str(path)])
     assert (c.model.name, c.env_vars, c.deployment.num_nodes, c.engine.max_num_seqs) == ("m", {"A": "1"}, 2, 7)
-    assert c.model.enforce_eager
+    assert c.model.enforce_eager and c.parallel.dp == 2
     assert any("num_train_nodes" in r.message and "type" in r.message for r in caplog.records)
     assert any("trainer" in r.message for r in caplog.records)
 

@@ -37,9 +37,9 @@ def _dashed(name: str, *tables: dict) -> str:
 def translate_launch_line(argv: list[str]) -> list[str]:
     """vLLM's and the MLX RL server's flags (positional model included) as rlserve's own; others pass through."""
     from rlserve.config.dialects.mlx_flags import MLX_FLAGS, MLX_ONLY
-    from rlserve.config.dialects.vllm_flags import DATA_PARALLEL, REFUSED, VLLM_FLAGS, data_parallel_keys
+    from rlserve.config.dialects.vllm_flags import DATA_PARALLEL, REFUSED, VLLM_FLAGS, data_parallel_settings
 
-    flags = VLLM_FLAGS | MLX_FLAGS
+    flags = VLLM_FLAGS | MLX_FLAGS | dict.fromkeys(DATA_PARALLEL, Flag(None))  # those read together at the end
     out: list[str] = []
     i = 0
     if argv and not argv[0].startswith(("-", "@")):  # `vllm serve MODEL ...`
@@ -52,17 +52,11 @@ def translate_launch_line(argv: list[str]) -> list[str]:
     while i < len(argv):
         arg = argv[i]
         name, eq, inline = arg.partition("=")
-        name = _dashed(name, flags, REFUSED, DATA_PARALLEL)
+        name = _dashed(name, flags, REFUSED)
         flag = flags.get(name) if arg.startswith("-") else None
         if name in REFUSED:
             raise ConfigError(f"{name}: {REFUSED[name]}")
         value = inline if eq else (argv[i + 1] if i + 1 < len(argv) else None)
-        if name in DATA_PARALLEL:  # read together once the line is through
-            if value is None or (not eq and value.startswith("-")):
-                raise ConfigError(f"{name} needs a value")
-            data_parallel[DATA_PARALLEL[name]] = value
-            i += 1 if eq else 2
-            continue
         if flag is None or (name == "--model" and value is not None and value.lstrip().startswith("{")):
             out.append(arg)  # rlserve's own grammar (--model '{json}' included)
             i += 1
@@ -86,9 +80,12 @@ def translate_launch_line(argv: list[str]) -> list[str]:
             if extra:
                 raise ConfigError(f"--served-model-name: rlserve serves one name, got {[value, *extra]}")
         value = flag.convert(value) if flag.convert else value  # checks even what is then ignored
+        if name in DATA_PARALLEL:
+            data_parallel[DATA_PARALLEL[name]] = value
         if flag.target is not None:
             out += [f"--{flag.target}", value]
-    out += data_parallel_keys(data_parallel)
+    for key, value in data_parallel_settings(data_parallel).items():
+        out += [f"--{key}", value]
     if seen & MLX_ONLY and "--metrics-format" not in seen:
         out += ["--server.metrics_format", "json"]  # the MLX server's clients read /metrics as JSON
     return out

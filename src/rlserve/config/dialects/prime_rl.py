@@ -85,12 +85,16 @@ def _aliases(data: dict[str, Any]) -> None:
 
 def _apply_vllm_extra(extra: dict[str, Any], data: dict[str, Any]) -> None:
     """vLLM engine arguments under vLLM's names: the ones rlserve has set its own key; any other is an error."""
-    from rlserve.config.dialects.vllm_flags import REFUSED, VLLM_FLAGS
+    from rlserve.config.dialects.vllm_flags import DATA_PARALLEL, REFUSED, VLLM_FLAGS, data_parallel_settings
 
     if not isinstance(extra, dict):
         raise ConfigError("vllm_extra must be a table of vLLM engine arguments")
+    data_parallel: dict[str, Any] = {}
     for key, value in extra.items():
         flag_name = "--" + str(key).replace("_", "-")
+        if flag_name in DATA_PARALLEL:  # read together, as on a launch line
+            data_parallel[DATA_PARALLEL[flag_name]] = value
+            continue
         flag = VLLM_FLAGS.get(flag_name)
         if flag is None or flag.target is None:
             why = REFUSED.get(flag_name, "rlserve has no such setting")
@@ -102,11 +106,17 @@ def _apply_vllm_extra(extra: dict[str, Any], data: dict[str, Any]) -> None:
             value = (flag.const == "true") == bool(value)
         elif flag.convert is not None:
             value = flag.convert(str(value))
-        section = data
-        *parents, leaf = flag.target.split(".")
-        for name in parents:
-            section = section.setdefault(name, {})
-        section[leaf] = value
+        _set(data, flag.target, value)
+    for target, value in data_parallel_settings(data_parallel).items():
+        _set(data, target, value)
+
+
+def _set(data: dict[str, Any], target: str, value: Any) -> None:
+    """data[section][...][leaf] = value for a dotted rlserve key."""
+    *parents, leaf = target.split(".")
+    for name in parents:
+        data = data.setdefault(name, {})
+    data[leaf] = value
 
 
 def _read_rl_deployment(rl: dict[str, Any], data: dict[str, Any]) -> None:

@@ -207,13 +207,14 @@ DATA_PARALLEL = {
 VLLM_DP_RPC_PORT = "29550"  # vLLM's default port for the group's rendezvous
 
 
-def data_parallel_keys(given: dict[str, str]) -> list[str]:
-    """rlserve's parallel keys for vLLM's data-parallel flags (`given`: DATA_PARALLEL's role -> value)."""
+def data_parallel_settings(given: dict[str, str]) -> dict[str, str]:
+    """rlserve's parallel keys and values for vLLM's data-parallel flags (`given`: DATA_PARALLEL's role -> value);
+    a launch line and prime-rl's vllm_extra read them alike."""
 
     def number(role: str) -> int | None:
         if role not in given:
             return None
-        value = given[role].strip()
+        value = str(given[role]).strip()
         if not value.isdigit():
             flag = next(name for name, r in DATA_PARALLEL.items() if r == role)
             raise ConfigError(f"{flag} {value!r}: give a whole number")
@@ -227,7 +228,7 @@ def data_parallel_keys(given: dict[str, str]) -> list[str]:
                 "--data-parallel-size-local (or give 1) and --data-parallel-start-rank"
             )
         local, start = 1, rank
-    out: list[str] = []
+    out: dict[str, str] = {}
     port = given.get("port")
     if local is None or size is None or local >= size:
         if local is not None and size is not None and local > size:
@@ -235,13 +236,14 @@ def data_parallel_keys(given: dict[str, str]) -> list[str]:
         if start:
             raise ConfigError("--data-parallel-start-rank needs --data-parallel-size-local below --data-parallel-size")
         dp = local if local is not None else size
-        out += ["--parallel.dp", str(dp)] if dp is not None else []
+        if dp is not None:
+            out["parallel.dp"] = str(dp)
     else:
-        out += ["--parallel.dp", str(local), "--parallel.data_parallel_size", str(size)]
-        out += ["--parallel.data_parallel_start_rank", str(start or 0)]
+        out["parallel.dp"], out["parallel.data_parallel_size"] = str(local), str(size)
+        out["parallel.data_parallel_start_rank"] = str(start or 0)
         port = port or VLLM_DP_RPC_PORT
     if "address" in given:
-        out += ["--parallel.data_parallel_address", given["address"]]
+        out["parallel.data_parallel_address"] = str(given["address"])
     if port is not None:
-        out += ["--parallel.data_parallel_rpc_port", port]
+        out["parallel.data_parallel_rpc_port"] = str(port)
     return out
