@@ -59,7 +59,7 @@ class ModelRunner:
             batch_invariant  # engine/invariant.py: every token its own row, the GEMV at any row count
         )
         if batch_invariant:
-            self.kernels, pack_weights = self._invariant_kernels(dtype), False
+            self.kernels = self._invariant_kernels(dtype)
         # The split attention needs the CPU SDPA kernel that returns log-sum-exp. The C attention
         # kernel reads shared blocks from cache for every sequence and is faster still (~10% a
         # step at 64 sequences, n = 8), so the split is only the fallback's.
@@ -99,7 +99,11 @@ class ModelRunner:
     def _pack_weights_if_they_fit(self) -> None:
         """Packed copies double the weights' memory: take at most half of what is available, so
         the KV pool and activations still fit."""
-        need, available = self.model.packable_bytes(), available_memory_bytes()
+        # batch-invariant mode packs for its own GEMM (the same bits as unpacked; the trainer's
+        # mirror of the model runs unpacked) instead of the GEMM libraries'
+        invariant = self.batch_invariant and self.kernels is not None
+        need = self.model.panel_bytes() if invariant else self.model.packable_bytes()
+        available = available_memory_bytes()
         if need and available is not None and need > available // 2:
             log.warning(
                 "not packing the weights: the packed copies need %.1f GiB and %.1f GiB of memory is "
@@ -108,7 +112,10 @@ class ModelRunner:
                 available / 2**30,
             )
             return
-        self.model.pack_weights()
+        if invariant:
+            self.model.pack_panels()
+        else:
+            self.model.pack_weights()
 
     def use_decode_graphs(self, max_batch: int, max_model_len: int, capture: bool = True) -> None:
         """Run decode-only steps through static-shape forwards, captured as CUDA graphs (`capture`)."""

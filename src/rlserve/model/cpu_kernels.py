@@ -128,6 +128,7 @@ class CpuKernels:
         i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
         self._attention, self._add_rms_norm, self._qk_rope_store, self._silu_mul = {}, {}, {}, {}
         self._gemv, self._gemv_f32out, self._decode = {}, {}, {}
+        self._gemm_packed_bytes, self._gemm_pack, self._gemm_packed = {}, {}, {}
         for dtype, suffix in DTYPES.items():
             fn = lambda name, suffix=suffix: getattr(lib, f"rlserve_{name}_{suffix}")  # noqa: E731
             self._attention[dtype] = self._fn(fn("paged_attention"), [ptr, i64] + [ptr] * 5 + [i64] * 6 + [f32, i32])
@@ -138,6 +139,9 @@ class CpuKernels:
             self._silu_mul[dtype] = self._fn(fn("silu_mul"), [ptr, ptr, i64, i64, i32])
             self._gemv[dtype] = self._fn(fn("gemv"), [ptr] * 4 + [i64] * 3 + [i32])
             self._gemv_f32out[dtype] = self._fn(fn("gemv_f32out"), [ptr] * 4 + [i64] * 3 + [i32])
+            self._gemm_packed_bytes[dtype] = self._fn(fn("gemm_packed_bytes"), [i64] * 2, i64)
+            self._gemm_pack[dtype] = self._fn(fn("gemm_pack"), [ptr, i64, i64, ptr, i32])
+            self._gemm_packed[dtype] = self._fn(fn("gemm_packed"), [ptr] * 4 + [i32] + [i64] * 3 + [i32])
             self._decode[dtype] = self._fn(
                 fn("decode_layers"),
                 [ptr, i64] + [ptr] * 7 + [i64] + [ptr] * 2 + [i64] * 2 + [ptr] * 5 + [i64] * 6 + [f32, f32, i32, i32],
@@ -235,15 +239,36 @@ class CpuKernels:
         bias: torch.Tensor | None = None,
         threads: int | None = None,
         fp32_out: bool = False,
+        packed: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [rows, K] @ weight[N, K]^T (+ bias [N]) -> [rows, N]: F.linear for a few rows, split
         over `threads` (default GEMV_THREADS) when the call has PARALLEL_MIN_WORK multiply-adds.
-        fp32_out: the fp32 sums, unrounded (for bf16: an fp32 linear over the widened values)."""
+        fp32_out: the fp32 sums, unrounded (for bf16: an fp32 linear over the widened values).
+        packed: `gemm_pack(weight)`, current (the row-invariant GEMM's sums, read from the panels)."""
         x, weight = x.contiguous(), weight.contiguous()
         out = x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32 if fp32_out else x.dtype)
+        threads = threads or GEMV_THREADS or torch.get_num_threads()
+        if packed is not None:
+            self._gemm_packed[x.dtype](
+                x.data_ptr(), packed.data_ptr(), _ptr(bias), out.data_ptr(), fp32_out, x.shape[0], x.shape[1], weight.shape[0], threads,
+            )  # fmt: skip
+            return out
         (self._gemv_f32out if fp32_out else self._gemv)[x.dtype](
-            x.data_ptr(), weight.data_ptr(), _ptr(bias), out.data_ptr(), x.shape[0], x.shape[1], weight.shape[0], threads or GEMV_THREADS or torch.get_num_threads(),
+            x.data_ptr(), weight.data_ptr(), _ptr(bias), out.data_ptr(), x.shape[0], x.shape[1], weight.shape[0], threads,
         )  # fmt: skip
+        return out
+
+    def gemm_packed_bytes(self, weight: torch.Tensor) -> int:
+        return self._gemm_packed_bytes[weight.dtype](weight.shape[1], weight.shape[0])
+
+    def gemm_pack(self, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """weight [N, K] in gemm_impl.h's panel layout (a uint8 buffer; `out` reused when its size
+        fits): `gemv(..., packed=)` then sums exactly as the row-invariant build's GEMV does."""
+        n, k = weight.shape
+        size = self.gemm_packed_bytes(weight)
+        if out is None or out.numel() != size:
+            out = torch.empty(size, dtype=torch.uint8)
+        self._gemm_pack[weight.dtype](weight.contiguous().data_ptr(), k, n, out.data_ptr(), torch.get_num_threads())
         return out
 
 

@@ -11,7 +11,7 @@ prefill, prefix-cache hits and KV restored from another tier change nothing. The
 kernels are per row already.
 
 `invariant_kernels` loads a build of the kernels whose GEMV takes no one-row shortcut
-(RLSERVE_GEMV_TILED_ONLY: on AVX-512 one row is otherwise summed by another routine) and checks
+(RLSERVE_ROW_INVARIANT: on AVX-512 one row is otherwise summed by another routine) and checks
 the row independence on this machine once per process (fail closed: the mode is refused where a
 row's bits would follow the batch).
 """
@@ -89,9 +89,9 @@ def invariant_kernels() -> InvariantKernels:
 
 
 def _tiled_only_build() -> CpuKernels | None:
-    """The kernels built with RLSERVE_GEMV_TILED_ONLY (gemv_impl.h: no one-row special case)."""
+    """The kernels built with RLSERVE_ROW_INVARIANT (gemv_impl.h: no one-row special case)."""
     try:
-        kernels = CpuKernels(ctypes.CDLL(str(_build(_compiler(), ("-DRLSERVE_GEMV_TILED_ONLY",)))))
+        kernels = CpuKernels(ctypes.CDLL(str(_build(_compiler(), ("-DRLSERVE_ROW_INVARIANT",)))))
         _self_check(kernels)
     except (OSError, subprocess.SubprocessError, AssertionError, AttributeError) as exc:
         log.warning("the batch-invariant CPU kernels are unavailable (%s)", getattr(exc, "stderr", "") or exc)

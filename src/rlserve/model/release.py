@@ -96,7 +96,10 @@ def _drop_derived(model: CausalLM) -> None:
     for module in model.modules():
         if isinstance(module, Projection) and module.packed is not None:
             module.packed.forget()
-    if model.packed_head is not None:
-        model.packed_head.forget()
+        if isinstance(module, Projection) and module.panels is not None:
+            module.panels.forget()
+    for derived in (model.packed_head, model.panel_head):
+        if derived is not None:
+            derived.forget()
     if model.head_cast is not None:
         model.head_cast.forget()

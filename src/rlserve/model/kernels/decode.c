@@ -1,5 +1,5 @@
 /* A decode step's decoder layers in one call, for CPU; fp32 and bf16 instances of decode_impl.h. */
-#define DECODE_LAYER_PTRS 9
+#define DECODE_LAYER_PTRS 13
 #include "decode_impl.h"
 #define RLSERVE_BF16
 #include "decode_impl.h"

@@ -13,6 +13,15 @@
 
 void NAME(rlserve_gemv)(const T *x, const T *w, const T *bias, T *out, int64_t rows, int64_t K, int64_t N,
                         int num_threads);
+void NAME(rlserve_gemm_packed)(const T *x, const void *packed, const T *bias, void *out, int out_f32, int64_t rows,
+                               int64_t K, int64_t N, int num_threads);
+
+/* a projection through its packed panels when it has them (batch-invariant mode), else the GEMV */
+static inline void NAME(decode_project)(const T *x, const T *w, const void *panels, const T *bias, T *out, int64_t rows,
+                                        int64_t K, int64_t N, int num_threads) {
+    if (panels) NAME(rlserve_gemm_packed)(x, panels, bias, out, 0, rows, K, N, num_threads);
+    else NAME(rlserve_gemv)(x, w, bias, out, rows, K, N, num_threads);
+}
 void NAME(rlserve_add_rms_norm)(T *hidden, const T *delta, const T *weight, T *out, int64_t rows, int64_t dim,
                                 float eps, int num_threads);
 void NAME(rlserve_qk_rope_store)(T *qkv, const T *cos, const T *sin_signed, const T *q_norm, const T *k_norm,
@@ -25,7 +34,8 @@ void NAME(rlserve_paged_attention)(const T *q, int64_t q_stride, const T *k_cach
                                    int num_threads);
 
 /* layer_ptrs [layers][DECODE_LAYER_PTRS]: input norm, qkv weight, qkv bias (or 0), q norm (or 0),
- * k norm (or 0), o weight, post-attention norm, gate_up weight, down weight.
+ * k norm (or 0), o weight, post-attention norm, gate_up weight, down weight, then the packed panels
+ * of qkv, o, gate_up and down (or 0s: model/linear.py's PanelWeight).
  * h [rows, hidden] is the residual stream (updated in place); x [rows, hidden] ends as the final
  * norm (final_norm) of it. kv [layers, 2, slots, nkv, D]; blocks [rows, W]; ctx_lens [rows];
  * slots [rows]; cos/sin_signed [rows, D]. scratch: qkv [rows, (nh + 2 nkv) D], attn [rows, nh D],
@@ -41,16 +51,16 @@ void NAME(rlserve_decode_layers)(const int64_t *layer_ptrs, int64_t layers, cons
     NAME(rlserve_add_rms_norm)(h, 0, P(0, 0), x, rows, hidden, eps, num_threads);
     for (int64_t l = 0; l < layers; ++l) {
         T *k_cache = kv + 2 * l * kv_half, *v_cache = k_cache + kv_half;
-        NAME(rlserve_gemv)(x, P(l, 1), P(l, 2), qkv, rows, hidden, qkv_width, gemv_threads);
+        NAME(decode_project)(x, P(l, 1), P(l, 9), P(l, 2), qkv, rows, hidden, qkv_width, gemv_threads);
         NAME(rlserve_qk_rope_store)(qkv, cos, sin_signed, P(l, 3), P(l, 4), eps, slots, k_cache, v_cache, rows, nh,
                                     nkv, D, num_threads);
         NAME(rlserve_paged_attention)(qkv, qkv_width, k_cache, v_cache, blocks, ctx_lens, attn, rows, W, nh, nkv, D,
                                       block_size, scale, num_threads);
-        NAME(rlserve_gemv)(attn, P(l, 5), 0, delta, rows, nh * D, hidden, gemv_threads);
+        NAME(decode_project)(attn, P(l, 5), P(l, 10), 0, delta, rows, nh * D, hidden, gemv_threads);
         NAME(rlserve_add_rms_norm)(h, delta, P(l, 6), x, rows, hidden, eps, num_threads);
-        NAME(rlserve_gemv)(x, P(l, 7), 0, gate_up, rows, hidden, 2 * inter, gemv_threads);
+        NAME(decode_project)(x, P(l, 7), P(l, 11), 0, gate_up, rows, hidden, 2 * inter, gemv_threads);
         NAME(rlserve_silu_mul)(gate_up, act, rows, inter, num_threads);
-        NAME(rlserve_gemv)(act, P(l, 8), 0, delta, rows, inter, hidden, gemv_threads);
+        NAME(decode_project)(act, P(l, 8), P(l, 12), 0, delta, rows, inter, hidden, gemv_threads);
         NAME(rlserve_add_rms_norm)(h, delta, l + 1 < layers ? P(l + 1, 0) : final_norm, x, rows, hidden, eps,
                                    num_threads);
     }

@@ -119,9 +119,9 @@ static inline __attribute__((always_inline)) void NAME(gemv_store)(const T *x, c
         for (int64_t j = 0; j < nj; ++j) NAME(gemv_put)(out, out_f32, (r0 + r) * N + n + j, acc[r][j], bias, n + j);
 }
 
-/* RLSERVE_GEMV_TILED_ONLY (the batch-invariant build, model/invariant_ops.py): one row takes the
- * tiles too, so a row sums in the same order at every row count. */
-#if ((defined(__AVX512F__) && !defined(RLSERVE_BF16)) || (defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(RLSERVE_BF16))) && !defined(RLSERVE_GEMV_TILED_ONLY)
+#include "gemm_impl.h"
+
+#if ((defined(__AVX512F__) && !defined(RLSERVE_BF16)) || (defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(RLSERVE_BF16)))
 #define GEMV_ONE_ROW 1
 /* dot(x, w row) for one row of x, the weight row read front to back as one stream (4 accumulators
  * hide the FMA latency): at one row the 4-row tile's 4 interleaved streams read ~5% slower. */
@@ -208,10 +208,14 @@ static void NAME(gemv_tiles)(const void *job_ptr, int64_t begin, int64_t end) {
  * multiply-adds. */
 static void NAME(gemv_any)(const T *x, const T *w, const T *bias, void *out, int out_f32, int64_t rows, int64_t K,
                            int64_t N, int num_threads) {
+#if defined(RLSERVE_ROW_INVARIANT) /* the batch-invariant build (model/invariant_ops.py): one order at any row count */
+    NAME(gemm_any)(x, w, bias, out, out_f32, rows, K, N, num_threads);
+#else
     const struct NAME(gemv_job) job = {x, w, bias, out, out_f32, rows, K, N};
     const int64_t tiles = (N + GEMV_TILE_OUT - 1) / GEMV_TILE_OUT;
     rlserve_parallel_for(NAME(gemv_tiles), &job, tiles, tiles >= 16 ? tiles / 16 : 1,
                          rlserve_threads_for(rows * K * N, num_threads));
+#endif
 }
 
 void NAME(rlserve_gemv)(const T *x, const T *w, const T *bias, T *out, int64_t rows, int64_t K, int64_t N,
