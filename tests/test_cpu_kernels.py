@@ -270,13 +270,18 @@ def test_engine_runs_on_the_kernels_with_exact_logprobs(model_dir, kernels, monk
     from transformers import AutoModelForCausalLM
 
     calls = []
-    original = CpuKernels.attention
+    original, original_layers = CpuKernels.attention, CpuKernels.decode_layers
 
     def counted(self, q, *args):
         calls.append(q.shape[0])
         return original(self, q, *args)
 
+    def counted_layers(self, layer_ptrs, final_norm, h, *args):  # the attention inside, called from C
+        calls.append(h.shape[0])
+        return original_layers(self, layer_ptrs, final_norm, h, *args)
+
     monkeypatch.setattr(CpuKernels, "attention", counted)
+    monkeypatch.setattr(CpuKernels, "decode_layers", counted_layers)
     engine = make_engine(model_dir)
     assert engine.runner.kernels is not None and not engine.runner.cascade_attention
     prompts = random_prompts(4, engine.vocab_size, lo=10, hi=40, seed=5)

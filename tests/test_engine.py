@@ -445,13 +445,29 @@ def test_packed_projection_matches_sgemm_and_follows_weight_changes():
         assert torch.allclose(proj(x), torch.nn.functional.linear(x, proj.weight, proj.bias), atol=1e-5)
 
 
+def packs_panels(engine: Engine) -> bool:
+    """Whether this machine's engine keeps its projections in the C GEMM's panels rather than in the
+    GEMM libraries' packed layouts (AVX-512; CpuKernels.panels_beat_the_libraries)."""
+    kernels = engine.runner.kernels
+    return kernels is not None and kernels.panels_beat_the_libraries(engine.runner.dtype)
+
+
+def head_copy(model):
+    return model.panel_head if model.panel_head is not None else model.packed_head
+
+
 def test_pack_weights_setting_decides_the_projection_path(model_dir):
-    packed = make_engine(model_dir).model
-    plain = make_engine(model_dir, pack_weights=False).model
-    expect = torch.backends.mkl.is_available()
-    assert (packed.layers[0].mlp.down_proj.packed is not None) == expect
-    assert (packed.packed_head is not None) == expect
-    assert plain.layers[0].mlp.down_proj.packed is None and plain.packed_head is None
+    engine = make_engine(model_dir)
+    packed, plain = engine.model, make_engine(model_dir, pack_weights=False).model
+    proj = packed.layers[0].mlp.down_proj
+    if packs_panels(engine):
+        assert proj.panels is not None and proj.packed is None and packed.panel_head is not None
+    else:
+        expect = torch.backends.mkl.is_available()
+        assert (proj.packed is not None) == expect and proj.panels is None
+        assert (packed.packed_head is not None) == expect
+    plain_proj = plain.layers[0].mlp.down_proj
+    assert plain_proj.packed is None and plain_proj.panels is None and head_copy(plain) is None
 
 
 @pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="packed projections need MKL")
@@ -459,12 +475,13 @@ def test_weights_stay_unpacked_when_the_copy_would_not_fit(model_dir, monkeypatc
     import rlserve.engine.runner as runner_module
 
     engine = make_engine(model_dir)
-    need = engine.model.packable_bytes()
+    need = engine.model.panel_bytes() if packs_panels(engine) else engine.model.packable_bytes()
     assert need > 0
     monkeypatch.setattr(runner_module, "available_memory_bytes", lambda: 2 * need - 1)
     with caplog.at_level("WARNING"):
         tight = make_engine(model_dir)
-    assert tight.model.packed_head is None and tight.model.layers[0].self_attn.qkv_proj.packed is None
+    qkv = tight.model.layers[0].self_attn.qkv_proj
+    assert head_copy(tight.model) is None and qkv.packed is None and qkv.panels is None
     assert "not packing the weights" in caplog.text
     monkeypatch.setattr(runner_module, "available_memory_bytes", lambda: 2 * need)
-    assert make_engine(model_dir).model.packed_head is not None
+    assert head_copy(make_engine(model_dir).model) is not None

@@ -99,10 +99,12 @@ class ModelRunner:
     def _pack_weights_if_they_fit(self) -> None:
         """Packed copies double the weights' memory: take at most half of what is available, so
         the KV pool and activations still fit."""
-        # batch-invariant mode packs for its own GEMM (the same bits as unpacked; the trainer's
-        # mirror of the model runs unpacked) instead of the GEMM libraries'
-        invariant = self.batch_invariant and self.kernels is not None
-        need = self.model.panel_bytes() if invariant else self.model.packable_bytes()
+        # the C GEMM's panels where they beat the GEMM libraries, and always in batch-invariant mode
+        # (its GEMM at any row count: the same bits as unpacked, which is how the trainer's mirror runs)
+        panels = self.kernels is not None and (
+            self.batch_invariant or self.kernels.panels_beat_the_libraries(self.dtype)
+        )
+        need = self.model.panel_bytes() if panels else self.model.packable_bytes()
         available = available_memory_bytes()
         if need and available is not None and need > available // 2:
             log.warning(
@@ -112,7 +114,7 @@ class ModelRunner:
                 available / 2**30,
             )
             return
-        if invariant:
+        if panels:
             self.model.pack_panels()
         else:
             self.model.pack_weights()

@@ -3,17 +3,17 @@
 A row's numbers must not depend on how many other rows share its step. GEMM libraries break that:
 MKL and oneDNN pick kernels and blockings by the row count, and the engine itself switches from the
 C GEMV to the packed GEMM above a few rows. In this mode every projection (the LM head too) runs
-through the C GEMV at every row count: its register tiles give each (row, output) pair its own
-accumulator that walks K in one fixed order, whatever the tile's other rows. Attention runs every
-query token through the paged decode kernel (one online softmax over the token's own context, in
-block-size steps from position 0): a prompt token is computed as if it were decoded, so chunked
-prefill, prefix-cache hits and KV restored from another tier change nothing. The element-wise C
-kernels are per row already.
+through one GEMM at every row count, kernels/gemm_impl.h's outer-product form: each (row, output)
+pair has its own register lane that sums x[k] * w[k] in k order, whatever the tile, the row count
+or the thread split. Attention runs every query token through the paged decode kernel (one online
+softmax over the token's own context, in block-size steps from position 0): a prompt token is
+computed as if it were decoded, so chunked prefill, prefix-cache hits and KV restored from another
+tier change nothing. The element-wise C kernels are per row already.
 
-`invariant_kernels` loads a build of the kernels whose GEMV takes no one-row shortcut
-(RLSERVE_ROW_INVARIANT: on AVX-512 one row is otherwise summed by another routine) and checks
-the row independence on this machine once per process (fail closed: the mode is refused where a
-row's bits would follow the batch).
+`invariant_kernels` loads the kernels built with RLSERVE_ROW_INVARIANT (their GEMV is that GEMM;
+the engine keeps its weights packed for it, `PanelWeight`, and the trainer's mirror packs per call:
+the same bits) and checks the row independence on this machine once per process (fail closed: the
+mode is refused where a row's bits would follow the batch).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class BatchInvarianceUnavailable(ValueError):
 @functools.cache
 def invariant_kernels() -> InvariantKernels:
     """The kernels for batch-invariant mode, their row independence checked; raises where not."""
-    base = cpu_kernels() and _tiled_only_build()
+    base = cpu_kernels() and _row_invariant_build()
     if base is None:
         raise BatchInvarianceUnavailable(
             "engine.batch_invariant needs rlserve's CPU kernels (a C compiler, engine.cpu_kernels=true, "
@@ -88,8 +88,8 @@ def invariant_kernels() -> InvariantKernels:
     return kernels
 
 
-def _tiled_only_build() -> CpuKernels | None:
-    """The kernels built with RLSERVE_ROW_INVARIANT (gemv_impl.h: no one-row special case)."""
+def _row_invariant_build() -> CpuKernels | None:
+    """The kernels built with RLSERVE_ROW_INVARIANT (gemv_impl.h: the GEMV is gemm_impl.h's)."""
     try:
         kernels = CpuKernels(ctypes.CDLL(str(_build(_compiler(), ("-DRLSERVE_ROW_INVARIANT",)))))
         _self_check(kernels)
@@ -100,20 +100,23 @@ def _tiled_only_build() -> CpuKernels | None:
 
 
 def _check_rows_independent(kernels: InvariantKernels, dtype: torch.dtype) -> None:
-    """Each row of a GEMV and of decode attention equals the same row computed alone, at every
-    batch size and position that exercises the tile edges."""
+    """Each row of a GEMV (packed or not) and of decode attention equals the same row computed
+    alone, at every batch size and position that exercises the tile edges."""
     gen = torch.Generator().manual_seed(0)
+    total = 21  # past the unpacked GEMM's switch from its few-row form to packing per call (16 rows)
     for n, k in ((37, 70), (64, 33)):
         w = torch.randn(n, k, generator=gen).to(dtype)
-        x = torch.randn(11, k, generator=gen).to(dtype)
-        alone = torch.cat([kernels.gemv(x[i : i + 1], w) for i in range(11)])
-        alone_f32 = torch.cat([kernels.gemv(x[i : i + 1], w, fp32_out=True) for i in range(11)])
-        for rows in range(1, 12):
-            for start in (0, 11 - rows):
+        panels = kernels.gemm_pack(w)
+        x = torch.randn(total, k, generator=gen).to(dtype)
+        alone = torch.cat([kernels.gemv(x[i : i + 1], w) for i in range(total)])
+        alone_f32 = torch.cat([kernels.gemv(x[i : i + 1], w, fp32_out=True) for i in range(total)])
+        for rows in range(1, total + 1):
+            for start in (0, total - rows):
                 part = x[start : start + rows]
                 if not (
                     torch.equal(kernels.gemv(part, w), alone[start : start + rows])
                     and torch.equal(kernels.gemv(part, w, fp32_out=True), alone_f32[start : start + rows])
+                    and torch.equal(kernels.gemv(part, w, packed=panels), alone[start : start + rows])
                 ):
                     raise BatchInvarianceUnavailable(
                         f"engine.batch_invariant: this CPU's {dtype} GEMV build computes a row differently at "

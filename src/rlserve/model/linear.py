@@ -227,16 +227,17 @@ class Projection(nn.Linear):
 
     packed: PackedWeight | None = None
     gemv: CpuKernels | None = None
-    panels: PanelWeight | None = None  # batch-invariant mode's packed weight (`CausalLM.pack_panels`)
+    panels: PanelWeight | None = None  # the C GEMM's packed weight, at any row count (`CausalLM.pack_panels`)
 
     def pack(self) -> bool:
         self.packed = PackedWeight() if PackedWeight.supported(self.weight) else None
         return self.packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None and x.dtype == self.weight.dtype:  # at any row count
+            return self.gemv.gemv(x, self.weight, self.bias, packed=self.panels.get(self.weight))
         if self.gemv is not None and x.shape[0] <= self.gemv.gemv_rows(x.dtype) and x.dtype == self.weight.dtype:
-            panels = None if self.panels is None else self.panels.get(self.weight)
-            return self.gemv.gemv(x, self.weight, self.bias, packed=panels)
+            return self.gemv.gemv(x, self.weight, self.bias)
         if self.packed is not None:
             return self.packed.linear(x, self.weight, self.bias)
         return linear(x, self.weight, self.bias)

@@ -282,8 +282,9 @@ class CausalLM(nn.Module):
         return sum(self.gemv.gemm_packed_bytes(w) for w in weights if w.dtype in (torch.float32, torch.bfloat16))
 
     def pack_panels(self) -> None:
-        """Keep every projection's weight (the LM head's too) in the row-invariant GEMM's panels
-        (batch-invariant mode, after `use_gemv` gave it those kernels): the same bits, ~1.1-1.2x faster."""
+        """Keep every projection's weight (the LM head's too) in the C GEMM's panels and run them
+        through it at any row count (after `use_gemv` gave the model the kernels; in batch-invariant
+        mode the same bits as unpacked)."""
         for m in self.modules():
             if isinstance(m, Projection):
                 m.panels = PanelWeight(self.gemv)
@@ -357,13 +358,18 @@ class CausalLM(nn.Module):
             or not kv_cache.is_contiguous()
         ):
             return False
-        if h.shape[0] > self.gemv.gemv_rows(h.dtype):
+        if h.shape[0] > self.gemv.gemv_rows(h.dtype) and self.panel_head is None:  # panels: any row count
             return False
         if self._decode_plan is None:
             self._decode_plan = self._plan_decode_in_one_call()
         elif self._decode_plan is not False and self.panel_head is not None:  # a weight updated in place: repack
             for layer in self.layers:
-                for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                for p in (
+                    layer.self_attn.qkv_proj,
+                    layer.self_attn.o_proj,
+                    layer.mlp.gate_up_proj,
+                    layer.mlp.down_proj,
+                ):
                     p.panels.get(p.weight)
         return self._decode_plan is not False and self._decode_plan[1] == h.dtype
 
@@ -422,7 +428,7 @@ class CausalLM(nn.Module):
         if (
             self.gemv is not None
             and hidden.device.type == "cpu"
-            and hidden.shape[0] <= self.gemv.gemv_rows(weight.dtype)
+            and (hidden.shape[0] <= self.gemv.gemv_rows(weight.dtype) or self.panel_head is not None)
         ):
             return self.gemv.gemv(hidden, weight, packed=self._head_panels(weight)).float()
         if self.packed_head is not None:

@@ -369,7 +369,16 @@ static void NAME(gemm_any)(const T *x, const T *w, const T *bias, void *out, int
     NAME(gemm_run_panels)(&job, num_threads);
 }
 
-/* A weight [N, K] kept packed (model/linear.py's InvariantPackedWeight): the same sums as gemm_any
+/* 1 where this instance has its AVX-512 form (the one measured faster than oneDNN and the GEMV) */
+int NAME(rlserve_gemm_vectorized)(void) {
+#if defined(GEMM_AVX512)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* A weight [N, K] kept packed (model/linear.py's PanelWeight): the same sums as gemm_any
  * without the per-call packing, so one row streams the panels at the memory's rate. */
 int64_t NAME(rlserve_gemm_packed_bytes)(int64_t K, int64_t N) {
     return (N + GEMM_PANEL_OUT - 1) / GEMM_PANEL_OUT * NAME(gemm_panel_bytes)(K);
