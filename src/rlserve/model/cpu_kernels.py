@@ -7,8 +7,10 @@ Only what PyTorch has no fast op for on CPU, in `kernels/`, each in an fp32 and 
   writing it and reading it again.
 - `fused_ops.c`: the element-wise steps between a layer's matmuls (residual add + RMSNorm,
   q/k norm + RoPE + KV-cache write, SiLU x up), one call each instead of 3-8 eager ops.
-- `gemv.c`: the projections of a few rows (decode at small batch), reading each weight once in
-  its own layout; MKL's and oneDNN's GEMMs read it slower at those sizes.
+- `gemv.c`: the projections. `gemm_impl.h`, an outer-product GEMM over weights packed into panels
+  (`PanelWeight`), each output summed in K order in its own lane: every row count on AVX-512 and in
+  batch-invariant mode; elsewhere `gemv_impl.h` for a few rows (decode at small batch), reading
+  each weight once in its own layout, where MKL's and oneDNN's GEMMs read it slower.
 - `parallel.c`: the one thread pool all of them share (no OpenMP: see there why).
 
 The shared library is cached under `$RLSERVE_CACHE_DIR/kernels` (default ~/.cache/rlserve),

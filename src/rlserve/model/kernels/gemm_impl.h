@@ -1,15 +1,19 @@
 /* out = x @ w^T (+ bias) at any row count with each (row, output) sum walking K in one fixed order
  * (included once per storage type by gemv_impl.h, whose gemv_put it uses; T, NAME from scalar.h).
  *
- * Batch-invariant mode needs a GEMM whose row's bits do not depend on the other rows. gemv_impl.h's
- * dot-product tiles have that property but reduce each output horizontally and reach ~0.55x of
- * oneDNN's packed GEMM from 64 rows up. This is the outer-product form GEMM libraries use: a
- * panel of PANEL_OUT outputs is packed per call (transposed so that one K step of the panel is
- * contiguous, in a thread's L2-sized buffer), and a tile of rows broadcasts each x value against
- * it. Each output's lane accumulates x[k] * w[k] for k = 0, 1, ... (bf16: AVX512_BF16's pair dot
- * product, k pairs in order) in its own register lane, whatever tile or thread it falls in: the
- * row count, the tile edges and the thread split choose which lanes are computed, never how.
- * Packing per call reads the weight once (as the GEMV does), so one row costs about a GEMV.
+ * The outer-product form GEMM libraries use: a panel of GEMM_PANEL_OUT outputs is packed
+ * (transposed so that one K step of the panel is contiguous) and a tile of rows broadcasts each x
+ * value against it. Each output accumulates x[k] * w[k] for k = 0, 1, ... (bf16: AVX512_BF16's pair
+ * dot product, k pairs in order) in its own register lane, whatever tile or thread it falls in:
+ * the row count, the tile edges and the thread split choose which lanes are computed, never how.
+ * So batch-invariant mode takes it at every row count (gemv_impl.h's dot-product tiles are
+ * row-invariant too, but reduce each output horizontally and ran at ~0.55x of oneDNN from 64 rows).
+ *
+ * Three ways in, one sum: weights packed once (rlserve_gemm_packed: model/linear.py's PanelWeight,
+ * which the engine keeps, on AVX-512 in the default mode too, 1.1-1.2x faster than the GEMV and
+ * oneDNN from 1 to 128 rows); unpacked, up to GEMM_DIRECT_ROWS rows, each 16 x 16 block transposed
+ * in registers and used at once (gemm_direct); more rows pack panels per call into a thread's
+ * L2-sized buffer (gemm_panels). The trainer's mirror of the model (rlserve.train) runs unpacked.
  */
 #include <math.h>
 #include <stdint.h>
