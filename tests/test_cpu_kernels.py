@@ -287,7 +287,7 @@ def test_engine_runs_on_the_kernels_with_exact_logprobs(model_dir, kernels, monk
     prompts = random_prompts(4, engine.vocab_size, lo=10, hi=40, seed=5)
     params = SamplingParams(n=3, temperature=1.0, max_tokens=24, ignore_eos=True, logprobs=0, seed=1)
     outs = engine.generate(prompts, params)
-    assert max(calls) == 12  # all 12 sequences decoded in one call
+    assert calls.count(12) >= 20  # all 12 sequences decoded in one call (prompt tokens may be rows too)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     for prompt, out in zip(prompts, outs):
         for comp in out.outputs:

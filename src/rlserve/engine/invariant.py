@@ -49,7 +49,8 @@ def check_supported(config, shape, device: torch.device) -> None:
 
 def token_rows(attn: AttentionBatch, batch, positions: list[int]) -> AttentionBatch:
     """The step's attention with every token as a decode row: decodes first, then each prefill
-    chunk's tokens in order (the runner's row order), each attending to its own positions [0, p]."""
+    chunk's tokens in order (the runner's row order), each attending to its own positions [0, p].
+    (Also the default mode's prefill on AVX-512 up to runner.TOKEN_ROWS_MAX_CONTEXT: faster there.)"""
     bs = attn.block_size
     seqs = list(batch.decodes) + [seq for seq, n in batch.prefills for _ in range(n)]
     lens = [p + 1 for p in positions]

@@ -26,6 +26,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Up to this context a prefill chunk's tokens attend through the C paged kernel, each as a decode row
+# (engine/invariant.py's token_rows): prefill tokens/s 1.11-1.15x (fp32) and 1.36-1.41x (bf16) of torch's
+# flash SDPA at 64- and 512-token prompts, level at 2,048 (SmolLM2-135M shape, 2 cores, AVX-512 +
+# AVX512_BF16, benchmarks/prefill.py). Past it each row re-reading its whole context costs more than
+# flash attention's reuse of K/V tiles saves.
+TOKEN_ROWS_MAX_CONTEXT = 2048
+
 
 @dataclass(slots=True)
 class StepLogits:
@@ -64,6 +71,11 @@ class ModelRunner:
         # kernel reads shared blocks from cache for every sequence and is faster still (~10% a
         # step at 64 sequences, n = 8), so the split is only the fallback's.
         self.cascade_attention = cascade_attention and device.type == "cpu" and self.kernels is None
+        # prompt tokens attend as decode rows through the C paged kernel (token_rows) where that
+        # was measured faster than torch's flash SDPA: AVX-512 (TOKEN_ROWS_MAX_CONTEXT); one rank only
+        self.prompt_rows_in_kernel = (
+            self.kernels is not None and self.kernels.panels_beat_the_libraries(dtype) and not batch_invariant
+        )
         self.dtype = dtype
         model.use_gemv(self.kernels)  # first: a head that reads its bf16 weight through the GEMV needs no packed copy
         if pack_weights:
@@ -197,7 +209,12 @@ class ModelRunner:
             lora=lora,
             kernels=self.kernels,
         )
-        if self.batch_invariant:
+        if self.batch_invariant or (
+            prefills
+            and self.prompt_rows_in_kernel
+            and self.tp is None
+            and max(p.ctx_len for p in prefills) <= TOKEN_ROWS_MAX_CONTEXT
+        ):
             attn = token_rows(attn, batch, positions)
         ids, pos = torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device)
         if self.tp is not None:  # the other ranks run the same step on their shards
