@@ -71,10 +71,16 @@ class ModelRunner:
         # kernel reads shared blocks from cache for every sequence and is faster still (~10% a
         # step at 64 sequences, n = 8), so the split is only the fallback's.
         self.cascade_attention = cascade_attention and device.type == "cpu" and self.kernels is None
-        # prompt tokens attend as decode rows through the C paged kernel (token_rows) where that
-        # was measured faster than torch's flash SDPA: AVX-512 (TOKEN_ROWS_MAX_CONTEXT); one rank only
+        # prompt tokens attend as decode rows through the C paged kernel (token_rows) where that was
+        # measured faster than torch's flash SDPA: AVX-512, dense models, one rank (`run`; the tp ranks
+        # keep SDPA), up to TOKEN_ROWS_MAX_CONTEXT. Not MoE: its router turned the ~1e-6 between the
+        # two attentions into expert swaps between a one-rank engine and a tp=2 or data-parallel EP one
+        # (tests/test_moe_mini.py), so an MoE prompt takes SDPA at every rank count
         self.prompt_rows_in_kernel = (
-            self.kernels is not None and self.kernels.panels_beat_the_libraries(dtype) and not batch_invariant
+            self.kernels is not None
+            and self.kernels.panels_beat_the_libraries(dtype)
+            and not batch_invariant
+            and model.shape.moe is None
         )
         self.dtype = dtype
         model.use_gemv(self.kernels)  # first: a head that reads its bf16 weight through the GEMV needs no packed copy
