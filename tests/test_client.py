@@ -255,18 +255,29 @@ def test_an_update_holds_new_generations_and_no_sample_mixes_versions(cluster, n
             assert len(old) == 1
             (old_version,) = old
             await client.generate(token_ids=[1], max_tokens=1)
-            running = [
-                asyncio.create_task(
-                    client.generate(
-                        token_ids=[1, 2, k + 1], max_tokens=300 + k, temperature=0, sampling_params={"ignore_eos": True}
-                    )
-                )
-                for k in range(8)
-            ]
             deadline = time.monotonic() + 300  # a hang guard only: a loaded machine may take long to admit them
-            while sum(m["num_running"] for m in await _server_state(urls)) < 8:  # all of them on the servers
-                assert time.monotonic() < deadline and not any(t.done() for t in running)
-                await asyncio.sleep(0.005)
+            for _ in range(20):  # a try is void when one ends before all 8 were seen running (a fast machine)
+                running = [
+                    asyncio.create_task(
+                        client.generate(
+                            token_ids=[1, 2, k + 1],
+                            max_tokens=300 + k,
+                            temperature=0,
+                            sampling_params={"ignore_eos": True},
+                        )
+                    )
+                    for k in range(8)
+                ]
+                while sum(m["num_running"] for m in await _server_state(urls)) < 8 and not any(
+                    t.done() for t in running
+                ):
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.005)
+                if not any(t.done() for t in running):  # all of them on the servers, none finished
+                    break
+                await asyncio.gather(*running)
+            else:
+                pytest.fail("in 20 tries a generation of 300 tokens always finished before all 8 were running")
             update = asyncio.create_task(client.update_weights(str(next_weights)))
             await asyncio.sleep(0)
             held = [asyncio.create_task(client.generate(token_ids=[4, 5, k + 1], max_tokens=4)) for k in range(8)]
