@@ -36,6 +36,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def weight_key(weight: torch.Tensor) -> tuple[int, int]:
+    """What a derived copy of a weight is keyed by: its storage and its version counter, which
+    in-place updates (weight pushes, optimizer steps) bump."""
+    return weight.data_ptr(), weight._version
+
+
 # oneDNN builds (JIT-compiles) one primitive per input shape and caches up to 1024 of them. Fed every
 # row count a step can have, the cache fills and churns, and the engine's resident memory climbed by
 # hundreds of MiB under load (primitives, and the heap they fragment). Row counts past this run at one
@@ -94,7 +100,7 @@ class PackedWeight:
 
     def refresh(self, weight: torch.Tensor) -> None:
         """Repack if the weight changed since the last pack (~0.15 s for a 135M model's weights)."""
-        key = (weight.data_ptr(), weight._version)
+        key = weight_key(weight)
         if key != self._key:
             source = weight.detach().float() if self.widens(weight) else weight.detach()
             self._onednn = source.dtype == torch.bfloat16 or _onednn_packing_works(torch.float32)
@@ -185,7 +191,7 @@ class CastWeight:
         self._key: tuple[int, int] | None = None
 
     def get(self, weight: torch.Tensor) -> torch.Tensor:
-        key = (weight.data_ptr(), weight._version)
+        key = weight_key(weight)
         if key != self._key:
             if self._copy is None or self._copy.shape != weight.shape or self._copy.device != weight.device:
                 self._copy = weight.detach().to(self.dtype)
@@ -211,7 +217,7 @@ class PanelWeight:
         self._key: tuple[int, int] | None = None
 
     def get(self, weight: torch.Tensor) -> torch.Tensor:
-        key = (weight.data_ptr(), weight._version)
+        key = weight_key(weight)
         if key != self._key:
             self._packed = self.kernels.gemm_pack(weight.detach(), out=self._packed)
             self._key = key

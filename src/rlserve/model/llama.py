@@ -230,6 +230,11 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps), batch.lora)
 
 
+def _dense_projections(layer) -> tuple[Projection, Projection, Projection, Projection]:
+    """A dense layer's projections in decode_impl.h's order: qkv, o, gate_up, down."""
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+
+
 class CausalLM(nn.Module):
     def __init__(self, shape: ModelShape, device: torch.device):
         super().__init__()
@@ -304,12 +309,15 @@ class CausalLM(nn.Module):
         if self.released_weights is not None:  # nothing to pack until the memory is back (model/release.py)
             return
         for m in self.modules():
-            if isinstance(m, Projection) and m.packed is not None:
-                m.packed.refresh(m.weight)
-            if isinstance(m, Projection) and m.panels is not None:
-                m.panels.get(m.weight)
+            if isinstance(m, Projection):
+                if m.packed is not None:
+                    m.packed.refresh(m.weight)
+                if m.panels is not None:
+                    m.panels.get(m.weight)
         if self.packed_head is not None:
             self.packed_head.refresh(self.logits_weight)
+        if self.panel_head is not None:
+            self.panel_head.get(self.head_weight if self._head_reads_bf16_weight() else self.logits_weight)
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -364,12 +372,7 @@ class CausalLM(nn.Module):
             self._decode_plan = self._plan_decode_in_one_call()
         elif self._decode_plan is not False and self.panel_head is not None:  # a weight updated in place: repack
             for layer in self.layers:
-                for p in (
-                    layer.self_attn.qkv_proj,
-                    layer.self_attn.o_proj,
-                    layer.mlp.gate_up_proj,
-                    layer.mlp.down_proj,
-                ):
+                for p in _dense_projections(layer):
                     p.panels.get(p.weight)
         return self._decode_plan is not False and self._decode_plan[1] == h.dtype
 
@@ -385,7 +388,7 @@ class CausalLM(nn.Module):
         )  # fmt: skip
         if not dense:
             return False
-        dtypes = {w.dtype for layer in self.layers for w in (layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight)}  # fmt: skip
+        dtypes = {p.weight.dtype for layer in self.layers for p in _dense_projections(layer)}
         if len(dtypes) != 1:
             return False
         ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
@@ -395,7 +398,7 @@ class CausalLM(nn.Module):
             a, m = layer.self_attn, layer.mlp
             rows.append((ptr(layer.input_layernorm), ptr(a.qkv_proj.weight), ptr(a.qkv_proj.bias), ptr(a.q_norm), ptr(a.k_norm),
                          ptr(a.o_proj.weight), ptr(layer.post_attention_layernorm), ptr(m.gate_up_proj.weight), ptr(m.down_proj.weight),
-                         panels(a.qkv_proj), panels(a.o_proj), panels(m.gate_up_proj), panels(m.down_proj)))  # fmt: skip
+                         *(panels(p) for p in _dense_projections(layer))))  # fmt: skip
         assert len(rows[0]) == self.gemv.decode_layer_ptrs, (
             "decode_impl.h and the model disagree on the layer's weights"
         )
