@@ -56,6 +56,59 @@ def test_attention_equals_gather_and_sdpa(kernels, kv_heads, group, head_dim, bl
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
 
 
+def prompt_rows(seed: int, length: int, kv_heads: int, group: int, head_dim: int, block_size: int, first: int = 1):
+    """Rows of one sequence's prompt at positions first-1 .. length-1, as the runner sends them: one
+    table (repeated) and contexts first .. length, so the kernel takes them as tiles."""
+    gen = torch.Generator().manual_seed(seed)
+    width = -(-length // block_size)
+    k_cache, v_cache = torch.randn(2, (width + 2) * block_size, kv_heads, head_dim, generator=gen).unbind(0)
+    table = torch.randperm(width + 2, generator=gen)[:width]
+    rows = length - first + 1
+    q = torch.randn(rows, kv_heads * group, head_dim, generator=gen)
+    lens = torch.arange(first, length + 1)
+    return q, k_cache.contiguous(), v_cache.contiguous(), table.expand(rows, width).contiguous(), lens
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+@pytest.mark.parametrize(
+    "length, kv_heads, group, head_dim, block_size, first",
+    [
+        (70, 3, 3, 64, 16, 1),  # SmolLM2's heads: tiles of 16 rows, chunks of 16 keys, a ragged end
+        (40, 2, 4, 48, 4, 5),  # a head size that is not a multiple of 16, small blocks, a chunk start
+        (33, 1, 1, 32, 32, 1),  # one query vector per row: tiles of 48 rows
+        (20, 1, 32, 16, 8, 10),  # the widest group: one row per tile
+    ],
+)
+def test_prompt_rows_attend_as_tiles(kernels, invariant, length, kv_heads, group, head_dim, block_size, first):
+    """A prompt's rows go through the kernel together, a tile of consecutive positions sharing each K
+    and V read; each row still equals attention over its own prefix. The batch-invariant build also
+    gives each row the bits it gets alone (a decode row at that position)."""
+    from rlserve.model.invariant_ops import invariant_kernels
+
+    built = invariant_kernels() if invariant else kernels
+    q, k_cache, v_cache, tables, lens = prompt_rows(length, length, kv_heads, group, head_dim, block_size, first)
+    for dtype, atol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        qd, kd, vd = q.to(dtype), k_cache.to(dtype), v_cache.to(dtype)
+        got = built.attention(qd, kd, vd, tables, lens, block_size, head_dim**-0.5)
+        want = reference_paged_attention(qd.float(), kd.float(), vd.float(), tables, lens, block_size, head_dim**-0.5)
+        assert torch.allclose(got.float(), want, atol=atol), (dtype, (got.float() - want).abs().max())
+        if invariant:
+            alone = torch.cat(
+                [built.attention(qd[i : i + 1], kd, vd, tables[i : i + 1], lens[i : i + 1], block_size, head_dim**-0.5)
+                 for i in range(len(lens))]
+            )  # fmt: skip
+            assert torch.equal(got, alone), dtype
+
+
+def test_rows_of_different_sequences_never_share_a_tile(kernels):
+    """Consecutive contexts alone do not make a tile: two sequences whose rows happen to follow each
+    other (5 then 6) but whose tables differ each read their own blocks."""
+    q, k_cache, v_cache, tables, lens = case(3, 2, 2, 2, 32, 4, [5, 6])
+    tables[1, 0] = (tables[0, 0] + 1) % k_cache.shape[0]  # the second row's first block differs
+    got = kernels.attention(q, k_cache, v_cache, tables, lens, 4, 0.2)
+    assert torch.allclose(got, reference_paged_attention(q, k_cache, v_cache, tables, lens, 4, 0.2), atol=1e-5)
+
+
 def test_attention_reads_the_query_as_a_view_into_qkv_rows(kernels):
     q, k_cache, v_cache, tables, ctx_lens = case(0, 3, 2, 2, 32, 16, [20, 3, 40])
     wide = torch.cat((q, torch.full_like(q, 1e9)), 1)[:, : q.shape[1]]

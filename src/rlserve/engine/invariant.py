@@ -50,23 +50,20 @@ def check_supported(config, shape, device: torch.device) -> None:
 def token_rows(attn: AttentionBatch, batch, positions: list[int]) -> AttentionBatch:
     """The step's attention with every token as a decode row: decodes first, then each prefill
     chunk's tokens in order (the runner's row order), each attending to its own positions [0, p].
-    (Also the default mode's prefill on AVX-512 up to runner.TOKEN_ROWS_MAX_CONTEXT: faster there.)"""
+    A chunk's rows share one table, so the kernel takes them as tiles of consecutive positions.
+    (Also the default mode's prefill on AVX-512, dense models on one rank: faster there.)"""
     bs = attn.block_size
-    seqs = list(batch.decodes) + [seq for seq, n in batch.prefills for _ in range(n)]
+    seqs = list(batch.decodes) + [seq for seq, _ in batch.prefills]
+    rows_per_seq = [1] * len(batch.decodes) + [n for _, n in batch.prefills]
     lens = [p + 1 for p in positions]
     width = -(-max(lens) // bs)
-    padded: dict[int, list[int]] = {}
-    blocks: list[int] = []
-    for seq in seqs:
-        table = padded.get(id(seq))
-        if table is None:
-            table = padded[id(seq)] = padded_blocks(seq.block_table, width)
-        blocks.extend(table)
+    tables = torch.tensor([padded_blocks(seq.block_table, width) for seq in seqs])
+    blocks = tables.repeat_interleave(torch.tensor(rows_per_seq), dim=0).view(-1)
     device = attn.slot_mapping.device
     return AttentionBatch(
         slot_mapping=attn.slot_mapping,
         num_decode=len(seqs),
-        decode_blocks=torch.tensor(blocks, device=device),
+        decode_blocks=blocks.to(device),
         decode_mask=None,
         decode_lens=torch.tensor(lens, device=device),
         cascade=None,

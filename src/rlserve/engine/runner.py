@@ -26,13 +26,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Up to this context a prefill chunk's tokens attend through the C paged kernel, each as a decode row
-# (engine/invariant.py's token_rows): prefill tokens/s 1.11-1.15x (fp32) and 1.36-1.41x (bf16) of torch's
-# flash SDPA at 64- and 512-token prompts, level at 2,048 (SmolLM2-135M shape, 2 cores, AVX-512 +
-# AVX512_BF16, benchmarks/prefill.py). Past it each row re-reading its whole context costs more than
-# flash attention's reuse of K/V tiles saves.
-TOKEN_ROWS_MAX_CONTEXT = 2048
-
 
 @dataclass(slots=True)
 class StepLogits:
@@ -71,10 +64,13 @@ class ModelRunner:
         # kernel reads shared blocks from cache for every sequence and is faster still (~10% a
         # step at 64 sequences, n = 8), so the split is only the fallback's.
         self.cascade_attention = cascade_attention and device.type == "cpu" and self.kernels is None
-        # prompt tokens attend as decode rows through the C paged kernel (token_rows) where that was
-        # measured faster than torch's flash SDPA: AVX-512, dense models, one rank (`run`; the tp ranks
-        # keep SDPA), up to TOKEN_ROWS_MAX_CONTEXT. Not MoE: its router turned the ~1e-6 between the
-        # two attentions into expert swaps between a one-rank engine and a tp=2 or data-parallel EP one
+        # prompt tokens attend through the C paged kernel, a chunk's rows as tiles (token_rows), where
+        # that was measured faster than torch's flash SDPA: its attention at 1.4-2.6x SDPA's from 256
+        # to 4,096 positions; prefill tokens/s at 2,048 and 4,096 positions 1.31x and 1.31x (fp32),
+        # 1.57x and 1.36x (bf16) of one row per K/V read up to 2,048 and SDPA past it (SmolLM2-135M
+        # shape, 2 cores, AVX-512 + AVX512_BF16, benchmarks/prefill.py). Dense models on one rank
+        # (`run`; the tp ranks keep SDPA). Not MoE: its router turned the ~1e-6 between the two
+        # attentions into expert swaps between a one-rank engine and a tp=2 or data-parallel EP one
         # (tests/test_moe_mini.py), so an MoE prompt takes SDPA at every rank count
         self.prompt_rows_in_kernel = (
             self.kernels is not None
@@ -215,12 +211,7 @@ class ModelRunner:
             lora=lora,
             kernels=self.kernels,
         )
-        if self.batch_invariant or (
-            prefills
-            and self.prompt_rows_in_kernel
-            and self.tp is None
-            and max(p.ctx_len for p in prefills) <= TOKEN_ROWS_MAX_CONTEXT
-        ):
+        if self.batch_invariant or (prefills and self.prompt_rows_in_kernel and self.tp is None):
             attn = token_rows(attn, batch, positions)
         ids, pos = torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device)
         if self.tp is not None:  # the other ranks run the same step on their shards

@@ -2,9 +2,10 @@
 
 Only what PyTorch has no fast op for on CPU, in `kernels/`, each in an fp32 and a bf16 instance
 (bf16 storage, fp32 arithmetic; `scalar.h`):
-- `paged_attention.c`: decode attention that reads K/V where they lie in the paged cache. The
-  eager path gathers every sequence's blocks into a contiguous copy for SDPA, reading the cache,
-  writing it and reading it again.
+- `paged_attention.c`: attention of decode rows, and of a prompt's rows as tiles of consecutive
+  positions, reading K/V where they lie in the paged cache. The eager path gathers every
+  sequence's blocks into a contiguous copy for SDPA, reading the cache, writing it and reading it
+  again; a tile shares each K/V read among its rows, at 2.5-3x the old kernel's one row per read.
 - `fused_ops.c`: the element-wise steps between a layer's matmuls (residual add + RMSNorm,
   q/k norm + RoPE + KV-cache write, SiLU x up), one call each instead of 3-8 eager ops.
 - `gemv.c`: the projections. `gemm_impl.h`, an outer-product GEMM over weights packed into panels
@@ -341,6 +342,17 @@ def _self_check(kernels: CpuKernels) -> None:
         q, k_cache, v_cache = q.bfloat16(), k_cache.bfloat16().contiguous(), v_cache.bfloat16().contiguous()
         want = reference_paged_attention(q.float(), k_cache.float(), v_cache.float(), blocks, ctx_lens, bs, 0.25)
         check("attention", kernels.attention(q, k_cache, v_cache, blocks, ctx_lens, bs, 0.25), want, atol=2e-2)
+    # a prompt's rows, taken as tiles of consecutive positions over one table
+    rows = 20
+    k_cache, v_cache = torch.randn(2, 12 * bs, nkv, 64, generator=gen).unbind(0)
+    q = torch.randn(rows, nkv * group, 64, generator=gen)
+    tables, lens = torch.tensor([[4, 2, 9, 0, 7]]).expand(rows, -1).contiguous(), torch.arange(1, rows + 1)
+    want = reference_paged_attention(q, k_cache, v_cache, tables, lens, bs, 0.25)
+    check(
+        "prompt attention",
+        kernels.attention(q, k_cache.contiguous(), v_cache.contiguous(), tables, lens, bs, 0.25),
+        want,
+    )
 
     hidden, delta, weight = torch.randn(3, 3, 40, generator=gen).unbind(0)
     out, want = torch.empty_like(hidden), F.rms_norm(hidden + delta, (40,), weight[0], 1e-6)

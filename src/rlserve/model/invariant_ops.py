@@ -133,3 +133,15 @@ def _check_rows_independent(kernels: InvariantKernels, dtype: torch.dtype) -> No
         raise BatchInvarianceUnavailable(
             f"engine.batch_invariant: this CPU's {dtype} decode attention computes a row differently in a batch"
         )
+    # a prompt's 40 rows over one table: tiles of consecutive positions (24 rows of 2 heads, then 16),
+    # 3 chunks of keys; each row as it is alone, i.e. as the decode row at that position
+    rows = 40
+    q = torch.randn(rows, nkv * group, d, generator=gen).to(dtype)
+    tables = torch.tensor([[2, 9, 4, 0, 6, 1, 10, 3, 5, 7]]).expand(rows, -1).contiguous()
+    lens = torch.arange(1, rows + 1)
+    alone = torch.cat([kernels.attention(q[i : i + 1], k_cache, v_cache, tables[i : i + 1], lens[i : i + 1], bs, 0.25)
+                       for i in range(rows)])  # fmt: skip
+    if not torch.equal(kernels.attention(q, k_cache, v_cache, tables, lens, bs, 0.25), alone):
+        raise BatchInvarianceUnavailable(
+            f"engine.batch_invariant: this CPU's {dtype} attention computes a prompt row differently in a tile"
+        )
