@@ -299,6 +299,74 @@ def test_eplb_rebalance_lowers_the_busiest_rank_and_changes_no_token(model_dir, 
     assert_matches_hf(hf, skewed, [_Wrapped(c) for c in second])
 
 
+def test_a_rebalanced_engine_writes_every_expert_once_from_both_ranks(model_dir, hf):
+    """What a deployment keeps after a push (runtime/weight_snapshot.py) from one engine of two expert-parallel
+    ranks, after the balancer re-placed and replicated experts: rank 0 gathers rank 1's slots and writes each
+    expert once, from its first replica, equal to the checkpoint bit for bit."""
+    from safetensors.torch import load_file
+
+    from rlserve.runtime.weight_snapshot import checkpoint_tensors, part_file
+
+    skewed = [[t] * n for t, n in zip(rank0_heavy_tokens(hf, 2), (40, 35))]
+    engine = moe_engine(
+        model_dir, tp=2, enable_expert_parallel=True, enable_eplb=True, eplb_step_interval=4,
+        eplb_num_redundant_experts=2,
+    )  # fmt: skip
+    try:
+        engine.generate(skewed, GREEDY)
+        layers = expert_layers(engine.model)
+        assert min(m.rebalances for m in layers) >= 1
+        assert any(m.placement.slots.tolist() != [0, 1, 2, 3, 4, 5, 6, 7, 0, 1] for m in layers)
+        got = checkpoint_tensors(engine.model, engine.tp, call_id=1)
+        assert part_file(engine.model) == "model.safetensors"  # one engine: the whole checkpoint
+    finally:
+        engine.close()
+    want = load_file(model_dir / "model.safetensors")
+    assert set(got) == set(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+
+
+def dp_engine_part(rank: int, model_dir: str, port: int, results) -> None:
+    """One of two data-parallel engines of two ranks each: its part of the checkpoint (a process)."""
+    from rlserve.runtime.weight_snapshot import checkpoint_tensors, part_file
+
+    parallel = {"enable_expert_parallel": True, "data_parallel_rank": rank, "tp": 2, "dp": 2}
+    engine = moe_engine(model_dir, **parallel, data_parallel_rpc_port=port)
+    try:
+        results.put((rank, part_file(engine.model), checkpoint_tensors(engine.model, engine.tp, call_id=1)))
+    finally:
+        engine.close()
+
+
+def test_each_data_parallel_engine_writes_its_part_gathered_from_its_ranks(model_dir):
+    """tp = 2 ranks in each of dp = 2 engines, one expert group of four: each engine's rank 0 gathers its worker's
+    experts; engine 0's part holds every other tensor, and the two parts hold each tensor once, bit for bit."""
+    import multiprocessing
+
+    from safetensors.torch import load_file
+
+    ctx = multiprocessing.get_context("spawn")
+    results, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=dp_engine_part, args=(r, str(model_dir), port, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        (_, first_file, first), (_, second_file, second) = sorted(results.get(timeout=600) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+    assert (first_file, second_file) == ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+    want = load_file(model_dir / "model.safetensors")
+    assert not set(first) & set(second) and set(first) | set(second) == set(want)
+    assert {name.split(".experts.")[1].split(".")[0] for name in second} == {"4", "5", "6", "7"}  # ranks 2 and 3
+    for name, tensor in want.items():
+        got = first.get(name, second.get(name))
+        assert got.dtype == tensor.dtype and torch.equal(got, tensor), name
+
+
 def test_eplb_plan_replicates_the_hot_expert_and_moves_only_what_changes():
     from rlserve.model.eplb import Placement, rebalanced, transfers
 

@@ -18,7 +18,8 @@ same order (a micro-batch may be empty), and each token's output is computed as 
 from __future__ import annotations
 
 import time
-from collections.abc import Generator
+import zlib
+from collections.abc import Generator, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,6 +29,7 @@ from torch import nn
 from rlserve.model.eplb import Placement, rebalanced, transfers
 from rlserve.model.moe import SparseMoe
 from rlserve.model.shape import MoeShape
+from rlserve.model.tensor_parallel import is_expert_tensor
 
 if TYPE_CHECKING:
     from rlserve.model.cpu_kernels import CpuKernels
@@ -273,6 +275,65 @@ def load_expert_tensor(model: nn.Module, layer: int, suffix: str, tensor: torch.
             else:
                 mlp.down_proj[slot].copy_(tensor)
     return True
+
+
+def engine_part(model: nn.Module) -> tuple[int, int]:
+    """(index, count) of this engine among the engines of its expert group: its tensor-parallel ranks are
+    consecutive expert-parallel ranks, so each engine writes one part of a checkpoint."""
+    mlp = expert_layers(model)[0]
+    return mlp.ep_rank // model.tp_size, mlp.placement.ep_size // model.tp_size
+
+
+def shared_names(model: nn.Module, names: Iterable[str]) -> list[str]:
+    """The checkpoint tensors this engine writes besides experts: all of them without expert parallelism;
+    with it, the first engine's part holds every tensor that is not an expert's (the router included)."""
+    if not model.expert_parallel:
+        return list(names)
+    if engine_part(model)[0]:
+        return []
+    return [name for name in names if not is_expert_tensor(name)]
+
+
+def slot_names(model: nn.Module) -> list[str]:
+    """The parameters holding each expert-parallel layer's local slots (every rank's own experts, whole)."""
+    return [
+        f"layers.{i}.mlp.{proj}"
+        for i, layer in enumerate(model.layers)
+        if isinstance(layer.mlp, ExpertParallelMoe)
+        for proj in ("gate_up_proj", "down_proj")
+    ]
+
+
+@torch.no_grad()
+def primary_experts(model: nn.Module, slots: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors (copies on the CPU) of the experts whose first replica under the current placement
+    lies on this engine's ranks; `slots[name]` is each of its ranks' `slot_names` parameter, in rank order.
+    Every logical expert has one first replica, so the engines' parts hold each expert exactly once, however
+    the load balancer replicated or moved them."""
+    out = {}
+    for i, layer in enumerate(model.layers):
+        mlp = layer.mlp
+        if not isinstance(mlp, ExpertParallelMoe):
+            continue
+        gate_up, down = torch.cat(slots[f"layers.{i}.mlp.gate_up_proj"]), torch.cat(slots[f"layers.{i}.mlp.down_proj"])
+        first, size = mlp.ep_rank * mlp.placement.slots_per_rank, mlp.down_proj.shape[2]
+        physical = mlp.placement.slots.tolist()
+        for e in range(mlp.num_experts):
+            j = physical.index(e) - first
+            if 0 <= j < gate_up.shape[0]:
+                p = f"model.layers.{i}.mlp.experts.{e}."
+                out[p + "gate_proj.weight"] = gate_up[j, :size].to("cpu", copy=True)
+                out[p + "up_proj.weight"] = gate_up[j, size:].to("cpu", copy=True)
+                out[p + "down_proj.weight"] = down[j].to("cpu", copy=True)
+    return out
+
+
+def placement_key(model: nn.Module) -> int:
+    """A checksum of every expert-parallel layer's placement: engines whose keys differ placed experts apart."""
+    key = 0
+    for mlp in expert_layers(model):
+        key = zlib.crc32(mlp.placement.slots.numpy().tobytes(), key)
+    return key
 
 
 def expert_stats(model: nn.Module) -> dict[str, Any]:

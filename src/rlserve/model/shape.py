@@ -27,6 +27,14 @@ class ModelShape:
     moe: MoeShape | None = None  # Qwen3-MoE: the expert blocks
 
     @classmethod
+    def from_dict(cls, fields: dict) -> ModelShape:
+        """The shape an engine process sent as a plain mapping (its expert block a mapping too)."""
+        moe = fields.get("moe")
+        if moe is not None:
+            moe = MoeShape(**{**moe, "sparse_layers": tuple(moe["sparse_layers"])})
+        return cls(**{**fields, "moe": moe})
+
+    @classmethod
     def from_hf(cls, cfg) -> ModelShape:
         model_type = getattr(cfg, "model_type", "llama")
         if model_type not in ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral"):

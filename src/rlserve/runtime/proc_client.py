@@ -69,7 +69,7 @@ class EngineClient(FaceRules):
         config = self.config
         self.model_dir = Path(ready.model_dir)
         self.max_model_len, self.vocab_size = ready.max_model_len, ready.vocab_size
-        self.shape = ModelShape(**ready.shape)
+        self.shape = ModelShape.from_dict(ready.shape)
         self._state = ready.state
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, trust_remote_code=config.model.trust_remote_code)
 

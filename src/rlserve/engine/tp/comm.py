@@ -101,6 +101,7 @@ class Step(msgspec.Struct, tag=True, array_like=True):
 class Stage(msgspec.Struct, tag=True, array_like=True):
     call_id: int
     kind: str  # dir [weight_dir, roots] | adapter [name, path, roots] | push [[name, dtype, full shape], ...]
+    # | gather [checkpoint names, expert slot parameters]
     args: list[Any]
 
 
@@ -284,6 +285,11 @@ def gather_bytes(
     replicated tensor is rank 0's own). Bytes on gloo."""
     if shard_dim(name, experts_whole) is None:
         return [part] if rank == 0 else None
+    return gather_all(group, part, rank, tp)
+
+
+def gather_all(group: Any, part: torch.Tensor, rank: int, tp: int) -> list[torch.Tensor] | None:
+    """Every rank's `part` (one shape on all ranks) to rank 0, in rank order. Bytes on gloo."""
     flat = part.contiguous().view(-1).view(torch.uint8)
     if rank != 0:
         group.gather([], [flat], _root0(dist.GatherOptions())).wait()

@@ -43,6 +43,7 @@ from rlserve.engine.tp.comm import (
     attach,
     encode,
     encode_step,
+    gather_all,
     gather_bytes,
     make_group,
     send_bytes,
@@ -233,18 +234,22 @@ class TensorParallelLeader:
     def gather(self, call_id: int, model: CausalLM) -> dict[str, torch.Tensor]:
         """The full checkpoint as the ranks serve it now: each tensor put together from every rank's slice
         (copies on the CPU). Called between steps."""
+        from rlserve.model.expert_parallel import primary_experts, shared_names, slot_names
         from rlserve.model.loader import checkpoint_shapes, target_of
         from rlserve.model.tensor_parallel import unshard
 
-        names = list(checkpoint_shapes(model.full_shape))
+        names, slots = shared_names(model, checkpoint_shapes(model.full_shape)), slot_names(model)
         whole = self.config.parallel.enable_expert_parallel
         params = dict(model.named_parameters())
-        self.stage(call_id, "gather", names)
+        self.stage(call_id, "gather", [names, slots])
         try:
             out = {}
             for name in names:
                 parts = gather_bytes(self.weights_group, target_of(model, params, name).cpu(), 0, self.tp, name, whole)
                 out[name] = unshard(name, parts, whole).clone()
+            # expert parallelism: every rank's own slots, of which this engine's part keeps the first replicas
+            held = {name: gather_all(self.weights_group, params[name].cpu(), 0, self.tp) for name in slots}
+            out |= primary_experts(model, held)
             self.wait_staged(call_id)
         finally:
             self.discard(call_id)

@@ -34,6 +34,7 @@ from rlserve.engine.tp.comm import (
     device_of_rank,
     encode,
     expert_parallel,
+    gather_all,
     gather_bytes,
     make_group,
     send_bytes,
@@ -188,10 +189,13 @@ class Worker:
 
             params = dict(self.model.named_parameters())
             whole = self.config.parallel.enable_expert_parallel
-            for name in msg.args:
+            names, slots = msg.args
+            for name in names:
                 gather_bytes(
                     self.weights_group, target_of(self.model, params, name).cpu(), self.rank, self.tp, name, whole
                 )
+            for name in slots:  # expert parallelism: this rank's own experts
+                gather_all(self.weights_group, params[name].cpu(), self.rank, self.tp)
             return "gathered", None
         raise ValueError(f"unknown staged work {msg.kind!r}")
 
