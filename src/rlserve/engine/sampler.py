@@ -14,6 +14,7 @@ import torch
 
 if TYPE_CHECKING:
     from rlserve.engine.sequence import Sequence
+    from rlserve.model.cpu_kernels import CpuKernels
 
 NEG_INF = float("-inf")
 # Below this many logits (two rows of a 50K vocabulary) the CPU ops run on one thread: each op
@@ -49,11 +50,14 @@ class SampleResult:
 
 
 class Sampler:
-    def __init__(self, generator: torch.Generator):
+    def __init__(self, generator: torch.Generator, kernels: CpuKernels | None = None):
         self.generator = generator
+        self.kernels = kernels  # the C walk for plain rows (`_sample_plain`); None: torch ops only
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
+        if self.kernels is not None and logits.device.type == "cpu" and all(map(_plain, rows)):
+            return self._sample_plain(logits, rows)
         threads = torch.get_num_threads()
         if logits.device.type != "cpu" or threads == 1 or logits.numel() >= SINGLE_THREAD_LOGITS:
             return self._sample(logits, rows)
@@ -66,10 +70,11 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
         n, device = logits.shape[0], logits.device
         want_logprobs = any(r.num_logprobs is not None for r in rows)
-        raw = torch.log_softmax(logits, dim=-1) if any(r.raw_logprobs for r in rows) else None
-        for i, r in enumerate(rows):
-            if r.raw_logprobs and r.as_logits:
-                raw[i] = logits[i]  # type: ignore[index]
+        raw = raw_lse = None  # raw mode: the untouched logits, and what a logprob subtracts from them
+        if want_logprobs and any(r.raw_logprobs for r in rows):
+            raw = logits.clone()
+            as_logits = torch.tensor([r.as_logits for r in rows], device=device).unsqueeze(1)
+            raw_lse = self.log_sum_exp(raw).masked_fill(as_logits, 0.0)
         for i, r in enumerate(rows):
             if r.logit_bias:
                 ids = torch.tensor(list(r.logit_bias), device=device)
@@ -109,10 +114,10 @@ class Sampler:
                 top_v = top_v - lse
             if raw is not None:  # raw mode rows read the untouched distribution instead
                 pick = torch.tensor([r.raw_logprobs for r in rows], device=device).unsqueeze(1)
-                lp = torch.where(pick, raw.gather(1, tokens.unsqueeze(1)), lp)
+                lp = torch.where(pick, raw.gather(1, tokens.unsqueeze(1)) - raw_lse, lp)
                 if k > 0:
                     raw_v, raw_i = raw.topk(k, dim=-1)
-                    top_v, top_i = torch.where(pick, raw_v, top_v), torch.where(pick, raw_i, top_i)
+                    top_v, top_i = torch.where(pick, raw_v - raw_lse, top_v), torch.where(pick, raw_i, top_i)
             token_lp = lp.squeeze(1).tolist()
             if k > 0:
                 values, ids = top_v.tolist(), top_i.tolist()
@@ -120,6 +125,42 @@ class Sampler:
                     if r.num_logprobs:
                         top[i] = list(zip(ids[i][: r.num_logprobs], values[i][: r.num_logprobs]))
         return SampleResult(tokens.tolist(), token_lp, top)
+
+    def _sample_plain(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
+        """Rows at temperature 1 or greedy with nothing else to apply: one C walk per row (sample.c)
+        for the token and the log-sum-exp. The uniforms come from the same generators, in the same
+        order, as `_draw` takes them; the raw and the processed distribution are the same here."""
+        greedy = [r.temperature == 0 for r in rows]
+        u = torch.full((len(rows),), -1.0)
+        if not all(greedy):
+            unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+            if unseeded:
+                u[unseeded] = torch.rand(len(unseeded), generator=self.generator)
+            for i, r in enumerate(rows):
+                if r.generator is not None:
+                    u[i] = torch.rand(1, generator=r.generator)[0]
+            u.masked_fill_(torch.tensor(greedy), -1.0)
+        logits = logits.float().contiguous()
+        tokens, lse = self.kernels.sample(logits, u)
+        token_lp = None
+        top: list[list[tuple[int, float]]] = [[] for _ in rows]
+        if any(r.num_logprobs is not None for r in rows):
+            token_lp = (logits.gather(1, tokens.unsqueeze(1)) - lse).squeeze(1).tolist()
+            k = max(r.num_logprobs or 0 for r in rows)
+            if k > 0:
+                top_v, top_i = logits.topk(k, dim=-1)
+                values, ids = (top_v - lse).tolist(), top_i.tolist()
+                for i, r in enumerate(rows):
+                    if r.num_logprobs:
+                        top[i] = list(zip(ids[i][: r.num_logprobs], values[i][: r.num_logprobs]))
+        return SampleResult(tokens.tolist(), token_lp, top)
+
+    def log_sum_exp(self, logits: torch.Tensor) -> torch.Tensor:
+        """[rows, 1]: what log_softmax subtracts from each row, computed as the C walk does where it
+        runs, so a raw logprob has the same bits whichever path sampled its token."""
+        if self.kernels is None or logits.device.type != "cpu":
+            return torch.logsumexp(logits, dim=-1, keepdim=True)
+        return self.kernels.sample(logits.float().contiguous(), torch.full((logits.shape[0],), -1.0))[1]
 
     def _draw(
         self, scaled: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]
@@ -149,6 +190,22 @@ class Sampler:
             use_argmax = torch.tensor(greedy, device=scaled.device) | masked
             tokens = torch.where(use_argmax, scaled.argmax(dim=-1), tokens)
         return tokens, lse
+
+
+def _plain(r: SamplingRow) -> bool:
+    """Nothing to apply to the row's logits but a draw at temperature 1 (or argmax)."""
+    return (
+        r.temperature in (0.0, 1.0)
+        and r.top_k <= 0
+        and r.top_p >= 1.0
+        and r.min_p <= 0.0
+        and not r.as_logits
+        and r.forced_id is None
+        and not r.logit_bias
+        and r.penalties is None
+        and not r.banned_ids
+        and r.allowed is None
+    )
 
 
 def _penalize(

@@ -12,6 +12,7 @@ Only what PyTorch has no fast op for on CPU, in `kernels/`, each in an fp32 and 
   (`PanelWeight`), each output summed in K order in its own lane: every row count on AVX-512 and in
   batch-invariant mode; elsewhere `gemv_impl.h` for a few rows (decode at small batch), reading
   each weight once in its own layout, where MKL's and oneDNN's GEMMs read it slower.
+- `sample.c`: the sampler's common case (temperature 1 or greedy, nothing else), one walk per row.
 - `parallel.c`: the one thread pool all of them share (no OpenMP: see there why).
 
 The shared library is cached under `$RLSERVE_CACHE_DIR/kernels` (default ~/.cache/rlserve),
@@ -150,6 +151,7 @@ class CpuKernels:
                 fn("decode_layers"),
                 [ptr, i64] + [ptr] * 7 + [i64] + [ptr] * 2 + [i64] * 2 + [ptr] * 5 + [i64] * 6 + [f32, f32, i32, i32],
             )
+        self._sample = self._fn(lib.rlserve_sample, [ptr, ptr, i64, i64, ptr, ptr, i32])
         self.decode_layer_ptrs = self._fn(lib.rlserve_decode_layer_ptrs, [], ctypes.c_int)()
         self._limits = self._fn(lib.rlserve_paged_attention_limits, [i64] * 3, ctypes.c_int)
 
@@ -211,6 +213,17 @@ class CpuKernels:
         out = gate_up.new_empty(rows, inter)
         self._silu_mul[gate_up.dtype](gate_up.data_ptr(), out.data_ptr(), rows, inter, torch.get_num_threads())
         return out
+
+    def sample(self, logits: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [rows, vocab] fp32, u [rows] fp32 (a row's uniform in [0, 1), negative: greedy) ->
+        (tokens [rows] int64, log-sum-exp [rows, 1] fp32): each row's token drawn by inverse CDF from
+        softmax(logits), or its first argmax where greedy (sample.c)."""
+        rows, vocab = logits.shape
+        tokens, lse = torch.empty(rows, dtype=torch.int64), torch.empty(rows, 1)
+        self._sample(
+            logits.data_ptr(), u.data_ptr(), rows, vocab, tokens.data_ptr(), lse.data_ptr(), torch.get_num_threads()
+        )
+        return tokens, lse
 
     def gemv_rows(self, dtype: torch.dtype) -> int:
         """Up to how many rows `gemv` is faster than the GEMM libraries (0: not for this dtype; bf16
