@@ -133,13 +133,7 @@ class Sampler:
         greedy = [r.temperature == 0 for r in rows]
         u = torch.full((len(rows),), -1.0)
         if not all(greedy):
-            unseeded = [i for i, r in enumerate(rows) if r.generator is None]
-            if unseeded:
-                u[unseeded] = torch.rand(len(unseeded), generator=self.generator)
-            for i, r in enumerate(rows):
-                if r.generator is not None:
-                    u[i] = torch.rand(1, generator=r.generator)[0]
-            u.masked_fill_(torch.tensor(greedy), -1.0)
+            u = self._uniforms(rows).masked_fill_(torch.tensor(greedy), -1.0)
         logits = logits.float().contiguous()
         tokens, lse = self.kernels.sample(logits, u)
         token_lp = None
@@ -154,6 +148,18 @@ class Sampler:
                     if r.num_logprobs:
                         top[i] = list(zip(ids[i][: r.num_logprobs], values[i][: r.num_logprobs]))
         return SampleResult(tokens.tolist(), token_lp, top)
+
+    def _uniforms(self, rows: list[SamplingRow]) -> torch.Tensor:
+        """One uniform per row: the unseeded rows' from the engine's generator in one draw, a seeded
+        row's from its own, so its draws do not depend on the batch."""
+        u = torch.empty(len(rows), dtype=torch.float32)
+        unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+        if unseeded:
+            u[unseeded] = torch.rand(len(unseeded), generator=self.generator)
+        for i, r in enumerate(rows):
+            if r.generator is not None:
+                u[i] = torch.rand(1, generator=r.generator)[0]
+        return u
 
     def log_sum_exp(self, logits: torch.Tensor) -> torch.Tensor:
         """[rows, 1]: what log_softmax subtracts from each row, computed as the C walk does where it
@@ -175,14 +181,7 @@ class Sampler:
         cdf = (scaled - top).exp_().cumsum_(dim=-1)
         total = cdf[:, -1:]
         lse = total.log() + top if scaled.device.type == "cpu" else None
-        u = torch.empty(len(rows), dtype=torch.float32)
-        unseeded = [i for i, r in enumerate(rows) if r.generator is None]
-        if unseeded:
-            u[unseeded] = torch.rand(len(unseeded), generator=self.generator)
-        for i, r in enumerate(rows):
-            if r.generator is not None:
-                u[i] = torch.rand(1, generator=r.generator)[0]
-        u = u.to(scaled.device) * total.squeeze(1)
+        u = self._uniforms(rows).to(scaled.device) * total.squeeze(1)
         tokens = torch.searchsorted(cdf, u.unsqueeze(1), right=True).squeeze(1).clamp_(max=scaled.shape[1] - 1)
         # rounding at the top of the CDF could land on a masked token: fall back to the mode
         masked = scaled.gather(1, tokens.unsqueeze(1)).squeeze(1) == NEG_INF

@@ -22,6 +22,7 @@
 
 #include "parallel.h"
 #include "scalar.h"
+#include "transpose16.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -61,30 +62,6 @@ static inline int64_t NAME(gemm_units)(int64_t K) { return (K * (int64_t)sizeof(
 #endif
 
 #if defined(GEMM_AVX512)
-/* 16 rows of 16 32-bit lanes, transposed in registers (r[i][c] -> r[c][i]) */
-static inline __attribute__((always_inline)) void NAME(gemm_transpose16)(__m512 r[16]) {
-    __m512 t[16];
-    for (int i = 0; i < 8; ++i) {
-        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; ++i) {
-        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[4 * i]), _mm512_castps_pd(t[4 * i + 2])));
-        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[4 * i]), _mm512_castps_pd(t[4 * i + 2])));
-        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[4 * i + 1]), _mm512_castps_pd(t[4 * i + 3])));
-        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[4 * i + 1]), _mm512_castps_pd(t[4 * i + 3])));
-    }
-    for (int i = 0; i < 2; ++i)
-        for (int j = 0; j < 4; ++j) {
-            t[8 * i + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
-            t[8 * i + 4 + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0xDD);
-        }
-    for (int j = 0; j < 8; ++j) {
-        r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
-        r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xDD);
-    }
-}
-
 /* 16 units of weight row n starting at unit u (zeros past the row's end or past N) */
 static inline __attribute__((always_inline)) __m512 NAME(gemm_load_units)(const T *w, int64_t K, int64_t N, int64_t n,
                                                                           int64_t u) {
@@ -111,7 +88,7 @@ static void NAME(gemm_pack)(const T *w, int64_t K, int64_t N, int64_t n0, void *
         for (int v = 0; v < GEMM_PANEL_OUT / 16; ++v) {
             __m512 r[16];
             for (int i = 0; i < 16; ++i) r[i] = NAME(gemm_load_units)(w, K, N, n0 + 16 * v + i, u);
-            NAME(gemm_transpose16)(r);
+            rlserve_transpose16(r);
             for (int64_t c = 0; c < nu; ++c) _mm512_storeu_ps(panel + (u + c) * GEMM_PANEL_OUT + 16 * v, r[c]);
         }
     }
@@ -262,7 +239,7 @@ static inline __attribute__((always_inline)) void NAME(gemm_direct_tile)(const T
             }
         else
             for (int i = 0; i < 16; ++i) c[i] = NAME(gemm_load_units)(w, K, N, n0 + i, u);
-        NAME(gemm_transpose16)(c);
+        rlserve_transpose16(c);
         if (u + 16 <= units && (u + 16) * per <= K) /* (bf16: not an odd K's last pair) */
             for (int i = 0; i < 16; ++i)
                 for (int64_t r = 0; r < nr; ++r) NAME(gemm_direct_step)(acc, r, x + r * K, u + i, c[i], K);

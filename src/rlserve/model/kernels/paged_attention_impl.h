@@ -33,6 +33,7 @@
 
 #include "parallel.h"
 #include "scalar.h"
+#include "transpose16.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -80,30 +81,6 @@ static inline float attn_sum16(__m512 v) {
     t = VADD(t, _mm512_permute_ps(t, 0x4e));
     t = VADD(t, _mm512_permute_ps(t, 0xb1));
     return _mm512_cvtss_f32(t);
-}
-
-/* 16 rows of 16 lanes, transposed in registers (r[i][c] -> r[c][i]) */
-static inline __attribute__((always_inline)) void attn_transpose16(__m512 r[16]) {
-    __m512 t[16];
-    for (int i = 0; i < 8; ++i) {
-        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; ++i) {
-        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[4 * i]), _mm512_castps_pd(t[4 * i + 2])));
-        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[4 * i]), _mm512_castps_pd(t[4 * i + 2])));
-        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[4 * i + 1]), _mm512_castps_pd(t[4 * i + 3])));
-        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[4 * i + 1]), _mm512_castps_pd(t[4 * i + 3])));
-    }
-    for (int i = 0; i < 2; ++i)
-        for (int j = 0; j < 4; ++j) {
-            t[8 * i + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
-            t[8 * i + 4 + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0xDD);
-        }
-    for (int j = 0; j < 8; ++j) {
-        r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
-        r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xDD);
-    }
 }
 #endif
 
@@ -272,7 +249,7 @@ static void NAME(attn_stage)(struct attn_state *s, const struct NAME(attention_j
         const __mmask16 m = w == 16 ? (__mmask16)0xffff : (__mmask16)((1u << w) - 1u);
         __m512 r[16];
         for (int i = 0; i < KEYS; ++i) r[i] = NAME(attn_load16)(k_rows[i] + d, m);
-        attn_transpose16(r);
+        rlserve_transpose16(r);
         for (int64_t c = 0; c < w; ++c) _mm512_storeu_ps(s->kt[d + c], r[c]);
     }
 #else
