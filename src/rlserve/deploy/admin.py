@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from rlserve.deploy import snapshot
+from rlserve.deploy.replica import engines_per_replica
 from rlserve.deploy.supervisor import Deployment, Slot
 from rlserve.deploy.transaction import PutBack, refused_unchanged, restore, undo_for
 from rlserve.server.auth import ADMIN_PATHS, Gate
@@ -40,7 +41,7 @@ def build_admin_app(dep: Deployment) -> FastAPI:
     @app.get("/get_world_size")
     async def world_size() -> dict:
         """How many ranks this address stands for in a trainer's broadcast group."""
-        return {"world_size": len(dep.serving())}
+        return {"world_size": len(dep.serving()) * ranks_per_replica(dep)}
 
     @app.get("/get_weight_version")
     @app.get("/weight_info")
@@ -100,6 +101,13 @@ def _json(raw: bytes, request: Request) -> dict[str, Any]:
     return body if isinstance(body, dict) else {}
 
 
+def ranks_per_replica(dep: Deployment) -> int:
+    """Members each replica brings to a trainer's group: one per data-parallel engine, as a lone server's
+    /get_world_size says (an engine's tensor-parallel workers get their slices from it, not from the group;
+    prefill and decode replicas run the same engines)."""
+    return engines_per_replica(dep.config)
+
+
 def _targets(dep: Deployment, path: str, body: dict[str, Any]) -> list[Slot]:
     if snapshot.is_push(path, body):  # only replicas in the trainer's group can receive its broadcast
         return [s for s in dep.serving() if (s.replica.index, s.incarnation) in dep.group]
@@ -108,27 +116,29 @@ def _targets(dep: Deployment, path: str, body: dict[str, Any]) -> list[Slot]:
 
 def _bodies(dep: Deployment, path: str, body: dict[str, Any], raw: bytes, targets: list[Slot]) -> list[bytes]:
     if path == "/init_weight_transfer_engine":
-        return _transfer_bodies(body, raw, targets)
+        return _transfer_bodies(body, raw, targets, ranks_per_replica(dep))
     if path != "/init_broadcaster":
         return [raw] * len(targets)
-    # one group: the trainer (rank 0) and every replica, each with its own rank
+    # one group: the trainer (rank 0) and every replica's engines, each replica from its own first rank
+    each = ranks_per_replica(dep)
     offset, world = int(body.get("rank_offset", 0)), body.get("inference_world_size")
-    if world is not None and int(world) < offset + len(targets):
+    if world is not None and int(world) < offset + len(targets) * each:
         raise APIError(
             400,
-            f"this deployment has {len(targets)} serving replicas: set inference_world_size to at "
-            f"least rank_offset + {len(targets)} (GET /get_world_size tells the count)",
+            f"this deployment's {len(targets)} serving replicas join with {len(targets) * each} ranks: set "
+            f"inference_world_size to at least rank_offset + {len(targets) * each} (GET /get_world_size tells "
+            "the count)",
             param="inference_world_size",
         )
-    world = int(world) if world is not None else offset + len(targets)
+    world = int(world) if world is not None else offset + len(targets) * each
     return [
-        json.dumps(body | {"rank_offset": offset + i, "inference_world_size": world}).encode()
+        json.dumps(body | {"rank_offset": offset + i * each, "inference_world_size": world}).encode()
         for i in range(len(targets))
     ]
 
 
-def _transfer_bodies(body: dict[str, Any], raw: bytes, targets: list[Slot]) -> list[bytes]:
-    """vLLM's form of the same: init_info's rank_offset is the first replica's rank, the others follow."""
+def _transfer_bodies(body: dict[str, Any], raw: bytes, targets: list[Slot], each: int) -> list[bytes]:
+    """vLLM's form of the same: init_info's rank_offset is the first replica's first rank, the others follow."""
     info = body.get("init_info")
     if not isinstance(info, dict) or "rank_offset" not in info or "world_size" not in info:
         return [raw] * len(targets)  # the replicas name what is missing
@@ -136,14 +146,18 @@ def _transfer_bodies(body: dict[str, Any], raw: bytes, targets: list[Slot]) -> l
         offset, world = int(info["rank_offset"]), int(info["world_size"])
     except (TypeError, ValueError):
         return [raw] * len(targets)
-    if world < offset + len(targets):
+    if world < offset + len(targets) * each:
         raise APIError(
             400,
-            f"this deployment has {len(targets)} serving replicas: set init_info.world_size to at least "
-            f"rank_offset + {len(targets)} (GET /get_world_size tells the count)",
+            f"this deployment's {len(targets)} serving replicas join with {len(targets) * each} ranks: set "
+            f"init_info.world_size to at least rank_offset + {len(targets) * each} (GET /get_world_size tells "
+            "the count)",
             param="init_info",
         )
-    return [json.dumps(body | {"init_info": info | {"rank_offset": offset + i}}).encode() for i in range(len(targets))]
+    return [
+        json.dumps(body | {"init_info": info | {"rank_offset": offset + i * each}}).encode()
+        for i in range(len(targets))
+    ]
 
 
 async def _settle(
