@@ -129,14 +129,13 @@ class Engine:
                     "enable_return_routed_experts needs a mixture-of-experts model (Qwen3-MoE); this one is dense"
                 )
             self.runner.routing = RoutedExpertsPool(self.shape.moe, num_blocks, ec.block_size)
-        # the expert blocks size their matmuls from the routing on the host: no graph capture
         self.tp: TensorParallelLeader | None = None
         if tp > 1:  # every rank's pool has the same blocks, so block tables (and the prefix cache) are rank 0's alone
             self.tp = self.runner.tp = TensorParallelLeader(config, num_blocks, self.device)
             self.tp.attach(self.model)
         elif expert_parallel(config, 0) is not None:  # one rank of expert parallelism over dp engines
             attach(self.model, None, 0, config)
-        # decode graphs do not capture the tensor-parallel step broadcast: eager under tp
+        # no decode graphs under tp (they do not capture the step broadcast) or MoE (expert blocks size on the host)
         if self.device.type == "cuda" and not config.model.enforce_eager and self.shape.moe is None and tp == 1:
             self.runner.use_decode_graphs(ec.max_num_seqs, self.max_model_len)
         self.offload: KVOffload | KVMooncake | None = None
