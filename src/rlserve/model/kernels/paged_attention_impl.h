@@ -114,7 +114,9 @@ static inline __attribute__((always_inline)) void attn_softmax_step(struct attn_
     const __mmask16 live = valid >= KEYS ? (__mmask16)0xffff : valid <= 0 ? 0 : (__mmask16)((1u << valid) - 1u);
     const __m512 sc = _mm512_mask_blend_ps(live, _mm512_set1_ps(-FLT_MAX), VMUL(dots, _mm512_set1_ps(scale)));
     const float top = _mm512_reduce_max_ps(sc), new_max = top > s->run_max[r] ? top : s->run_max[r];
-    const float corr = _mm512_cvtss_f32(attn_exp(_mm512_set1_ps(s->run_max[r] - new_max)));
+    /* e^0 is exactly 1: a chunk that does not raise the max (most of a long context's) skips the exp */
+    const float corr =
+        new_max == s->run_max[r] ? 1.0f : _mm512_cvtss_f32(attn_exp(_mm512_set1_ps(s->run_max[r] - new_max)));
     const __m512 p = _mm512_maskz_mov_ps(live, attn_exp(_mm512_maskz_sub_ps(0xffff, sc, _mm512_set1_ps(new_max))));
     _mm512_storeu_ps(s->p[r], p);
     s->run_sum[r] = fmaf(s->run_sum[r], corr, attn_sum16(p));
@@ -123,12 +125,13 @@ static inline __attribute__((always_inline)) void attn_softmax_step(struct attn_
 }
 
 /* `count` (a constant once inlined) query vectors at once: one K load feeds count FMAs, and the
- * accumulators stay in registers */
+ * accumulators stay in registers; D a constant for the common head sizes, so the loop unrolls (the
+ * FMAs and their order are the same either way) */
 static inline __attribute__((always_inline)) void attn_scores_n(struct attn_state *s, int64_t first, const int count,
-                                                                int64_t start, float scale) {
+                                                                int64_t start, float scale, const int64_t D) {
     __m512 acc[GROUP_QUERIES];
     for (int j = 0; j < count; ++j) acc[j] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < s->D; ++d) {
+    for (int64_t d = 0; d < D; ++d) {
         const __m512 k = _mm512_loadu_ps(s->kt[d]);
         for (int j = 0; j < count; ++j) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(s->q[first + j][d]), k, acc[j]);
     }
@@ -141,8 +144,15 @@ static inline __attribute__((always_inline)) void attn_scores_n(struct attn_stat
 static void attn_scores(struct attn_state *s, int64_t first, int64_t count, int64_t start, float scale) {
 #if defined(ATTN_AVX512)
     switch (count) {
-#define ATTN_SCORES_CASE(n) \
-    case n: attn_scores_n(s, first, n, start, scale); break;
+#define ATTN_SCORES_CASE(n)                                                          \
+    case n:                                                                          \
+        if (s->D == 64)                                                              \
+            attn_scores_n(s, first, n, start, scale, 64);                           \
+        else if (s->D == 128)                                                        \
+            attn_scores_n(s, first, n, start, scale, 128);                          \
+        else                                                                         \
+            attn_scores_n(s, first, n, start, scale, s->D);                         \
+        break;
         ATTN_SCORES_CASE(1) ATTN_SCORES_CASE(2) ATTN_SCORES_CASE(3) ATTN_SCORES_CASE(4)
         ATTN_SCORES_CASE(5) ATTN_SCORES_CASE(6) ATTN_SCORES_CASE(7) ATTN_SCORES_CASE(8)
 #undef ATTN_SCORES_CASE
