@@ -231,12 +231,11 @@ static __attribute__((noinline)) void NAME(attn_values)(struct attn_state *s, in
 #endif
 }
 
-/* The chunk of keys [start, start + n) of KV head kvh: K widened and transposed into s->kt, V's
- * row addresses into s->v_rows; zeros in the lanes past n. */
+/* The chunk of keys [start, start + n) of KV head kvh: the K and V rows' addresses (k_rows, s->v_rows;
+ * a row of zeros in the lanes past n), and unless `transpose` is 0, K widened and transposed into s->kt. */
 static void NAME(attn_stage)(struct attn_state *s, const struct NAME(attention_job) *j, const int64_t *table,
-                             int64_t kvh, int64_t start, int64_t n) {
+                             int64_t kvh, int64_t start, int64_t n, const T *k_rows[KEYS], int transpose) {
     const int64_t D = j->D, bs = j->block_size;
-    const T *k_rows[KEYS];
     const int64_t row = j->KVH * D; /* values between consecutive slots */
     int64_t block = start / bs, offset = start % bs; /* walked, not divided, key by key */
     for (int64_t i = 0; i < KEYS; ++i) {
@@ -253,6 +252,7 @@ static void NAME(attn_stage)(struct attn_state *s, const struct NAME(attention_j
             ++block;
         }
     }
+    if (!transpose) return;
 #if defined(ATTN_AVX512)
     for (int64_t d = 0; d < D; d += 16) {
         const int64_t w = D - d < 16 ? D - d : 16;
@@ -267,6 +267,39 @@ static void NAME(attn_stage)(struct attn_state *s, const struct NAME(attention_j
         for (int64_t i = 0; i < KEYS; ++i) s->kt[d][i] = LD(k_rows[i][d]);
 #endif
 }
+
+#if defined(ATTN_AVX512)
+/* A tile of at most GROUP_QUERIES query vectors (a decode row: its G heads) against a chunk, straight
+ * from its K rows: each 16 x 16 block is transposed in registers and used at once, never stored. The
+ * FMAs and their order are those of attn_scores over s->kt (d = 0, 1, ...), so the bits are too; it
+ * only skips writing and reading the transposed chunk, which few query vectors cannot amortise. */
+static inline __attribute__((always_inline)) void NAME(attn_direct_n)(struct attn_state *s, const T *k_rows[KEYS],
+                                                                      const int count, int64_t start, float scale) {
+    const int64_t D = s->D;
+    __m512 acc[GROUP_QUERIES];
+    for (int j = 0; j < count; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+        const int64_t w = D - d < 16 ? D - d : 16;
+        const __mmask16 m = w == 16 ? (__mmask16)0xffff : (__mmask16)((1u << w) - 1u);
+        __m512 r[16];
+        for (int i = 0; i < KEYS; ++i) r[i] = NAME(attn_load16)(k_rows[i] + d, m);
+        rlserve_transpose16(r);
+        for (int64_t c = 0; c < w; ++c)
+            for (int j = 0; j < count; ++j) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(s->q[j][d + c]), r[c], acc[j]);
+    }
+    for (int j = 0; j < count; ++j) attn_softmax_step(s, j, acc[j], start, scale);
+}
+
+static void NAME(attn_direct)(struct attn_state *s, const T *k_rows[KEYS], int64_t start, float scale) {
+    switch (s->n_queries) {
+#define ATTN_DIRECT_CASE(n) \
+    case n: NAME(attn_direct_n)(s, k_rows, n, start, scale); break;
+        ATTN_DIRECT_CASE(1) ATTN_DIRECT_CASE(2) ATTN_DIRECT_CASE(3) ATTN_DIRECT_CASE(4)
+        ATTN_DIRECT_CASE(5) ATTN_DIRECT_CASE(6) ATTN_DIRECT_CASE(7) ATTN_DIRECT_CASE(8)
+#undef ATTN_DIRECT_CASE
+    }
+}
+#endif
 
 #if !defined(RLSERVE_ROW_INVARIANT)
 /* The default build's form for a tile of one row (a decode row): one dot product per query head
@@ -366,8 +399,21 @@ static void NAME(attend_items)(const void *job_ptr, int64_t begin, int64_t end) 
             }
         }
         const int64_t longest = j->ctx_lens[first_row + rows - 1];
+#if defined(ATTN_AVX512)
+        const int direct = s->n_queries <= GROUP_QUERIES;
+#else
+        const int direct = 0;
+#endif
         for (int64_t start = 0; start < longest; start += KEYS) {
-            NAME(attn_stage)(s, j, table, kvh, start, longest - start < KEYS ? longest - start : KEYS);
+            const T *k_rows[KEYS];
+            NAME(attn_stage)(s, j, table, kvh, start, longest - start < KEYS ? longest - start : KEYS, k_rows, !direct);
+#if defined(ATTN_AVX512)
+            if (direct) {
+                NAME(attn_direct)(s, k_rows, start, j->scale);
+                NAME(attn_values)(s, 0, s->n_queries);
+                continue;
+            }
+#endif
             for (int64_t r = 0; r < s->n_queries; r += GROUP_QUERIES) {
                 const int64_t count = s->n_queries - r < GROUP_QUERIES ? s->n_queries - r : GROUP_QUERIES;
                 attn_scores(s, r, count, start, j->scale);
