@@ -201,6 +201,17 @@ static inline __m512 NAME(attn_load16)(const T *src, __mmask16 m) {
     return _mm512_maskz_loadu_ps(m, src);
 #endif
 }
+
+/* The chunk's K at head dimensions [d, d + 16), widened and transposed: r[c] holds dimension d + c
+ * of the 16 keys. Returns how many of the 16 dimensions exist (D - d at the end). */
+static inline __attribute__((always_inline)) int64_t NAME(attn_k_block)(const T *k_rows[KEYS], int64_t d, int64_t D,
+                                                                        __m512 r[16]) {
+    const int64_t w = D - d < 16 ? D - d : 16;
+    const __mmask16 m = w == 16 ? (__mmask16)0xffff : (__mmask16)((1u << w) - 1u);
+    for (int i = 0; i < KEYS; ++i) r[i] = NAME(attn_load16)(k_rows[i] + d, m);
+    rlserve_transpose16(r);
+    return w;
+}
 #endif
 
 /* acc = acc * corr + p @ v for query vectors [first, first + count): each output lane adds the
@@ -255,11 +266,8 @@ static void NAME(attn_stage)(struct attn_state *s, const struct NAME(attention_j
     if (!transpose) return;
 #if defined(ATTN_AVX512)
     for (int64_t d = 0; d < D; d += 16) {
-        const int64_t w = D - d < 16 ? D - d : 16;
-        const __mmask16 m = w == 16 ? (__mmask16)0xffff : (__mmask16)((1u << w) - 1u);
         __m512 r[16];
-        for (int i = 0; i < KEYS; ++i) r[i] = NAME(attn_load16)(k_rows[i] + d, m);
-        rlserve_transpose16(r);
+        const int64_t w = NAME(attn_k_block)(k_rows, d, D, r);
         for (int64_t c = 0; c < w; ++c) _mm512_storeu_ps(s->kt[d + c], r[c]);
     }
 #else
@@ -279,11 +287,8 @@ static inline __attribute__((always_inline)) void NAME(attn_direct_n)(struct att
     __m512 acc[GROUP_QUERIES];
     for (int j = 0; j < count; ++j) acc[j] = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d += 16) {
-        const int64_t w = D - d < 16 ? D - d : 16;
-        const __mmask16 m = w == 16 ? (__mmask16)0xffff : (__mmask16)((1u << w) - 1u);
         __m512 r[16];
-        for (int i = 0; i < KEYS; ++i) r[i] = NAME(attn_load16)(k_rows[i] + d, m);
-        rlserve_transpose16(r);
+        const int64_t w = NAME(attn_k_block)(k_rows, d, D, r);
         for (int64_t c = 0; c < w; ++c)
             for (int j = 0; j < count; ++j) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(s->q[j][d + c]), r[c], acc[j]);
     }
