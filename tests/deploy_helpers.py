@@ -73,8 +73,9 @@ def stop_deployment(proc: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
-def two_replicas_under(root: Path) -> Iterator[tuple[str, str, subprocess.Popen]]:
-    """(public url, admin url, process) of a two-replica deployment that loads weights under `root`."""
+def two_replicas_under(root: Path, *args: str) -> Iterator[tuple[str, str, subprocess.Popen]]:
+    """(public url, admin url, process) of a two-replica deployment that loads weights under `root` (`args`:
+    more of its command line)."""
     public, admin, proc = start_deployment(
         "--deployment.replicas",
         "2",
@@ -82,11 +83,21 @@ def two_replicas_under(root: Path) -> Iterator[tuple[str, str, subprocess.Popen]
         json.dumps([str(root)]),
         "--engine.kv_cache_bytes",
         str(16 << 20),
+        *args,
     )
     try:
         yield public, admin, proc
     finally:
         stop_deployment(proc)
+
+
+def rejoined(admin: str, victim: dict) -> dict | None:
+    """The victim's row once its next incarnation serves; fails at once if it sits out instead."""
+    (row,) = [r for r in replicas(admin) if r["index"] == victim["index"]]
+    assert row["status"] != "stale", f"{row['url']} sits out: {row['detail']}"
+    if row["status"] == "serving" and row["restarts"] > victim["restarts"]:
+        return row
+    return None
 
 
 def descendants(pid: int) -> list[int]:

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from deploy_helpers import replicas, start_deployment, stop_deployment
+from deploy_helpers import replicas, two_replicas_under
 from rlserve.model.make import make_model
 from test_server_rl import TRAINER, hf_check, trainer_push
 
@@ -23,20 +23,8 @@ VLLM_TRAINER = str(Path(__file__).parent / "vllm_trainer.py")
 
 @pytest.fixture(scope="module")
 def deployment(root):
-    public, admin, proc = start_deployment(
-        "--deployment.replicas",
-        "2",
-        "--parallel.dp",
-        "2",
-        "--weight_roots",
-        json.dumps([str(root)]),
-        "--engine.kv_cache_bytes",
-        str(16 << 20),
-    )
-    try:
+    with two_replicas_under(root, "--parallel.dp", "2") as (public, admin, _):
         yield public, admin
-    finally:
-        stop_deployment(proc)
 
 
 def every_engine_serves(admin: str, model_dir: Path, version: int, label: str | None) -> None:
@@ -56,14 +44,20 @@ def every_engine_serves(admin: str, model_dir: Path, version: int, label: str | 
             hf_check(model_dir, PROMPT, choice)
 
 
-def test_a_broadcast_push_reaches_every_engine_of_every_replica(deployment, root):
-    _, admin = deployment
+def broadcast_to_every_engine(admin: str, pushed: Path) -> int:
+    """A trainer's broadcast push (label "step-7") into the 2 x dp=2 deployment, which counts 4 ranks; every
+    engine then serves it. Returns the pushed policy version."""
     assert httpx.get(f"{admin}/get_world_size", timeout=30).json() == {"world_size": 4}
-    pushed = make_model("tiny", root / "pushed", seed=4)
     version = replicas(admin)[0]["policy_version"] + 1
-    trainer = TRAINER.replace('admin_api_key="admin"', "admin_api_key=None")  # pushes with the label "step-7"
+    trainer = TRAINER.replace('admin_api_key="admin"', "admin_api_key=None")
     assert trainer_push(admin, pushed, timeout=600, trainer=trainer) == [version]
     every_engine_serves(admin, pushed, version, "step-7")
+    return version
+
+
+def test_a_broadcast_push_reaches_every_engine_of_every_replica(deployment, root):
+    _, admin = deployment
+    broadcast_to_every_engine(admin, make_model("tiny", root / "pushed", seed=4))
 
 
 def test_a_vllm_weight_transfer_reaches_every_engine_of_every_replica(deployment, root):

@@ -25,7 +25,7 @@ import pytest
 import torch
 from test_deploy_faults import PROMPTS, Load, check_labels_match_weights, greedy_rows, versions
 
-from deploy_helpers import replicas, two_replicas_under, wait_for
+from deploy_helpers import rejoined, replicas, two_replicas_under, wait_for
 from rlserve.deploy.process import free_port
 from rlserve.model.make import make_model
 from test_deploy import _environ
@@ -39,15 +39,6 @@ BROADCASTER = TRAINER.replace('admin_api_key="admin"', "admin_api_key=None")  # 
 def deployment(root):
     with two_replicas_under(root) as running:
         yield running
-
-
-def rejoined(admin: str, victim: dict) -> dict | None:
-    """The victim's row once its next incarnation serves; fails at once if it sits out instead."""
-    (row,) = [r for r in replicas(admin) if r["index"] == victim["index"]]
-    assert row["status"] != "stale", f"{row['url']} sits out: {row['detail']}"
-    if row["status"] == "serving" and row["restarts"] > victim["restarts"]:
-        return row
-    return None
 
 
 def same_answers_everywhere(admin: str, version: tuple[int, str], model_dir: Path) -> None:
