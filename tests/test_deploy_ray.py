@@ -1,7 +1,8 @@
 """Multi-node on Ray: a local two-node cluster (1 CPU each, private ports and temp dir) serves through two
 replicas behind the router, and one update through the admin address reaches both; disaggregated on Ray
 puts a prefill server on one node and a decode server on the other, their answers equal a single server's,
-and SIGTERM leaves no process behind."""
+and SIGTERM leaves no process behind. Under Wide-EP a trainer's push is kept as one sharded copy that every
+node's server writes its part of, and a server killed afterwards restarts from it at the pushed version."""
 
 from __future__ import annotations
 
@@ -14,15 +15,26 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from conftest import server_log, start_server, stop_server
-from deploy_helpers import alive, descendants, local_ray_cluster, replicas, start_deployment, stop_deployment, wait_for
+from deploy_helpers import (
+    alive,
+    descendants,
+    local_ray_cluster,
+    rejoined,
+    replicas,
+    start_deployment,
+    stop_deployment,
+    wait_for,
+)
 from rlserve.model.make import default_model_dir, make_model
+from rlserve.runtime.weight_snapshot import INDEX_FILE
 from test_moe import hf_experts
 from test_pd import BLOCK, completion, metric, prompts, same_choice, warm
 from test_server_moe import decode
-from test_server_rl import generate, hf_check
+from test_server_rl import TRAINER, generate, hf_check, trainer_push
 
 ray = pytest.importorskip("ray")
 
@@ -275,5 +287,53 @@ def test_wide_ep_one_expert_group_over_the_servers_of_two_nodes(cluster, tmp_pat
             assert httpx.get(f"{row['url']}/get_world_size", timeout=30).json() == {"world_size": 1}
             assert metric(row["url"], "rlserve:ep_all_to_alls_total") > 0
         assert generate(public, prompt)["choices"][0]["token_ids"] == choice["token_ids"]
+    finally:
+        stop_deployment(proc)
+
+
+def test_wide_ep_push_is_kept_by_both_nodes_servers_and_replayed_after_one_is_killed(cluster, tmp_path):
+    """A trainer's broadcast push into a Wide-EP deployment (one engine on each of two nodes, one expert group):
+    each node's server writes its engine's part of one sharded copy, numbered by the engine's rank in the whole
+    group, and the copy is indexed once both are on disk. A server SIGKILLed afterwards restarts from that
+    copy and answers at the pushed version as transformers does on the pushed weights, like the other node."""
+    moe = make_model("tiny-moe", tmp_path / "tiny-moe", seed=0)
+    pushed = make_model("tiny-moe", tmp_path / "pushed", seed=4)
+    copies = tmp_path / "copies"
+    public, admin, proc = start_deployment(
+        "--model.name", str(moe), "--deployment.type", "multi_node", "--deployment.num_nodes", "2",
+        "--parallel.dp", "2", "--parallel.enable_expert_parallel", "true",
+        "--deployment.ray_address", cluster.address, "--deployment.snapshot_dir", str(copies),
+        "--weight_roots", json.dumps([str(tmp_path)]), "--engine.kv_cache_bytes", str(16 << 20),
+        timeout=400,
+    )  # fmt: skip
+    prompt = [11, 22, 33, 44, 55]
+    try:
+        assert httpx.get(f"{admin}/get_world_size", timeout=30).json() == {"world_size": 2}
+        version = replicas(admin)[0]["policy_version"] + 1
+        trainer = TRAINER.replace('admin_api_key="admin"', "admin_api_key=None")
+        assert trainer_push(admin, pushed, timeout=600, trainer=trainer) == [version]
+
+        (copy,) = [p for p in copies.iterdir() if not p.name.startswith(".")]
+        parts = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+        assert sorted(os.listdir(copy)) == [*parts, INDEX_FILE] and not list(copies.glob(".*partial"))
+        assert sorted(set(json.loads((copy / INDEX_FILE).read_text())["weight_map"].values())) == parts
+        for part in parts:  # each node's engine wrote its own experts
+            with safe_open(copy / part, "pt") as f:
+                assert any(".experts." in name for name in f.keys()), part
+        rows = replicas(admin)
+        for row in rows:
+            choice = generate(row["url"], prompt)["choices"][0]
+            assert (choice["policy_version"], choice["weight_version"]) == (version, "step-7")
+            hf_check(pushed, prompt, choice)
+
+        (victim,) = [r for r in rows if r["index"] == 1]
+        os.kill(victim["pid"], signal.SIGKILL)
+        wait_for(lambda: rejoined(admin, victim), 600, "the killed server to restart from the copy")
+        wait_for(lambda: all(r["status"] == "serving" for r in replicas(admin)), 600, "both servers to serve")
+        for row in replicas(admin):
+            choice = generate(row["url"], prompt)["choices"][0]
+            assert (choice["policy_version"], choice["weight_version"]) == (version, "step-7"), row
+            hf_check(pushed, prompt, choice)
+        assert generate(public, prompt)["choices"][0]["policy_version"] == version
     finally:
         stop_deployment(proc)

@@ -3,12 +3,16 @@ two data-parallel engines (enable_expert_parallel, enable_eplb with replicated e
 serving): each engine writes its part of a sharded checkpoint, every expert exactly once, and the index names
 them. The copy holds the served tensors bit for bit, and a one-rank server that loads it answers as the
 expert-parallel server did; the expert-parallel server replays it too. The loader reads such parts through
-their index; an index over parts that leave an expert out or write one twice is refused."""
+their index; an index over parts that leave an expert out or write one twice is refused. Two servers forming
+one expert group (Wide-EP) each write their engine's part into one directory (`parts_only`), numbered by the
+engine's rank in the group, and one indexes both (`index_parts`); a server that cannot see that directory, or
+an index missing a server's part, is refused with a 409 that names deployment.snapshot_dir."""
 
 from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -17,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 from conftest import start_server, stop_server
+from rlserve.deploy.process import free_port
 from rlserve.model.loader import load_model
 from rlserve.model.make import make_model
 from rlserve.model.shape import ModelShape
@@ -115,3 +120,56 @@ def test_an_index_over_parts_that_leave_out_or_repeat_an_expert_is_refused(tmp_p
         else:
             with pytest.raises(RuntimeError, match=error):
                 write_index(str(out), PARTS, shape)
+
+
+def test_wide_ep_servers_write_their_parts_into_one_directory_and_one_indexes_them(root, monkeypatch):
+    base = make_model("tiny-moe", root / "wide-base", seed=0)
+    step_1 = make_model("tiny-moe", root / "wide-step-1", seed=1)
+    monkeypatch.setenv("RLSERVE_DEPLOYMENT_KEY", KEY["x-rlserve-deployment-key"])
+    group = ("--model.name", str(base), "--weight_roots", json.dumps([str(root)]), "--parallel.enable_expert_parallel",
+             "true", "--parallel.data_parallel_size", "2", "--parallel.data_parallel_address", "127.0.0.1",
+             "--parallel.data_parallel_rpc_port", str(free_port()))  # fmt: skip
+    with ThreadPoolExecutor(2) as pool:  # each waits in the group's rendezvous for the other
+        lines = [(*group, "--parallel.data_parallel_start_rank", str(rank)) for rank in (0, 1)]
+        started = list(pool.map(lambda line: start_server(*line), lines))
+    urls = [url for url, _ in started]
+
+    def save(url: str, body: dict) -> httpx.Response:
+        return httpx.post(f"{url}/deployment/save_weights", json=body, headers=KEY, timeout=300)
+
+    try:
+        for url in urls:
+            update(url, step_1, KEY)
+        served = answers(urls[0])
+        copy = root / "wide-copy"
+        r = save(urls[0], {"weight_dir": str(copy)})  # no one server holds every expert
+        assert r.status_code == 409 and "parts_only" in r.text, r.text
+        r = save(urls[1], {"weight_dir": str(copy), "parts_only": True})  # the supervisor did not make it here
+        assert r.status_code == 409 and "deployment.snapshot_dir" in r.text, r.text
+        partial = root / ".wide-copy.partial"
+        partial.mkdir()
+        with ThreadPoolExecutor(2) as pool:
+            body = {"weight_dir": str(copy), "parts_only": True}
+            replies = [r.json() for r in pool.map(lambda url: save(url, body), urls)]
+        assert [r["files"] for r in replies] == [[PARTS[0]], [PARTS[1]]]  # numbered by rank in the whole group
+        assert len({(r["policy_version"], r["weight_version"], r["placement_key"]) for r in replies}) == 1
+        assert replies[0]["policy_version"] == 1
+        r = save(urls[1], {"weight_dir": str(copy), "index_parts": ["../model.safetensors"]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "index_parts", r.text
+        os.rename(partial / PARTS[1], root / "elsewhere.safetensors")  # as if node 1 wrote to its own disk
+        r = save(urls[1], {"weight_dir": str(copy), "index_parts": PARTS})
+        assert r.status_code == 409 and "deployment.snapshot_dir" in r.text, r.text
+        os.rename(root / "elsewhere.safetensors", partial / PARTS[1])
+        r = save(urls[1], {"weight_dir": str(copy), "index_parts": PARTS})
+        assert r.status_code == 200 and r.json() == {"weight_dir": str(copy)}, r.text
+        assert sorted(os.listdir(copy)) == [*PARTS, INDEX_FILE] and not partial.exists()
+        want = load_file(step_1 / "model.safetensors")
+        got = load_file(copy / PARTS[0]) | load_file(copy / PARTS[1])
+        assert set(got) == set(want) and all(torch.equal(got[name], t) for name, t in want.items())
+        for url in urls:  # what a restarted server replays
+            update(url, copy, KEY)
+        assert answers(urls[0]) == served and answers(urls[1]) == served
+    finally:
+        for _, proc in started:
+            stop_server(proc)
+    monkeypatch.delenv("RLSERVE_DEPLOYMENT_KEY")

@@ -4,10 +4,12 @@ disk, so once one has committed on every replica, one of them writes what it now
 deployment.snapshot_dir (server/fleet/save_weights.py) and the deployment's record names that directory as
 its base weights: a restarted replica replays it like an update from disk, and the next push that fails on
 one replica is undone on the others from it (deploy/transaction.py). The current and the previous copy are
-kept; older ones are removed."""
+kept; older ones are removed. Under Wide-EP no one server holds every expert: every server of one expert group
+writes its engines' parts into the same directory, which must be on a filesystem all their nodes see."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import shutil
 import time
@@ -16,6 +18,7 @@ from typing import Any
 
 import httpx
 
+from rlserve.deploy.replica import wide_ep
 from rlserve.deploy.supervisor import Deployment, Slot
 
 log = logging.getLogger("rlserve.deploy")
@@ -64,13 +67,15 @@ async def keep_copy(dep: Deployment, applied: list[Slot]) -> None:
     s = dep.state
     root = Path(str(dep.config.deployment.snapshot_dir))
     previous, written, why = (s.base or {}).get("weight_dir"), None, "no replica that applied it is serving"
-    for slot in applied:  # the first that can: one killed while writing leaves the others
+    for group in _writers(dep, applied):  # the first that can: one killed while writing leaves the others
+        names = ", ".join(slot.name for slot in group)
         try:
-            written = await _write(dep, slot, root / f"{PREFIX}{s.policy_version}-{time.time_ns()}")
+            target = root / f"{PREFIX}{s.policy_version}-{time.time_ns()}"
+            written = await (_write_group(dep, group, target) if len(group) > 1 else _write(dep, group[0], target))
             break
-        except (httpx.HTTPError, RuntimeError, ValueError, KeyError) as exc:
-            why = f"{slot.name}: {exc}"
-            log.error("%s could not write a copy of the pushed weights: %s", slot.name, exc)
+        except (httpx.HTTPError, OSError, RuntimeError, ValueError, KeyError) as exc:
+            why = f"{names}: {exc}"
+            log.error("%s could not write a copy of the pushed weights: %s", names, exc)
     if written is None:
         s.base, s.replayable = None, f"the current weights came from a trainer broadcast and no copy was kept ({why})"
         return
@@ -79,12 +84,56 @@ async def keep_copy(dep: Deployment, applied: list[Slot]) -> None:
     _prune(root, keep={Path(written["weight_dir"]).name, Path(str(previous)).name if previous else ""})
 
 
+def _writers(dep: Deployment, applied: list[Slot]) -> list[list[Slot]]:
+    """Who can write the copy, in the order to try: any one replica, or under Wide-EP the servers of an expert
+    group (a copy of the deployment) that all applied the push."""
+    if not wide_ep(dep.config):
+        return [[slot] for slot in applied]
+    groups = [[slot for slot in dep.slots if slot.copy == copy] for copy in range(dep.config.deployment.copies)]
+    return [group for group in groups if all(slot in applied for slot in group)]
+
+
 async def _write(dep: Deployment, slot: Slot, target: Path) -> dict[str, Any]:
     written = (await dep._post(slot, SAVE_PATH, {"weight_dir": str(target)})).json()
+    _check_versions(dep, written)
+    return written
+
+
+async def _write_group(dep: Deployment, group: list[Slot], target: Path, tries: int = 3) -> dict[str, Any]:
+    """Wide-EP: every server of the group writes its parts into the partial directory made here, then the first
+    indexes them all and renames it into place. A server copies between its own steps, so a rebalance can land
+    between two servers' copies: then the parts may not add up, and they write again."""
+    partial = target.with_name(f".{target.name}.partial")
+    partial.mkdir(mode=0o700, parents=True)
+    try:
+        for _ in range(tries):
+            replies = await asyncio.gather(
+                *(dep._post(slot, SAVE_PATH, {"weight_dir": str(target), "parts_only": True}) for slot in group),
+                return_exceptions=True,  # wait for every server: none may still write when a failure removes the directory
+            )
+            failed = next((r for r in replies if isinstance(r, BaseException)), None)
+            if failed is not None:
+                raise failed
+            parts = [r.json() for r in replies]
+            if len({(p["policy_version"], p["weight_version"], p["placement_key"]) for p in parts}) == 1:
+                break
+            for name in (name for p in parts for name in p["files"]):
+                (partial / name).unlink(missing_ok=True)
+        else:
+            raise RuntimeError(f"the servers' weights or expert placement changed while they copied, {tries} times")
+        _check_versions(dep, parts[0])
+        files = [name for p in parts for name in p["files"]]
+        await dep._post(group[0], SAVE_PATH, {"weight_dir": str(target), "index_parts": files})
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return parts[0] | {"weight_dir": str(target)}
+
+
+def _check_versions(dep: Deployment, written: dict[str, Any]) -> None:
     s = dep.state
     if (written["policy_version"], written["weight_version"]) != (s.policy_version, s.weight_version):
         raise RuntimeError(f"the copy carries {written}, the deployment serves {s.policy_version}")
-    return written
 
 
 def _prune(root: Path, keep: set[str]) -> None:
