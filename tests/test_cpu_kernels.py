@@ -77,6 +77,7 @@ def prompt_rows(seed: int, length: int, kv_heads: int, group: int, head_dim: int
         (40, 2, 4, 48, 4, 5),  # a head size that is not a multiple of 16, small blocks, a chunk start
         (33, 1, 1, 32, 32, 1),  # one query vector per row: tiles of 48 rows
         (20, 1, 32, 16, 8, 10),  # the widest group: one row per tile
+        (45, 2, 2, 128, 16, 3),  # a 128 head size; tiles of 24 rows, two lane vectors and a ragged last tile
     ],
 )
 def test_prompt_rows_attend_as_tiles(kernels, invariant, length, kv_heads, group, head_dim, block_size, first):
