@@ -23,6 +23,7 @@ from rlserve.engine.sampler import (
 )
 from rlserve.model.invariant_ops import BatchInvarianceUnavailable, row_log_softmax
 from rlserve.model.llama import AttentionBatch
+from rlserve.model.torch_threads import one_torch_thread
 
 __all__ = ["InvariantSampler", "check_supported", "processed_logits", "row_log_softmax", "token_rows"]
 
@@ -81,12 +82,8 @@ class InvariantSampler(Sampler):
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
+        with one_torch_thread():
             results = [self._one_row(logits[i : i + 1], row) for i, row in enumerate(rows)]
-        finally:
-            torch.set_num_threads(threads)
         want = any(r.num_logprobs is not None for r in rows)
         return SampleResult(
             [r.token_ids[0] for r in results],

@@ -20,6 +20,7 @@ from rlserve.model.invariant_ops import BatchInvarianceUnavailable, invariant_ke
 from rlserve.model.llama import CausalLM
 from rlserve.model.lora import LoraAdapter, LoraBatch
 from rlserve.model.moe import routed_experts
+from rlserve.model.torch_threads import one_torch_thread
 
 if TYPE_CHECKING:
     from rlserve.engine.tp.leader import TensorParallelLeader
@@ -218,12 +219,17 @@ class ModelRunner:
             self.tp.send_step(ids, pos, attn, batch.block_copies)
         hidden = self.model(ids, pos, attn, self.kv_cache)
         self._record_routing(attn.slot_mapping)
-        rows = torch.tensor(sample_rows, device=self.device)
-        sample_logits = self.model.compute_logits(hidden.index_select(0, rows)) if sample_rows else None
+        sample_logits = self.model.compute_logits(self._rows(hidden, sample_rows)) if sample_rows else None
         prompt_logits = [
             (seq, first, self.model.compute_logits(hidden[q0 : q0 + count])) for seq, first, q0, count in prompt_rows
         ]
         return StepLogits(sample_logits, sample_seqs, prompt_logits)
+
+    def _rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        if len(rows) == hidden.shape[0] and rows == list(range(len(rows))):  # every row, in order: a decode step
+            return hidden
+        with one_torch_thread():
+            return hidden.index_select(0, torch.tensor(rows, device=self.device))
 
     def _record_routing(self, slots: torch.Tensor) -> None:
         if self.routing is not None:

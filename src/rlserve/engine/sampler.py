@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from rlserve.model.torch_threads import one_torch_thread
+
 if TYPE_CHECKING:
     from rlserve.engine.sequence import Sequence
     from rlserve.model.cpu_kernels import CpuKernels
@@ -58,14 +60,10 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
         if self.kernels is not None and logits.device.type == "cpu" and all(map(_plain, rows)):
             return self._sample_plain(logits, rows)
-        threads = torch.get_num_threads()
-        if logits.device.type != "cpu" or threads == 1 or logits.numel() >= SINGLE_THREAD_LOGITS:
+        if logits.device.type != "cpu" or logits.numel() >= SINGLE_THREAD_LOGITS:
             return self._sample(logits, rows)
-        torch.set_num_threads(1)
-        try:
+        with one_torch_thread():
             return self._sample(logits, rows)
-        finally:
-            torch.set_num_threads(threads)
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
         n, device = logits.shape[0], logits.device

@@ -34,6 +34,7 @@ from rlserve.model.cpu_kernels import (
     _self_check,
     cpu_kernels,
 )
+from rlserve.model.torch_threads import one_torch_thread
 
 log = logging.getLogger(__name__)
 
@@ -59,14 +60,10 @@ class InvariantKernels:
 def row_log_softmax(logits: torch.Tensor) -> torch.Tensor:
     """log_softmax of each row computed alone on one thread: the same bits for a row in any batch
     (the engine's prompt logprobs and the trainer's `rlserve.train` use this one formula)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         # split, not a slice per row: one backward node for all rows (each slice's backward wrote a
         # zero tensor of the whole input: 1.6 s of a 16-sequence trainer step on SmolLM2-135M)
         return torch.cat([torch.log_softmax(row, dim=-1) for row in logits.split(1)])
-    finally:
-        torch.set_num_threads(threads)
 
 
 class BatchInvarianceUnavailable(ValueError):

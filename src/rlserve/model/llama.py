@@ -18,6 +18,7 @@ from rlserve.model.linear import CastWeight, PackedWeight, PanelWeight, Projecti
 from rlserve.model.moe import SparseMoe
 from rlserve.model.rope import RotaryEmbedding, apply_rope
 from rlserve.model.shape import ModelShape
+from rlserve.model.torch_threads import one_torch_thread
 
 if TYPE_CHECKING:
     from rlserve.model.cpu_kernels import CpuKernels
@@ -330,8 +331,9 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids, positions, batch: AttentionBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; kv_cache is [layers, 2, slots, kv_heads, head_dim]."""
-        h = self.embed_tokens(input_ids)
-        rope = self.rope.tables(positions, h.dtype)
+        with one_torch_thread():
+            h = self.embed_tokens(input_ids)
+            rope = self.rope.tables(positions, h.dtype)
         if batch.kernels is not None:
             return self._forward_fused(h, rope, batch, kv_cache)
         for i, layer in enumerate(self.layers):
