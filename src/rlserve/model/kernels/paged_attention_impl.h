@@ -11,7 +11,8 @@
  * Prompt rows thus run as small matrix products; one query per K row read, as before, ran at
  * ~70 GFLOP/s in both dtypes at every prompt length. On AVX-512 a tile of more than GROUP_QUERIES
  * query vectors runs in the lanes form (attend_lanes: query vectors as vector lanes, the same
- * arithmetic per element), 1.3-1.5x the per-query form at 256-4,096 positions.
+ * arithmetic per element), 1.3-1.5x the per-query form at 256-4,096 positions; bf16 with AVX512_BF16
+ * sums q . k in pair dot products (ATTN_PAIRS), another 1.2x.
  *
  * Every query vector's arithmetic is fixed by its own position and context alone: its chain over
  * the head dimension, the chunk edges (multiples of KEYS, whatever the block size), the order of
@@ -86,19 +87,21 @@ static inline float attn_sum16(__m512 v) {
 }
 #endif
 
-/* One work item's state: its query vectors (fp32), their running max, sum and output, the staged
- * chunk's K (widened and transposed: kt[d][key]; its V rows are read where they lie, `v_rows`,
- * with a row of zeros in the lanes past the chunk) and the chunk's softmax weights. */
+/* One work item's state: its query vectors (fp32, and as stored pairs), their running max, sum and
+ * output, the chunk's V rows where they lie (`v_rows`, a row of zeros in the lanes past the chunk),
+ * its softmax weights, and the lanes form's transposed copies. */
 struct attn_state {
     int64_t n_queries, D;
     int64_t lens[TILE_QUERIES]; /* each query vector's context */
     float run_max[TILE_QUERIES], run_sum[TILE_QUERIES], corr[TILE_QUERIES];
     float q[TILE_QUERIES][MAX_HEAD_DIM], acc[TILE_QUERIES][MAX_HEAD_DIM];
-    float kt[MAX_HEAD_DIM][KEYS], p[TILE_QUERIES][KEYS];
+    uint32_t qp[TILE_QUERIES][MAX_HEAD_DIM / 2]; /* bf16 pair dot products: the stored queries' pairs */
+    float kt[MAX_HEAD_DIM][KEYS], p[TILE_QUERIES][KEYS]; /* (kt: plain C) */
     const void *v_rows[KEYS];
     /* the lanes form (AVX-512, tiles past GROUP_QUERIES): query vectors as vector lanes */
     int32_t lane_lens[TILE_QUERIES];
     float qt[MAX_HEAD_DIM][TILE_QUERIES], acct[MAX_HEAD_DIM][TILE_QUERIES];
+    uint32_t qpt[MAX_HEAD_DIM / 2][TILE_QUERIES];
     float st[KEYS][TILE_QUERIES];                         /* the chunk's scores, then its weights */
     float kw[KEYS][MAX_HEAD_DIM], vw[KEYS][MAX_HEAD_DIM]; /* bf16: the chunk's K and V rows widened */
 };
@@ -130,42 +133,12 @@ static inline __attribute__((always_inline)) void attn_softmax_step(struct attn_
     s->run_max[r] = new_max;
     s->corr[r] = corr;
 }
-
-/* `count` (a constant once inlined) query vectors at once: one K load feeds count FMAs, and the
- * accumulators stay in registers; D a constant for the common head sizes, so the loop unrolls (the
- * FMAs and their order are the same either way) */
-static inline __attribute__((always_inline)) void attn_scores_n(struct attn_state *s, int64_t first, const int count,
-                                                                int64_t start, float scale, const int64_t D) {
-    __m512 acc[GROUP_QUERIES];
-    for (int j = 0; j < count; ++j) acc[j] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; ++d) {
-        const __m512 k = _mm512_loadu_ps(s->kt[d]);
-        for (int j = 0; j < count; ++j) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(s->q[first + j][d]), k, acc[j]);
-    }
-    for (int j = 0; j < count; ++j) attn_softmax_step(s, first + j, acc[j], start, scale);
-}
-
 #endif
 
-/* Scores of query vectors [first, first + count) against the staged chunk at position `start`,
- * then their online-softmax step: weights in p, the old output's correction in corr. */
+#if !defined(ATTN_AVX512)
+/* Plain C: scores of query vectors [first, first + count) against the staged chunk at position
+ * `start` (s->kt), then their online-softmax step: weights in p, the old output's correction in corr. */
 static void attn_scores(struct attn_state *s, int64_t first, int64_t count, int64_t start, float scale) {
-#if defined(ATTN_AVX512)
-    switch (count) {
-#define ATTN_SCORES_CASE(n)                                                          \
-    case n:                                                                          \
-        if (s->D == 64)                                                              \
-            attn_scores_n(s, first, n, start, scale, 64);                           \
-        else if (s->D == 128)                                                        \
-            attn_scores_n(s, first, n, start, scale, 128);                          \
-        else                                                                         \
-            attn_scores_n(s, first, n, start, scale, s->D);                         \
-        break;
-        ATTN_SCORES_CASE(1) ATTN_SCORES_CASE(2) ATTN_SCORES_CASE(3) ATTN_SCORES_CASE(4)
-        ATTN_SCORES_CASE(5) ATTN_SCORES_CASE(6) ATTN_SCORES_CASE(7) ATTN_SCORES_CASE(8)
-#undef ATTN_SCORES_CASE
-    }
-#else
     const int64_t D = s->D;
     for (int64_t j = 0; j < count; ++j) {
         const int64_t r = first + j, valid = s->lens[r] - start;
@@ -187,10 +160,18 @@ static void attn_scores(struct attn_state *s, int64_t first, int64_t count, int6
         s->run_max[r] = new_max;
         s->corr[r] = corr;
     }
-#endif
 }
+#endif
 
 #endif /* RLSERVE_PAGED_ATTENTION_SHARED */
+
+/* bf16 where the CPU has AVX512_BF16: each score sums the stored q and k two dimensions per
+ * instruction (vdpbf16ps: exact products, d = 2c + 1 then 2c added, both forms alike), and K is
+ * read as stored, never widened. Elsewhere every score is an FMA chain over widened values. */
+#undef ATTN_PAIRS
+#if defined(ATTN_AVX512) && defined(RLSERVE_BF16) && defined(__AVX512BF16__)
+#define ATTN_PAIRS 1
+#endif
 
 struct NAME(attention_job) {
     const T *q, *k_cache, *v_cache;
@@ -251,9 +232,9 @@ static __attribute__((noinline)) void NAME(attn_values)(struct attn_state *s, in
 }
 
 /* The chunk of keys [start, start + n) of KV head kvh: the K and V rows' addresses (k_rows, s->v_rows;
- * a row of zeros in the lanes past n), and unless `transpose` is 0, K widened and transposed into s->kt. */
+ * a row of zeros in the lanes past n); plain C also stages K widened and transposed in s->kt. */
 static void NAME(attn_stage)(struct attn_state *s, const struct NAME(attention_job) *j, const int64_t *table,
-                             int64_t kvh, int64_t start, int64_t n, const T *k_rows[KEYS], int transpose) {
+                             int64_t kvh, int64_t start, int64_t n, const T *k_rows[KEYS]) {
     const int64_t D = j->D, bs = j->block_size;
     const int64_t row = j->KVH * D; /* values between consecutive slots */
     int64_t block = start / bs, offset = start % bs; /* walked, not divided, key by key */
@@ -271,14 +252,7 @@ static void NAME(attn_stage)(struct attn_state *s, const struct NAME(attention_j
             ++block;
         }
     }
-    if (!transpose) return;
-#if defined(ATTN_AVX512)
-    for (int64_t d = 0; d < D; d += 16) {
-        __m512 r[16];
-        const int64_t w = NAME(attn_k_block)(k_rows, d, D, r);
-        for (int64_t c = 0; c < w; ++c) _mm512_storeu_ps(s->kt[d + c], r[c]);
-    }
-#else
+#if !defined(ATTN_AVX512)
     for (int64_t d = 0; d < D; ++d)
         for (int64_t i = 0; i < KEYS; ++i) s->kt[d][i] = LD(k_rows[i][d]);
 #endif
@@ -286,9 +260,8 @@ static void NAME(attn_stage)(struct attn_state *s, const struct NAME(attention_j
 
 #if defined(ATTN_AVX512)
 /* A tile of at most GROUP_QUERIES query vectors (a decode row: its G heads) against a chunk, straight
- * from its K rows: each 16 x 16 block is transposed in registers and used at once, never stored. The
- * FMAs and their order are those of attn_scores over s->kt (d = 0, 1, ...), so the bits are too; it
- * only skips writing and reading the transposed chunk, which few query vectors cannot amortise. */
+ * from its K rows: each 16 x 16 block is transposed in registers and used at once, never stored
+ * (d = 0, 1, ... per score, the chain the lanes form repeats). */
 static inline __attribute__((always_inline)) void NAME(attn_direct_n)(struct attn_state *s, const T *k_rows[KEYS],
                                                                       const int count, int64_t start, float scale) {
     const int64_t D = s->D;
@@ -303,10 +276,38 @@ static inline __attribute__((always_inline)) void NAME(attn_direct_n)(struct att
     for (int j = 0; j < count; ++j) attn_softmax_step(s, j, acc[j], start, scale);
 }
 
+#if defined(ATTN_PAIRS)
+/* The same with pair dot products: each 16 keys x 16 pairs block (32 dimensions) transposed as
+ * stored, 32-bit lanes r[c] = dimensions 2c, 2c + 1 of the 16 keys. */
+static inline __attribute__((always_inline)) void NAME(attn_direct_pairs_n)(struct attn_state *s, const T *k_rows[KEYS],
+                                                                            const int count, int64_t start, float scale) {
+    const int64_t D = s->D;
+    __m512 acc[GROUP_QUERIES];
+    for (int j = 0; j < count; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 32) {
+        const int64_t w = D - d < 32 ? D - d : 32;
+        const __mmask32 m = w == 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << w) - 1u);
+        __m512 r[16];
+        for (int i = 0; i < KEYS; ++i) r[i] = _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(m, k_rows[i] + d));
+        rlserve_transpose16(r);
+        for (int64_t c = 0; c < w / 2; ++c)
+            for (int j = 0; j < count; ++j)
+                acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_set1_epi32((int32_t)s->qp[j][d / 2 + c]),
+                                          (__m512bh)r[c]);
+    }
+    for (int j = 0; j < count; ++j) attn_softmax_step(s, j, acc[j], start, scale);
+}
+#endif
+
 static void NAME(attn_direct)(struct attn_state *s, const T *k_rows[KEYS], int64_t start, float scale) {
     switch (s->n_queries) {
+#if defined(ATTN_PAIRS)
+#define ATTN_DIRECT_CASE(n) \
+    case n: NAME(attn_direct_pairs_n)(s, k_rows, n, start, scale); break;
+#else
 #define ATTN_DIRECT_CASE(n) \
     case n: NAME(attn_direct_n)(s, k_rows, n, start, scale); break;
+#endif
         ATTN_DIRECT_CASE(1) ATTN_DIRECT_CASE(2) ATTN_DIRECT_CASE(3) ATTN_DIRECT_CASE(4)
         ATTN_DIRECT_CASE(5) ATTN_DIRECT_CASE(6) ATTN_DIRECT_CASE(7) ATTN_DIRECT_CASE(8)
 #undef ATTN_DIRECT_CASE
@@ -412,29 +413,26 @@ static void NAME(attend_items)(const void *job_ptr, int64_t begin, int64_t end) 
                 s->q[r][d] = LD(qv[d]);
                 s->acc[r][d] = 0.0f;
             }
+#if defined(ATTN_PAIRS)
+            memcpy(s->qp[r], qv, (size_t)D * sizeof(T));
+#endif
         }
         const int64_t longest = j->ctx_lens[first_row + rows - 1];
 #if defined(ATTN_AVX512)
-        const int direct = s->n_queries <= GROUP_QUERIES;
-        if (!direct) {
+        if (s->n_queries > GROUP_QUERIES) {
             NAME(attend_lanes)(s, j, table, kvh, longest, first_row);
             continue;
         }
-#else
-        const int direct = 0;
 #endif
         for (int64_t start = 0; start < longest; start += KEYS) {
             const T *k_rows[KEYS];
-            NAME(attn_stage)(s, j, table, kvh, start, longest - start < KEYS ? longest - start : KEYS, k_rows, !direct);
+            NAME(attn_stage)(s, j, table, kvh, start, longest - start < KEYS ? longest - start : KEYS, k_rows);
 #if defined(ATTN_AVX512)
-            if (direct) {
-                NAME(attn_direct)(s, k_rows, start, j->scale);
-                NAME(attn_values)(s, 0, s->n_queries);
-                continue;
-            }
-#endif
+            NAME(attn_direct)(s, k_rows, start, j->scale);
+#else
             for (int64_t r = 0; r < s->n_queries; r += GROUP_QUERIES)
                 attn_scores(s, r, s->n_queries - r < GROUP_QUERIES ? s->n_queries - r : GROUP_QUERIES, start, j->scale);
+#endif
             NAME(attn_values)(s, 0, s->n_queries); /* each V row loaded (and widened) once for the whole tile */
         }
         for (int64_t r = 0; r < s->n_queries; ++r) {

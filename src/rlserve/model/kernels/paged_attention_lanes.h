@@ -1,15 +1,16 @@
 /* The lanes form of prompt attention on AVX-512 (included by paged_attention_impl.h once per
  * storage type, after its state, job and loads): a tile of more than GROUP_QUERIES query vectors
  * runs with its query vectors as vector lanes. Each element's arithmetic is the per-query form's
- * (attn_scores_n, attn_softmax_step, attn_values) operation for operation, so a row gets the same
- * bits in either form; the max and the sum over a chunk's keys run across registers instead of
- * lanes, and one broadcast K or V value feeds up to 3 vectors of query vectors, so loads stop
- * bounding the FMAs (1.3-1.5x the per-query form at 256-4,096 positions, both dtypes). */
+ * (attn_direct_n or attn_direct_pairs_n, attn_softmax_step, attn_values) operation for operation,
+ * so a row gets the same bits in either form; the max and the sum over a chunk's keys run across
+ * registers instead of lanes, and one broadcast K or V value feeds up to 3 vectors of query
+ * vectors, so loads stop bounding the FMAs (1.3-1.5x the per-query form at 256-4,096 positions,
+ * both dtypes). */
 #if defined(ATTN_AVX512)
 #ifndef RLSERVE_PAGED_ATTENTION_LANES_SHARED
 #define RLSERVE_PAGED_ATTENTION_LANES_SHARED
 /* A chunk's scores for `nv` vectors of 16 query vectors (lane l of vector c: query vector 16 c + l)
- * into s->st[key][lane], each the same FMA chain over d as attn_scores_n's. */
+ * into s->st[key][lane], each the same FMA chain over d as attn_direct_n's. */
 static inline __attribute__((always_inline)) void attn_lanes_scores(struct attn_state *s, const float *k[KEYS],
                                                                     const int nv, const int64_t D) {
     for (int half = 0; half < KEYS; half += KEYS / 2) {
@@ -28,6 +29,31 @@ static inline __attribute__((always_inline)) void attn_lanes_scores(struct attn_
             for (int c = 0; c < nv; ++c) _mm512_storeu_ps(s->st[half + i] + 16 * c, acc[i][c]);
     }
 }
+
+#if defined(__AVX512BF16__)
+/* The same from bf16 pairs (ATTN_PAIRS): s->qpt[c] holds the query vectors' dimensions 2c, 2c + 1,
+ * and each key's pair is broadcast as stored, one vdpbf16ps per pair (attn_direct_pairs_n's sums). */
+static inline __attribute__((always_inline)) void attn_lanes_scores_pairs(struct attn_state *s, const bf16 *k[KEYS],
+                                                                          const int nv, const int64_t D) {
+    for (int half = 0; half < KEYS; half += KEYS / 2) {
+        __m512 acc[KEYS / 2][3];
+        for (int i = 0; i < KEYS / 2; ++i)
+            for (int c = 0; c < nv; ++c) acc[i][c] = _mm512_setzero_ps();
+        for (int64_t u = 0; u < D / 2; ++u) {
+            __m512bh q[3];
+            for (int c = 0; c < nv; ++c) q[c] = (__m512bh)_mm512_loadu_si512(s->qpt[u] + 16 * c);
+            for (int i = 0; i < KEYS / 2; ++i) {
+                int32_t pair;
+                memcpy(&pair, k[half + i] + 2 * u, sizeof pair);
+                const __m512bh kv = (__m512bh)_mm512_set1_epi32(pair);
+                for (int c = 0; c < nv; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], q[c], kv);
+            }
+        }
+        for (int i = 0; i < KEYS / 2; ++i)
+            for (int c = 0; c < nv; ++c) _mm512_storeu_ps(s->st[half + i] + 16 * c, acc[i][c]);
+    }
+}
+#endif
 
 /* The online-softmax step of lanes [o, o + 16): s->st's scores become weights, corr and the
  * running max and sum move on (attn_softmax_step's, lane by lane). */
@@ -81,24 +107,32 @@ static inline __attribute__((always_inline)) void attn_lanes_values(struct attn_
     }
 }
 
-static inline __attribute__((always_inline)) void attn_lanes_n(struct attn_state *s, const float *k[KEYS],
+/* k: fp32 rows, or bf16 rows as stored where `pairs` (a constant once inlined) */
+static inline __attribute__((always_inline)) void attn_lanes_n(struct attn_state *s, const void *k[KEYS],
                                                                const float *v[KEYS], int64_t start, float scale,
-                                                               const int nv, const int64_t D) {
-    attn_lanes_scores(s, k, nv, D);
+                                                               const int nv, const int64_t D, const int pairs) {
+#if defined(__AVX512BF16__)
+    if (pairs)
+        attn_lanes_scores_pairs(s, (const bf16 **)k, nv, D);
+    else
+#endif
+        attn_lanes_scores(s, (const float **)k, nv, D);
     for (int c = 0; c < nv; ++c) attn_lanes_softmax(s, 16 * c, start, scale);
     attn_lanes_values(s, v, nv, D);
 }
 
-static void attn_lanes(struct attn_state *s, const float *k[KEYS], const float *v[KEYS], int64_t start, float scale) {
+static inline __attribute__((always_inline)) void attn_lanes(struct attn_state *s, const void *k[KEYS],
+                                                             const float *v[KEYS], int64_t start, float scale,
+                                                             const int pairs) {
     switch ((s->n_queries + 15) / 16) {
 #define ATTN_LANES_CASE(nv)                                             \
     case nv:                                                            \
         if (s->D == 64)                                                 \
-            attn_lanes_n(s, k, v, start, scale, nv, 64);                \
+            attn_lanes_n(s, k, v, start, scale, nv, 64, pairs);         \
         else if (s->D == 128)                                           \
-            attn_lanes_n(s, k, v, start, scale, nv, 128);               \
+            attn_lanes_n(s, k, v, start, scale, nv, 128, pairs);        \
         else                                                            \
-            attn_lanes_n(s, k, v, start, scale, nv, s->D);              \
+            attn_lanes_n(s, k, v, start, scale, nv, s->D, pairs);       \
         break;
         ATTN_LANES_CASE(1) ATTN_LANES_CASE(2) ATTN_LANES_CASE(3)
 #undef ATTN_LANES_CASE
@@ -107,17 +141,23 @@ static void attn_lanes(struct attn_state *s, const float *k[KEYS], const float *
 #endif /* RLSERVE_PAGED_ATTENTION_LANES_SHARED */
 
 /* The chunk's K and V rows as fp32 for the lanes form: where they lie (fp32), or widened (bf16). */
-static inline void NAME(attn_lanes_rows)(struct attn_state *s, const T *k_rows[KEYS], const float *k[KEYS],
+static inline void NAME(attn_lanes_rows)(struct attn_state *s, const T *k_rows[KEYS], const void *k[KEYS],
                                          const float *v[KEYS]) {
 #if defined(RLSERVE_BF16)
     const int64_t D = s->D;
     for (int i = 0; i < KEYS; ++i) {
         for (int64_t d = 0; d < D; d += 16) {
             const __mmask16 m = D - d >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (D - d)) - 1u);
+#if !defined(ATTN_PAIRS)
             _mm512_mask_storeu_ps(s->kw[i] + d, m, NAME(attn_load16)(k_rows[i] + d, m));
+#endif
             _mm512_mask_storeu_ps(s->vw[i] + d, m, NAME(attn_load16)((const T *)s->v_rows[i] + d, m));
         }
+#if defined(ATTN_PAIRS)
+        k[i] = k_rows[i];
+#else
         k[i] = s->kw[i];
+#endif
         v[i] = s->vw[i];
     }
 #else
@@ -142,13 +182,21 @@ static void NAME(attend_lanes)(struct attn_state *s, const struct NAME(attention
             s->qt[d][r] = live ? s->q[r][d] : 0.0f;
             s->acct[d][r] = 0.0f;
         }
+#if defined(ATTN_PAIRS)
+        for (int64_t u = 0; u < D / 2; ++u) s->qpt[u][r] = live ? s->qp[r][u] : 0u;
+#endif
     }
     for (int64_t start = 0; start < longest; start += KEYS) {
         const T *k_rows[KEYS];
-        const float *k[KEYS], *v[KEYS];
-        NAME(attn_stage)(s, j, table, kvh, start, longest - start < KEYS ? longest - start : KEYS, k_rows, 0);
+        const void *k[KEYS];
+        const float *v[KEYS];
+        NAME(attn_stage)(s, j, table, kvh, start, longest - start < KEYS ? longest - start : KEYS, k_rows);
         NAME(attn_lanes_rows)(s, k_rows, k, v);
-        attn_lanes(s, k, v, start, j->scale);
+#if defined(ATTN_PAIRS)
+        attn_lanes(s, k, v, start, j->scale, 1);
+#else
+        attn_lanes(s, k, v, start, j->scale, 0);
+#endif
     }
     for (int64_t r = 0; r < n; ++r) {
         const int64_t row = first_row + r / G, head = kvh * G + r % G;
