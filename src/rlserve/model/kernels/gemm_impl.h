@@ -278,7 +278,9 @@ static void NAME(gemm_direct)(const void *job_ptr, int64_t begin, int64_t end) {
 static _Thread_local void *NAME(gemm_buffer);
 static _Thread_local int64_t NAME(gemm_buffer_bytes);
 
-/* Panels [begin, end) of a job: packed into this thread's buffer, then every row tile against each. */
+/* Panels [begin, end) of a job: packed into this thread's buffer, then every row tile against each,
+ * a panel at a time (its row tiles in turn, not each row tile over the task's panels: with the LM
+ * head's 49K outputs x 64 rows streamed from memory that ran 1.9-2.0x faster, 1.0-1.05x elsewhere). */
 static void NAME(gemm_panels)(const void *job_ptr, int64_t begin, int64_t end) {
     const struct NAME(gemm_job) *j = job_ptr;
     const char *buffer = j->packed + begin * j->panel_bytes;
@@ -294,11 +296,12 @@ static void NAME(gemm_panels)(const void *job_ptr, int64_t begin, int64_t end) {
             NAME(gemm_pack)(j->w, j->K, j->N, p * GEMM_PANEL_OUT, (char *)NAME(gemm_buffer) + (p - begin) * j->panel_bytes);
         buffer = NAME(gemm_buffer);
     }
-    for (int64_t r0 = 0; r0 < j->rows; r0 += GEMM_ROWS) {
-        const int64_t nr = j->rows - r0 < GEMM_ROWS ? j->rows - r0 : GEMM_ROWS;
-        for (int64_t p = begin; p < end; ++p) {
-            const void *panel = buffer + (p - begin) * j->panel_bytes;
-            const int64_t n0 = p * GEMM_PANEL_OUT;
+    const int64_t tiles = (j->rows + GEMM_ROWS - 1) / GEMM_ROWS;
+    for (int64_t p = begin; p < end; ++p) {
+        const void *panel = buffer + (p - begin) * j->panel_bytes;
+        const int64_t n0 = p * GEMM_PANEL_OUT;
+        for (int64_t t = 0; t < tiles; ++t) {
+            const int64_t r0 = t * GEMM_ROWS, nr = j->rows - r0 < GEMM_ROWS ? j->rows - r0 : GEMM_ROWS;
             /* the row count as a constant, so gemm_tile unrolls and its accumulators stay in registers */
 #define GEMM_STORE(rows) NAME(gemm_store)(j->x, panel, j->bias, j->out, j->out_f32, j->K, j->N, r0, n0, rows)
             switch (nr) {
