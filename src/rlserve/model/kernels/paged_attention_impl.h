@@ -315,6 +315,17 @@ static void NAME(attn_direct)(struct attn_state *s, const T *k_rows[KEYS], int64
 }
 #endif
 
+/* The K and V rows of up to `block_size` keys from `base` (a block's slice for one KV head), into L1. */
+static inline void NAME(attn_prefetch_block)(const T *k_cache, const T *v_cache, int64_t base, int64_t keys,
+                                             int64_t block_size, int64_t row, int64_t D) {
+    const int64_t n = keys < block_size ? keys : block_size, bytes = D * (int64_t)sizeof(T);
+    for (int64_t j = 0; j < n; ++j)
+        for (int64_t b = 0; b < bytes; b += 64) {
+            __builtin_prefetch((const char *)(k_cache + base + j * row) + b, 0, 3);
+            __builtin_prefetch((const char *)(v_cache + base + j * row) + b, 0, 3);
+        }
+}
+
 #if !defined(RLSERVE_ROW_INVARIANT)
 /* The default build's form for a tile of one row (a decode row): one dot product per query head
  * and K row, reduced across lanes. With only G query vectors to share a chunk, that beats
@@ -340,6 +351,9 @@ static inline __attribute__((always_inline)) void NAME(attend_one)(
     for (int64_t start = 0; start < len; start += block_size) {
         const int64_t n = len - start < block_size ? len - start : block_size;
         const int64_t base = (table[start / block_size] * block_size * KVH + kvh) * D;
+        if (start + block_size < len) /* the next block lies anywhere: fetch its rows while this one computes */
+            NAME(attn_prefetch_block)(k_cache, v_cache, (table[start / block_size + 1] * block_size * KVH + kvh) * D,
+                                      len - start - block_size, block_size, row, D);
         for (int64_t j = 0; j < n; ++j) {
             const T *k = k_cache + base + j * row;
             for (int64_t g = 0; g < G; ++g) {
