@@ -344,8 +344,9 @@ static inline void NAME(attn_prefetch_block)(const T *k_cache, const T *v_cache,
 
 #if !defined(RLSERVE_ROW_INVARIANT)
 /* The default build's form for a tile of one row (a decode row): one dot product per query head
- * and K row, reduced across lanes. With only G query vectors to share a chunk, that beats
- * staging the chunk transposed (~0.75x at 128 positions, 0.85x at 2,048). Its sums run in
+ * and K row, reduced across lanes. With only G query vectors to share a chunk, that beats the
+ * direct form in fp32 (0.9-0.98x at 64-2,048 positions, both prefetching) but not with bf16 pairs
+ * (1.13-1.32x there), so ATTN_PAIRS builds take the direct form for every row. Its sums run in
  * another order, so the batch-invariant build (RLSERVE_ROW_INVARIANT) keeps the tiled form for
  * every row: a decode row there equals the same position computed as a prompt row.
  * Inlined with D a constant for the common head sizes, so the loops over D unroll and a query
@@ -418,7 +419,7 @@ static void NAME(attend_items)(const void *job_ptr, int64_t begin, int64_t end) 
         const int64_t tile = item / KVH, kvh = item % KVH;
         const int64_t first_row = j->tiles[2 * tile], rows = j->tiles[2 * tile + 1];
         const int64_t *table = j->blocks + first_row * j->W;
-#if !defined(RLSERVE_ROW_INVARIANT)
+#if !defined(RLSERVE_ROW_INVARIANT) && !defined(ATTN_PAIRS)
         if (rows == 1) {
             const T *qb = j->q + first_row * j->q_stride + kvh * G * D;
             T *ob = j->out + (first_row * j->H + kvh * G) * D;
