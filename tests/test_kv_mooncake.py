@@ -1,5 +1,5 @@
 """kv_cache_offload.type = "mooncake": KV blocks in one Mooncake store (the real mooncake_master on 127.0.0.1)
-shared by several engines, as by the replicas of a deployment.
+shared by several engines, as by the replicas of a deployment (tensor-parallel ones included).
 
 Engine A computes a prompt and evicts it (its pool is too small to keep it past the fillers that follow);
 engine B, which never saw the prompt, then serves it from the store: it computes one block of it, and its
@@ -58,8 +58,9 @@ def dirs(tmp_path_factory):
     return make_model("tiny", root / "base", seed=0), make_model("tiny", root / "next", seed=1)
 
 
-def make_engine(model_dir, master=None) -> Engine:
+def make_engine(model_dir, master=None, tp: int = 1) -> Engine:
     cfg = Config()
+    cfg.parallel.tp = tp
     cfg.model.name = str(model_dir)
     cfg.model.max_model_len = POOL_BLOCKS * BLOCK
     cfg.engine.block_size = BLOCK
@@ -125,6 +126,26 @@ def test_replica_b_serves_the_prefix_replica_a_computed(dirs, master):
         assert b.stats.kv_offload_mooncake_rejected == 0
         assert_same(got_a, want)
         assert_same(got_b, want)
+    finally:
+        for e in (reference, a, b):
+            e.close()
+
+
+@pytest.mark.parametrize("tp_a, tp_b", [(2, 2), (1, 2)], ids=["tp2-tp2", "tp1-tp2"])
+def test_two_rank_replicas_reuse_prefixes_from_the_store(dirs, master, tp_a, tp_b):
+    """Under tensor parallelism the store keeps whole blocks (every rank's heads): a tp=2 replica loads a prefix
+    that a tp=2 or tp=1 replica computed, into each of its ranks, and answers as a tp=2 engine without the store."""
+    reference = make_engine(dirs[0], tp=2)
+    a, b = make_engine(dirs[0], master, tp=tp_a), make_engine(dirs[0], master, tp=tp_b)
+    try:
+        prompt = prompts(30 + tp_a, 1)[0]
+        want, _ = serve(reference, prompt)
+        serve(a, prompt)
+        evict_everything(a, seed=32)
+        got, computed = serve(b, prompt)
+        assert computed == 2 * TAIL  # the 8 full blocks came from the store
+        assert b.stats.kv_offload_mooncake_hits == 8 * BLOCK and b.stats.kv_offload_mooncake_rejected == 0
+        assert_same(got, want)
     finally:
         for e in (reference, a, b):
             e.close()
