@@ -219,7 +219,10 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_serve_starts_its_master_and_sigterm_stops_it(tmp_path):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_serve_starts_its_master_and_sigterm_stops_it(tmp_path, tp):
+    """A server (tp=2: with its worker rank) starts its master, reuses a prefix from the store, and SIGTERM stops
+    the master too."""
     _mooncake_or_skip()
     from conftest import start_server, stop_server
 
@@ -234,6 +237,8 @@ def test_serve_starts_its_master_and_sigterm_stops_it(tmp_path):
         "256",
         "--engine.block_size",
         str(BLOCK),
+        "--parallel.tp",
+        str(tp),
     )
     try:
         masters = [p for p in _children(proc.pid) if "mooncake_master" in Path(f"/proc/{p}/cmdline").read_text()]
