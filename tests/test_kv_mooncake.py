@@ -353,3 +353,56 @@ def test_config_errors_name_what_to_change(dirs, master):
     )
     with pytest.raises(ValueError, match="16 MiB"):
         Engine(cfg)
+
+
+LEASE_S = 10  # the master's default_kv_lease_ttl: a block's memory is not evicted sooner after its put or get
+
+
+def test_blocks_the_store_evicts_from_memory_are_read_back_from_its_disk(dirs, tmp_path):
+    """With kv_cache_offload.disk the master rlserve starts keeps every block under disk.path as well: once the
+    store's memory has evicted a prompt's blocks (their only replica is the disk one), another replica still
+    loads all of them, computing only the partial block, with the outputs of an engine without the store."""
+    _mooncake_or_skip()
+    from rlserve.config.schema import KVOffloadDiskConfig
+    from rlserve.deploy.mooncake import MooncakeMaster
+    from rlserve.engine.kv.pool import block_hash
+
+    master = MooncakeMaster(disk=KVOffloadDiskConfig(path=str(tmp_path)))
+    fs_dir = Path(master.fs_dir)
+    reference, a, b = make_engine(dirs[0]), make_engine(dirs[0], master), None
+    try:
+        prompt = prompts(40, 1)[0]
+        want, _ = serve(reference, prompt)
+        serve(a, prompt)
+        evict_everything(a, seed=41)
+        req = a.make_request("keys", prompt)
+        parent, keys = None, []
+        for i in range(8):  # the prompt's full blocks, as the store names them
+            parent = block_hash(parent, prompt[i * BLOCK : (i + 1) * BLOCK], a._cache_key(req))
+            keys.append(a.offload.key(parent))
+
+        def in_memory() -> int:  # reading a block's replicas counts as a use: the store then keeps it longer
+            return sum(any(r.is_memory_replica() for r in a.offload.store.get_replica_desc(k)) for k in keys)
+
+        # other blocks, until the store's memory (16 MiB) has turned over twice since the lease of the prompt's
+        # blocks ended; the deadline is a hang guard, not a speed bar
+        deadline, seed, kept = time.monotonic() + 600, 42, 8
+        while kept:
+            assert time.monotonic() < deadline, f"the store kept {kept} of the prompt's 8 blocks in memory"
+            since, start = a.stats.kv_offload_bytes_to_mooncake, time.monotonic()
+            while a.stats.kv_offload_bytes_to_mooncake - since < 2 * (16 << 20) or time.monotonic() - start < LEASE_S:
+                evict_everything(a, seed=seed)
+                seed += 1
+            kept = in_memory()
+        assert a.offload.enabled and len([p for p in fs_dir.rglob("*") if p.is_file()]) >= 8
+        b = make_engine(dirs[0], master)
+        got, computed = serve(b, prompt)
+        assert computed == 2 * TAIL
+        assert b.stats.kv_offload_mooncake_hits == 8 * BLOCK and b.stats.kv_offload_mooncake_rejected == 0
+        assert_same(got, want)
+    finally:
+        for e in (reference, a, b):
+            if e is not None:
+                e.close()
+        master.stop()
+    assert not fs_dir.exists()  # stopping the master removed its directory

@@ -15,7 +15,6 @@ and the engine recomputes what it would have loaded; a full store just skips the
 from __future__ import annotations
 
 import logging
-import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -121,19 +120,14 @@ class KVMooncake:
         self.metadata_of: Callable[[int], dict[str, torch.Tensor]] | None = None
         self.restore_metadata: Callable[[int, dict[str, torch.Tensor]], None] | None = None
         self.required_metadata: frozenset[str] = frozenset()
-        self.disk = None  # the store's own SSD offload, when configured, is accounted by the master
+        self.disk = None  # the store's disk (its master's root_fs_dir, deploy/mooncake.py) is the master's to account
         # put by this replica under the current weights (not put again), as many as its own share holds
         self._saved: OrderedDict[bytes, None] = OrderedDict()
         self._saved_cap = config.cpu.num_bytes // self.block_bytes
         # a lookup fetches the block (one round trip, not two): the load that follows it takes it from here
         self._fetched: OrderedDict[bytes, bytes] = OrderedDict()
-        self._ssd_dir: str | None = None
         store_class = import_store()
         self.store = store_class()
-        extra = {}
-        if config.disk is not None:
-            self._ssd_dir = tempfile.mkdtemp(prefix="rlserve-mooncake-", dir=config.disk.path)
-            extra = {"enable_ssd_offload": True, "ssd_offload_path": self._ssd_dir}
         rc = self.store.setup(
             mc.local_hostname,
             metadata_url(mc),
@@ -142,10 +136,8 @@ class KVMooncake:
             mc.protocol,
             "",
             mc.master_address,
-            **extra,
         )
         if rc != 0:
-            self._remove_ssd_dir()
             raise ValueError(
                 f"the Mooncake store at {mc.master_address} (metadata {metadata_url(mc)}) refused this "
                 f"client (setup returned {rc}): check that its master runs and the addresses"
@@ -274,16 +266,8 @@ class KVMooncake:
         self._saved.clear()
         self._fetched.clear()
 
-    def _remove_ssd_dir(self) -> None:
-        if self._ssd_dir is not None:
-            import shutil
-
-            shutil.rmtree(self._ssd_dir, ignore_errors=True)
-            self._ssd_dir = None
-
     def close(self) -> None:
         if self.store is not None:
             if self.enabled:  # with its master gone the client's close waits out its retries (~10 s)
                 self.store.close()
             self.store = None
-        self._remove_ssd_dir()
