@@ -1,5 +1,5 @@
 """kv_cache_offload.type = "mooncake": KV blocks in one Mooncake store (the real mooncake_master on 127.0.0.1)
-shared by several engines, as by the replicas of a deployment.
+shared by several engines, as by the replicas of a deployment (tensor-parallel ones included).
 
 Engine A computes a prompt and evicts it (its pool is too small to keep it past the fillers that follow);
 engine B, which never saw the prompt, then serves it from the store: it computes one block of it, and its
@@ -58,8 +58,9 @@ def dirs(tmp_path_factory):
     return make_model("tiny", root / "base", seed=0), make_model("tiny", root / "next", seed=1)
 
 
-def make_engine(model_dir, master=None) -> Engine:
+def make_engine(model_dir, master=None, tp: int = 1) -> Engine:
     cfg = Config()
+    cfg.parallel.tp = tp
     cfg.model.name = str(model_dir)
     cfg.model.max_model_len = POOL_BLOCKS * BLOCK
     cfg.engine.block_size = BLOCK
@@ -125,6 +126,26 @@ def test_replica_b_serves_the_prefix_replica_a_computed(dirs, master):
         assert b.stats.kv_offload_mooncake_rejected == 0
         assert_same(got_a, want)
         assert_same(got_b, want)
+    finally:
+        for e in (reference, a, b):
+            e.close()
+
+
+@pytest.mark.parametrize("tp_a, tp_b", [(2, 2), (1, 2)], ids=["tp2-tp2", "tp1-tp2"])
+def test_two_rank_replicas_reuse_prefixes_from_the_store(dirs, master, tp_a, tp_b):
+    """Under tensor parallelism the store keeps whole blocks (every rank's heads): a tp=2 replica loads a prefix
+    that a tp=2 or tp=1 replica computed, into each of its ranks, and answers as a tp=2 engine without the store."""
+    reference = make_engine(dirs[0], tp=2)
+    a, b = make_engine(dirs[0], master, tp=tp_a), make_engine(dirs[0], master, tp=tp_b)
+    try:
+        prompt = prompts(30 + tp_a, 1)[0]
+        want, _ = serve(reference, prompt)
+        serve(a, prompt)
+        evict_everything(a, seed=32)
+        got, computed = serve(b, prompt)
+        assert computed == 2 * TAIL  # the 8 full blocks came from the store
+        assert b.stats.kv_offload_mooncake_hits == 8 * BLOCK and b.stats.kv_offload_mooncake_rejected == 0
+        assert_same(got, want)
     finally:
         for e in (reference, a, b):
             e.close()
@@ -198,7 +219,10 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_serve_starts_its_master_and_sigterm_stops_it(tmp_path):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_serve_starts_its_master_and_sigterm_stops_it(tmp_path, tp):
+    """A server (tp=2: with its worker rank) starts its master, reuses a prefix from the store, and SIGTERM stops
+    the master too."""
     _mooncake_or_skip()
     from conftest import start_server, stop_server
 
@@ -213,6 +237,8 @@ def test_serve_starts_its_master_and_sigterm_stops_it(tmp_path):
         "256",
         "--engine.block_size",
         str(BLOCK),
+        "--parallel.tp",
+        str(tp),
     )
     try:
         masters = [p for p in _children(proc.pid) if "mooncake_master" in Path(f"/proc/{p}/cmdline").read_text()]
@@ -327,3 +353,56 @@ def test_config_errors_name_what_to_change(dirs, master):
     )
     with pytest.raises(ValueError, match="16 MiB"):
         Engine(cfg)
+
+
+LEASE_S = 10  # the master's default_kv_lease_ttl: a block's memory is not evicted sooner after its put or get
+
+
+def test_blocks_the_store_evicts_from_memory_are_read_back_from_its_disk(dirs, tmp_path):
+    """With kv_cache_offload.disk the master rlserve starts keeps every block under disk.path as well: once the
+    store's memory has evicted a prompt's blocks (their only replica is the disk one), another replica still
+    loads all of them, computing only the partial block, with the outputs of an engine without the store."""
+    _mooncake_or_skip()
+    from rlserve.config.schema import KVOffloadDiskConfig
+    from rlserve.deploy.mooncake import MooncakeMaster
+    from rlserve.engine.kv.pool import block_hash
+
+    master = MooncakeMaster(disk=KVOffloadDiskConfig(path=str(tmp_path)))
+    fs_dir = Path(master.fs_dir)
+    reference, a, b = make_engine(dirs[0]), make_engine(dirs[0], master), None
+    try:
+        prompt = prompts(40, 1)[0]
+        want, _ = serve(reference, prompt)
+        serve(a, prompt)
+        evict_everything(a, seed=41)
+        req = a.make_request("keys", prompt)
+        parent, keys = None, []
+        for i in range(8):  # the prompt's full blocks, as the store names them
+            parent = block_hash(parent, prompt[i * BLOCK : (i + 1) * BLOCK], a._cache_key(req))
+            keys.append(a.offload.key(parent))
+
+        def in_memory() -> int:  # reading a block's replicas counts as a use: the store then keeps it longer
+            return sum(any(r.is_memory_replica() for r in a.offload.store.get_replica_desc(k)) for k in keys)
+
+        # other blocks, until the store's memory (16 MiB) has turned over twice since the lease of the prompt's
+        # blocks ended; the deadline is a hang guard, not a speed bar
+        deadline, seed, kept = time.monotonic() + 600, 42, 8
+        while kept:
+            assert time.monotonic() < deadline, f"the store kept {kept} of the prompt's 8 blocks in memory"
+            since, start = a.stats.kv_offload_bytes_to_mooncake, time.monotonic()
+            while a.stats.kv_offload_bytes_to_mooncake - since < 2 * (16 << 20) or time.monotonic() - start < LEASE_S:
+                evict_everything(a, seed=seed)
+                seed += 1
+            kept = in_memory()
+        assert a.offload.enabled and len([p for p in fs_dir.rglob("*") if p.is_file()]) >= 8
+        b = make_engine(dirs[0], master)
+        got, computed = serve(b, prompt)
+        assert computed == 2 * TAIL
+        assert b.stats.kv_offload_mooncake_hits == 8 * BLOCK and b.stats.kv_offload_mooncake_rejected == 0
+        assert_same(got, want)
+    finally:
+        for e in (reference, a, b):
+            if e is not None:
+                e.close()
+        master.stop()
+    assert not fs_dir.exists()  # stopping the master removed its directory

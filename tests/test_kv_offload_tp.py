@@ -128,18 +128,6 @@ def test_router_replay_reports_experts_of_blocks_loaded_under_two_ranks(tmp_path
         engine.close()
 
 
-def test_mooncake_under_tensor_parallelism_is_refused_by_name(model_dir):
-    cfg = Config.model_validate(
-        {
-            "parallel": {"tp": 2},
-            "model": {"name": str(model_dir)},
-            "kv_cache_offload": {"type": "mooncake", "cpu": {"num_bytes": 1 << 20}},
-        }
-    )
-    with pytest.raises(ValueError, match=r"kv_cache_offload.type = 'mooncake' does not run under tensor parallel"):
-        Engine(cfg)
-
-
 def test_server_with_two_ranks_loads_prefixes_from_every_rank_tier_like_one_rank(model_dir, tmp_path):
     """A tp=2 server (config file, HTTP, SIGTERM): the second round's prompts come back from the tiers and
     answer as one rank with the same tiers; SIGTERM removes every rank's disk directory."""

@@ -253,13 +253,7 @@ def test_config_checks_say_what_to_change(base):
     in_thread = Config.model_validate({"parallel": {"tp": 2}, "engine": {"core_process": False}})
     with pytest.raises(ValueError, match="core_process"):
         check_parallel(in_thread)
-    from rlserve.engine.engine import Engine
-
-    # each rank holds a slice of every block's heads: moving rank 0's blocks alone would be wrong KV (native
-    # offload replays rank 0's moves on every rank: test_kv_offload_tp.py)
-    cfg = Config.model_validate({"parallel": {"tp": 2}, "model": {"name": str(base)}, "kv_transfer": {}})
-    with pytest.raises(ValueError, match=r"tensor parallelism yet; drop \[kv_transfer\]"):
-        Engine(cfg)
+    # P/D KV transfer and the Mooncake store run under tp now, with whole blocks (test_pd_tp.py)
 
 
 def test_server_refuses_a_tp_the_model_cannot_split(base):

@@ -1,7 +1,9 @@
 """The Mooncake master (with its HTTP metadata server) that kv_cache_offload.type = "mooncake" needs, started by
 rlserve when no master_address is configured: once per deployment (its replicas get the addresses) or by a
 single `rlserve serve`. It runs in its own session, dies with its parent (Linux), and stops with it: SIGTERM,
-then SIGKILL. Its warnings and errors go to rlserve's stderr; it writes no files."""
+then SIGKILL. Its warnings and errors go to rlserve's stderr. With kv_cache_offload.disk it gets a directory
+under disk.path as its storage root (`--root_fs_dir`): every client writes each block it puts there too, and a
+block the master evicts from memory is read back from there; the directory is removed when the master stops."""
 
 from __future__ import annotations
 
@@ -13,10 +15,11 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-from rlserve.config.schema import Config, KVMooncakeConfig
+from rlserve.config.schema import Config, KVMooncakeConfig, KVOffloadDiskConfig
 
 log = logging.getLogger("rlserve.mooncake")
 _PR_SET_PDEATHSIG = 1
@@ -65,11 +68,14 @@ def find_binary() -> str:
 class MooncakeMaster:
     """One mooncake_master process with its HTTP metadata server, on free ports of `host`."""
 
-    def __init__(self, host: str = "127.0.0.1", start_timeout_s: float = 30.0, disk: bool = False):
+    def __init__(self, host: str = "127.0.0.1", start_timeout_s: float = 30.0, disk: KVOffloadDiskConfig | None = None):
         self.host, self.disk = host, disk
         self.proc: subprocess.Popen | None = None
+        self.fs_dir: str | None = None
         binary = find_binary()
         try:
+            if disk is not None:
+                self.fs_dir = tempfile.mkdtemp(prefix="rlserve-mooncake-", dir=disk.path)
             for _ in range(3):  # a port taken between choosing and binding: choose again
                 self.rpc_port, self.http_port = _free_port(host), _free_port(host)
                 if self._start(binary, start_timeout_s):
@@ -107,8 +113,12 @@ class MooncakeMaster:
             "--logtostderr=true",
             "--minloglevel=1",
         ]
-        if self.disk:  # the replicas' kv_cache_offload.disk: blocks the memory evicts go to their local disks
-            argv += ["--enable_offload=true", "--offload_on_evict=true", "--promotion_on_hit=true"]
+        if self.fs_dir is not None:
+            # not the store's SSD offload (--enable_offload): with this wheel its master defers evicted blocks
+            # "for disk offload" every cycle and no client ever writes one (docs/kv-mooncake.md)
+            argv.append(f"--root_fs_dir={self.fs_dir}")
+            if self.disk.num_bytes:
+                argv.append(f"--quota_bytes={self.disk.num_bytes}")
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, preexec_fn=_child_setup)  # noqa: PLW1509 - setsid and prctl only
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -127,6 +137,9 @@ class MooncakeMaster:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.fs_dir is not None:
+            shutil.rmtree(self.fs_dir, ignore_errors=True)
+            self.fs_dir = None
 
     def configure(self, config: Config) -> Config:
         """The config with this master's addresses filled in (for the engines and replicas that use it)."""
@@ -143,6 +156,6 @@ def start_master_if_needed(config: Config) -> Config:
     at exit (the server's and the supervisor's exits run atexit), and return the config pointing at it."""
     if not needs_master(config):
         return config
-    master = MooncakeMaster(disk=config.kv_cache_offload.disk is not None)
+    master = MooncakeMaster(disk=config.kv_cache_offload.disk)
     atexit.register(master.stop)
     return master.configure(config)

@@ -37,6 +37,7 @@ from rlserve.engine.stats import EngineStats, engine_stats
 from rlserve.engine.stopping import finish_reason, prompt_ids
 from rlserve.engine.structured import DEAD_END, StructuredOutputs
 from rlserve.engine.tp.comm import attach, device_of_rank, expert_parallel
+from rlserve.engine.tp.kv_transfer import RankSlices, uses_kv_group
 from rlserve.engine.tp.leader import TensorParallelLeader
 from rlserve.engine.weights import StagedWeights, commit
 from rlserve.model.loader import eos_token_ids, load_model, resolve_model_dir
@@ -72,17 +73,6 @@ class Engine:
             )
         tp = config.parallel.tp
         check_tp(self.shape, tp, experts_whole=config.parallel.enable_expert_parallel)
-        # each rank holds its heads' slice of every block: the Mooncake store and transfer would move rank 0's alone
-        if tp > 1 and config.kv_cache_offload is not None and config.kv_cache_offload.type == "mooncake":
-            raise ValueError(
-                f"parallel.tp={tp}: kv_cache_offload.type = 'mooncake' does not run under tensor parallelism "
-                "yet; use type = 'native' (each rank keeps its slice) or set parallel.tp=1"
-            )
-        if tp > 1 and config.kv_transfer is not None:
-            raise ValueError(
-                f"parallel.tp={tp}: prefill/decode KV transfer does not run under tensor parallelism "
-                "yet; drop [kv_transfer] (or deployment.type = 'disaggregated') or set parallel.tp=1"
-            )
         if tp > 1 and self.device.type == "cuda":
             self.device = device_of_rank(self.device, 0)
         self.vocab_size = self.shape.vocab_size
@@ -138,6 +128,8 @@ class Engine:
         # no decode graphs under tp (they do not capture the step broadcast) or MoE (expert blocks size on the host)
         if self.device.type == "cuda" and not config.model.enforce_eager and self.shape.moe is None and tp == 1:
             self.runner.use_decode_graphs(ec.max_num_seqs, self.max_model_len)
+        # the store and the P/D wire hold whole blocks: rank 0 gathers and scatters its workers' head slices
+        slices = RankSlices(self.tp, self.runner.kv_cache, ec.block_size) if self.tp and uses_kv_group(config) else None
         self.offload: KVOffload | KVMooncake | None = None
         if config.kv_cache_offload is not None:
             if config.kv_cache_offload.type == "mooncake":  # one store shared by every replica
@@ -147,6 +139,7 @@ class Engine:
                     ec.block_size,
                     str(config.model.name),
                     lambda: self.weight_version,
+                    ranks=slices,
                 )
             else:
                 self.offload = KVOffload(config.kv_cache_offload, self.runner.kv_cache, ec.block_size, self.tp)
@@ -164,6 +157,7 @@ class Engine:
                 self._cache_key,
                 lambda: self.weight_generation,
                 self.runner.routing.block_metadata if self.runner.routing is not None else None,
+                slices,
             )
         generator = torch.Generator().manual_seed(config.seed)
         self.sampler = InvariantSampler(generator) if ec.batch_invariant else Sampler(generator, self.runner.kernels)

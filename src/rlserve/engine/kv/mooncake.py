@@ -4,9 +4,9 @@ The same interface as engine/kv_offload.py's KVOffload (the pool saves a cached 
 out again; a prefix that misses the pool is looked up here, block by block), but the blocks go to one store
 that every replica contributes `cpu.num_bytes` of DRAM to, so a prefix one replica computed is loaded by
 another. A block's key names the model, its KV shape and dtype, the weights (label and generation), the
-tensor-parallel rank and the chained prefix-cache hash (which already folds in the weights generation,
-adapter and cache_salt); its value is kv_format's checksummed block, checked on load against the hash,
-shape, dtype and generation asked for. So no block crosses a weight update or another model.
+rank (0: under tensor parallelism rank 0 stores whole blocks, engine/tp/kv_transfer.py) and the chained
+prefix-cache hash (which already folds in the weights generation, adapter and cache_salt); its value is
+kv_format's checksummed block, checked on load against the hash, shape, dtype and generation asked for. So no block crosses a weight update or another model.
 
 The store is best effort: when it fails (its master gone, a timeout), offload turns off with one warning
 and the engine recomputes what it would have loaded; a full store just skips the block.
@@ -15,17 +15,20 @@ and the engine recomputes what it would have loaded; a full store just skips the
 from __future__ import annotations
 
 import logging
-import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from rlserve.config.schema import KVMooncakeConfig, KVOffloadConfig
 from rlserve.engine.kv import format as kv_format
 from rlserve.engine.kv.format import BlockFormatError, KVBlock
+
+if TYPE_CHECKING:
+    from rlserve.engine.tp.kv_transfer import RankSlices
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +87,7 @@ class KVMooncake:
         model_name: str,
         weights: Callable[[], str],
         rank: int = 0,
+        ranks: RankSlices | None = None,
     ):
         mc = config.mooncake or KVMooncakeConfig()
         if not mc.master_address:
@@ -96,9 +100,11 @@ class KVMooncake:
                 "kv_cache_offload.type = 'mooncake' runs on the CPU engine only so far: use type = 'native'"
             )
         self.kv_cache, self.block_size = kv_cache, block_size
+        # tensor parallelism: the store keeps whole blocks (every rank's heads), so replicas of any tp share them
+        self.ranks, tp = ranks, ranks.tp if ranks is not None else 1
         layers, _, _, kv_heads, head_dim = kv_cache.shape
-        self.block_shape = (layers, 2, block_size, kv_heads, head_dim)
-        self.block_bytes = kv_cache[:, :, :block_size].numel() * kv_cache.element_size()
+        self.block_shape = (layers, 2, block_size, kv_heads * tp, head_dim)
+        self.block_bytes = kv_cache[:, :, :block_size].numel() * kv_cache.element_size() * tp
         if config.cpu.num_bytes < max(MIN_SEGMENT_BYTES, self.block_bytes):
             raise ValueError(
                 f"kv_cache_offload.cpu.num_bytes ({config.cpu.num_bytes}) is below what a replica can "
@@ -114,19 +120,14 @@ class KVMooncake:
         self.metadata_of: Callable[[int], dict[str, torch.Tensor]] | None = None
         self.restore_metadata: Callable[[int, dict[str, torch.Tensor]], None] | None = None
         self.required_metadata: frozenset[str] = frozenset()
-        self.disk = None  # the store's own SSD offload, when configured, is accounted by the master
+        self.disk = None  # the store's disk (its master's root_fs_dir, deploy/mooncake.py) is the master's to account
         # put by this replica under the current weights (not put again), as many as its own share holds
         self._saved: OrderedDict[bytes, None] = OrderedDict()
         self._saved_cap = config.cpu.num_bytes // self.block_bytes
         # a lookup fetches the block (one round trip, not two): the load that follows it takes it from here
         self._fetched: OrderedDict[bytes, bytes] = OrderedDict()
-        self._ssd_dir: str | None = None
         store_class = import_store()
         self.store = store_class()
-        extra = {}
-        if config.disk is not None:
-            self._ssd_dir = tempfile.mkdtemp(prefix="rlserve-mooncake-", dir=config.disk.path)
-            extra = {"enable_ssd_offload": True, "ssd_offload_path": self._ssd_dir}
         rc = self.store.setup(
             mc.local_hostname,
             metadata_url(mc),
@@ -135,10 +136,8 @@ class KVMooncake:
             mc.protocol,
             "",
             mc.master_address,
-            **extra,
         )
         if rc != 0:
-            self._remove_ssd_dir()
             raise ValueError(
                 f"the Mooncake store at {mc.master_address} (metadata {metadata_url(mc)}) refused this "
                 f"client (setup returned {rc}): check that its master runs and the addresses"
@@ -179,7 +178,8 @@ class KVMooncake:
         if not self.enabled or h in self._saved:
             return
         metadata = {k: v.cpu().clone() for k, v in self.metadata_of(block).items()} if self.metadata_of else {}
-        parts = kv_format.encode_parts(KVBlock(h, self._pool_block(block), self.weight_generation, metadata))
+        kv = self.ranks.gather([block])[0] if self.ranks is not None else self._pool_block(block)
+        parts = kv_format.encode_parts(KVBlock(h, kv, self.weight_generation, metadata))
         try:
             rc = self.store.put_parts(self.key(h), *parts)
         except Exception as e:  # noqa: BLE001 - any store error turns offload off, never the engine
@@ -246,7 +246,10 @@ class KVMooncake:
             return False
         if self.restore_metadata is not None:
             self.restore_metadata(block, found.metadata)
-        self._pool_block(block).copy_(found.kv)
+        if self.ranks is not None:  # every rank's heads, before the step that reads them
+            self.ranks.write([block], [found.kv])
+        else:
+            self._pool_block(block).copy_(found.kv)
         self.stats.bytes_from_mooncake += len(data)
         self.stats.mooncake_hits += self.block_size
         self.stats.mooncake_load_seconds += time.perf_counter() - start
@@ -263,16 +266,8 @@ class KVMooncake:
         self._saved.clear()
         self._fetched.clear()
 
-    def _remove_ssd_dir(self) -> None:
-        if self._ssd_dir is not None:
-            import shutil
-
-            shutil.rmtree(self._ssd_dir, ignore_errors=True)
-            self._ssd_dir = None
-
     def close(self) -> None:
         if self.store is not None:
             if self.enabled:  # with its master gone the client's close waits out its retries (~10 s)
                 self.store.close()
             self.store = None
-        self._remove_ssd_dir()

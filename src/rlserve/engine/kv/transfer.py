@@ -19,6 +19,9 @@ with each block: P sends a pinned block's rows with its KV, D receives them stra
 the reserved block. A D that keeps them pulls only from a P whose blocks carry them (its
 `kv_transfer_params.block_metadata` says so); otherwise it prefills locally, never leaving zeros.
 
+Under tensor parallelism the wire still carries whole blocks (every KV head), so servers of any tp pair up:
+rank 0 gathers and scatters its workers' head slices (engine/tp/kv_transfer.py).
+
 The wire and the prefill side's block server are engine/kv/wire.py.
 """
 
@@ -44,6 +47,7 @@ if TYPE_CHECKING:
     from rlserve.engine.kv.pool import BlockPool
     from rlserve.engine.scheduler import Scheduler
     from rlserve.engine.sequence import Request, Sequence
+    from rlserve.engine.tp.kv_transfer import RankSlices
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +93,7 @@ class _Pin:
     heads: list[bytes]
     digests: list[bytes]
     serving: int = 0  # connections reading it now: the timeout waits for them
+    whole: torch.Tensor | None = None  # tensor parallelism: every rank's slices put together at pin time
 
 
 @dataclass(slots=True)
@@ -120,13 +125,15 @@ class KVTransfer:
         cache_key: Callable[[Request], bytes],
         weight_generation: Callable[[], int],
         block_metadata: Callable[[int], dict[str, torch.Tensor]] | None = None,
+        ranks: RankSlices | None = None,
     ):
         self.config = config
         self.pool, self.kv_cache, self.scheduler = pool, kv_cache, scheduler
         self.cache_key, self.weight_generation = cache_key, weight_generation
         layers, _, _, kv_heads, head_dim = self.kv_cache.shape
         self.block_size = pool.block_size
-        self.block_shape = (layers, 2, self.block_size, kv_heads, head_dim)
+        self.ranks = ranks  # tensor parallelism: this pool holds 1/tp of each block's heads, the wire all of them
+        self.block_shape = (layers, 2, self.block_size, kv_heads * (ranks.tp if ranks else 1), head_dim)
         self.block_metadata = block_metadata or (lambda block: {})
         self.metadata = _metadata_specs(self.block_metadata(0))
         self.stats = TransferStats()
@@ -136,7 +143,7 @@ class KVTransfer:
         self.landed: queue.SimpleQueue[_Landing] = queue.SimpleQueue()
         self.pulling = 0
         self.wake: Callable[[], None] = lambda: None  # the engine loop's wakeup: a landed pull is handled at once
-        cpu = self.kv_cache.device.type == "cpu" and self.kv_cache.is_contiguous()
+        cpu = ranks is None and self.kv_cache.device.type == "cpu" and self.kv_cache.is_contiguous()
         self.pool_blocks = kv_format.PoolBlocks(self.kv_cache, self.block_size) if cpu else None
         self.server = BlockServer(config.host, config.port, self._blocks, self._served, config.pull_timeout_s)
         self.engine_id = f"rlserve-{config.host}:{self.server.port}"
@@ -173,10 +180,10 @@ class KVTransfer:
                 kv_format.kv_parts(h, generation, shape, dtype, self._views(b, md), head, metadata=md)[-1]
                 for b, h, head in zip(blocks, hashes, heads)
             ]
+        whole = self.ranks.gather(blocks) if self.ranks is not None and blocks else None
+        deadline = time.monotonic() + self.config.pin_timeout_s
         with self.lock:
-            self.pins[tid] = _Pin(
-                req.request_id, blocks, hashes, generation, time.monotonic() + self.config.pin_timeout_s, heads, digests
-            )
+            self.pins[tid] = _Pin(req.request_id, blocks, hashes, generation, deadline, heads, digests, whole=whole)
         self.stats.pinned += 1
         req.kv_transfer_out = {
             "do_remote_prefill": True,
@@ -233,8 +240,10 @@ class KVTransfer:
                 b = pin.blocks[i]
                 if self.pool_blocks is not None:
                     views = self._views(b, metadata)
-                else:  # device to host: no host threads
-                    host = self.kv_cache[:, :, b * bs : (b + 1) * bs].to("cpu")
+                else:  # device to host (no host threads), or the whole block tensor parallelism gathered
+                    host = (
+                        pin.whole[i] if pin.whole is not None else self.kv_cache[:, :, b * bs : (b + 1) * bs].to("cpu")
+                    )
                     views = kv_format.tensor_views(host) + self._views(b, metadata)
                 yield kv_format.kv_parts(
                     pin.hashes[i],
@@ -430,7 +439,7 @@ class KVTransfer:
                 req.request_id,
             )
             return 0
-        written, bs = 0, self.block_size
+        written, bs, writes = 0, self.block_size, []
         for h, (got_hash, generation), b in zip(hashes[landing.first :], landing.got, landing.blocks):
             if got_hash != h or generation != self.weight_generation():
                 log.info(
@@ -442,7 +451,7 @@ class KVTransfer:
             cached = self.pool.lookup(h)
             if cached is None:
                 if landing.staging:
-                    self.kv_cache[:, :, b * bs : (b + 1) * bs].copy_(landing.staging[written])
+                    writes.append((b, landing.staging[written]))
                 self.pool.register(b, h)
                 req.held_blocks.append(b)
             else:  # computed here meanwhile: use that one
@@ -450,6 +459,11 @@ class KVTransfer:
                 req.held_blocks.append(cached)
                 self.pool.release(b)
             written += 1
+        if self.ranks is not None:  # every rank's heads, before the next step can read them
+            self.ranks.write([b for b, _ in writes], [t for _, t in writes])
+        else:
+            for b, t in writes:
+                self.kv_cache[:, :, b * bs : (b + 1) * bs].copy_(t)
         return written
 
     # ---- between two steps ----------------------------------------------------------------

@@ -121,7 +121,20 @@ class Stop(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
-ToWorker = Step | Stage | Commit | Discard | RemoveAdapter | Stop
+class KVGather(msgspec.Struct, tag=True, array_like=True):
+    """P/D transfer (tp/kv_transfer.py): send rank 0 this rank's slice of these pool blocks over the kv group."""
+
+    blocks: list[int]
+
+
+class KVWrite(msgspec.Struct, tag=True, array_like=True):
+    """P/D transfer: this rank's slice of pulled blocks, `[layers, 2, len(blocks) * block_size, heads, dim]`."""
+
+    blocks: list[int]
+    kv: Tensor
+
+
+ToWorker = Step | Stage | Commit | Discard | RemoveAdapter | Stop | KVGather | KVWrite
 
 # ---- wire: workers -> rank 0 ---------------------------------------------------------------
 

@@ -49,6 +49,7 @@ from rlserve.engine.tp.comm import (
     send_bytes,
     to_leader,
 )
+from rlserve.engine.tp.kv_transfer import uses_kv_group
 from rlserve.model.batch import AttentionBatch
 from rlserve.model.llama import CausalLM
 
@@ -102,6 +103,8 @@ class TensorParallelLeader:
             # every worker is up and creating these same groups now
             self.step_group = make_group(self.store, "step", 0, self.tp, self.backend)
             self.weights_group = make_group(self.store, "weights", 0, self.tp, "gloo")
+            # whole KV blocks are gathered on a group of their own: the weights group serves staged work meanwhile
+            self.kv_group = make_group(self.store, "kv", 0, self.tp, "gloo") if uses_kv_group(config) else None
         except BaseException:
             self.close()
             raise

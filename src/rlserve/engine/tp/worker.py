@@ -24,6 +24,8 @@ from rlserve.engine.tp.comm import (
     Commit,
     Died,
     Discard,
+    KVGather,
+    KVWrite,
     Loaded,
     RemoveAdapter,
     Stage,
@@ -40,6 +42,7 @@ from rlserve.engine.tp.comm import (
     send_bytes,
     to_worker,
 )
+from rlserve.engine.tp.kv_transfer import serve_gather, uses_kv_group, write_slice
 from rlserve.model.batch import AttentionBatch, CascadePlan, PrefillSeq
 from rlserve.model.tensor_parallel import shard
 
@@ -92,6 +95,8 @@ class Worker:
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.step_group = make_group(store, "step", self.rank, self.tp, backend)
         self.weights_group = make_group(store, "weights", self.rank, self.tp, "gloo")
+        if uses_kv_group(self.config):  # as rank 0 makes them, in the same order (tp/kv_transfer.py)
+            self.kv_group = make_group(store, "kv", self.rank, self.tp, "gloo")
         attach(self.model, self.step_group, self.rank, self.config)
 
     def reply(self, msg: Any) -> None:
@@ -228,6 +233,12 @@ class Worker:
                     self.staged.pop(msg.call_id, None)
             elif isinstance(msg, RemoveAdapter):
                 self.adapters.pop(msg.name, None)
+            elif isinstance(msg, KVGather):
+                serve_gather(
+                    self.kv_group, self.runner.kv_cache, self.config.engine.block_size, self.rank, self.tp, msg
+                )
+            elif isinstance(msg, KVWrite):
+                write_slice(self.runner.kv_cache, msg.blocks, self.config.engine.block_size, msg.kv.to(self.device))
             else:
                 return
 
