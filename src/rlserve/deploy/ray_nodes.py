@@ -175,6 +175,15 @@ def _join_expert_groups(config: Config, replicas: list[RayReplica], ips: dict[in
         )
 
 
+def new_rendezvous(config: Config, replicas: list[RayReplica]) -> None:
+    """A Wide-EP group restarting as a whole meets on a fresh port (the old one's store may still be held by a
+    member on its way out), unless parallel.data_parallel_rpc_port pins it."""
+    if config.parallel.data_parallel_rpc_port is None:
+        port = free_port("127.0.0.1")
+        for replica in replicas:
+            replica.config["parallel"]["data_parallel_rpc_port"] = port
+
+
 def _bundle_ips(group) -> dict[int, str]:
     """Bundle index -> the IP of the node Ray placed it on."""
     nodes = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}

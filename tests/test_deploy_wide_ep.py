@@ -1,0 +1,185 @@
+"""Wide-EP (multi_node with enable_expert_parallel) on a local two-node Ray cluster: the two nodes' servers are one
+expert group, so one that dies breaks the group. The supervisor then restarts the whole group into a fresh
+rendezvous at once, without waiting for the survivor's collectives to time out (the test sets that timeout far
+beyond its own hang guard, so a recovery that waited for it could not pass), and the group serves again at the
+deployment's weights; SIGTERM then leaves no process behind. prime-rl's docs' Wide-EP block serves as written: 16
+ranks over the two nodes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import server_log
+from deploy_helpers import alive, descendants, local_ray_cluster, replicas, start_deployment, stop_deployment, wait_for
+from rlserve.model.make import PRESETS, make_model
+from test_moe import hf_experts
+from test_server_moe import decode
+from test_server_rl import choice_lps, generate, hf_check
+
+ray = pytest.importorskip("ray")
+PROMPT = [11, 22, 33, 44, 55]
+BLOCK = Path(__file__).parent / "fixtures" / "prime_rl_docs" / "05_wide_ep.toml"
+NEVER_S = 3600  # the survivors' collective timeout: far beyond every hang guard below
+PHASES = [(1, signal.SIGKILL, (0, 1)), (0, signal.SIGKILL, ()), (1, signal.SIGSTOP, (0,))]  # victim, how, busy
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with local_ray_cluster(num_nodes=2) as c:
+        yield c
+
+
+def _group_restarted(admin: str, restarts: int) -> list[dict] | None:
+    rows = sorted(replicas(admin), key=lambda r: r["index"])
+    done = all(r["status"] == "serving" and r["restarts"] == restarts for r in rows)
+    return rows if done else None
+
+
+def _tree(rows: list[dict]) -> list[int]:
+    """Every server's process and its engine processes (the local cluster's nodes run on this machine)."""
+    return [pid for r in rows for pid in (r["pid"], *descendants(r["pid"]))]
+
+
+def _long_generations(urls: list[str]) -> tuple[list[threading.Thread], list, threading.Event]:
+    """One streamed generation on each server, long enough to be running when a server is killed; `started` is
+    set once every one has its first tokens."""
+    outcomes: list = []
+    started, seen = threading.Event(), set()
+
+    def run(url: str) -> None:
+        body = {"prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True, "stream": True, "temperature": 0}
+        try:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        seen.add(url)
+                        if len(seen) == len(urls):
+                            started.set()
+                outcomes.append(r.status_code)
+        except httpx.HTTPError as exc:  # the killed server's connection drops: a clear end, not a hang
+            outcomes.append(exc)
+
+    if not urls:
+        started.set()
+    threads = [threading.Thread(target=run, args=(u,), daemon=True) for u in urls]
+    for t in threads:
+        t.start()
+    return threads, outcomes, started
+
+
+def test_a_killed_wide_ep_server_restarts_its_whole_group(cluster, tmp_path):
+    """Kill a server with requests in flight on both, then the other (the rendezvous host) while idle, then freeze
+    one (SIGSTOP) with a request in flight on the other: each time every server of the group restarts, the old
+    processes of both are gone, and the group serves the updated weights again: the pre-kill tokens, logprobs and
+    routed experts, which match transformers."""
+    make_model("tiny-moe", tmp_path / "base", seed=0)
+    step1 = make_model("tiny-moe", tmp_path / "step-1", seed=1)
+    public, admin, proc = start_deployment(
+        "--model.name", str(tmp_path / "base"), "--weight_roots", json.dumps([str(tmp_path)]),
+        "--deployment.type", "multi_node", "--deployment.num_nodes", "2", "--deployment.ray_address", cluster.address,
+        "--parallel.dp", "2", "--parallel.enable_expert_parallel", "true",
+        "--parallel.expert_group_timeout_s", str(NEVER_S), "--enable_return_routed_experts",
+        "--engine.kv_cache_bytes", str(16 << 20), "--max_model_len", "4096",
+        timeout=400,
+    )  # fmt: skip
+    try:
+        r = httpx.post(f"{admin}/update_weights", json={"weight_dir": str(step1), "weight_version": "s1"}, timeout=300)
+        assert r.status_code == 200, r.text
+        hf = AutoModelForCausalLM.from_pretrained(step1, dtype=torch.float32).eval()
+        before = generate(public, PROMPT)["choices"][0]
+        assert before["policy_version"] == 1
+        hf_check(step1, PROMPT, before)
+        routed = decode(before["routed_experts"])
+        np.testing.assert_array_equal(routed, hf_experts(hf, (PROMPT + before["token_ids"])[:-1]))
+
+        rows = sorted(replicas(admin), key=lambda r: r["index"])
+        # node 1's server killed mid-generation, node 0's (the rendezvous host) killed idle, node 1's frozen with
+        # a generation on node 0 (its engines then wait in collectives with the frozen one: only a restart ends it)
+        for restarts, (victim, sig, busy) in enumerate(PHASES, 1):
+            threads, outcomes, started = _long_generations([r["url"] for r in rows if r["index"] in busy])
+            assert started.wait(300), "the long generations did not start"
+            old = _tree(rows)
+            pid = rows[victim]["pid"]
+            for target in [pid, *descendants(pid)] if sig == signal.SIGSTOP else [pid]:  # frozen: all its processes
+                os.kill(target, sig)
+            rows = wait_for(lambda n=restarts: _group_restarted(admin, n), 600, "the whole group to restart")
+            assert not any(alive(pid) for pid in old), "a process of the broken group outlived its restart"
+            for t in threads:  # the in-flight generations ended (cut off or finished), none hangs
+                t.join(300)
+                assert not t.is_alive()
+            assert len(outcomes) == len(busy)
+            for url in (public, *(r["url"] for r in rows)):  # the group serves s1 again, on either node's server
+                after = generate(url, PROMPT)["choices"][0]
+                assert (after["policy_version"], after["token_ids"]) == (1, before["token_ids"])
+                np.testing.assert_allclose(choice_lps(after), choice_lps(before), atol=1e-5)
+                np.testing.assert_array_equal(decode(after["routed_experts"]), routed)
+            assert {(r["policy_version"], r["weight_version"]) for r in rows} == {(1, "s1")}
+        router_pid = httpx.get(f"{admin}/deployment", timeout=30).json()["router_pid"]
+        tree = [*descendants(proc.pid), router_pid, *_tree(rows)]
+    except BaseException:
+        stop_deployment(proc)
+        raise
+    proc.send_signal(signal.SIGTERM)
+    try:
+        assert proc.wait(timeout=120) == 0, server_log(proc)[-4000:]
+        wait_for(lambda: not any(alive(pid) for pid in tree), 60, "every server, engine and the router to exit")
+    finally:
+        stop_deployment(proc)
+
+
+def _cmdlines(pids: list[int]) -> list[bytes]:
+    out = []
+    for pid in pids:
+        try:
+            out.append(open(f"/proc/{pid}/cmdline", "rb").read())
+        except OSError:
+            continue
+    return out
+
+
+def test_the_docs_wide_ep_block_serves_as_written(cluster, tmp_path):
+    """prime-rl's Wide-EP block (multi_node, num_nodes = 2, enable_expert_parallel, tp = 2, dp = 8) with its model
+    replaced by a tiny MoE of 16 experts, one a rank (tiny-moe's 8 cannot spread over 16 ranks): a server on each
+    node with 4 engines of 2 ranks, all 16 ranks one expert group; answers and routed experts match transformers on
+    both servers. A server's 8 ranks outnumber this machine's cores, which rlserve refuses unless
+    parallel.oversubscribe_cpu says to share them."""
+    PRESETS["tiny-moe-16"] = {**PRESETS["tiny-moe"], "num_experts": 16}
+    try:
+        moe = make_model("tiny-moe-16", tmp_path / "moe-16", seed=0)
+    finally:
+        del PRESETS["tiny-moe-16"]
+    block = BLOCK.read_text()
+    assert '"PrimeIntellect/INTELLECT-3"' in block
+    (tmp_path / "block.toml").write_text(block.replace('"PrimeIntellect/INTELLECT-3"', json.dumps(str(moe))))
+    args = ("@", str(tmp_path / "block.toml"), "--deployment.ray_address", cluster.address,
+            "--engine.kv_cache_bytes", str(16 << 20), "--enable_return_routed_experts")  # fmt: skip
+    if (os.cpu_count() or 1) < 8:  # what a user of a small machine meets first
+        with pytest.raises(RuntimeError, match="needs that many CPU cores.*parallel.oversubscribe_cpu"):
+            stop_deployment(start_deployment(*args, timeout=400)[2])
+    public, admin, proc = start_deployment(*args, "--parallel.oversubscribe_cpu", "true", timeout=600)
+    try:
+        rows = sorted(replicas(admin), key=lambda r: r["index"])
+        assert [r["status"] for r in rows] == ["serving", "serving"]
+        for row in rows:  # each node's server: 4 engines (data-parallel ranks), each a core process and a tp worker
+            assert httpx.get(f"{row['url']}/get_world_size", timeout=60).json() == {"world_size": 4}
+            lines = _cmdlines(descendants(row["pid"]))
+            assert sum(b"rlserve.runtime.core" in c for c in lines) == 4
+            assert sum(b"rlserve.engine.tp.worker" in c for c in lines) == 4
+        hf = AutoModelForCausalLM.from_pretrained(moe, dtype=torch.float32).eval()
+        for url in (public, *(r["url"] for r in rows)):
+            choice = generate(url, PROMPT)["choices"][0]
+            hf_check(moe, PROMPT, choice)
+            forwarded = (PROMPT + choice["token_ids"])[:-1]
+            np.testing.assert_array_equal(decode(choice["routed_experts"]), hf_experts(hf, forwarded))
+    finally:
+        stop_deployment(proc)
