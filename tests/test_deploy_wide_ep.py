@@ -3,7 +3,7 @@ expert group, so one that dies breaks the group. The supervisor then restarts th
 rendezvous at once, without waiting for the survivor's collectives to time out (the test sets that timeout far
 beyond its own hang guard, so a recovery that waited for it could not pass), and the group serves again at the
 deployment's weights; SIGTERM then leaves no process behind. prime-rl's docs' Wide-EP block serves as written: 16
-ranks over the two nodes."""
+ranks over the two nodes; the qwen3-30b-a3b-mini preset with its experts on both nodes matches transformers."""
 
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ from transformers import AutoModelForCausalLM
 
 from conftest import server_log
 from deploy_helpers import alive, descendants, local_ray_cluster, replicas, start_deployment, stop_deployment, wait_for
-from rlserve.model.make import PRESETS, make_model
+from rlserve.model.make import PRESETS, bench_cache_dir, make_model
 from test_moe import hf_experts
+from test_pd import metric
 from test_server_moe import decode
 from test_server_rl import choice_lps, generate, hf_check
 
@@ -181,5 +182,38 @@ def test_the_docs_wide_ep_block_serves_as_written(cluster, tmp_path):
             hf_check(moe, PROMPT, choice)
             forwarded = (PROMPT + choice["token_ids"])[:-1]
             np.testing.assert_array_equal(decode(choice["routed_experts"]), hf_experts(hf, forwarded))
+    finally:
+        stop_deployment(proc)
+
+
+def test_qwen3_30b_a3b_mini_with_its_experts_on_two_nodes_matches_transformers(cluster):
+    """The qwen3-30b-a3b-mini preset (128 experts, top-8, 12 sparse layers) under Wide-EP: one engine on each
+    node's server, 64 experts each, tokens crossing nodes by all-to-all. Greedy tokens and routed experts equal
+    transformers'; logprobs to 2e-3, transformers' own spread on this model (tests/test_moe_mini.py)."""
+    model = make_model("qwen3-30b-a3b-mini", bench_cache_dir() / "qwen3-30b-a3b-mini")  # built once per machine
+    public, admin, proc = start_deployment(
+        "--model.name", str(model), "--deployment.type", "multi_node", "--deployment.num_nodes", "2",
+        "--deployment.ray_address", cluster.address, "--parallel.dp", "2", "--parallel.enable_expert_parallel", "true",
+        "--enable_return_routed_experts", "--engine.kv_cache_bytes", str(32 << 20),
+        timeout=600,
+    )  # fmt: skip
+    try:
+        rows = sorted(replicas(admin), key=lambda r: r["index"])
+        hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+        urls = (rows[0]["url"], rows[1]["url"], public)
+        for url, prompt in zip(urls, ([11, 22, 33, 44, 55], [100, 7, 300, 9], PROMPT)):
+            choice = generate(url, prompt)["choices"][0]
+            ids = choice["token_ids"]
+            ref = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=len(ids), do_sample=False, eos_token_id=None, pad_token_id=0
+            )
+            assert ids == ref[0, len(prompt) :].tolist()
+            with torch.no_grad():
+                logits = hf(torch.tensor([prompt + ids])).logits[0].float()
+            lp = torch.log_softmax(logits[len(prompt) - 1 : -1], -1).gather(1, torch.tensor(ids).unsqueeze(1))
+            np.testing.assert_allclose(choice_lps(choice), lp.squeeze(1).numpy(), atol=2e-3)
+            np.testing.assert_array_equal(decode(choice["routed_experts"]), hf_experts(hf, (prompt + ids)[:-1]))
+        for row in rows:  # both nodes' engines exchanged tokens
+            assert metric(row["url"], "rlserve:ep_all_to_alls_total") > 0
     finally:
         stop_deployment(proc)
