@@ -195,12 +195,19 @@ class Deployment:
             for slot in slots:
                 slot.replica.start()  # on the event loop's thread: children die with the thread that forked them
                 slot.incarnation += 1
-            urls = await asyncio.gather(*(self._wait_ready(s) for s in slots), return_exceptions=True)
-            failed = [(s, u) for s, u in zip(slots, urls) if isinstance(u, BaseException)]
+            waits = [asyncio.ensure_future(self._wait_ready(s)) for s in slots]
+            # the first failure settles it: a group's other members would wait at its rendezvous for the failed one
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_EXCEPTION)
+            finally:  # also when the deployment stops meanwhile
+                for w in waits:
+                    if not w.done():
+                        w.cancel()
+            failed = [(s, w.exception()) for s, w in zip(slots, waits) if not w.cancelled() and w.exception()]
             if not failed:
+                urls = [w.result() for w in waits]
                 break
-            # a group's members that did start wait at its rendezvous for the one that did not: all start again
-            why = "; ".join(f"{s.name} did not start: {u}" for s, u in failed)
+            why = "; ".join(f"{s.name} did not start: {e}" for s, e in failed)
             log.error("%s; starting %s again in %.0f s", why, ", ".join(s.name for s in slots), RESTART_RETRY_S)
             for slot in slots:
                 slot.detail = why
