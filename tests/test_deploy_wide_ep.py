@@ -40,10 +40,22 @@ def cluster():
         yield c
 
 
-def _group_restarted(admin: str, restarts: int) -> list[dict] | None:
+def _group_restarted(admin: str, restarts: int, at_least: bool = False) -> list[dict] | None:
+    """Both servers serving after `restarts` restarts each (or more, all members the same count)."""
     rows = sorted(replicas(admin), key=lambda r: r["index"])
-    done = all(r["status"] == "serving" and r["restarts"] == restarts for r in rows)
-    return rows if done else None
+    counts = {r["restarts"] for r in rows}
+    done = all(r["status"] == "serving" for r in rows) and len(counts) == 1
+    return rows if done and (counts.pop() >= restarts if at_least else counts == {restarts}) else None
+
+
+def _serves_as_before(public: str, rows: list[dict], before: dict, routed: np.ndarray) -> None:
+    """The group serves s1 again, through the router and on either node's server: the pre-kill answer."""
+    for url in (public, *(r["url"] for r in rows)):
+        after = generate(url, PROMPT)["choices"][0]
+        assert (after["policy_version"], after["token_ids"]) == (1, before["token_ids"])
+        np.testing.assert_allclose(choice_lps(after), choice_lps(before), atol=1e-5)
+        np.testing.assert_array_equal(decode(after["routed_experts"]), routed)
+    assert {(r["policy_version"], r["weight_version"]) for r in rows} == {(1, "s1")}
 
 
 def _tree(rows: list[dict]) -> list[int]:
@@ -82,7 +94,7 @@ def test_a_killed_wide_ep_server_restarts_its_whole_group(cluster, tmp_path):
     """Kill a server with requests in flight on both, then the other (the rendezvous host) while idle, then freeze
     one (SIGSTOP) with a request in flight on the other: each time every server of the group restarts, the old
     processes of both are gone, and the group serves the updated weights again: the pre-kill tokens, logprobs and
-    routed experts, which match transformers."""
+    routed experts, which match transformers. Then a kill whose restart fails: the group starts again."""
     make_model("tiny-moe", tmp_path / "base", seed=0)
     step1 = make_model("tiny-moe", tmp_path / "step-1", seed=1)
     public, admin, proc = start_deployment(
@@ -119,12 +131,15 @@ def test_a_killed_wide_ep_server_restarts_its_whole_group(cluster, tmp_path):
                 t.join(300)
                 assert not t.is_alive()
             assert len(outcomes) == len(busy)
-            for url in (public, *(r["url"] for r in rows)):  # the group serves s1 again, on either node's server
-                after = generate(url, PROMPT)["choices"][0]
-                assert (after["policy_version"], after["token_ids"]) == (1, before["token_ids"])
-                np.testing.assert_allclose(choice_lps(after), choice_lps(before), atol=1e-5)
-                np.testing.assert_array_equal(decode(after["routed_experts"]), routed)
-            assert {(r["policy_version"], r["weight_version"]) for r in rows} == {(1, "s1")}
+            _serves_as_before(public, rows, before, routed)
+        # a restart that cannot succeed (the servers' model directory gone) is tried again, the group as a whole,
+        # until it can
+        (tmp_path / "base").rename(tmp_path / "away")
+        os.kill(rows[1]["pid"], signal.SIGKILL)
+        wait_for(lambda: all("did not start" in r["detail"] for r in replicas(admin)), 600, "a failed restart")
+        (tmp_path / "away").rename(tmp_path / "base")
+        rows = wait_for(lambda: _group_restarted(admin, len(PHASES) + 2, True), 600, "the group to start again")
+        _serves_as_before(public, rows, before, routed)
         router_pid = httpx.get(f"{admin}/deployment", timeout=30).json()["router_pid"]
         tree = [*descendants(proc.pid), router_pid, *_tree(rows)]
     except BaseException:

@@ -106,7 +106,10 @@ class RayReplica:
         self._exit = ActorExit(self.actor)
 
     def wait_listening(self, timeout_s: float) -> str:
-        url = ray.get(self._url_ref, timeout=timeout_s)
+        try:
+            url = ray.get(self._url_ref, timeout=timeout_s)
+        except ray.exceptions.RayTaskError as exc:  # the node's own words ("replica 1 exited ..."), not Ray's wrapping
+            raise RuntimeError(str(getattr(exc, "cause", None) or exc)) from None
         self.pid = ray.get(self.actor.pid.remote(), timeout=timeout_s)
         return url
 

@@ -203,7 +203,10 @@ class Deployment:
                 for w in waits:
                     if not w.done():
                         w.cancel()
-            failed = [(s, w.exception()) for s, w in zip(slots, waits) if not w.cancelled() and w.exception()]
+            # a wait just cancelled is not done yet: only the finished ones say how they ended
+            failed = [
+                (s, w.exception()) for s, w in zip(slots, waits) if w.done() and not w.cancelled() and w.exception()
+            ]
             if not failed:
                 urls = [w.result() for w in waits]
                 break
