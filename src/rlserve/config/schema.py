@@ -261,6 +261,18 @@ class ParallelConfig(Section):
         "--data-parallel-size-local)",
     )
     data_parallel_start_rank: int = Field(0, ge=0, description="Wide-EP: this server's first engine's rank")
+    oversubscribe_cpu: bool = Field(
+        False,
+        description="CPU: run tp * dp ranks even where they outnumber the cores (one torch thread each unless "
+        "num_threads says otherwise), to try a many-rank shape such as prime-rl's 16-rank Wide-EP block on a small "
+        "machine; slow",
+    )
+    expert_group_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="expert parallelism over dp engines: an engine waiting this long in one of the group's "
+        "collectives (a peer gone or stuck) fails; a deployment restarts a Wide-EP group without waiting for it",
+    )
     ray_ranks: RayRanksConfig | None = Field(
         None, description="set by a Ray deployment: where the ranks of a server spanning nodes run (not by hand)"
     )

@@ -3,6 +3,10 @@ every replica's /health and takes one out of the router's rotation after PROBE_F
 healthy answer; it comes back once it answers again. Requests already on it are not moved (a router retry would
 run them twice): they finish, or fail clearly, when it resumes.
 
+Under Wide-EP a member that does not answer stalls its whole expert group (every engine steps with it), and the
+others' collectives would fail once parallel.expert_group_timeout_s passed, leaving it unable to rejoin them: the
+group is restarted at once instead (Deployment.evict), so the stall lasts PROBE_FAILURES probes, not that timeout.
+
 vllm-router's own health checks would take minutes (60 s apart by default) and would not reconcile what the
 replica missed while out: here a replica that comes back is brought to the deployment's pause state, and one
 that missed an update is restarted, so it rejoins at the current weights."""
@@ -28,6 +32,7 @@ async def watch_liveness(dep: Any) -> None:
     while True:
         slots = [s for s in dep.slots if s.status in ("serving", UNRESPONSIVE) and s.url]
         answers = await asyncio.gather(*(_healthy(dep, s) for s in slots))
+        misses = {id(s): misses.get(id(s), 0) for s in slots}  # a restarted replica starts from no misses
         for slot, healthy in zip(slots, answers):
             key = id(slot)
             misses[key] = 0 if healthy else misses.get(key, 0) + 1
@@ -48,8 +53,11 @@ async def _healthy(dep: Any, slot: Any) -> bool:
 
 async def _take_out(dep: Any, slot: Any, misses: int) -> None:
     # not under dep.lock: an admin fan-out may hold it while it waits on this very replica
-    slot.status = UNRESPONSIVE
-    slot.detail = f"no healthy answer to {misses} /health probes in a row ({PROBE_TIMEOUT_S:.0f} s each)"
+    why = f"no healthy answer to {misses} /health probes in a row ({PROBE_TIMEOUT_S:.0f} s each)"
+    if len(dep.members(slot)) > 1:
+        await dep.evict(slot, f"{why}, which stalls its expert group")
+        return
+    slot.status, slot.detail = UNRESPONSIVE, why
     log.error("%s (%s) left the router's rotation: %s", slot.name, slot.url, slot.detail)
     if dep.router is not None:
         await dep.router.remove(dep.http, slot.url)

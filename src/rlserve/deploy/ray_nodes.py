@@ -106,7 +106,10 @@ class RayReplica:
         self._exit = ActorExit(self.actor)
 
     def wait_listening(self, timeout_s: float) -> str:
-        url = ray.get(self._url_ref, timeout=timeout_s)
+        try:
+            url = ray.get(self._url_ref, timeout=timeout_s)
+        except ray.exceptions.RayTaskError as exc:  # the node's own words ("replica 1 exited ..."), not Ray's wrapping
+            raise RuntimeError(str(getattr(exc, "cause", None) or exc)) from None
         self.pid = ray.get(self.actor.pid.remote(), timeout=timeout_s)
         return url
 
@@ -173,6 +176,15 @@ def _join_expert_groups(config: Config, replicas: list[RayReplica], ips: dict[in
             data_parallel_address=ips[copy * d.copy_size],
             data_parallel_rpc_port=port,
         )
+
+
+def new_rendezvous(config: Config, replicas: list[RayReplica]) -> None:
+    """A Wide-EP group restarting as a whole meets on a fresh port (the old one's store may still be held by a
+    member on its way out), unless parallel.data_parallel_rpc_port pins it."""
+    if config.parallel.data_parallel_rpc_port is None:
+        port = free_port("127.0.0.1")
+        for replica in replicas:
+            replica.config["parallel"]["data_parallel_rpc_port"] = port
 
 
 def _bundle_ips(group) -> dict[int, str]:

@@ -1,5 +1,7 @@
 """The deployment supervisor: starts the replicas and the router, restarts a replica that dies and lets
-it rejoin only at the deployment's current weights, and keeps the record that makes that possible."""
+it rejoin only at the deployment's current weights, and keeps the record that makes that possible. Under
+Wide-EP a copy's servers are one expert group and live and die together: one that dies or is evicted takes
+the others out of the rotation, and all restart into a fresh rendezvous and rejoin at once."""
 
 from __future__ import annotations
 
@@ -15,11 +17,13 @@ import httpx
 
 from rlserve.config.schema import Config
 from rlserve.deploy.liveness import watch_liveness
+from rlserve.deploy.replica import wide_ep
 from rlserve.deploy.router import Router
 
 log = logging.getLogger("rlserve.deploy")
 KEY_HEADER = "x-rlserve-deployment-key"
 HEALTH_TIMEOUT_S = 600.0
+RESTART_RETRY_S = 5.0  # between tries to restart a replica (or an expert group) that did not come up
 
 
 class Replica(Protocol):
@@ -89,6 +93,11 @@ class Deployment:
     def router_of(self, slot: Slot) -> Router | None:
         return self.routers[slot.copy] if self.routers else None
 
+    def members(self, slot: Slot) -> list[Slot]:
+        """The slots that restart and rejoin with `slot`: under Wide-EP its copy's (one expert group, whose
+        collectives every server must join), else itself."""
+        return [s for s in self.slots if s.copy == slot.copy] if wide_ep(self.config) else [slot]
+
     # ---- start and stop ------------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -143,9 +152,19 @@ class Deployment:
                 if slot.status != "restarting" and slot.replica.exited() is not None:
                     code = slot.replica.exited()
                     log.warning("%s (%s) exited with code %s; restarting it", slot.name, slot.url, code)
-                    slot.status, slot.detail = "restarting", f"exited with code {code}"
-                    self._spawn(self._restart(slot))
+                    self._spawn(self._restart(self._take_down(slot, f"exited with code {code}")))
             await asyncio.sleep(interval_s)
+
+    def _take_down(self, slot: Slot, why: str) -> list[Slot]:
+        """Mark `slot` and the members of its group restarting (before any await, so the watch loop seeing a
+        member exit meanwhile does not restart it a second time); the slots to restart."""
+        slots = [s for s in self.members(slot) if s is slot or s.status != "restarting"]
+        for member in slots:
+            member.status = "restarting"
+            member.detail = why if member is slot else f"its expert group is restarting: {slot.name} {why}"
+        if len(slots) > 1:
+            log.warning("restarting %s with %s: one expert group", ", ".join(s.name for s in slots), slot.name)
+        return slots
 
     async def _restart_router(self, copy: int) -> None:
         router = self.routers[copy]
@@ -160,64 +179,101 @@ class Deployment:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _restart(self, slot: Slot) -> None:
-        router = self.router_of(slot)
-        if slot.url is not None and router is not None:
-            await router.remove(self.http, slot.url)
-        await asyncio.to_thread(slot.replica.stop)
-        slot.replica.start()  # on the event loop's thread: children die with the thread that forked them
-        slot.incarnation += 1
-        try:
-            slot.url = await self._wait_ready(slot)
-        except RuntimeError as exc:
-            slot.detail = str(exc)
-            return  # the watch loop sees the exit and tries again
+    async def _restart(self, slots: list[Slot]) -> None:
+        """Stop the slots' processes and start new ones (an expert group's all together: a survivor's engines
+        would only wait in collectives with the dead one until they time out), then rejoin them."""
+        router = self.router_of(slots[0])
+        for slot in slots:
+            if slot.url is not None and router is not None:
+                await router.remove(self.http, slot.url)
+        while True:
+            await asyncio.gather(*(asyncio.to_thread(s.replica.stop) for s in slots))
+            if len(slots) > 1 and self.config.deployment.on_ray:
+                from rlserve.deploy.ray_nodes import new_rendezvous
+
+                new_rendezvous(self.config, [s.replica for s in slots])
+            for slot in slots:
+                slot.replica.start()  # on the event loop's thread: children die with the thread that forked them
+                slot.incarnation += 1
+            waits = [asyncio.ensure_future(self._wait_ready(s)) for s in slots]
+            # the first failure settles it: a group's other members would wait at its rendezvous for the failed one
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_EXCEPTION)
+            finally:  # also when the deployment stops meanwhile
+                for w in waits:
+                    if not w.done():
+                        w.cancel()
+            # a wait just cancelled is not done yet: only the finished ones say how they ended
+            failed = [
+                (s, w.exception()) for s, w in zip(slots, waits) if w.done() and not w.cancelled() and w.exception()
+            ]
+            if not failed:
+                urls = [w.result() for w in waits]
+                break
+            why = "; ".join(f"{s.name} did not start: {e}" for s, e in failed)
+            log.error("%s; starting %s again in %.0f s", why, ", ".join(s.name for s in slots), RESTART_RETRY_S)
+            for slot in slots:
+                slot.detail = why
+            await asyncio.sleep(RESTART_RETRY_S)
+        for slot, url in zip(slots, urls):
+            slot.url = url
         async with self.lock:
-            await self.rejoin(slot)
+            await self.rejoin(slots[0])
 
     async def rejoin(self, slot: Slot) -> None:
-        """Replay the current weights into a replica that is out of the rotation, then add it back.
-        Called under self.lock."""
+        """Replay the current weights into a replica that is out of the rotation, then add it back; under
+        Wide-EP every member of its group out of the rotation, all replayed before any serves (a member still
+        at other weights would compute the others' experts). Called under self.lock."""
         s = self.state
+        slots = [m for m in self.members(slot) if m is slot or m.status != "serving"]
         if s.replayable is not None:
-            slot.status, slot.detail = "stale", f"sits out until the next weight update: {s.replayable}"
-            log.warning("%s %s", slot.name, slot.detail)
+            for member in slots:
+                member.status, member.detail = "stale", f"sits out until the next weight update: {s.replayable}"
+                log.warning("%s %s", member.name, member.detail)
             return
         try:
-            if s.base is not None:
-                await self._post(slot, "/update_weights", s.base)
-            for route, body in s.adapters.values():
-                await self._post(slot, route, body)
-            await self._post(
-                slot,
-                "/deployment/sync_version",
-                {"policy_version": s.policy_version, "weight_version": s.weight_version},
-            )
-            if await self._versions(slot) != (s.policy_version, s.weight_version):
-                raise RuntimeError("versions differ after the replay")
-            if s.paused is not None:
-                await self._post(slot, "/pause", None, params={"mode": s.paused})
+            for member in slots:
+                await self._replay(member)
         except (httpx.HTTPError, RuntimeError) as exc:
-            slot.status, slot.detail = "failed", f"could not be brought to the current weights: {exc}"
-            log.error("%s %s", slot.name, slot.detail)
+            for member in slots:
+                member.status, member.detail = "failed", f"could not be brought to the current weights: {exc}"
+                log.error("%s %s", member.name, member.detail)
             return
-        router = self.router_of(slot)
-        assert router is not None and slot.url is not None
-        await router.add(self.http, slot.url, getattr(slot.replica, "role", None))
-        slot.status, slot.detail = "serving", ""
-        log.info("%s rejoined at policy_version %s (%s)", slot.name, s.policy_version, s.weight_version)
+        for member in slots:
+            router = self.router_of(member)
+            assert router is not None and member.url is not None
+            await router.add(self.http, member.url, getattr(member.replica, "role", None))
+            member.status, member.detail = "serving", ""
+            log.info("%s rejoined at policy_version %s (%s)", member.name, s.policy_version, s.weight_version)
+
+    async def _replay(self, slot: Slot) -> None:
+        s = self.state
+        if s.base is not None:
+            await self._post(slot, "/update_weights", s.base)
+        for route, body in s.adapters.values():
+            await self._post(slot, route, body)
+        await self._post(
+            slot,
+            "/deployment/sync_version",
+            {"policy_version": s.policy_version, "weight_version": s.weight_version},
+        )
+        if await self._versions(slot) != (s.policy_version, s.weight_version):
+            raise RuntimeError(f"{slot.name}: versions differ after the replay")
+        if s.paused is not None:
+            await self._post(slot, "/pause", None, params={"mode": s.paused})
 
     async def evict(self, slot: Slot, why: str) -> None:
-        """Out of the rotation now; its process is restarted and rejoins at the current weights."""
+        """Out of the rotation now; its process (under Wide-EP, its whole group) is restarted and rejoins at the
+        current weights."""
         if slot.status == "restarting":  # the watch loop saw it die first
             return
         # marked before the first await, or the watch loop seeing it die meanwhile restarts it a second time
-        slot.status, slot.detail = "restarting", why
+        slots = self._take_down(slot, why)
         router = self.router_of(slot)
         if router is not None and slot.url is not None:
             await router.remove(self.http, slot.url)
         log.error("%s left the router's rotation: %s", slot.name, why)
-        self._spawn(self._restart(slot))
+        self._spawn(self._restart(slots))
 
     # ---- talking to replicas ---------------------------------------------------------------------
 

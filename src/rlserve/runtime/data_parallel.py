@@ -41,10 +41,17 @@ def check_parallel(config: Config) -> None:
         have, what = _cuda_devices(), "CUDA devices"
     else:
         have, what = os.cpu_count() or 1, "CPU cores"
+        if config.parallel.oversubscribe_cpu:  # asked for: the ranks share the cores, slowly
+            return
     if tp * dp > have:
+        also = (
+            " (or, on CPU, set parallel.oversubscribe_cpu = true to run it anyway, slowly)"
+            if what == "CPU cores"
+            else ""
+        )
         raise ValueError(
             f"parallel.tp * parallel.dp = {tp} * {dp} = {tp * dp} needs that many {what}, this machine "
-            f"has {have}: lower parallel.dp or parallel.tp"
+            f"has {have}: lower parallel.dp or parallel.tp{also}"
         )
     if tp * dp > 1 and config.num_threads and config.num_threads * tp * dp > have and what == "CPU cores":
         raise ValueError(

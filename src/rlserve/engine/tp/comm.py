@@ -206,9 +206,11 @@ def encode_step(
 # ---- process groups ------------------------------------------------------------------------
 
 
-def make_group(store: dist.Store, name: str, rank: int, world: int, backend: str) -> Any:
+def make_group(
+    store: dist.Store, name: str, rank: int, world: int, backend: str, timeout_s: float = COLLECTIVE_TIMEOUT_S
+) -> Any:
     """A process group of its own (not torch.distributed's default one, which a trainer broadcaster uses)."""
-    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    timeout = datetime.timedelta(seconds=timeout_s)
     prefixed = dist.PrefixStore(name, store)
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
@@ -234,7 +236,8 @@ def expert_group(config: Config, ep_rank: int, backend: str) -> Any:
     timeout = datetime.timedelta(seconds=START_TIMEOUT_S)
     world = p.tp * p.dp_total
     store = dist.TCPStore(p.data_parallel_address, p.data_parallel_rpc_port, world, ep_rank == 0, timeout=timeout)
-    return make_group(store, "experts", ep_rank, world, backend)  # the group holds on to its store
+    # the group holds on to its store
+    return make_group(store, "experts", ep_rank, world, backend, p.expert_group_timeout_s)
 
 
 def attach(model: CausalLM, group: Any, rank: int = 0, config: Config | None = None) -> None:

@@ -21,7 +21,9 @@ class DataParallelSync:
         timeout = datetime.timedelta(seconds=START_TIMEOUT_S)
         # engine 0's rank 0 hosts this store for the expert group (comm.expert_group)
         self.store = dist.TCPStore(p.data_parallel_address, p.data_parallel_rpc_port, None, False, timeout=timeout)
-        self.group = make_group(self.store, "dp-sync", p.data_parallel_rank, p.dp_total, "gloo")
+        self.group = make_group(
+            self.store, "dp-sync", p.data_parallel_rank, p.dp_total, "gloo", p.expert_group_timeout_s
+        )
         self.peers_busy = False
         self.dummy_steps = 0
 

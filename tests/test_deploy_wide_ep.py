@@ -1,0 +1,234 @@
+"""Wide-EP (multi_node with enable_expert_parallel) on a local two-node Ray cluster: the two nodes' servers are one
+expert group, so one that dies breaks the group. The supervisor then restarts the whole group into a fresh
+rendezvous at once, without waiting for the survivor's collectives to time out (the test sets that timeout far
+beyond its own hang guard, so a recovery that waited for it could not pass), and the group serves again at the
+deployment's weights; SIGTERM then leaves no process behind. prime-rl's docs' Wide-EP block serves as written: 16
+ranks over the two nodes; the qwen3-30b-a3b-mini preset with its experts on both nodes matches transformers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import server_log
+from deploy_helpers import alive, descendants, local_ray_cluster, replicas, start_deployment, stop_deployment, wait_for
+from rlserve.model.make import PRESETS, bench_cache_dir, make_model
+from test_moe import hf_experts
+from test_pd import metric
+from test_server_moe import decode
+from test_server_rl import choice_lps, generate, hf_check
+
+ray = pytest.importorskip("ray")
+PROMPT = [11, 22, 33, 44, 55]
+BLOCK = Path(__file__).parent / "fixtures" / "prime_rl_docs" / "05_wide_ep.toml"
+NEVER_S = 3600  # the survivors' collective timeout: far beyond every hang guard below
+PHASES = [(1, signal.SIGKILL, (0, 1)), (0, signal.SIGKILL, ()), (1, signal.SIGSTOP, (0,))]  # victim, how, busy
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with local_ray_cluster(num_nodes=2) as c:
+        yield c
+
+
+def _group_restarted(admin: str, restarts: int, at_least: bool = False) -> list[dict] | None:
+    """Both servers serving after `restarts` restarts each (or more, all members the same count)."""
+    rows = sorted(replicas(admin), key=lambda r: r["index"])
+    counts = {r["restarts"] for r in rows}
+    done = all(r["status"] == "serving" for r in rows) and len(counts) == 1
+    return rows if done and (counts.pop() >= restarts if at_least else counts == {restarts}) else None
+
+
+def _serves_as_before(public: str, rows: list[dict], before: dict, routed: np.ndarray) -> None:
+    """The group serves s1 again, through the router and on either node's server: the pre-kill answer."""
+    for url in (public, *(r["url"] for r in rows)):
+        after = generate(url, PROMPT)["choices"][0]
+        assert (after["policy_version"], after["token_ids"]) == (1, before["token_ids"])
+        np.testing.assert_allclose(choice_lps(after), choice_lps(before), atol=1e-5)
+        np.testing.assert_array_equal(decode(after["routed_experts"]), routed)
+    assert {(r["policy_version"], r["weight_version"]) for r in rows} == {(1, "s1")}
+
+
+def _tree(rows: list[dict]) -> list[int]:
+    """Every server's process and its engine processes (the local cluster's nodes run on this machine)."""
+    return [pid for r in rows for pid in (r["pid"], *descendants(r["pid"]))]
+
+
+def _long_generations(urls: list[str]) -> tuple[list[threading.Thread], list, threading.Event]:
+    """One streamed generation on each server, long enough to be running when a server is killed; `started` is
+    set once every one has its first tokens."""
+    outcomes: list = []
+    started, seen = threading.Event(), set()
+
+    def run(url: str) -> None:
+        body = {"prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True, "stream": True, "temperature": 0}
+        try:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        seen.add(url)
+                        if len(seen) == len(urls):
+                            started.set()
+                outcomes.append(r.status_code)
+        except httpx.HTTPError as exc:  # the killed server's connection drops: a clear end, not a hang
+            outcomes.append(exc)
+
+    if not urls:
+        started.set()
+    threads = [threading.Thread(target=run, args=(u,), daemon=True) for u in urls]
+    for t in threads:
+        t.start()
+    return threads, outcomes, started
+
+
+def test_a_killed_wide_ep_server_restarts_its_whole_group(cluster, tmp_path):
+    """Kill a server with requests in flight on both, then the other (the rendezvous host) while idle, then freeze
+    one (SIGSTOP) with a request in flight on the other: each time every server of the group restarts, the old
+    processes of both are gone, and the group serves the updated weights again: the pre-kill tokens, logprobs and
+    routed experts, which match transformers. Then a kill whose restart fails: the group starts again."""
+    make_model("tiny-moe", tmp_path / "base", seed=0)
+    step1 = make_model("tiny-moe", tmp_path / "step-1", seed=1)
+    public, admin, proc = start_deployment(
+        "--model.name", str(tmp_path / "base"), "--weight_roots", json.dumps([str(tmp_path)]),
+        "--deployment.type", "multi_node", "--deployment.num_nodes", "2", "--deployment.ray_address", cluster.address,
+        "--parallel.dp", "2", "--parallel.enable_expert_parallel", "true",
+        "--parallel.expert_group_timeout_s", str(NEVER_S), "--enable_return_routed_experts",
+        "--engine.kv_cache_bytes", str(16 << 20), "--max_model_len", "4096",
+        timeout=400,
+    )  # fmt: skip
+    try:
+        r = httpx.post(f"{admin}/update_weights", json={"weight_dir": str(step1), "weight_version": "s1"}, timeout=300)
+        assert r.status_code == 200, r.text
+        hf = AutoModelForCausalLM.from_pretrained(step1, dtype=torch.float32).eval()
+        before = generate(public, PROMPT)["choices"][0]
+        assert before["policy_version"] == 1
+        hf_check(step1, PROMPT, before)
+        routed = decode(before["routed_experts"])
+        np.testing.assert_array_equal(routed, hf_experts(hf, (PROMPT + before["token_ids"])[:-1]))
+
+        rows = sorted(replicas(admin), key=lambda r: r["index"])
+        # node 1's server killed mid-generation, node 0's (the rendezvous host) killed idle, node 1's frozen with
+        # a generation on node 0 (its engines then wait in collectives with the frozen one: only a restart ends it)
+        for restarts, (victim, sig, busy) in enumerate(PHASES, 1):
+            threads, outcomes, started = _long_generations([r["url"] for r in rows if r["index"] in busy])
+            assert started.wait(300), "the long generations did not start"
+            old = _tree(rows)
+            pid = rows[victim]["pid"]
+            for target in [pid, *descendants(pid)] if sig == signal.SIGSTOP else [pid]:  # frozen: all its processes
+                os.kill(target, sig)
+            rows = wait_for(lambda n=restarts: _group_restarted(admin, n), 600, "the whole group to restart")
+            assert not any(alive(pid) for pid in old), "a process of the broken group outlived its restart"
+            for t in threads:  # the in-flight generations ended (cut off or finished), none hangs
+                t.join(300)
+                assert not t.is_alive()
+            assert len(outcomes) == len(busy)
+            _serves_as_before(public, rows, before, routed)
+        # a restart that cannot succeed (the servers' model directory gone) is tried again, the group as a whole,
+        # until it can
+        (tmp_path / "base").rename(tmp_path / "away")
+        os.kill(rows[1]["pid"], signal.SIGKILL)
+        wait_for(lambda: all("did not start" in r["detail"] for r in replicas(admin)), 600, "a failed restart")
+        (tmp_path / "away").rename(tmp_path / "base")
+        rows = wait_for(lambda: _group_restarted(admin, len(PHASES) + 2, True), 600, "the group to start again")
+        _serves_as_before(public, rows, before, routed)
+        router_pid = httpx.get(f"{admin}/deployment", timeout=30).json()["router_pid"]
+        tree = [*descendants(proc.pid), router_pid, *_tree(rows)]
+    except BaseException:
+        stop_deployment(proc)
+        raise
+    proc.send_signal(signal.SIGTERM)
+    try:
+        assert proc.wait(timeout=120) == 0, server_log(proc)[-4000:]
+        wait_for(lambda: not any(alive(pid) for pid in tree), 60, "every server, engine and the router to exit")
+    finally:
+        stop_deployment(proc)
+
+
+def _cmdlines(pids: list[int]) -> list[bytes]:
+    out = []
+    for pid in pids:
+        try:
+            out.append(open(f"/proc/{pid}/cmdline", "rb").read())
+        except OSError:
+            continue
+    return out
+
+
+def test_the_docs_wide_ep_block_serves_as_written(cluster, tmp_path):
+    """prime-rl's Wide-EP block (multi_node, num_nodes = 2, enable_expert_parallel, tp = 2, dp = 8) with its model
+    replaced by a tiny MoE of 16 experts, one a rank (tiny-moe's 8 cannot spread over 16 ranks): a server on each
+    node with 4 engines of 2 ranks, all 16 ranks one expert group; answers and routed experts match transformers on
+    both servers. A server's 8 ranks outnumber this machine's cores, which rlserve refuses unless
+    parallel.oversubscribe_cpu says to share them."""
+    PRESETS["tiny-moe-16"] = {**PRESETS["tiny-moe"], "num_experts": 16}
+    try:
+        moe = make_model("tiny-moe-16", tmp_path / "moe-16", seed=0)
+    finally:
+        del PRESETS["tiny-moe-16"]
+    block = BLOCK.read_text()
+    assert '"PrimeIntellect/INTELLECT-3"' in block
+    (tmp_path / "block.toml").write_text(block.replace('"PrimeIntellect/INTELLECT-3"', json.dumps(str(moe))))
+    args = ("@", str(tmp_path / "block.toml"), "--deployment.ray_address", cluster.address,
+            "--engine.kv_cache_bytes", str(16 << 20), "--enable_return_routed_experts")  # fmt: skip
+    if (os.cpu_count() or 1) < 8:  # what a user of a small machine meets first
+        with pytest.raises(RuntimeError, match="needs that many CPU cores.*parallel.oversubscribe_cpu"):
+            stop_deployment(start_deployment(*args, timeout=400)[2])
+    public, admin, proc = start_deployment(*args, "--parallel.oversubscribe_cpu", "true", timeout=600)
+    try:
+        rows = sorted(replicas(admin), key=lambda r: r["index"])
+        assert [r["status"] for r in rows] == ["serving", "serving"]
+        for row in rows:  # each node's server: 4 engines (data-parallel ranks), each a core process and a tp worker
+            assert httpx.get(f"{row['url']}/get_world_size", timeout=60).json() == {"world_size": 4}
+            lines = _cmdlines(descendants(row["pid"]))
+            assert sum(b"rlserve.runtime.core" in c for c in lines) == 4
+            assert sum(b"rlserve.engine.tp.worker" in c for c in lines) == 4
+        hf = AutoModelForCausalLM.from_pretrained(moe, dtype=torch.float32).eval()
+        for url in (public, *(r["url"] for r in rows)):
+            choice = generate(url, PROMPT)["choices"][0]
+            hf_check(moe, PROMPT, choice)
+            forwarded = (PROMPT + choice["token_ids"])[:-1]
+            np.testing.assert_array_equal(decode(choice["routed_experts"]), hf_experts(hf, forwarded))
+    finally:
+        stop_deployment(proc)
+
+
+def test_qwen3_30b_a3b_mini_with_its_experts_on_two_nodes_matches_transformers(cluster):
+    """The qwen3-30b-a3b-mini preset (128 experts, top-8, 12 sparse layers) under Wide-EP: one engine on each
+    node's server, 64 experts each, tokens crossing nodes by all-to-all. Greedy tokens and routed experts equal
+    transformers'; logprobs to 2e-3, transformers' own spread on this model (tests/test_moe_mini.py)."""
+    model = make_model("qwen3-30b-a3b-mini", bench_cache_dir() / "qwen3-30b-a3b-mini")  # built once per machine
+    public, admin, proc = start_deployment(
+        "--model.name", str(model), "--deployment.type", "multi_node", "--deployment.num_nodes", "2",
+        "--deployment.ray_address", cluster.address, "--parallel.dp", "2", "--parallel.enable_expert_parallel", "true",
+        "--enable_return_routed_experts", "--engine.kv_cache_bytes", str(32 << 20),
+        timeout=600,
+    )  # fmt: skip
+    try:
+        rows = sorted(replicas(admin), key=lambda r: r["index"])
+        hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+        urls = (rows[0]["url"], rows[1]["url"], public)
+        for url, prompt in zip(urls, ([11, 22, 33, 44, 55], [100, 7, 300, 9], PROMPT)):
+            choice = generate(url, prompt)["choices"][0]
+            ids = choice["token_ids"]
+            ref = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=len(ids), do_sample=False, eos_token_id=None, pad_token_id=0
+            )
+            assert ids == ref[0, len(prompt) :].tolist()
+            with torch.no_grad():
+                logits = hf(torch.tensor([prompt + ids])).logits[0].float()
+            lp = torch.log_softmax(logits[len(prompt) - 1 : -1], -1).gather(1, torch.tensor(ids).unsqueeze(1))
+            np.testing.assert_allclose(choice_lps(choice), lp.squeeze(1).numpy(), atol=2e-3)
+            np.testing.assert_array_equal(decode(choice["routed_experts"]), hf_experts(hf, (prompt + ids)[:-1]))
+        for row in rows:  # both nodes' engines exchanged tokens
+            assert metric(row["url"], "rlserve:ep_all_to_alls_total") > 0
+    finally:
+        stop_deployment(proc)
