@@ -160,7 +160,7 @@ class Engine:
                 slices,
             )
         generator = torch.Generator().manual_seed(config.seed)
-        self.sampler = InvariantSampler(generator) if ec.batch_invariant else Sampler(generator, self.runner.kernels)
+        self.sampler = (InvariantSampler if ec.batch_invariant else Sampler)(generator, self.runner.kernels)
         self.detectors = Detectors(config.logits_processors, self.vocab_size)
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids)
         eos = getattr(self.hf_config, "eos_token_id", None)

@@ -128,12 +128,7 @@ class Sampler:
         """Rows at temperature 1 or greedy with nothing else to apply: one C walk per row (sample.c)
         for the token and the log-sum-exp. The uniforms come from the same generators, in the same
         order, as `_draw` takes them; the raw and the processed distribution are the same here."""
-        greedy = [r.temperature == 0 for r in rows]
-        u = torch.full((len(rows),), -1.0)
-        if not all(greedy):
-            u = self._uniforms(rows).masked_fill_(torch.tensor(greedy), -1.0)
-        logits = logits.float().contiguous()
-        tokens, lse = self.kernels.sample(logits, u)
+        tokens, lse, logits = self._plain_draw(logits, rows)
         token_lp = None
         top: list[list[tuple[int, float]]] = [[] for _ in rows]
         if any(r.num_logprobs is not None for r in rows):
@@ -146,6 +141,16 @@ class Sampler:
                     if r.num_logprobs:
                         top[i] = list(zip(ids[i][: r.num_logprobs], values[i][: r.num_logprobs]))
         return SampleResult(tokens.tolist(), token_lp, top)
+
+    def _plain_draw(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, ...]:
+        """The C walk over plain rows: (tokens, log-sum-exps, the fp32 logits it read). Each row is
+        walked alone by one thread, so a row's token does not depend on the batch."""
+        greedy = [r.temperature == 0 for r in rows]
+        u = torch.full((len(rows),), -1.0)
+        if not all(greedy):
+            u = self._uniforms(rows).masked_fill_(torch.tensor(greedy), -1.0)
+        logits = logits.float().contiguous()
+        return (*self.kernels.sample(logits, u), logits)
 
     def _uniforms(self, rows: list[SamplingRow]) -> torch.Tensor:
         """One uniform per row: the unseeded rows' from the engine's generator in one draw, a seeded
