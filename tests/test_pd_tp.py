@@ -20,6 +20,7 @@ from rlserve.config.schema import Config
 from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams
 from rlserve.model.make import make_model
+from test_kv_transfer import settle
 
 BLOCK = 16
 
@@ -70,16 +71,6 @@ def prefill(p: Engine, prompt: list[int]) -> dict:
     return run(
         p, prompt, SamplingParams(max_tokens=1, kv_transfer_params={"do_remote_decode": True})
     ).kv_transfer_params
-
-
-def settle(e: Engine, condition, what: str) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        e.poll_transfers()
-        if condition():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, logprobs=1, ignore_eos=True)
