@@ -72,6 +72,17 @@ def stop_deployment(proc: subprocess.Popen) -> None:
         path.unlink(missing_ok=True)
 
 
+def sigterm_leaves_nothing(proc: subprocess.Popen, tree: list[int], within: float, what: str) -> None:
+    """SIGTERM the deployment: it exits 0 and every process of `tree` (its children, the router, servers on Ray
+    nodes) is gone within `within` seconds; what is left when a check fails is stopped by force."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        assert proc.wait(timeout=120) == 0, server_log(proc)[-4000:]
+        wait_for(lambda: not any(alive(pid) for pid in tree), within, what)
+    finally:
+        stop_deployment(proc)
+
+
 @contextlib.contextmanager
 def two_replicas_under(root: Path, *args: str) -> Iterator[tuple[str, str, subprocess.Popen]]:
     """(public url, admin url, process) of a two-replica deployment that loads weights under `root` (`args`:

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from deploy_helpers import alive, descendants, replicas, two_replicas_under, wait_for
+from deploy_helpers import descendants, replicas, sigterm_leaves_nothing, two_replicas_under, wait_for
 from rlserve.client import SyncInferenceClient
 from rlserve.model.make import make_model
 from test_server_rl import TRAINER, choice_lps, generate, hf_check, trainer_push
@@ -244,9 +244,7 @@ def test_sigterm_leaves_no_process(deployment):
         Path(arg[len("ipc://") :]).parent for pid in tree for arg in _cmdline(pid) if arg.startswith("ipc://")
     }
     assert len(socket_dirs) == 2 and all(d.is_dir() for d in socket_dirs)  # one per replica's engine process
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=120) == 0
-    wait_for(lambda: not any(alive(pid) for pid in tree), 30, "every child to exit")
+    sigterm_leaves_nothing(proc, tree, 30, "every child to exit")
     assert not [d for d in socket_dirs if d.exists()]
 
 

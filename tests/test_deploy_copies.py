@@ -12,7 +12,7 @@ import signal
 import httpx
 import pytest
 
-from deploy_helpers import alive, descendants, start_deployment, stop_deployment, wait_for
+from deploy_helpers import descendants, sigterm_leaves_nothing, start_deployment, stop_deployment, wait_for
 from rlserve.model.make import make_model
 from test_server_rl import TRAINER, generate, hf_check, trainer_push
 
@@ -115,6 +115,4 @@ def test_sigterm_leaves_no_process(copies):
     _, _, proc = copies
     tree = descendants(proc.pid)
     assert len(tree) >= 6  # 4 replicas and 2 routers, at least
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=120) == 0
-    wait_for(lambda: not any(alive(pid) for pid in tree), 60, "every child to exit")
+    sigterm_leaves_nothing(proc, tree, 60, "every child to exit")

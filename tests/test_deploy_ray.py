@@ -18,13 +18,14 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from conftest import server_log, start_server, stop_server
+from conftest import start_server, stop_server
 from deploy_helpers import (
     alive,
     descendants,
     local_ray_cluster,
     rejoined,
     replicas,
+    sigterm_leaves_nothing,
     start_deployment,
     stop_deployment,
     wait_for,
@@ -131,12 +132,7 @@ def test_disaggregated_on_ray_serves_through_p_and_d_nodes_and_sigterm_leaves_no
         raise
     finally:
         stop_server(single)
-    proc.send_signal(signal.SIGTERM)
-    try:
-        assert proc.wait(timeout=120) == 0, server_log(proc)[-4000:]
-        wait_for(lambda: not any(alive(pid) for pid in tree), 60, "every server and the router to exit")
-    finally:
-        stop_deployment(proc)
+    sigterm_leaves_nothing(proc, tree, 60, "every server and the router to exit")
 
 
 def _all_serving_after_restart(admin: str) -> list[dict] | None:

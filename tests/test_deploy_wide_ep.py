@@ -19,8 +19,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import server_log
-from deploy_helpers import alive, descendants, local_ray_cluster, replicas, start_deployment, stop_deployment, wait_for
+from deploy_helpers import (
+    alive,
+    descendants,
+    local_ray_cluster,
+    replicas,
+    sigterm_leaves_nothing,
+    start_deployment,
+    stop_deployment,
+    wait_for,
+)
 from rlserve.model.make import PRESETS, bench_cache_dir, make_model
 from test_moe import hf_experts
 from test_pd import metric
@@ -145,12 +153,7 @@ def test_a_killed_wide_ep_server_restarts_its_whole_group(cluster, tmp_path):
     except BaseException:
         stop_deployment(proc)
         raise
-    proc.send_signal(signal.SIGTERM)
-    try:
-        assert proc.wait(timeout=120) == 0, server_log(proc)[-4000:]
-        wait_for(lambda: not any(alive(pid) for pid in tree), 60, "every server, engine and the router to exit")
-    finally:
-        stop_deployment(proc)
+    sigterm_leaves_nothing(proc, tree, 60, "every server, engine and the router to exit")
 
 
 def _cmdlines(pids: list[int]) -> list[bytes]:

@@ -40,9 +40,9 @@ def engines():
     d.close()
 
 
-def run(e: Engine, params: SamplingParams, rid: str = "r"):
-    e.add_request(rid, PROMPT, params)
-    deadline = time.monotonic() + 120
+def run(e: Engine, params: SamplingParams, rid: str = "r", prompt: list[int] = PROMPT):
+    e.add_request(rid, prompt, params)
+    deadline = time.monotonic() + 120  # a hang guard, not a speed bar
     while time.monotonic() < deadline:
         for out in e.step():
             if out.finished:

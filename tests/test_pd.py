@@ -16,7 +16,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import start_server, stop_server
-from deploy_helpers import alive, descendants, replicas, start_deployment, stop_deployment, wait_for
+from deploy_helpers import (
+    descendants,
+    replicas,
+    sigterm_leaves_nothing,
+    start_deployment,
+    stop_deployment,
+    wait_for,
+)
 from rlserve.model.make import make_model
 
 PIN_TIMEOUT_S = 20  # short enough for the dead-decode test; waits below are generous hang guards
@@ -335,9 +342,7 @@ def test_sigterm_leaves_no_process(pd):
     wait_for(lambda: all(r["status"] == "serving" for r in replicas(pd["admin"])), 300, "D to be restarted")
     tree = descendants(proc.pid)
     assert len(tree) >= 3  # the prefill and decode servers and the router
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=120) == 0
-    wait_for(lambda: not any(alive(pid) for pid in tree), 30, "every child to exit")
+    sigterm_leaves_nothing(proc, tree, 30, "every child to exit")
 
 
 def test_in_thread_engines_transfer_too():

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import time
 
 import numpy as np
 import pytest
@@ -20,7 +19,7 @@ from rlserve.config.schema import Config
 from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams
 from rlserve.model.make import make_model
-from test_kv_transfer import settle
+from test_kv_transfer import run, settle
 
 BLOCK = 16
 
@@ -56,20 +55,9 @@ def engines(model_dir):
             e.close()
 
 
-def run(e: Engine, prompt: list[int], params: SamplingParams, rid: str = "r"):
-    e.add_request(rid, prompt, params)
-    deadline = time.monotonic() + 120  # a hang guard, not a speed bar
-    while time.monotonic() < deadline:
-        for out in e.step():
-            if out.finished:
-                return out
-        time.sleep(0.001)
-    raise AssertionError("no output")
-
-
 def prefill(p: Engine, prompt: list[int]) -> dict:
     return run(
-        p, prompt, SamplingParams(max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        p, prompt=prompt, params=SamplingParams(max_tokens=1, kv_transfer_params={"do_remote_decode": True})
     ).kv_transfer_params
 
 
@@ -80,15 +68,15 @@ def local(d: Engine, prompt: list[int]):
     """D's own answer in the state a pull leaves it: its full prompt blocks cached, the last partial block
     computed against them (a cold prefill of the whole prompt sums in another order)."""
     d.pool.reset_prefix_cache()
-    run(d, prompt, SamplingParams(max_tokens=1))
-    return run(d, prompt, GREEDY).outputs[0]
+    run(d, prompt=prompt, params=SamplingParams(max_tokens=1))
+    return run(d, prompt=prompt, params=GREEDY).outputs[0]
 
 
 def pulled(p: Engine, d: Engine, prompt: list[int]):
     kt = prefill(p, prompt)
     d.pool.reset_prefix_cache()  # cold: every full block is pulled
     before = (d.kv_transfer.stats.tokens_in, d.stats.prompt_tokens_computed, d.kv_transfer.stats.fallbacks)
-    out = run(d, prompt, dataclasses.replace(GREEDY, kv_transfer_params=kt)).outputs[0]
+    out = run(d, prompt=prompt, params=dataclasses.replace(GREEDY, kv_transfer_params=kt)).outputs[0]
     full = (len(prompt) - 1) // BLOCK * BLOCK
     assert d.kv_transfer.stats.tokens_in - before[0] == full
     assert d.stats.prompt_tokens_computed - before[1] == len(prompt) - full  # only the last partial block
