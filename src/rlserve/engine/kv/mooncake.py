@@ -6,7 +6,8 @@ that every replica contributes `cpu.num_bytes` of DRAM to, so a prefix one repli
 another. A block's key names the model, its KV shape and dtype, the weights (label and generation), the
 rank (0: under tensor parallelism rank 0 stores whole blocks, engine/tp/kv_transfer.py) and the chained
 prefix-cache hash (which already folds in the weights generation, adapter and cache_salt); its value is
-kv_format's checksummed block, checked on load against the hash, shape, dtype and generation asked for. So no block crosses a weight update or another model.
+kv_format's checksummed block, checked on load against the hash, shape, dtype and generation asked for.
+So no block crosses a weight update or another model.
 
 The store is best effort: when it fails (its master gone, a timeout), offload turns off with one warning
 and the engine recomputes what it would have loaded; a full store just skips the block.
