@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 
@@ -47,10 +48,12 @@ def test_toml_section(tmp_path):
                 "disaggregated",
                 "--deployment.num_prefill_nodes",
                 "2",
-                "--deployment.num_prefill_replicas",
-                "3",
+                "--parallel.tp",
+                "2",
+                "--parallel.dp",
+                "2",
             ],
-            "one server cannot span nodes",
+            "data-parallel engines do not span nodes: set parallel.dp = 1",
         ),
         (["--deployment.num_decode_nodes", "2"], "deployment.type = 'disaggregated'"),
         (["--deployment.type", "disaggregated", "--deployment.replicas", "2"], "num_prefill_replicas"),
@@ -172,6 +175,26 @@ def test_disaggregated_on_ray_places_one_server_per_node_and_decode_pulls_from_t
     )
     local = load_config(["--deployment.type", "disaggregated", "--deployment.num_decode_replicas", "2"]).deployment
     assert not local.on_ray and local.size == 3
+
+
+@pytest.mark.parametrize(
+    "tp, spans",
+    [
+        (1, [1, 1, 1, 1, 1, 1]),  # every node a server of its own (data parallel over a replica's nodes)
+        (2, [2, 2, 2]),  # each replica one server, its two ranks on two nodes
+        (4, [2, 2, 2]),  # two ranks on each node
+    ],
+)
+def test_prime_rl_disaggregated_replicas_span_their_nodes_on_ray(tp, spans):
+    """The docs' block: 2 prefill replicas of 2 nodes each and 1 decode replica of 2 nodes, 6 nodes in all."""
+    docs = Path(__file__).parent / "fixtures" / "prime_rl_docs" / "07_pd_replicas.toml"
+    d = load_config(["@", str(docs), "--parallel.tp", str(tp)]).deployment
+    assert d.on_ray and d.spans == spans and d.nodes == 6
+    servers = len(spans)
+    assert [d.role(i) for i in range(servers)] == ["prefill"] * (servers * 2 // 3) + ["decode"] * (servers // 3)
+    assert [d.first_bundle(i) for i in range(servers)] == [sum(spans[:i]) for i in range(servers)]
+    twice = load_config(["@", str(docs), "--parallel.tp", str(tp), "--deployment.copies", "2"]).deployment
+    assert twice.nodes == 12 and twice.first_bundle(servers) == 6 and twice.role(servers) == "prefill"
 
 
 @pytest.mark.parametrize(

@@ -42,8 +42,6 @@ def check_deployment(config: Config) -> None:
                 "deployment.type = 'disaggregated' counts its servers in num_prefill_replicas and "
                 "num_decode_replicas: leave deployment.replicas and num_nodes at 1"
             )
-        if d.on_ray:
-            _check_ray_roles(d)
     elif (
         (d.num_prefill_replicas, d.num_decode_replicas, d.num_prefill_nodes, d.num_decode_nodes) != (1, 1, None, None)
         or d.prefill_env_vars
@@ -58,7 +56,7 @@ def check_deployment(config: Config) -> None:
         if d.type != "multi_node":
             raise ValueError(
                 "deployment.nodes_per_replica needs deployment.type = 'multi_node' (a server spanning Ray nodes); "
-                "the disaggregated shape runs one server per node"
+                "a disaggregated replica spans num_prefill_nodes / num_decode_nodes"
             )
         if d.num_nodes % d.nodes_per_replica or config.parallel.tp % d.nodes_per_replica:
             raise ValueError(
@@ -69,7 +67,13 @@ def check_deployment(config: Config) -> None:
         if config.parallel.dp != 1:
             raise ValueError("deployment.nodes_per_replica > 1 spreads tensor-parallel ranks only: set parallel.dp = 1")
     p = config.parallel
-    if d.type == "multi_node" and p.enable_expert_parallel and d.span == 1 and d.copy_size > 1:
+    if d.type == "disaggregated" and max(d.spans) > 1 and p.dp != 1:
+        raise ValueError(
+            f"a disaggregated replica on {max(d.spans)} Ray nodes spreads its parallel.tp ranks over them; "
+            "data-parallel engines do not span nodes: set parallel.dp = 1 (each node of a tp = 1 replica runs its "
+            "own server)"
+        )
+    if d.type == "multi_node" and p.enable_expert_parallel and d.nodes_per_replica == 1 and d.copy_size > 1:
         if p.dp % d.copy_size or p.data_parallel_size is not None:
             raise ValueError(
                 f"multi_node with enable_expert_parallel is Wide-EP: the {d.copy_size} nodes' servers form one expert "
@@ -121,18 +125,6 @@ def check_deployment(config: Config) -> None:
             raise ValueError(f"deployment.backend_port {d.backend_port} + {d.size} replicas passes port 65535")
     if not d.on_ray:
         _check_devices(config)
-
-
-def _check_ray_roles(d) -> None:
-    """On Ray each node runs one server of its kind; a server spanning several nodes is not offered."""
-    for kind in ("prefill", "decode"):
-        nodes, replicas = getattr(d, f"num_{kind}_nodes") or 1, getattr(d, f"num_{kind}_replicas")
-        if replicas not in (1, nodes):
-            raise ValueError(
-                f"deployment.num_{kind}_replicas = {replicas} with num_{kind}_nodes = {nodes}: on Ray "
-                f"every {kind} node runs its own server (one server cannot span nodes); leave "
-                f"num_{kind}_replicas at 1 or set it to num_{kind}_nodes"
-            )
 
 
 def _check_devices(config: Config) -> None:

@@ -3,9 +3,10 @@ them (deploy/ builds it from this)."""
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, PrivateAttr
 
 from rlserve.config.section import Section
 
@@ -52,16 +53,22 @@ class DeploymentConfig(Section):
     )
     ray_address: str = Field("auto", description="multi_node, disaggregated on Ray: the Ray cluster to join")
     router: RouterConfig = Field(default_factory=RouterConfig)
-    num_prefill_replicas: int = Field(1, ge=1, description="disaggregated: prefill servers on this machine")
-    num_decode_replicas: int = Field(1, ge=1, description="disaggregated: decode servers on this machine")
+    num_prefill_replicas: int = Field(
+        1, ge=1, description="disaggregated: prefill replicas (on Ray, each on num_prefill_nodes nodes)"
+    )
+    num_decode_replicas: int = Field(
+        1, ge=1, description="disaggregated: decode replicas (on Ray, each on num_decode_nodes nodes)"
+    )
     num_prefill_nodes: int | None = Field(
         None,
         ge=1,
-        description="disaggregated on Ray: Ray nodes with one prefill server each; setting it (or "
-        "num_decode_nodes) places the servers on the cluster at ray_address instead of this machine",
+        description="disaggregated on Ray: Ray nodes under each prefill replica (prime-rl's meaning; "
+        "num_prefill_replicas x this nodes in all). A replica's parallel.tp ranks spread over its nodes, one "
+        "server per gcd(tp, nodes) nodes: tp = 1 runs a server on each node, tp = nodes one server spanning "
+        "them all. Setting it (or num_decode_nodes) places the servers on the cluster at ray_address",
     )
     num_decode_nodes: int | None = Field(
-        None, ge=1, description="disaggregated on Ray: Ray nodes with one decode server each (default 1 on Ray)"
+        None, ge=1, description="disaggregated on Ray: Ray nodes under each decode replica (default 1 on Ray)"
     )
     prefill_env_vars: dict[str, str] = Field(
         default_factory=dict, description="disaggregated: extra environment of every prefill server"
@@ -83,36 +90,61 @@ class DeploymentConfig(Section):
         "places them. Unbound, the scheduler puts a KV pull's sender and receiver on one core",
     )
 
+    # parallel.tp, set by Config: how many nodes a disaggregated server on Ray spans depends on it
+    _tp: int = PrivateAttr(1)
+
     @property
     def on_ray(self) -> bool:
-        """multi_node, or disaggregated with num_prefill_nodes / num_decode_nodes: one server per Ray node."""
+        """multi_node, or disaggregated with num_prefill_nodes / num_decode_nodes."""
         return self.type == "multi_node" or (
             self.type == "disaggregated" and (self.num_prefill_nodes, self.num_decode_nodes) != (None, None)
         )
 
+    def _role_spans(self, role: str) -> list[int]:
+        """Ray nodes under each of a role's servers in one copy (1 each off Ray)."""
+        replicas = getattr(self, f"num_{role}_replicas")
+        if not self.on_ray:
+            return [1] * replicas
+        nodes = getattr(self, f"num_{role}_nodes") or 1
+        span = math.gcd(self._tp, nodes)
+        return [span] * (replicas * nodes // span)
+
     @property
     def prefill_servers(self) -> int:
-        if self.type != "disaggregated":
-            return 0
-        return (self.num_prefill_nodes or 1) if self.on_ray else self.num_prefill_replicas
+        return len(self._role_spans("prefill")) if self.type == "disaggregated" else 0
 
     @property
     def decode_servers(self) -> int:
-        if self.type != "disaggregated":
-            return 0
-        return (self.num_decode_nodes or 1) if self.on_ray else self.num_decode_replicas
+        return len(self._role_spans("decode")) if self.type == "disaggregated" else 0
+
+    @property
+    def spans(self) -> list[int]:
+        """Ray nodes under each engine server of one copy, in server order (one bundle each)."""
+        if self.type == "disaggregated":
+            return self._role_spans("prefill") + self._role_spans("decode")
+        if self.type == "multi_node":
+            return [self.nodes_per_replica] * (self.num_nodes // self.nodes_per_replica)
+        return [1] * self.replicas
 
     @property
     def copy_size(self) -> int:
         """Engine servers in one copy."""
-        if self.type == "disaggregated":
-            return self.prefill_servers + self.decode_servers
-        return self.num_nodes // self.nodes_per_replica if self.type == "multi_node" else self.replicas
+        return len(self.spans)
+
+    def span(self, index: int) -> int:
+        """Ray nodes under server `index`."""
+        return self.spans[index % self.copy_size]
+
+    def first_bundle(self, index: int) -> int:
+        """The placement-group bundle of server `index`'s first node; its next span(index) - 1 hold its other
+        ranks."""
+        copy, position = divmod(index, self.copy_size)
+        return copy * sum(self.spans) + sum(self.spans[:position])
 
     @property
-    def span(self) -> int:
-        """Ray nodes under each server (one bundle each, in server order)."""
-        return self.nodes_per_replica if self.type == "multi_node" else 1
+    def nodes(self) -> int:
+        """Ray nodes the whole deployment takes (all copies)."""
+        return sum(self.spans) * self.copies
 
     @property
     def size(self) -> int:

@@ -438,6 +438,7 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _check_combinations(self) -> Config:
+        self.deployment._tp = self.parallel.tp
         check_combinations(self)
         if (
             self.kv_cache_offload is not None or self.kv_transfer is not None

@@ -1,10 +1,11 @@
 """Multi-node on Ray: one replica per node, placed by a STRICT_SPREAD placement group. Each replica is a
 small actor that runs `rlserve serve` on its node as a child process (the same process tree as on one
 machine); the supervisor, the router and the admin address stay on the head node with the driver.
-Disaggregated on Ray: the first num_prefill_nodes bundles run prefill servers, the rest decode servers; each
-server's KV block server listens on its node's IP, and decode servers may pull from the prefill nodes' IPs.
-A replica spanning nodes (deployment.nodes_per_replica) takes that many bundles in a row: its server runs on the
-first, and its other tensor-parallel ranks on the rest (engine/tp/ray_ranks.py)."""
+Disaggregated on Ray: the prefill servers' bundles come first, then the decode servers'; each server's KV block
+server listens on its first node's IP, and decode servers may pull from the prefill servers' IPs.
+A server spanning nodes (deployment.nodes_per_replica, or a disaggregated replica's nodes shared by its tp ranks:
+DeploymentConfig.spans) takes that many bundles in a row: its HTTP server and rank 0 run on the first, its other
+tensor-parallel ranks on the rest (engine/tp/ray_ranks.py)."""
 
 from __future__ import annotations
 
@@ -74,11 +75,11 @@ class RayReplica:
     ):
         d = config.deployment
         self.index, self.role, self.group = index, d.role(index), group
-        self.bundle = index * d.span  # its first bundle; the next span - 1 hold its other ranks
+        self.bundle = d.first_bundle(index)
         self.name = f"replica {index}" if self.role is None else f"{self.role} replica {index}"
         self.config = replica_config(config, index, "0.0.0.0", prefill_hosts=prefill_hosts)
-        if d.span > 1:
-            tp, each = config.parallel.tp, config.parallel.tp // d.span
+        if d.span(index) > 1:
+            tp, each = config.parallel.tp, config.parallel.tp // d.span(index)
             self.config.setdefault("parallel", {})["ray_ranks"] = {
                 "address": ray.get_runtime_context().gcs_address,
                 "namespace": NAMESPACE,
@@ -129,11 +130,11 @@ class RayReplica:
 
 
 def ray_replicas(config: Config, key: str, admin_url: str) -> list[RayReplica]:
-    """Join the running cluster and reserve one CPU on each of deployment.size distinct nodes."""
+    """Join the running cluster and reserve one CPU on each of deployment.nodes distinct nodes."""
     d = config.deployment
     ray.init(address=d.ray_address, namespace=NAMESPACE, log_to_driver=True)
     name = f"rlserve-{uuid.uuid4().hex}"  # spanning replicas' ranks find their bundles by it
-    group = placement_group([{"CPU": 1}] * (d.size * d.span), strategy="STRICT_SPREAD", name=name)
+    group = placement_group([{"CPU": 1}] * d.nodes, strategy="STRICT_SPREAD", name=name)
     try:
         ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
@@ -146,13 +147,13 @@ def ray_replicas(config: Config, key: str, admin_url: str) -> list[RayReplica]:
         else:
             what, lower = f"{d.size} replicas", "deployment.num_nodes (or copies)"
         raise RuntimeError(
-            f"Ray could not place {what} on {d.size * d.span} distinct nodes with a free CPU each: add nodes "
+            f"Ray could not place {what} on {d.nodes} distinct nodes with a free CPU each: add nodes "
             f"(ray start --address ...) or lower {lower}"
         ) from None
     prefill_hosts = None
     if d.type == "disaggregated":
         ips = _bundle_ips(group)
-        prefill_hosts = sorted({ips[i] for i in range(d.size) if d.role(i) == "prefill"})
+        prefill_hosts = sorted({ips[d.first_bundle(i)] for i in range(d.size) if d.role(i) == "prefill"})
     replicas = [RayReplica(i, config, key, admin_url, group, name, prefill_hosts) for i in range(d.size)]
     if wide_ep(config):
         _join_expert_groups(config, replicas, _bundle_ips(group))
@@ -173,7 +174,7 @@ def _join_expert_groups(config: Config, replicas: list[RayReplica], ips: dict[in
             data_parallel_size=p.dp,
             data_parallel_start_rank=position * local,
             data_parallel_rank=position * local,
-            data_parallel_address=ips[copy * d.copy_size],
+            data_parallel_address=ips[d.first_bundle(copy * d.copy_size)],
             data_parallel_rpc_port=port,
         )
 

@@ -46,7 +46,7 @@ def wide_ep(config: Config) -> bool:
     """multi_node with expert parallelism (prime-rl's Wide-EP): the replicas of a copy, one per node, form one
     expert group, each running parallel.dp / replicas of its data-parallel engines."""
     d, p = config.deployment, config.parallel
-    return d.type == "multi_node" and p.enable_expert_parallel and d.span == 1 and d.copy_size > 1
+    return d.type == "multi_node" and p.enable_expert_parallel and d.nodes_per_replica == 1 and d.copy_size > 1
 
 
 def engines_per_replica(config: Config) -> int:
