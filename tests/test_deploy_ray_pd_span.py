@@ -3,7 +3,7 @@ prefill replicas of 2 nodes each, 1 decode replica of 2 nodes), run as written p
 six-node Ray cluster: three servers, each with one tensor-parallel rank on each of its two nodes. Through the
 real vllm-router their answers and router replay's routed experts equal one local tp=2 server's, the decode
 server pulls every full block, it restarts on its two nodes when it dies, and SIGTERM ends every process on
-every node."""
+every node. The docs blocks 06 and 07 as written (tp = 1) run a server on each of their nodes."""
 
 from __future__ import annotations
 
@@ -96,3 +96,36 @@ def test_docs_pd_replicas_of_two_nodes_each_serve_as_one_server_and_stop_whole(c
     finally:
         stop_server(single)
     sigterm_leaves_nothing(proc, tree, 120, "every server and remote rank on the six nodes to exit")
+
+
+@pytest.mark.parametrize(
+    "block, roles",
+    [("06_pd.toml", ["prefill"] * 2 + ["decode"] * 2), ("07_pd_replicas.toml", ["prefill"] * 4 + ["decode"] * 2)],
+)
+def test_docs_pd_blocks_as_written_run_a_server_on_each_node(cluster, block, roles):
+    """At tp = 1 (the blocks as written) every node of a replica runs a server of its own: 06 takes 4 nodes, 07
+    all 6 (2 prefill replicas of 2 nodes, 1 decode replica of 2). Both serve through the router and stop whole."""
+    public, admin, proc = start_deployment(
+        "@",
+        str(DOCS_BLOCK.parent / block),
+        "--num_threads",
+        "1",
+        "--engine.kv_cache_bytes",
+        str(16 << 20),
+        "--deployment.ray_address",
+        cluster.address,
+        timeout=600,
+    )
+    try:
+        rows = sorted(replicas(admin), key=lambda r: r["index"])
+        assert [r["role"] for r in rows] == roles and all(r["status"] == "serving" for r in rows)
+        raylets = _raylets(cluster)
+        assert len({_raylet_above(r["pid"], raylets) for r in rows} - {None}) == len(roles)
+        (prompt,) = prompts(43, [70])
+        got = generate(public, prompt)
+        assert len(got["token_ids"]) > 0
+        assert sum(metric(r["url"], "rlserve:kv_transfer_tokens_total") for r in rows if r["role"] == "decode") > 0
+    except BaseException:
+        stop_deployment(proc)
+        raise
+    sigterm_leaves_nothing(proc, [r["pid"] for r in rows], 120, "every server on the cluster's nodes to exit")
