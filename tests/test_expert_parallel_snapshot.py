@@ -173,3 +173,33 @@ def test_wide_ep_servers_write_their_parts_into_one_directory_and_one_indexes_th
         for _, proc in started:
             stop_server(proc)
     monkeypatch.delenv("RLSERVE_DEPLOYMENT_KEY")
+
+
+def test_parts_are_written_again_until_every_writer_copied_the_same_weights():
+    """until_agreed, which both the engines of one server and the servers of a Wide-EP group write through: a
+    round whose writers copied different versions (an update landed between their copies) is discarded and
+    written again; a writer's failure ends it, and so does a fourth disagreement."""
+    import asyncio
+
+    from rlserve.server.fleet.save_weights import until_agreed
+
+    rounds = iter([[1, 2], [3, 3]])
+    discarded: list = []
+
+    async def write():
+        return next(rounds)
+
+    assert asyncio.run(until_agreed(write, lambda r: r, discarded.append, "x")) == [3, 3]
+    assert discarded == [[1, 2]]
+
+    async def failing():
+        return [1, ValueError("disk full")]
+
+    with pytest.raises(ValueError, match="disk full"):
+        asyncio.run(until_agreed(failing, lambda r: r, discarded.append, "x"))
+
+    async def never():
+        return [1, 2]
+
+    with pytest.raises(RuntimeError, match="the weights changed while they copied, 3 times"):
+        asyncio.run(until_agreed(never, lambda r: r, lambda r: None, "the weights"))

@@ -20,9 +20,9 @@ import httpx
 
 from rlserve.deploy.replica import wide_ep
 from rlserve.deploy.supervisor import Deployment, Slot
+from rlserve.server.fleet.save_weights import SAVE_PATH, until_agreed
 
 log = logging.getLogger("rlserve.deploy")
-SAVE_PATH = "/deployment/save_weights"
 PREFIX = "push-"
 # vLLM's weight-transfer routes that take part in a push; /update_weights {update_info} commits unless an
 # update was opened by /start_weight_update, in which case /finish_weight_update does
@@ -99,28 +99,30 @@ async def _write(dep: Deployment, slot: Slot, target: Path) -> dict[str, Any]:
     return written
 
 
-async def _write_group(dep: Deployment, group: list[Slot], target: Path, tries: int = 3) -> dict[str, Any]:
+async def _write_group(dep: Deployment, group: list[Slot], target: Path) -> dict[str, Any]:
     """Wide-EP: every server of the group writes its parts into the partial directory made here, then the first
-    indexes them all and renames it into place. A server copies between its own steps, so a rebalance can land
-    between two servers' copies: then the parts may not add up, and they write again."""
+    indexes them all and renames it into place."""
     partial = target.with_name(f".{target.name}.partial")
     partial.mkdir(mode=0o700, parents=True)
+
+    async def write() -> list:
+        replies = await asyncio.gather(
+            *(dep._post(slot, SAVE_PATH, {"weight_dir": str(target), "parts_only": True}) for slot in group),
+            return_exceptions=True,  # wait for every server: none may still write when a failure removes the directory
+        )
+        return [r if isinstance(r, BaseException) else r.json() for r in replies]
+
+    def discard(parts: list) -> None:
+        for name in (name for p in parts for name in p["files"]):
+            (partial / name).unlink(missing_ok=True)
+
     try:
-        for _ in range(tries):
-            replies = await asyncio.gather(
-                *(dep._post(slot, SAVE_PATH, {"weight_dir": str(target), "parts_only": True}) for slot in group),
-                return_exceptions=True,  # wait for every server: none may still write when a failure removes the directory
-            )
-            failed = next((r for r in replies if isinstance(r, BaseException)), None)
-            if failed is not None:
-                raise failed
-            parts = [r.json() for r in replies]
-            if len({(p["policy_version"], p["weight_version"], p["placement_key"]) for p in parts}) == 1:
-                break
-            for name in (name for p in parts for name in p["files"]):
-                (partial / name).unlink(missing_ok=True)
-        else:
-            raise RuntimeError(f"the servers' weights or expert placement changed while they copied, {tries} times")
+        parts = await until_agreed(
+            write,
+            lambda p: (p["policy_version"], p["weight_version"], p["placement_key"]),
+            discard,
+            "the servers' weights or expert placement",
+        )
         _check_versions(dep, parts[0])
         files = [name for p in parts for name in p["files"]]
         await dep._post(group[0], SAVE_PATH, {"weight_dir": str(target), "index_parts": files})

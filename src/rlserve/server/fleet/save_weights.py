@@ -137,17 +137,32 @@ async def _write(state: ServerState, out_dir: str) -> list:
     return versions
 
 
-async def _parts(engines: list, out_dir: str, tries: int = 3) -> list:
+async def _parts(engines: list, out_dir: str) -> list:
     """Each engine of the expert group writes its part; answers each engine's (policy_version, weight_version,
-    file, placement key). An engine copies between its own steps, so a rebalance or an update can land between
-    two engines' copies: then their parts may not add up, and they write again."""
+    file, placement key)."""
+
+    def discard(replies: list) -> None:
+        for r in replies:
+            os.unlink(os.path.join(out_dir, r[2]))
+
+    return await until_agreed(
+        lambda: asyncio.gather(*(e.control("save_weights", out_dir) for e in engines), return_exceptions=True),
+        lambda r: (r[0], r[1], r[3]),
+        discard,
+        "the engines' weights or expert placement",
+    )
+
+
+async def until_agreed(write, key, discard, what: str, tries: int = 3) -> list:
+    """Await `write()`, every writer's reply (or exception) of one round, until the replies share one `key`;
+    a round that does not agree is discarded first. Each writer copies between its own steps, so a rebalance
+    or an update can land between two writers' copies: then their parts do not add up, and they write again."""
     for _ in range(tries):
-        replies = await asyncio.gather(*(e.control("save_weights", out_dir) for e in engines), return_exceptions=True)
+        replies = await write()
         failed = next((r for r in replies if isinstance(r, BaseException)), None)
         if failed is not None:
             raise failed
-        if len({(r[0], r[1], r[3]) for r in replies}) == 1:
+        if len({key(r) for r in replies}) == 1:
             return replies
-        for r in replies:
-            os.unlink(os.path.join(out_dir, r[2]))
-    raise RuntimeError(f"the engines' weights or expert placement changed while they copied, {tries} times running")
+        discard(replies)
+    raise RuntimeError(f"{what} changed while they copied, {tries} times running")
