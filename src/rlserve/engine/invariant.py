@@ -105,9 +105,8 @@ class InvariantSampler(Sampler):
         """The row's token (drawn here unless the C walk drew it) and its logprobs."""
         if row.forced_id is not None:  # test-only rows keep the general path
             return self._sample(logits.clone(), [row])
-        if token is not None and row.num_logprobs is None:
-            return SampleResult([token], None, [[]])
-        processed = processed_logits(logits.clone(), row)
+        # the processed distribution: to draw from, or for processed logprobs (a drawn row without logprobs skips it)
+        processed = processed_logits(logits.clone(), row) if token is None or row.num_logprobs is not None else None
         if token is None:
             token = int(self._draw(processed, [row], [row.temperature == 0])[0][0])
         if row.num_logprobs is None:
