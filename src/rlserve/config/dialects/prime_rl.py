@@ -73,8 +73,9 @@ def _aliases(data: dict[str, Any]) -> None:
             router = deployment["router"] = dict(router)
             if router.get("type") == "llm-d":
                 raise ConfigError(
-                    'deployment.router.type "llm-d": llm-d\'s endpoint picker cannot run here; '
-                    'use type = "vllm-router" (its consistent_hash policy keeps prefixes on one replica)'
+                    'deployment.router.type "llm-d": rlserve cannot start llm-d\'s endpoint picker (a Go service '
+                    'shipped as a container image, with no Python package to install); use type = "vllm-router" '
+                    "(its consistent_hash policy keeps a session's prefix on one replica; cache_aware routes by prefix)"
                 )
             if "non_cached_tokens" in router:
                 deployment["non_cached_tokens"] = router.pop("non_cached_tokens")
