@@ -104,6 +104,7 @@ struct attn_state {
     uint32_t qpt[MAX_HEAD_DIM / 2][TILE_QUERIES];
     float st[KEYS][TILE_QUERIES];                         /* the chunk's scores, then its weights */
     float kw[KEYS][MAX_HEAD_DIM], vw[KEYS][MAX_HEAD_DIM]; /* bf16: the chunk's K and V rows widened */
+    uint32_t vp[KEYS / 2][MAX_HEAD_DIM]; /* bf16 pairs: dimension d of keys 2i (low half) and 2i + 1, as stored */
 };
 
 static const uint32_t attn_zeros[MAX_HEAD_DIM]; /* a V row for the lanes past a chunk (any type) */
@@ -167,10 +168,26 @@ static void attn_scores(struct attn_state *s, int64_t first, int64_t count, int6
 
 /* bf16 where the CPU has AVX512_BF16: each score sums the stored q and k two dimensions per
  * instruction (vdpbf16ps: exact products, d = 2c + 1 then 2c added, both forms alike), and K is
- * read as stored, never widened. Elsewhere every score is an FMA chain over widened values. */
+ * read as stored, never widened. The values take two keys per instruction the same way: the
+ * softmax weights rounded to bf16 (as flash attention does on GPUs; the sum they are divided by
+ * stays the fp32 weights'), V as stored, key 2i + 1's product added before key 2i's. Elsewhere
+ * every score and value is an FMA chain over widened values. */
 #undef ATTN_PAIRS
 #if defined(ATTN_AVX512) && defined(RLSERVE_BF16) && defined(__AVX512BF16__)
 #define ATTN_PAIRS 1
+/* The chunk's V rows (s->v_rows) as key pairs in s->vp. */
+static inline void attn_stage_value_pairs(struct attn_state *s) {
+    const int64_t D = s->D;
+    for (int i = 0; i < KEYS / 2; ++i) {
+        const bf16 *lo = s->v_rows[2 * i], *hi = s->v_rows[2 * i + 1];
+        for (int64_t d = 0; d < D; d += 16) {
+            const __mmask16 m = D - d >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (D - d)) - 1u);
+            const __m512i a = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, lo + d));
+            const __m512i b = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, hi + d)), 16);
+            _mm512_mask_storeu_epi32(s->vp[i] + d, m, _mm512_or_si512(a, b));
+        }
+    }
+}
 #endif
 
 struct NAME(attention_job) {
@@ -207,7 +224,24 @@ static inline __attribute__((always_inline)) int64_t NAME(attn_k_block)(const T 
  * chunk's keys in order. One body per storage type, whatever the tile. */
 static __attribute__((noinline)) void NAME(attn_values)(struct attn_state *s, int64_t first, int64_t count) {
     const int64_t D = s->D;
-#if defined(ATTN_AVX512)
+#if defined(ATTN_PAIRS)
+    attn_stage_value_pairs(s);
+    uint32_t weights[TILE_QUERIES][KEYS / 2]; /* each query vector's weights as bf16 key pairs */
+    for (int64_t j = 0; j < count; ++j)
+        _mm256_storeu_si256((__m256i *)weights[j], (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s->p[first + j])));
+    for (int64_t d = 0; d < D; d += 16) {
+        const __mmask16 m = D - d >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (D - d)) - 1u);
+        __m512bh v[KEYS / 2];
+        for (int i = 0; i < KEYS / 2; ++i) v[i] = (__m512bh)_mm512_maskz_loadu_epi32(m, s->vp[i] + d);
+        for (int64_t j = 0; j < count; ++j) {
+            const int64_t r = first + j;
+            __m512 a = VMUL(_mm512_maskz_loadu_ps(m, s->acc[r] + d), _mm512_set1_ps(s->corr[r]));
+            for (int i = 0; i < KEYS / 2; ++i)
+                a = _mm512_dpbf16_ps(a, v[i], (__m512bh)_mm512_set1_epi32((int32_t)weights[j][i]));
+            _mm512_mask_storeu_ps(s->acc[r] + d, m, a);
+        }
+    }
+#elif defined(ATTN_AVX512)
     for (int64_t d = 0; d < D; d += 16) {
         const __mmask16 m = D - d >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (D - d)) - 1u);
         __m512 v[KEYS];

@@ -107,6 +107,32 @@ static inline __attribute__((always_inline)) void attn_lanes_values(struct attn_
     }
 }
 
+#if defined(__AVX512BF16__)
+/* The same with bf16 pairs (ATTN_PAIRS): each lane's weights rounded to bf16 as key pairs, V's pairs
+ * (s->vp) broadcast, key 2i + 1's product added before key 2i's (attn_values's sums). */
+static inline __attribute__((always_inline)) void attn_lanes_values_pairs(struct attn_state *s, const int nv,
+                                                                          const int64_t D) {
+    __m512bh p[KEYS / 2][3];
+    for (int i = 0; i < KEYS / 2; ++i)
+        for (int c = 0; c < nv; ++c) {
+            const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s->st[2 * i] + 16 * c)));
+            const __m512i hi =
+                _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s->st[2 * i + 1] + 16 * c)));
+            p[i][c] = (__m512bh)_mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+        }
+    for (int64_t d = 0; d < D; ++d) {
+        __m512 a[3];
+        for (int c = 0; c < nv; ++c)
+            a[c] = VMUL(_mm512_loadu_ps(s->acct[d] + 16 * c), _mm512_loadu_ps(s->corr + 16 * c));
+        for (int i = 0; i < KEYS / 2; ++i) {
+            const __m512bh vv = (__m512bh)_mm512_set1_epi32((int32_t)s->vp[i][d]);
+            for (int c = 0; c < nv; ++c) a[c] = _mm512_dpbf16_ps(a[c], p[i][c], vv);
+        }
+        for (int c = 0; c < nv; ++c) _mm512_storeu_ps(s->acct[d] + 16 * c, a[c]);
+    }
+}
+#endif
+
 /* k: fp32 rows, or bf16 rows as stored where `pairs` (a constant once inlined) */
 static inline __attribute__((always_inline)) void attn_lanes_n(struct attn_state *s, const void *k[KEYS],
                                                                const float *v[KEYS], int64_t start, float scale,
@@ -118,6 +144,12 @@ static inline __attribute__((always_inline)) void attn_lanes_n(struct attn_state
 #endif
         attn_lanes_scores(s, (const float **)k, nv, D);
     for (int c = 0; c < nv; ++c) attn_lanes_softmax(s, 16 * c, start, scale);
+#if defined(__AVX512BF16__)
+    if (pairs) {
+        attn_lanes_values_pairs(s, nv, D);
+        return;
+    }
+#endif
     attn_lanes_values(s, v, nv, D);
 }
 
@@ -140,24 +172,25 @@ static inline __attribute__((always_inline)) void attn_lanes(struct attn_state *
 }
 #endif /* RLSERVE_PAGED_ATTENTION_LANES_SHARED */
 
-/* The chunk's K and V rows as fp32 for the lanes form: where they lie (fp32), or widened (bf16). */
+/* The chunk's K and V rows for the lanes form: where they lie (fp32), widened (bf16), or as stored and V
+ * staged in key pairs (ATTN_PAIRS). */
 static inline void NAME(attn_lanes_rows)(struct attn_state *s, const T *k_rows[KEYS], const void *k[KEYS],
                                          const float *v[KEYS]) {
-#if defined(RLSERVE_BF16)
+#if defined(ATTN_PAIRS)
+    attn_stage_value_pairs(s);
+    for (int i = 0; i < KEYS; ++i) {
+        k[i] = k_rows[i];
+        v[i] = NULL; /* the values come from s->vp */
+    }
+#elif defined(RLSERVE_BF16)
     const int64_t D = s->D;
     for (int i = 0; i < KEYS; ++i) {
         for (int64_t d = 0; d < D; d += 16) {
             const __mmask16 m = D - d >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (D - d)) - 1u);
-#if !defined(ATTN_PAIRS)
             _mm512_mask_storeu_ps(s->kw[i] + d, m, NAME(attn_load16)(k_rows[i] + d, m));
-#endif
             _mm512_mask_storeu_ps(s->vw[i] + d, m, NAME(attn_load16)((const T *)s->v_rows[i] + d, m));
         }
-#if defined(ATTN_PAIRS)
-        k[i] = k_rows[i];
-#else
         k[i] = s->kw[i];
-#endif
         v[i] = s->vw[i];
     }
 #else
