@@ -175,18 +175,22 @@ static void attn_scores(struct attn_state *s, int64_t first, int64_t count, int6
 #undef ATTN_PAIRS
 #if defined(ATTN_AVX512) && defined(RLSERVE_BF16) && defined(__AVX512BF16__)
 #define ATTN_PAIRS 1
-/* The chunk's V rows (s->v_rows) as key pairs in s->vp. */
+/* Dimensions [d, d + 16) of the chunk's keys 2i (low halves) and 2i + 1 (high), from s->v_rows as stored. */
+static inline __attribute__((always_inline)) __m512bh attn_value_pair(const struct attn_state *s, int i, int64_t d,
+                                                                     __mmask16 m) {
+    const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const bf16 *)s->v_rows[2 * i] + d));
+    const __m512i hi = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const bf16 *)s->v_rows[2 * i + 1] + d));
+    return (__m512bh)_mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+}
+
+/* The chunk's V rows as key pairs in s->vp (the lanes form broadcasts them one dimension at a time). */
 static inline void attn_stage_value_pairs(struct attn_state *s) {
     const int64_t D = s->D;
-    for (int i = 0; i < KEYS / 2; ++i) {
-        const bf16 *lo = s->v_rows[2 * i], *hi = s->v_rows[2 * i + 1];
+    for (int i = 0; i < KEYS / 2; ++i)
         for (int64_t d = 0; d < D; d += 16) {
             const __mmask16 m = D - d >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (D - d)) - 1u);
-            const __m512i a = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, lo + d));
-            const __m512i b = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, hi + d)), 16);
-            _mm512_mask_storeu_epi32(s->vp[i] + d, m, _mm512_or_si512(a, b));
+            _mm512_mask_storeu_epi32(s->vp[i] + d, m, (__m512i)attn_value_pair(s, i, d, m));
         }
-    }
 }
 #endif
 
@@ -225,14 +229,13 @@ static inline __attribute__((always_inline)) int64_t NAME(attn_k_block)(const T 
 static __attribute__((noinline)) void NAME(attn_values)(struct attn_state *s, int64_t first, int64_t count) {
     const int64_t D = s->D;
 #if defined(ATTN_PAIRS)
-    attn_stage_value_pairs(s);
     uint32_t weights[TILE_QUERIES][KEYS / 2]; /* each query vector's weights as bf16 key pairs */
     for (int64_t j = 0; j < count; ++j)
         _mm256_storeu_si256((__m256i *)weights[j], (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s->p[first + j])));
     for (int64_t d = 0; d < D; d += 16) {
         const __mmask16 m = D - d >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (D - d)) - 1u);
         __m512bh v[KEYS / 2];
-        for (int i = 0; i < KEYS / 2; ++i) v[i] = (__m512bh)_mm512_maskz_loadu_epi32(m, s->vp[i] + d);
+        for (int i = 0; i < KEYS / 2; ++i) v[i] = attn_value_pair(s, i, d, m);
         for (int64_t j = 0; j < count; ++j) {
             const int64_t r = first + j;
             __m512 a = VMUL(_mm512_maskz_loadu_ps(m, s->acc[r] + d), _mm512_set1_ps(s->corr[r]));
