@@ -1,0 +1,81 @@
+/* The default build's one-row form of decode attention (included by paged_attention_impl.h once per
+ * storage type, after its state and loads): a decode row's query heads against its context, one dot
+ * product per query head and K row reduced across lanes, the next block fetched while this one
+ * computes. The batch-invariant build (RLSERVE_ROW_INVARIANT) and ATTN_PAIRS builds do not take it. */
+
+/* The K and V rows of up to `block_size` keys from `base` (a block's slice for one KV head), into L1. */
+static inline void NAME(attn_prefetch_block)(const T *k_cache, const T *v_cache, int64_t base, int64_t keys,
+                                             int64_t block_size, int64_t row, int64_t D) {
+    const int64_t n = keys < block_size ? keys : block_size, bytes = D * (int64_t)sizeof(T);
+    for (int64_t j = 0; j < n; ++j)
+        for (int64_t b = 0; b < bytes; b += 64) {
+            __builtin_prefetch((const char *)(k_cache + base + j * row) + b, 0, 3);
+            __builtin_prefetch((const char *)(v_cache + base + j * row) + b, 0, 3);
+        }
+}
+
+#if !defined(RLSERVE_ROW_INVARIANT)
+/* The default build's form for a tile of one row (a decode row): one dot product per query head
+ * and K row, reduced across lanes. With only G query vectors to share a chunk, that beats the
+ * direct form in fp32 (0.9-0.98x at 64-2,048 positions, both prefetching) but not with bf16 pairs
+ * (1.13-1.32x there), so ATTN_PAIRS builds take the direct form for every row. Its sums run in
+ * another order, so the batch-invariant build (RLSERVE_ROW_INVARIANT) keeps the tiled form for
+ * every row: a decode row there equals the same position computed as a prompt row.
+ * Inlined with D a constant for the common head sizes, so the loops over D unroll and a query
+ * head's accumulator stays in registers. */
+static inline __attribute__((always_inline)) void NAME(attend_one)(
+    const T *qb, const T *k_cache, const T *v_cache, const int64_t *table, int64_t len, T *ob,
+    int64_t G, int64_t KVH, int64_t kvh, const int64_t D, int64_t block_size, float scale) {
+    float acc[MAX_GROUP][MAX_HEAD_DIM], q[MAX_GROUP][MAX_HEAD_DIM];
+    float run_max[MAX_GROUP], run_sum[MAX_GROUP], probs[MAX_GROUP][MAX_BLOCK];
+    for (int64_t g = 0; g < G; ++g) {
+        run_max[g] = -FLT_MAX;
+        run_sum[g] = 0.0f;
+        for (int64_t d = 0; d < D; ++d) {
+            acc[g][d] = 0.0f;
+            q[g][d] = LD(qb[g * D + d]);
+        }
+    }
+    const int64_t row = KVH * D; /* values between consecutive slots */
+    for (int64_t start = 0; start < len; start += block_size) {
+        const int64_t n = len - start < block_size ? len - start : block_size;
+        const int64_t base = (table[start / block_size] * block_size * KVH + kvh) * D;
+        if (start + block_size < len) /* the next block lies anywhere: fetch its rows while this one computes */
+            NAME(attn_prefetch_block)(k_cache, v_cache, (table[start / block_size + 1] * block_size * KVH + kvh) * D,
+                                      len - start - block_size, block_size, row, D);
+        for (int64_t j = 0; j < n; ++j) {
+            const T *k = k_cache + base + j * row;
+            for (int64_t g = 0; g < G; ++g) {
+                float dot = 0.0f;
+                for (int64_t d = 0; d < D; ++d) dot += q[g][d] * LD(k[d]);
+                probs[g][j] = dot * scale;
+            }
+        }
+        for (int64_t g = 0; g < G; ++g) {
+            float block_max = run_max[g];
+            for (int64_t j = 0; j < n; ++j) block_max = probs[g][j] > block_max ? probs[g][j] : block_max;
+            const float correction = expf(run_max[g] - block_max);
+            run_max[g] = block_max;
+            float sum = 0.0f;
+            for (int64_t j = 0; j < n; ++j) {
+                probs[g][j] = expf(probs[g][j] - block_max);
+                sum += probs[g][j];
+            }
+            run_sum[g] = run_sum[g] * correction + sum;
+            float a[MAX_HEAD_DIM];
+            for (int64_t d = 0; d < D; ++d) a[d] = acc[g][d] * correction;
+            for (int64_t j = 0; j < n; ++j) {
+                const T *v = v_cache + base + j * row;
+                const float p = probs[g][j];
+                for (int64_t d = 0; d < D; ++d) a[d] += p * LD(v[d]);
+            }
+            for (int64_t d = 0; d < D; ++d) acc[g][d] = a[d];
+        }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+        const float inv = len > 0 ? 1.0f / run_sum[g] : 0.0f;
+        for (int64_t d = 0; d < D; ++d) ob[g * D + d] = ST(acc[g][d] * inv);
+    }
+}
+#endif
+
