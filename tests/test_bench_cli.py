@@ -56,7 +56,7 @@ def test_bench_serve_reports_a_server_it_cannot_reach(tmp_path):
                 "--model", "m", "--no-warmup", "--json", str(tmp_path / "r.json"))  # fmt: skip
     assert out.returncode == 1
     run = json.loads((tmp_path / "r.json").read_text())["runs"][0]
-    assert run["failed"] == 1 and "ConnectError" in run["errors"][0]
+    assert run["failed"] == 1 and "Cannot connect to host 127.0.0.1:9" in run["errors"][0]
 
 
 def test_bench_throughput_runs_the_offline_engine(tmp_path):

@@ -16,7 +16,7 @@ import httpx
 from rlserve.bench.compare import options, server_record
 from rlserve.bench.machine import cpu_info, describe
 from rlserve.bench.metrics import RequestRecord, summarize
-from rlserve.bench.serve import one_request, random_prompts, run_level, served_model
+from rlserve.bench.serve import one_request, open_client, random_prompts, run_level, served_model
 from rlserve.bench.servers import PeakMemory, Running, cpu_count, resolve_model, start_all
 
 PREFIX_METRIC = re.compile(r"^vllm:prefix_cache_(hits|queries)(?:_total)?(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.M)
@@ -96,8 +96,7 @@ async def sessions(url: str, histories: list[list[int]], turns: int, args) -> tu
     answer's worth of new tokens, then the next user message: its prefix is the previous prompt."""
     opts = options(args, args.output_len)
     records: list[RequestRecord] = []
-    limits = httpx.Limits(max_connections=len(histories), max_keepalive_connections=len(histories))
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(args.timeout, connect=30)) as c:
+    async with open_client(url, len(histories), args.timeout) as c:
         model = await served_model(c)
 
         async def one_session(index: int, prompt: list[int]) -> None:

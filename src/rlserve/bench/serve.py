@@ -8,7 +8,7 @@ import json
 import random
 import time
 
-import httpx
+import aiohttp
 from tqdm import tqdm
 
 from rlserve.bench.metrics import RequestRecord, summarize
@@ -19,47 +19,62 @@ def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[
     return [[rng.randrange(vocab) for _ in range(length)] for _ in range(count)]
 
 
-async def served_model(client: httpx.AsyncClient) -> str:
-    resp = await client.get("/v1/models")
-    resp.raise_for_status()
-    return resp.json()["data"][0]["id"]
+def open_client(base_url: str, connections: int, timeout_s: float, headers: dict | None = None):
+    """The load generator's HTTP client: aiohttp, whose per-chunk cost is a fraction of httpx's. The client
+    shares the machine's cores with the server under test (streaming 64 requests, httpx took ~13% of 2 cores),
+    so a leaner client leaves the server what it would have with its clients elsewhere."""
+    return aiohttp.ClientSession(
+        base_url=base_url.rstrip("/") + "/",  # a base with a path keeps it: the routes below are relative
+        headers=headers,
+        connector=aiohttp.TCPConnector(limit=connections),
+        timeout=aiohttp.ClientTimeout(total=timeout_s, sock_connect=30.0),
+    )
 
 
-async def one_request(client: httpx.AsyncClient, body: dict, record: RequestRecord) -> None:
+async def served_model(client: aiohttp.ClientSession) -> str:
+    async with client.get("v1/models") as resp:
+        resp.raise_for_status()
+        return (await resp.json())["data"][0]["id"]
+
+
+async def one_request(client: aiohttp.ClientSession, body: dict, record: RequestRecord) -> None:
     start = time.perf_counter()
     try:
         if body["stream"]:
             await _streamed(client, body, record, start)
         else:
-            resp = await client.post("/v1/completions", json=body)
-            if resp.status_code != 200:
-                raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:200]}")
-            record.output_tokens = resp.json()["usage"]["completion_tokens"]
-    except (httpx.HTTPError, RuntimeError, KeyError, ValueError) as exc:
+            async with client.post("v1/completions", json=body) as resp:
+                if resp.status != 200:
+                    raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
+                record.output_tokens = (await resp.json())["usage"]["completion_tokens"]
+    except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, KeyError, ValueError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"[:300]
     record.latency = time.perf_counter() - start
 
 
-async def _streamed(client: httpx.AsyncClient, body: dict, record: RequestRecord, start: float) -> None:
+async def _streamed(client: aiohttp.ClientSession, body: dict, record: RequestRecord, start: float) -> None:
     last: dict[int, float] = {}  # per choice: with n > 1 the samples' chunks interleave
-    chunks = 0
-    async with client.stream("POST", "/v1/completions", json=body) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                record.output_tokens = event["usage"]["completion_tokens"]
+    chunks, pending = 0, b""
+    async with client.post("v1/completions", json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {(await resp.read())[:200]!r}")
+        # whatever has arrived at once, split into events here: one await per read, not per line
+        async for data in resp.content.iter_any():
+            *events, pending = (pending + data).split(b"\n\n")
             now = time.perf_counter()
-            for choice in event.get("choices") or []:
-                index = choice.get("index", 0)
-                if record.ttft is None:
-                    record.ttft = now - start
-                if index in last:
-                    record.itl.append(now - last[index])
-                last[index], chunks = now, chunks + 1
+            for raw in events:
+                if not raw.startswith(b"data: ") or raw.startswith(b"data: [DONE]"):
+                    continue
+                event = json.loads(raw[6:])
+                if event.get("usage"):
+                    record.output_tokens = event["usage"]["completion_tokens"]
+                for choice in event.get("choices") or []:
+                    index = choice.get("index", 0)
+                    if record.ttft is None:
+                        record.ttft = now - start
+                    if index in last:
+                        record.itl.append(now - last[index])
+                    last[index], chunks = now, chunks + 1
     record.output_tokens = record.output_tokens or chunks
 
 
@@ -67,9 +82,7 @@ async def run_level(
     base_url: str, concurrency: int, prompts: list[list[int]], args, headers: dict | None = None
 ) -> dict:
     """All prompts at one concurrency level; the summary of that run."""
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    timeout = httpx.Timeout(args.timeout, connect=30.0)
-    async with httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits, timeout=timeout) as client:
+    async with open_client(base_url, concurrency, args.timeout, headers) as client:
         model = args.model or await served_model(client)
         gate = asyncio.Semaphore(concurrency)
         records = [RequestRecord(prompt_tokens=len(p)) for p in prompts]
