@@ -11,11 +11,13 @@ import os
 import signal
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
 from conftest import start_server, stop_server
 from deploy_helpers import (
+    descendants,
     local_ray_cluster,
     replicas,
     sigterm_leaves_nothing,
@@ -54,6 +56,12 @@ def _decode_restarted(admin: str) -> list[dict] | None:
     return rows if done else None
 
 
+def _tree(proc, admin: str, rows: list[dict]) -> list[int]:
+    """The deployment's processes on this machine, its router and its servers on the Ray nodes."""
+    router = httpx.get(f"{admin}/deployment", timeout=30).json()["router_pid"]
+    return [*descendants(proc.pid), router, *(r["pid"] for r in rows)]
+
+
 def _replaced_one(cluster, before: list[int]) -> list[int] | None:
     now = _tp_workers(cluster)
     return now if len(set(now) - set(before)) == 1 else None
@@ -89,7 +97,7 @@ def test_docs_pd_replicas_of_two_nodes_each_serve_as_one_server_and_stop_whole(c
             assert metric(rows[2]["url"], "rlserve:kv_transfer_local_fallbacks_total") == 0
             replaced = wait_for(lambda: _replaced_one(cluster, workers), 120, "the restarted server's remote rank")
             assert len(replaced) == 3 and len(set(workers) - set(replaced)) == 1
-            tree = [*(r["pid"] for r in rows), *_tp_workers(cluster)]
+            tree = [*_tree(proc, admin, rows), *_tp_workers(cluster)]
         except BaseException:
             stop_deployment(proc)
             raise
@@ -125,7 +133,8 @@ def test_docs_pd_blocks_as_written_run_a_server_on_each_node(cluster, block, rol
         got = generate(public, prompt)
         assert len(got["token_ids"]) > 0
         assert sum(metric(r["url"], "rlserve:kv_transfer_tokens_total") for r in rows if r["role"] == "decode") > 0
+        tree = _tree(proc, admin, rows)
     except BaseException:
         stop_deployment(proc)
         raise
-    sigterm_leaves_nothing(proc, [r["pid"] for r in rows], 120, "every server on the cluster's nodes to exit")
+    sigterm_leaves_nothing(proc, tree, 120, "every server on the cluster's nodes and the router to exit")
