@@ -338,6 +338,7 @@ def moe_dir(tmp_path_factory) -> Path:
 
 
 DOC = "../tests/fixtures/prime_rl_docs/"
+TMP_DISK = ("--kv_cache_offload.disk.path", "TMP")
 # (file under configs/, local changes: only what this machine needs) for everything one machine can run
 RUNNABLE = [
     ("debug/infer.toml", ()),
@@ -347,13 +348,22 @@ RUNNABLE = [
     (DOC + "02_single_node.toml", ()),
     (DOC + "10_routing_headers.toml", ()),
     (DOC + "11_offload_native_cpu.toml", ("--kv_cache_offload.cpu.num_bytes", str(64 << 20))),  # not 128 GB
+    # not 128 GB, and a directory that exists here instead of /scratch/kv
+    (DOC + "11_offload_native_cpu_disk.toml", ("--kv_cache_offload.cpu.num_bytes", str(64 << 20), *TMP_DISK)),
+    (DOC + "11_offload_mooncake.toml", ("--kv_cache_offload.cpu.num_bytes", str(64 << 20), *TMP_DISK)),
+    # tp = 2 x dp = 4: 8 expert-parallel ranks on 2 cores, a tiny MoE for the docs' INTELLECT-3
+    (DOC + "03_single_node_ep.toml", ("--model.name", "MOE", "--parallel.oversubscribe_cpu", "true")),
     (DOC + "14_router_replay.toml", ("--model.name", "MOE")),
 ]
 
 
 @pytest.mark.parametrize("name, extra", RUNNABLE, ids=[Path(n).stem for n, _ in RUNNABLE])
-def test_runnable_configs_serve(name, extra, moe_dir):
-    extra = tuple(str(moe_dir) if x == "MOE" else x for x in extra)
+def test_runnable_configs_serve(name, extra, moe_dir, tmp_path):
+    if "mooncake" in name:
+        from test_kv_mooncake import _mooncake_or_skip
+
+        _mooncake_or_skip()
+    extra = tuple({"MOE": str(moe_dir), "TMP": str(tmp_path)}.get(x, x) for x in extra)
     url, proc = start_server("@", str(ROOT / "configs" / name), *extra, "--server.port", "0")
     try:
         resp = httpx.post(f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 3}, timeout=300)
@@ -367,6 +377,27 @@ def test_runnable_configs_serve(name, extra, moe_dir):
             assert gen["choices"][0]["routed_experts"] is not None
     finally:
         stop_server(proc)
+
+
+@pytest.mark.parametrize("block", ["11_offload_native_cpu_disk.toml", "11_offload_mooncake.toml"])
+def test_docs_disk_blocks_as_written_name_the_missing_directory(block):
+    """/scratch/kv does not exist here: the server exits with a message that says so, before loading a model."""
+    import subprocess
+    import sys
+
+    if "mooncake" in block:
+        from test_kv_mooncake import _mooncake_or_skip
+
+        _mooncake_or_skip()
+    if Path("/scratch/kv").exists():
+        pytest.skip("this machine has the docs' /scratch/kv")
+    out = subprocess.run(
+        [sys.executable, "-m", "rlserve.cli", "serve", "@", str(ROOT / "tests/fixtures/prime_rl_docs" / block),
+         "--kv_cache_offload.cpu.num_bytes", str(64 << 20), "--server.port", "0"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode != 0
+    assert "kv_cache_offload.disk.path '/scratch/kv' is not an existing directory: create it" in out.stderr
 
 
 @pytest.mark.slow  # three deployments of 2-3 processes each behind vllm-router

@@ -72,6 +72,10 @@ class MooncakeMaster:
         self.host, self.disk = host, disk
         self.proc: subprocess.Popen | None = None
         self.fs_dir: str | None = None
+        if disk is not None and not Path(disk.path).is_dir():
+            raise RuntimeError(
+                f"kv_cache_offload.disk.path {disk.path!r} is not an existing directory: create it or fix the path"
+            )
         binary = find_binary()
         try:
             if disk is not None:
