@@ -3,7 +3,8 @@ expert group, so one that dies breaks the group. The supervisor then restarts th
 rendezvous at once, without waiting for the survivor's collectives to time out (the test sets that timeout far
 beyond its own hang guard, so a recovery that waited for it could not pass), and the group serves again at the
 deployment's weights; SIGTERM then leaves no process behind. prime-rl's docs' Wide-EP block serves as written: 16
-ranks over the two nodes; the qwen3-30b-a3b-mini preset with its experts on both nodes matches transformers."""
+ranks over the two nodes, and so does its multi-node block (04: tp 2 x dp 4 a node, no expert parallelism); the
+qwen3-30b-a3b-mini preset with its experts on both nodes matches transformers."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from deploy_helpers import (
     stop_deployment,
     wait_for,
 )
-from rlserve.model.make import PRESETS, bench_cache_dir, make_model
+from rlserve.model.make import PRESETS, bench_cache_dir, default_model_dir, make_model
 from test_moe import hf_experts
 from test_pd import metric
 from test_server_moe import decode
@@ -200,6 +201,30 @@ def test_the_docs_wide_ep_block_serves_as_written(cluster, tmp_path):
             hf_check(moe, PROMPT, choice)
             forwarded = (PROMPT + choice["token_ids"])[:-1]
             np.testing.assert_array_equal(decode(choice["routed_experts"]), hf_experts(hf, forwarded))
+    finally:
+        stop_deployment(proc)
+
+
+def test_the_docs_multi_node_block_serves_as_written(cluster, tmp_path):
+    """prime-rl's multi-node block (04: num_nodes = 2, tp = 2, dp = 4, no expert parallelism) with its model
+    replaced by the embedded one: a server on each node with 4 engines of 2 ranks, both behind the router,
+    answering as transformers does."""
+    model = default_model_dir()
+    block = (BLOCK.parent / "04_multi_replica.toml").read_text()
+    assert '"PrimeIntellect/INTELLECT-3"' in block
+    (tmp_path / "block.toml").write_text(block.replace('"PrimeIntellect/INTELLECT-3"', json.dumps(str(model))))
+    public, admin, proc = start_deployment(
+        "@", str(tmp_path / "block.toml"), "--deployment.ray_address", cluster.address,
+        "--engine.kv_cache_bytes", str(16 << 20), "--parallel.oversubscribe_cpu", "true", timeout=600,
+    )  # fmt: skip
+    try:
+        rows = sorted(replicas(admin), key=lambda r: r["index"])
+        assert [r["status"] for r in rows] == ["serving", "serving"]
+        for row in rows:
+            assert httpx.get(f"{row['url']}/get_world_size", timeout=60).json() == {"world_size": 4}
+            assert sum(b"rlserve.engine.tp.worker" in c for c in _cmdlines(descendants(row["pid"]))) == 4
+        for url in (public, *(r["url"] for r in rows)):
+            hf_check(model, PROMPT, generate(url, PROMPT)["choices"][0])
     finally:
         stop_deployment(proc)
 
