@@ -67,7 +67,7 @@ def _serve(argv: list[str], prog: str) -> int:
 
         try:  # one for the deployment's replicas or this server; stopped at exit
             config = start_master_if_needed(config)
-        except RuntimeError as e:
+        except (RuntimeError, ValueError) as e:  # ValueError: kv_cache_offload.disk.path (engine/kv/disk_dir.py)
             print(f"{prog}: error: {e}", file=sys.stderr)
             return 2
     if config.deployment.enabled:

@@ -15,11 +15,11 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from rlserve.config.schema import Config, KVMooncakeConfig, KVOffloadDiskConfig
+from rlserve.engine.kv.disk_dir import make_private_dir
 
 log = logging.getLogger("rlserve.mooncake")
 _PR_SET_PDEATHSIG = 1
@@ -72,14 +72,10 @@ class MooncakeMaster:
         self.host, self.disk = host, disk
         self.proc: subprocess.Popen | None = None
         self.fs_dir: str | None = None
-        if disk is not None and not Path(disk.path).is_dir():
-            raise RuntimeError(
-                f"kv_cache_offload.disk.path {disk.path!r} is not an existing directory: create it or fix the path"
-            )
         binary = find_binary()
         try:
             if disk is not None:
-                self.fs_dir = tempfile.mkdtemp(prefix="rlserve-mooncake-", dir=disk.path)
+                self.fs_dir = str(make_private_dir(disk.path, "rlserve-mooncake-"))
             for _ in range(3):  # a port taken between choosing and binding: choose again
                 self.rpc_port, self.http_port = _free_port(host), _free_port(host)
                 if self._start(binary, start_timeout_s):

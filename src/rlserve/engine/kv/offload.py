@@ -15,7 +15,6 @@ import contextlib
 import errno
 import logging
 import shutil
-import tempfile
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -27,6 +26,7 @@ import torch
 
 from rlserve.config.schema import KVOffloadConfig
 from rlserve.engine.kv import format as kv_format
+from rlserve.engine.kv.disk_dir import make_private_dir
 from rlserve.engine.kv.format import BlockFormatError, KVBlock
 
 if TYPE_CHECKING:
@@ -62,19 +62,7 @@ class DiskTier:
     """One file per block in a private directory under `root`, removed with everything in it at close."""
 
     def __init__(self, root: str, max_bytes: int | None, prefix: str = "rlserve-kv-"):
-        base = Path(root)
-        if not base.is_dir():
-            raise ValueError(
-                f"kv_cache_offload.disk.path {root!r} is not an existing directory: create it or fix the path"
-            )
-        try:
-            self.dir = Path(tempfile.mkdtemp(prefix=prefix, dir=base))
-            (self.dir / "probe").write_bytes(b"x")
-            (self.dir / "probe").unlink()
-        except OSError as e:
-            raise ValueError(
-                f"kv_cache_offload.disk.path {root!r} is not writable ({e}): fix its permissions"
-            ) from None
+        self.dir = make_private_dir(root, prefix)
         self._remove_dir = weakref.finalize(self, shutil.rmtree, self.dir, True)  # also at interpreter exit
         self.max_bytes = max_bytes
         self.files: OrderedDict[bytes, int] = OrderedDict()  # hash -> file size, least recently used first
