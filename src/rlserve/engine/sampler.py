@@ -58,7 +58,7 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
-        if self.kernels is not None and logits.device.type == "cpu" and all(map(_plain, rows)):
+        if self._walks(logits, rows):
             return self._sample_plain(logits, rows)
         if logits.device.type != "cpu" or logits.numel() >= SINGLE_THREAD_LOGITS:
             return self._sample(logits, rows)
@@ -141,6 +141,10 @@ class Sampler:
                     if r.num_logprobs:
                         top[i] = list(zip(ids[i][: r.num_logprobs], values[i][: r.num_logprobs]))
         return SampleResult(tokens.tolist(), token_lp, top)
+
+    def _walks(self, logits: torch.Tensor, rows: list[SamplingRow]) -> bool:
+        """Whether the C walk draws these rows: every row plain, on CPU, with the kernels built."""
+        return self.kernels is not None and logits.device.type == "cpu" and all(map(_plain, rows))
 
     def _plain_draw(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, ...]:
         """The C walk over plain rows: (tokens, log-sum-exps, the fp32 logits it read). Each row is
