@@ -84,14 +84,17 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def fp64(model_dir, prompts, one_rank) -> tuple[list[torch.Tensor], float]:
+def fp64(model_dir, hf, prompts, one_rank) -> tuple[list[torch.Tensor], float]:
     """(transformers' float64 forward's logprobs of one rank's tokens, the largest distance of its float32 forward
     from them). The float32 distance is the precision any float32 implementation can be held to: on tiny-moe it
     is 1.6e-5, above the issue's 1e-5 (rlserve at tp=1, tp=2 and EP measured 1.3e-5 to 1.8e-5 from float64)."""
-    exact, fp32, error = [], _hf(model_dir, torch.float32, "grouped_mm"), 0.0
-    fp64 = _hf(model_dir, torch.float64, "eager")  # grouped_mm has no float64 kernel
+    from transformers import AutoModelForCausalLM
+
+    # eager experts: grouped_mm has no float64 kernel
+    fp64 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64, experts_implementation="eager").eval()
+    exact, error = [], 0.0
     for prompt, ref in zip(prompts, one_rank):
-        lps = [_token_logprobs(m, prompt, ref.token_ids) for m in (fp64, fp32)]
+        lps = [_token_logprobs(m, prompt, ref.token_ids) for m in (fp64, hf)]
         exact.append(lps[0])
         error = max(error, (lps[1] - lps[0]).abs().max().item())
     return exact, error
@@ -102,12 +105,6 @@ def _token_logprobs(hf, prompt: list[int], completion: list[int]) -> torch.Tenso
     with torch.no_grad():
         logits = hf(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1].double()
     return torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(completion).unsqueeze(1)).squeeze(1)
-
-
-def _hf(model_dir, dtype, experts: str):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, experts_implementation=experts).eval()
 
 
 def assert_within_fp32_error(outs, reference) -> None:
