@@ -78,8 +78,8 @@ class RayReplica:
         self.bundle = d.first_bundle(index)
         self.name = f"replica {index}" if self.role is None else f"{self.role} replica {index}"
         self.config = replica_config(config, index, "0.0.0.0", prefill_hosts=prefill_hosts)
-        if d.span(index) > 1:
-            tp, each = config.parallel.tp, config.parallel.tp // d.span(index)
+        if (span := d.span(index)) > 1:
+            tp, each = config.parallel.tp, config.parallel.tp // span
             self.config.setdefault("parallel", {})["ray_ranks"] = {
                 "address": ray.get_runtime_context().gcs_address,
                 "namespace": NAMESPACE,
