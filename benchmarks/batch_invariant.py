@@ -40,10 +40,11 @@ WORKLOADS = {  # name: (prompts, prompt length, n, new tokens)
 }
 
 
-def make_engine(model_dir: Path, invariant: bool, dtype: str) -> Engine:
+def make_engine(model_dir: Path, invariant: bool, dtype: str, device: str = "cpu") -> Engine:
     cfg = Config()
     cfg.model.name = str(model_dir)
     cfg.model.dtype = dtype
+    cfg.model.device = device
     cfg.model.max_model_len = 1024
     cfg.engine.kv_cache_bytes = 256 << 20
     cfg.engine.batch_invariant = invariant

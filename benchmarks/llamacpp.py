@@ -33,8 +33,8 @@ from _cpu import OtherLoad
 from _server import Server, add_workload_args, exit_on_sigterm, rlserve_server
 from rlserve.bench.llamacpp import GGML_TYPES, build, gguf, server_binary, source_dir
 from rlserve.bench.serve import random_prompts, run_level
-from rlserve.deploy.process import free_port
 from rlserve.model.make import bench_cache_dir, make_model
+from rlserve.runtime.ports import free_port
 
 PAIRS = list(GGML_TYPES.items())  # F32 with fp32, BF16 with bf16
 # the goals: rlserve tok/s over llama.cpp's, per precision pair and workload

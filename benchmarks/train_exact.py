@@ -15,6 +15,7 @@ processes used meanwhile are printed too (well above 0: a shared machine, the to
     python benchmarks/train_exact.py                  # smollm2-135m shape, fp32, 3 rounds
     python benchmarks/train_exact.py --dtype bfloat16
     python benchmarks/train_exact.py --quick          # tiny model, 2 rounds
+    python benchmarks/train_exact.py --device cuda    # both sides on the GPU (Triton kernels)
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ def trainer_batch(vocab: int, rng: random.Random, sequences: int) -> tuple[list[
 
 def time_trainer(model, prompts, completions, backward: bool) -> float:
     """Tokens (prompt + completion) per second of one forward (+ backward)."""
+    synchronize = torch.cuda.synchronize if model.device.type == "cuda" else lambda: None
+    synchronize()
     start = time.perf_counter()
     if backward:
         model.zero_grad(set_to_none=True)
@@ -57,6 +60,7 @@ def time_trainer(model, prompts, completions, backward: bool) -> float:
     else:
         with torch.no_grad():
             token_logprobs(model, prompts, completions)
+    synchronize()
     seconds = time.perf_counter() - start
     return sum(len(p) + len(c) for p, c in zip(prompts, completions)) / seconds
 
@@ -85,18 +89,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sequences", type=int, default=16, help="trainer batch")
     p.add_argument("--quick", action="store_true", help="tiny model, 2 rounds")
     p.add_argument("--skip-serving", action="store_true", help="the trainer side only")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = p.parse_args(argv)
     if args.quick:
         args.preset, args.rounds = "tiny", 2
     model_dir = make_model(args.preset, bench_cache_dir() / args.preset)
     flags = {f for f in _cpu_id().split() if f.startswith(("avx", "amx", "fma"))}
+    gpu = f", GPU: {torch.cuda.get_device_name()}" if args.device == "cuda" else ""
     print(f"# {args.preset} {args.dtype}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"CPU flags: {' '.join(sorted(flags))}")  # fmt: skip
+          f"CPU flags: {' '.join(sorted(flags))}{gpu}")  # fmt: skip
     print("| measure | A tok/s (median) | B tok/s (median) | A/B per round: median [min, max] | other cores |")
     print("|---|---|---|---|---|")
     rng = random.Random(0)
     if not args.skip_serving:
-        engines = {inv: make_engine(model_dir, inv, args.dtype) for inv in (False, True)}
+        engines = {inv: make_engine(model_dir, inv, args.dtype, args.device) for inv in (False, True)}
         for engine in engines.values():
             run_engine(engine, (1, 16, 2, 4), rng)  # warm-up: kernels built, weights packed
         paired(
@@ -107,8 +113,8 @@ def main(argv: list[str] | None = None) -> None:
         )  # fmt: skip
         del engines
     dtype = getattr(torch, args.dtype)
-    plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    exact = patch(AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype))
+    plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device)
+    exact = patch(AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device))
     prompts, completions = trainer_batch(plain.config.vocab_size, rng, args.sequences)
     for model in (plain, exact):
         time_trainer(model, prompts[:2], completions[:2], True)  # warm-up

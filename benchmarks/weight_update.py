@@ -25,11 +25,11 @@ import torch.multiprocessing as mp
 from _server import rlserve_server
 from rlserve import weight_transfer
 from rlserve.config.schema import Config
-from rlserve.deploy.process import free_port
 from rlserve.engine.engine import Engine
 from rlserve.engine.weights import StagingBuffers, stage_from_dir
 from rlserve.model.loader import read_safetensors, safetensors_files
 from rlserve.model.make import bench_cache_dir, make_model
+from rlserve.runtime.ports import free_port
 
 
 def median_time(fn, repeats: int) -> float:

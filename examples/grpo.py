@@ -50,7 +50,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlserve.client import Sample, SyncInferenceClient, TrainingBatch, build_training_batch
-from rlserve.deploy.process import free_port
+from rlserve.runtime.ports import free_port
 
 TOPICS = [
     "animals",

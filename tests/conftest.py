@@ -83,6 +83,15 @@ def assert_documented_error(case: str, route: str, status: int, fragment: str) -
     assert f"`{route}`" in lines[0] and f"| {status} |" in lines[0] and f"`{fragment}`" in lines[0], lines[0]
 
 
+def wait_queued(url: str, n: int, timeout: float = 120.0) -> None:
+    """Poll until `n` requests wait in the (paused) server's queue: a hang guard, not a speed budget. From async
+    code run it with asyncio.to_thread, so the requests it waits for can be sent meanwhile."""
+    deadline = time.monotonic() + timeout
+    while httpx.get(f"{url}/metrics", params={"format": "json"}, timeout=60).json()["queue_depth"] < n:
+        assert time.monotonic() < deadline, f"{n} requests never reached the queue"
+        time.sleep(0.01)
+
+
 def server_log(proc: subprocess.Popen) -> str:
     path = getattr(proc, "log_path", None)
     return path.read_text(errors="replace") if path is not None and path.exists() else ""
@@ -96,9 +105,19 @@ def stop_server(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+    drop_log(proc)
+
+
+def drop_log(proc: subprocess.Popen, tail: int = 12000) -> None:
+    """Delete a started process's log, its tail first copied to stderr: pytest shows that only for a test that
+    failed, where it is often the one account of what the process saw."""
     path = getattr(proc, "log_path", None)
-    if path is not None:
-        path.unlink(missing_ok=True)
+    if path is None:
+        return
+    text = server_log(proc)
+    if text:
+        sys.stderr.write(f"--- the last of {path.name} (pid {proc.pid}) ---\n{text[-tail:]}\n")
+    path.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="session")

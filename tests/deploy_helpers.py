@@ -8,7 +8,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,7 +17,8 @@ from pathlib import Path
 
 import httpx
 
-from conftest import SERVER_DEFAULTS, server_log
+from conftest import SERVER_DEFAULTS, drop_log, server_log
+from rlserve.runtime.ports import free_port
 
 _READY = re.compile(r"rlserve: serving \S+ on (http://\S+) \(.*admin: (http://[^\s)]+)\)")
 
@@ -67,9 +67,7 @@ def stop_deployment(proc: subprocess.Popen) -> None:
                 os.kill(pid, signal.SIGKILL)
             proc.kill()
             proc.wait()
-    path = getattr(proc, "log_path", None)
-    if path is not None:
-        path.unlink(missing_ok=True)
+    drop_log(proc, tail=30000)
 
 
 def sigterm_leaves_nothing(proc: subprocess.Popen, tree: list[int], within: float, what: str) -> None:
@@ -143,15 +141,17 @@ def replicas(admin_url: str) -> list[dict]:
     return httpx.get(f"{admin_url}/deployment", timeout=30).json()["replicas"]
 
 
-def wait_for(condition, timeout: float = 300.0, what: str = "condition"):
-    """Poll until condition() is truthy (a hang guard, not a speed budget)."""
+def wait_for(condition, timeout: float = 300.0, what: str = "condition", show=None):
+    """Poll until condition() is truthy (a hang guard, not a speed budget); `show()`, where given, says in the
+    failure what was seen last (a deployment's replica rows, say)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = condition()
         if value:
             return value
         time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
+    seen = f"; last seen: {show()}" if show is not None else ""
+    raise AssertionError(f"timed out waiting for {what}{seen}")
 
 
 @contextlib.contextmanager
@@ -202,11 +202,4 @@ def local_ray_cluster(num_nodes: int) -> Iterator:
 
 
 def _distinct_free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+    return [free_port() for _ in range(n)]

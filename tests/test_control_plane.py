@@ -21,9 +21,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import assert_documented_error, server_log, start_server, stop_server
-from rlserve.deploy.process import free_port
+from conftest import assert_documented_error, server_log, start_server, stop_server, wait_queued
 from rlserve.model.make import make_model
+from rlserve.runtime.ports import free_port
 
 PROMPT = [11, 22, 33, 44, 55]
 
@@ -51,15 +51,13 @@ def generated_tokens(url) -> float:
     return float(re.search(r"^vllm:generation_tokens_total(?:{[^}]*})? (\S+)$", text, re.M).group(1))
 
 
-def run_until_every_request_steps(url, n: int) -> None:
-    """Resume, wait until the engine has produced n more tokens (every running request one), pause."""
+def step_once(url, n: int) -> None:
+    """One engine step of a paused server: each of the n requests in flight makes exactly one token (the first
+    step prefills every short prompt and samples its first token), and the engine is frozen again."""
     start = generated_tokens(url)
-    assert httpx.post(f"{url}/resume", timeout=120).status_code == 200
-    deadline = time.monotonic() + 120
-    while generated_tokens(url) < start + n:
-        assert time.monotonic() < deadline, "the engine made no progress"
-        time.sleep(0.005)
-    assert httpx.post(f"{url}/pause", params={"mode": "keep"}, timeout=120).status_code == 200
+    r = httpx.post(f"{url}/resume", params={"steps": 1}, timeout=120)
+    assert r.status_code == 200 and r.json() == {"status": "paused", "steps": 1}, r.text
+    assert generated_tokens(url) == start + n
 
 
 def test_each_span_keeps_the_label_its_tokens_were_produced_under(srv, root):
@@ -81,23 +79,24 @@ def test_each_span_keeps_the_label_its_tokens_were_produced_under(srv, root):
     async def scenario():
         async with httpx.AsyncClient(base_url=url, timeout=300) as client:
             tasks = [asyncio.create_task(client.post(path, json=body)) for path, body in calls]
-            while (await client.get("/metrics", params={"format": "json"})).json()["queue_depth"] < len(calls):
-                await asyncio.sleep(0.01)
+            await asyncio.to_thread(wait_queued, url, len(calls))
             # every request makes tokens under step-1, then under a new policy (step-2), then relabelled (step-3)
-            await asyncio.to_thread(run_until_every_request_steps, url, len(calls))
+            await asyncio.to_thread(step_once, url, len(calls))
             r = await client.post(
                 "/update_weights",
                 json={"weight_dir": str(make_model("tiny", root / "s2", seed=2)), "weight_version": "step-2"},
             )
             assert r.status_code == 200, r.text
-            await asyncio.to_thread(run_until_every_request_steps, url, len(calls))
+            await asyncio.to_thread(step_once, url, len(calls))
             assert (await client.post("/update_weight_version", json={"new_version": "step-3"})).status_code == 200
-            await asyncio.to_thread(run_until_every_request_steps, url, len(calls))
+            await asyncio.to_thread(step_once, url, len(calls))
             assert (await client.post("/abort_requests", json={})).json()["aborted"] == len(calls)
-            await client.post("/resume")
             return [(await t) for t in tasks]
 
-    responses = asyncio.run(scenario())
+    try:
+        responses = asyncio.run(scenario())
+    finally:  # a failed check must not leave the module's server paused for the next test
+        httpx.post(f"{url}/resume", timeout=120)
     for (path, _), r in zip(calls, responses):
         assert r.status_code == 200, r.text
         body = r.json()

@@ -76,6 +76,9 @@ def test_admin_operations_reach_every_engine(dp_server, root):
     url, _ = dp_server
     assert httpx.post(f"{url}/pause", params={"mode": "keep"}, timeout=30).status_code == 200
     assert per_engine(url, "rlserve:is_paused") == {"0": 1.0, "1": 1.0}
+    # a step-limited resume reaches both engines; with nothing in flight each is frozen again at once
+    assert httpx.post(f"{url}/resume", params={"steps": 2}, timeout=30).json() == {"status": "paused", "steps": 2}
+    assert per_engine(url, "rlserve:is_paused") == {"0": 1.0, "1": 1.0}
     assert httpx.post(f"{url}/resume", timeout=30).status_code == 200
     assert per_engine(url, "rlserve:is_paused") == {"0": 0.0, "1": 0.0}
     before = per_engine(url, "rlserve:policy_version")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import warnings
 from pathlib import Path
 
 import httpx
@@ -51,8 +52,11 @@ def _same_as_single(public: str, single: str, seed: int, lengths: list[int]) -> 
 
 
 def _decode_restarted(admin: str) -> list[dict] | None:
+    """The rows once the decode server serves again and no prefill server was restarted. A loaded machine may
+    take the decode server more than one try to start (the supervisor retries), so its count is at least 1."""
     rows = sorted(replicas(admin), key=lambda r: r["index"])
-    done = [r["restarts"] for r in rows] == [0, 0, 1] and all(r["status"] == "serving" for r in rows)
+    counts = [r["restarts"] for r in rows]
+    done = counts[:2] == [0, 0] and counts[2] >= 1 and all(r["status"] == "serving" for r in rows)
     return rows if done else None
 
 
@@ -92,7 +96,11 @@ def test_docs_pd_replicas_of_two_nodes_each_serve_as_one_server_and_stop_whole(c
             assert metric(d, "rlserve:kv_transfer_local_fallbacks_total") == 0
             # the decode server dies: it restarts on its two nodes, and its old remote rank is gone with it
             os.kill(rows[2]["pid"], signal.SIGKILL)
-            rows = wait_for(lambda: _decode_restarted(admin), 400, "the decode server to restart whole")
+            rows = wait_for(
+                lambda: _decode_restarted(admin), 400, "the decode server to restart whole", lambda: replicas(admin)
+            )
+            if rows[2]["restarts"] > 1:
+                warnings.warn(f"the decode server took {rows[2]['restarts']} tries to restart: {rows}", stacklevel=1)
             _same_as_single(public, url, 42, [60])
             assert metric(rows[2]["url"], "rlserve:kv_transfer_local_fallbacks_total") == 0
             replaced = wait_for(lambda: _replaced_one(cluster, workers), 120, "the restarted server's remote rank")

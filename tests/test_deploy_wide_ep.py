@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import threading
+import warnings
 from pathlib import Path
 
 import httpx
@@ -241,8 +242,12 @@ def test_qwen3_30b_a3b_mini_with_its_experts_on_two_nodes_matches_transformers(c
         timeout=600,
     )  # fmt: skip
     try:
-        rows = sorted(replicas(admin), key=lambda r: r["index"])
         hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+        # serving, whatever happened while transformers loaded (CI once met a refused connection here; a restart
+        # is not what this test is about, so it is reported as a warning with the replicas' own account)
+        rows = wait_for(lambda: _group_restarted(admin, 0, True), 600, "the group to serve", lambda: replicas(admin))
+        if rows[0]["restarts"]:
+            warnings.warn(f"the expert group restarted after it first served: {rows}", stacklevel=1)
         urls = (rows[0]["url"], rows[1]["url"], public)
         for url, prompt in zip(urls, ([11, 22, 33, 44, 55], [100, 7, 300, 9], PROMPT)):
             choice = generate(url, prompt)["choices"][0]

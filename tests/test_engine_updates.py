@@ -116,9 +116,12 @@ def test_update_during_generation_in_each_pause_mode(dirs, mode):
     prompts = random_prompts(4, aeng.vocab_size, seed=23)
 
     async def scenario():
+        await aeng.pause("keep")  # the requests are mid-generation by construction: 5 steps in, 55 to go
         tasks = [asyncio.create_task(collect(aeng, p, params, f"r{i}")) for i, p in enumerate(prompts)]
-        while await aeng.call(lambda e: e.generation_tokens) < 20:
+        while await aeng.call(lambda e: len(e.scheduler.waiting)) < len(prompts):
             await asyncio.sleep(0.005)
+        await aeng.resume(steps=5)
+        assert await aeng.call(lambda e: e.generation_tokens) == 5 * len(prompts)
         aborted = await aeng.pause(mode)
         in_flight = await aeng.call(lambda e: e.scheduler.num_in_flight())
         version = await aeng.update_weights_from_dir(str(nxt), [str(nxt.parent)])
@@ -144,7 +147,7 @@ def test_update_during_generation_in_each_pause_mode(dirs, mode):
             spans = comp.version_spans
             assert [s.policy_version for s in spans] == [0, 1] and spans[0].end == spans[1].start and spans[1].end == 60
         elif mode == "abort":
-            assert aborted == 4 and comp.finish_reason == "abort" and 0 < len(comp.token_ids) < 60
+            assert aborted == 4 and comp.finish_reason == "abort" and len(comp.token_ids) == 5
             assert [s.policy_version for s in comp.version_spans] == [0]
         else:
             assert in_flight == 0 and comp.finish_reason == "length" and len(comp.token_ids) == 60

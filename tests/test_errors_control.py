@@ -40,6 +40,7 @@ ROWS = [
     ("collective-rpc-args", "/collective_rpc", {}, {"method": "reset_prefix_cache", "args": [1]}, 400,
      "takes no args or kwargs"),
     ("pause-mode", "/pause", {"mode": "later"}, None, 400, "mode must be keep, abort or wait"),
+    ("resume-steps", "/resume", {"steps": "0"}, None, 400, "steps must be a whole number of at least 1"),
 ]  # fmt: skip
 # sent by tests/faults/test_refused_configs.py
 ADAPTER_ROWS = [

@@ -16,6 +16,7 @@ from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams
 from rlserve.model.expert_parallel import ExpertParallelMoe, expert_layers, expert_stats
 from rlserve.model.make import make_model
+from rlserve.runtime.ports import free_port
 from test_engine import assert_matches_hf, random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
@@ -73,14 +74,6 @@ def check(model_dir, hf, fp64, prompts, one_rank, stats=None, **parallel):
     assert_within_fp32_error(outs, fp64)
     assert_same_routing(outs, one_rank)
     return outs
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

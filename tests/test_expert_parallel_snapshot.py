@@ -21,10 +21,10 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 from conftest import start_server, stop_server
-from rlserve.deploy.process import free_port
 from rlserve.model.loader import load_model
 from rlserve.model.make import make_model
 from rlserve.model.shape import ModelShape
+from rlserve.runtime.ports import free_port
 from rlserve.runtime.weight_snapshot import INDEX_FILE, write_index
 from test_server_expert_parallel import metric
 from test_server_rl import PROMPTS, choice_lps

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -15,15 +14,10 @@ import httpx
 import pytest
 
 from conftest import server_log, start_server, stop_server
+from rlserve.runtime.ports import free_port
 
 TESTS = Path(__file__).resolve().parent
 EXAMPLES_PER_OPERATION = 3
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _failures_and_summary(stdout: str) -> str:
@@ -52,7 +46,7 @@ def test_fuzzing_finds_no_server_errors(tmp_path: Path) -> None:
             **os.environ,
             "SCHEMATHESIS_HOOKS": "fuzz_hooks",
             "RLSERVE_FUZZ_URL": url,
-            "RLSERVE_FUZZ_CLOSED_PORT": str(_closed_port()),
+            "RLSERVE_FUZZ_CLOSED_PORT": str(free_port()),
             "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
         }
         junit = tmp_path / "fuzz.xml"

@@ -2,9 +2,9 @@
 /update_weights_from_disk, and beside update_info in a trainer's vLLM-style push), with the server's
 engine.inflight_update_policy as the default.
 
-"In flight": the streams are queued behind a pause, released together, and paused again (mode keep) once each
-has delivered a token; each asks for far more tokens than any engine makes in the time one pause call takes
-(nearly the whole context), the update lands while they are frozen, then they resume."""
+"In flight": the streams are queued behind a pause and advanced by one engine step (`/resume?steps=1`: each
+prefills and delivers its first token, and the engine is frozen again), the update lands while they are frozen,
+then they resume. Each asks for nearly the whole context, so there is a long second span to check."""
 
 from __future__ import annotations
 
@@ -20,12 +20,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import start_server, stop_server
+from conftest import start_server, stop_server, wait_queued
 from rlserve.model.make import make_model
 
 PROMPTS = [[11, 22, 33, 44, 55], [100, 7, 300, 9]]
 CONTEXT = 1024
-LONG = CONTEXT - 8  # tokens per stream: within the context, and thousands of steps from done at the pause
+LONG = CONTEXT - 8  # tokens per stream: within the context
 
 
 @pytest.fixture(scope="module")
@@ -100,11 +100,9 @@ def run_update(url: str, update: Callable[[], dict]) -> tuple[dict, list[dict]]:
             try:
                 firsts = [asyncio.Event() for _ in PROMPTS]
                 tasks = [asyncio.ensure_future(_stream(http, p, e)) for p, e in zip(PROMPTS, firsts)]
-                while (await http.get("/metrics", params={"format": "json"})).json()["queue_depth"] < len(PROMPTS):
-                    await asyncio.sleep(0.01)
-                (await http.post("/resume")).raise_for_status()
+                await asyncio.to_thread(wait_queued, url, len(PROMPTS))
+                (await http.post("/resume", params={"steps": 1})).raise_for_status()
                 await asyncio.wait_for(asyncio.gather(*(e.wait() for e in firsts)), 300)  # a hang guard only
-                (await http.post("/pause", params={"mode": "keep"})).raise_for_status()
                 assert not any(t.done() for t in tasks)
                 answer = await asyncio.to_thread(update)
             finally:  # a failed check must not leave the module's server paused for the next test

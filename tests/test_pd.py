@@ -5,6 +5,7 @@ update between P's prefill and D's pull makes D recompute, and SIGTERM leaves no
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import random
@@ -251,14 +252,23 @@ def test_client_abort_mid_decode_frees_p_and_d(pd):
     (prompt,) = prompts(4, [120])
     aborted = metric(pd["d"], "vllm:request_success_total", finished_reason="abort")
     body = {"prompt": prompt, "max_tokens": 380, "ignore_eos": True, "temperature": 0, "stream": True}
-    with httpx.stream("POST", f"{pd['public']}/v1/completions", json=body, timeout=120) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                # decoding has begun; freeze it so the abort lands mid-decode whatever the machine's speed
-                assert httpx.post(f"{pd['admin']}/pause", params={"mode": "keep"}, timeout=60).status_code == 200
-                break
+    # mid-decode by construction: both replicas paused; one step each lets P prefill, and once D holds the request,
+    # two more let D decode its first tokens and freeze it again, so the client leaves a request still running
+    assert httpx.post(f"{pd['admin']}/pause", params={"mode": "keep"}, timeout=60).status_code == 200
+
+    def client_leaving_after_the_first_token() -> int:
+        with httpx.stream("POST", f"{pd['public']}/v1/completions", json=body, timeout=120) as r:
+            assert any(line.startswith("data: {") for line in r.iter_lines())
+            return r.status_code  # leaving the block closes the connection mid-stream
+
     try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            left = pool.submit(client_leaving_after_the_first_token)
+            wait_for(lambda: metric(pd["p"], "vllm:num_requests_waiting") == 1, 120, "P to queue the request")
+            assert httpx.post(f"{pd['admin']}/resume", params={"steps": 1}, timeout=120).status_code == 200
+            wait_for(lambda: metric(pd["d"], "vllm:num_requests_waiting") == 1, 120, "D to queue the request")
+            assert httpx.post(f"{pd['admin']}/resume", params={"steps": 2}, timeout=120).status_code == 200
+            assert left.result(timeout=120) == 200
         wait_for(
             lambda: metric(pd["d"], "vllm:request_success_total", finished_reason="abort") > aborted,
             120,

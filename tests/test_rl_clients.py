@@ -21,8 +21,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import start_server, stop_server
-from rlserve.deploy.process import free_port
 from rlserve.model.make import default_model_dir, make_model
+from rlserve.runtime.ports import free_port
 
 
 @pytest.fixture(scope="module")

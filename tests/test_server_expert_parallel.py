@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from conftest import start_server, stop_server
-from rlserve.deploy.process import free_port
 from rlserve.model.make import make_model
+from rlserve.runtime.ports import free_port
 from test_moe import hf_experts
 from test_server_moe import decode
 from test_server_rl import ADMIN, PROMPTS, generate, hf_check, trainer_push

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import wait_queued
 
 MODEL = "rlserve-default"
 
@@ -79,31 +82,28 @@ def test_64_concurrent_streams_complete(server: str) -> None:
 
 def test_disconnect_mid_stream_frees_blocks(server: str) -> None:
     body = {"prompt": "never ending", "max_tokens": 480, "ignore_eos": True, "stream": True}
-    # Frozen (keep-pause) as soon as its first event arrives, the request is still running when the client leaves.
-    # An engine that finishes all 480 tokens before the pause lands (the tiny model makes them in ~0.3 s on a quiet
-    # AVX-512 machine, the pause lands ~20 ms after the first event) voids that try; the next uses a new request.
-    for _ in range(20):
-        before = scrape(server)
-        try:
-            with (
-                httpx.Client(base_url=server, timeout=30) as http,
-                http.stream("POST", "/v1/completions", json=body) as r,
-            ):
-                assert r.status_code == 200
-                lines = r.iter_lines()  # held: a dropped line iterator would close the response (a disconnect)
-                assert next(line for line in lines if line.startswith("data: "))
-                assert httpx.post(f"{server}/pause?mode=keep", timeout=10).status_code == 200
-                frozen = scrape(server)
-                caught = value(frozen, "vllm:num_requests_running") == 1
-                if caught:
-                    assert value(frozen, "vllm:kv_cache_usage_perc") > 0
-        finally:
-            assert httpx.post(f"{server}/resume", timeout=10).status_code == 200
-        after = wait_idle(server, timeout=30)
-        if caught:
-            break
-    else:
-        pytest.fail("every request finished before the pause reached it")
+    # Still running when the client leaves, by construction: queued behind a pause, one engine step gives it its
+    # first token and freezes it again, and the client leaves after reading that token.
+    before = scrape(server)
+    assert httpx.post(f"{server}/pause?mode=keep", timeout=10).status_code == 200
+
+    def client_leaving_after_the_first_event() -> dict:
+        with httpx.Client(base_url=server, timeout=120) as http, http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()  # held: a dropped line iterator would close the response (a disconnect)
+            assert next(line for line in lines if line.startswith("data: "))
+            return scrape(server)  # frozen, with the client still connected
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            left = pool.submit(client_leaving_after_the_first_event)
+            wait_queued(server, 1)
+            assert httpx.post(f"{server}/resume", params={"steps": 1}, timeout=120).status_code == 200
+            frozen = left.result(timeout=120)
+        assert value(frozen, "vllm:num_requests_running") == 1 and value(frozen, "vllm:kv_cache_usage_perc") > 0
+    finally:
+        assert httpx.post(f"{server}/resume", timeout=10).status_code == 200
+    after = wait_idle(server, timeout=30)
     assert value(after, "vllm:num_requests_running") == 0
     assert value(after, "vllm:kv_cache_usage_perc") == 0
     finished = "vllm:request_success_total"

@@ -14,7 +14,7 @@ import httpx
 import psutil
 import pytest
 
-from conftest import SERVER_DEFAULTS, start_server, stop_server
+from conftest import SERVER_DEFAULTS, start_server, stop_server, wait_queued
 from rlserve.config.schema import Config
 from rlserve.server.listen import bind, check_admin_exposure
 
@@ -87,10 +87,7 @@ def _held_request(url: str, out: dict) -> threading.Thread:
     body = {"prompt": [1, 2, 3], "max_tokens": 20, "ignore_eos": True, "temperature": 0}
     thread = threading.Thread(target=lambda: out.update(r=httpx.post(f"{url}/v1/completions", json=body, timeout=120)))
     thread.start()
-    deadline = time.monotonic() + 60
-    while httpx.get(f"{url}/metrics", params={"format": "json"}).json()["queue_depth"] < 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_queued(url, 1)
     return thread
 
 

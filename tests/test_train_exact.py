@@ -132,6 +132,8 @@ def test_patch_refuses_what_it_cannot_make_exact(model_dir):
         patch(AutoModelForCausalLM.from_config(cfg))
     with pytest.raises(PatchRefused, match="lm_head_dtype"):
         patch(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), lm_head_dtype="bfloat16")
+    with pytest.raises(PatchRefused, match="on CPU and on one CUDA device"):
+        patch(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to("meta"))
 
 
 def test_patched_forward_keeps_names_and_gradients(model_dir):

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from rlserve.deploy.process import free_port
+from rlserve.runtime.ports import free_port
 from rlserve.weight_transfer import init_group
 
 base, plan = sys.argv[1], json.loads(sys.argv[2])

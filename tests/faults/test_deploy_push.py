@@ -26,8 +26,8 @@ import torch
 from test_deploy_faults import PROMPTS, Load, check_labels_match_weights, greedy_rows, versions
 
 from deploy_helpers import rejoined, replicas, two_replicas_under, wait_for
-from rlserve.deploy.process import free_port
 from rlserve.model.make import make_model
+from rlserve.runtime.ports import free_port
 from test_deploy import _environ
 from test_server_rl import TRAINER, choice_lps, generate, hf_check, trainer_push
 

@@ -1,6 +1,9 @@
 """The engine core process is killed (SIGKILL) while requests stream: every request in flight ends at once with
 a clear error (never a hang), and the server exits with code 3 so its supervisor starts a fresh replica
-(docs/faults.md). Only processes this test started are signalled, by PID."""
+(docs/faults.md). Only processes this test started are signalled, by PID.
+
+The streams are mid-decode by construction, not by timing: they queue behind a pause, one engine step
+(`/resume?steps=1`) gives each its first token and freezes the engine again, and the kill lands then."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import threading
 import httpx
 import psutil
 
-from conftest import server_log, start_server, stop_server
+from conftest import server_log, start_server, stop_server, wait_queued
 
 STREAMS = 3
 
@@ -26,6 +29,7 @@ def engine_core_pid(server_pid: int) -> int:
 def test_engine_killed_mid_stream_fails_every_request_and_the_server_exits_nonzero() -> None:
     url, proc = start_server()
     try:
+        assert httpx.post(f"{url}/pause", params={"mode": "keep"}, timeout=120).status_code == 200
         started = threading.Barrier(STREAMS + 1)
         results: list[dict] = [{} for _ in range(STREAMS)]
 
@@ -53,13 +57,16 @@ def test_engine_killed_mid_stream_fails_every_request_and_the_server_exits_nonze
         threads = [threading.Thread(target=stream, args=(i,)) for i in range(STREAMS)]
         for t in threads:
             t.start()
-        started.wait(timeout=120)  # every stream has its first token: all are mid-decode
+        wait_queued(url, STREAMS)
+        r = httpx.post(f"{url}/resume", params={"steps": 1}, timeout=120)
+        assert r.json() == {"status": "paused", "steps": 1}, r.text
+        started.wait(timeout=120)  # every stream has its first token, and the engine is frozen: all are mid-decode
         os.kill(engine_core_pid(proc.pid), signal.SIGKILL)
         for t in threads:
             t.join(timeout=120)
         assert not any(t.is_alive() for t in threads), "a stream hung after the engine died"
         for r in results:
-            assert r["status"] == 200 and 1 <= r["chunks"] < 400, r
+            assert r["status"] == 200 and r["chunks"] == 1, r
             assert r["error"] is not None and r["error"].get("code") == 503 and "engine" in r["error"]["message"], r
         assert proc.wait(timeout=120) == 3
         log = server_log(proc)

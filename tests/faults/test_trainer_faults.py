@@ -16,6 +16,7 @@ import pytest
 
 from conftest import start_server, stop_server
 from rlserve.model.make import make_model
+from rlserve.runtime.ports import free_port
 
 TRAINER = textwrap.dedent(
     """
@@ -56,14 +57,6 @@ TRAINER = textwrap.dedent(
     b.close()
     """
 ).replace("import json, os, sys", "import json, os, sys\nimport torch")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def trainer(url: str, ckpt, mode: str) -> subprocess.Popen:

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 
 from rlserve.bench import llamacpp
-from rlserve.deploy.process import free_port
+from rlserve.runtime.ports import free_port
 
 PEERS = ("vllm", "llama.cpp")
 VLLM_PYTHON_ENV = "RLSERVE_VLLM_PYTHON"

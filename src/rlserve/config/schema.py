@@ -212,7 +212,8 @@ class EngineConfig(Section):
     batch_invariant: bool = Field(
         False,
         description="a request's tokens and logprobs are bitwise the same alone or in any batch, chunked or "
-        "prefix-cached (CPU, dense models, tp=1; also VLLM_BATCH_INVARIANT=1 or --batch-invariant); "
+        "prefix-cached (CPU, or CUDA through Triton kernels; tp=1, no expert parallelism; also "
+        "VLLM_BATCH_INVARIANT=1 or --batch-invariant); "
         "see docs/batch-invariance.md",
     )
 

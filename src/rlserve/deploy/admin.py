@@ -274,4 +274,4 @@ def _record(dep: Deployment, path: str, body: dict[str, Any], request: Request, 
     elif path in ("/pause", "/pause_generation"):
         s.paused = "keep"  # a replica joining a paused deployment holds what it gets, like the others
     elif path in ("/resume", "/continue_generation"):
-        s.paused = None
+        s.paused = "keep" if request.query_params.get("steps") else None  # a step-limited resume freezes them again

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from rlserve.config.schema import Config, KVMooncakeConfig, KVOffloadDiskConfig
 from rlserve.engine.kv.disk_dir import make_private_dir
+from rlserve.runtime.ports import free_port
 
 log = logging.getLogger("rlserve.mooncake")
 _PR_SET_PDEATHSIG = 1
@@ -29,12 +30,6 @@ MASTER_BINARY = "mooncake_master"
 def needs_master(config: Config) -> bool:
     o = config.kv_cache_offload
     return o is not None and o.type == "mooncake" and not (o.mooncake and o.mooncake.master_address)
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _accepts(host: str, port: int) -> bool:
@@ -77,7 +72,7 @@ class MooncakeMaster:
             if disk is not None:
                 self.fs_dir = str(make_private_dir(disk.path, "rlserve-mooncake-"))
             for _ in range(3):  # a port taken between choosing and binding: choose again
-                self.rpc_port, self.http_port = _free_port(host), _free_port(host)
+                self.rpc_port, self.http_port = free_port(host), free_port(host)
                 if self._start(binary, start_timeout_s):
                     break
             else:
@@ -109,7 +104,7 @@ class MooncakeMaster:
             "--enable_http_metadata_server=true",
             f"--http_metadata_server_host={self.host}",
             f"--http_metadata_server_port={self.http_port}",
-            f"--metrics_port={_free_port(self.host)}",
+            f"--metrics_port={free_port(self.host)}",
             "--logtostderr=true",
             "--minloglevel=1",
         ]

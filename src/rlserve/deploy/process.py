@@ -7,7 +7,6 @@ import ctypes
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -120,9 +119,3 @@ class ServerChild(Child):
                 raise RuntimeError(f"{self.name} did not start serving within {timeout_s:.0f}s")
         assert self.url is not None
         return self.url
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

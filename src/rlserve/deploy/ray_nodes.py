@@ -21,9 +21,10 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlserve.config.schema import Config
-from rlserve.deploy.process import ServerChild, free_port
+from rlserve.deploy.process import ServerChild
 from rlserve.deploy.replica import ADMIN_URL_ENV, KEY_ENV, engines_per_replica, replica_config, wide_ep
 from rlserve.engine.tp.ray_ranks import ActorExit
+from rlserve.runtime.ports import free_port
 
 PLACEMENT_TIMEOUT_S = 300.0
 NAMESPACE = "rlserve"

@@ -12,8 +12,9 @@ from pathlib import Path
 import httpx
 
 from rlserve.config.schema import Config
-from rlserve.deploy.process import Child, free_port
+from rlserve.deploy.process import Child
 from rlserve.deploy.replica import engines_per_replica
+from rlserve.runtime.ports import free_port
 
 log = logging.getLogger("rlserve.deploy")
 

@@ -125,8 +125,10 @@ class Engine:
             self.tp.attach(self.model)
         elif expert_parallel(config, 0) is not None:  # one rank of expert parallelism over dp engines
             attach(self.model, None, 0, config)
-        # no decode graphs under tp (they do not capture the step broadcast) or MoE (expert blocks size on the host)
-        if self.device.type == "cuda" and not config.model.enforce_eager and self.shape.moe is None and tp == 1:
+        # no decode graphs under tp (they do not capture the step broadcast), MoE (expert blocks size on the host)
+        # or batch invariance (they capture the default kernels)
+        eager = config.model.enforce_eager or ec.batch_invariant
+        if self.device.type == "cuda" and not eager and self.shape.moe is None and tp == 1:
             self.runner.use_decode_graphs(ec.max_num_seqs, self.max_model_len)
         # the store and the P/D wire hold whole blocks: rank 0 gathers and scatters its workers' head slices
         slices = RankSlices(self.tp, self.runner.kv_cache, ec.block_size) if self.tp and uses_kv_group(config) else None

@@ -30,9 +30,9 @@ __all__ = ["InvariantSampler", "check_supported", "processed_logits", "row_log_s
 
 def check_supported(config, shape, device: torch.device) -> None:
     """Refuse the settings under which a row's bits would still follow its batch."""
-    if device.type != "cpu":
+    if device.type not in ("cpu", "cuda"):
         raise BatchInvarianceUnavailable(
-            f"engine.batch_invariant runs on CPU only (model.device={device.type}); set model.device=cpu or drop it"
+            f"engine.batch_invariant runs on CPU or CUDA (model.device={device.type}); set model.device or drop it"
         )
     if shape.moe is not None and config.parallel.enable_expert_parallel:
         raise BatchInvarianceUnavailable(
@@ -44,7 +44,7 @@ def check_supported(config, shape, device: torch.device) -> None:
             f"engine.batch_invariant: parallel.tp={config.parallel.tp} is not covered yet (the other ranks keep the "
             "row-count-dependent matmuls); set parallel.tp=1"
         )
-    if not config.engine.cpu_kernels:
+    if device.type == "cpu" and not config.engine.cpu_kernels:
         raise BatchInvarianceUnavailable("engine.batch_invariant needs engine.cpu_kernels=true")
 
 

@@ -103,10 +103,10 @@ class ModelRunner:
         return kernels
 
     def _invariant_kernels(self, dtype: torch.dtype):
-        kernels, s = invariant_kernels(), self.model.shape
+        kernels, s = invariant_kernels(self.device.type), self.model.shape
         if not kernels.supports(s.num_heads, s.num_kv_heads, s.head_dim, self.block_size, dtype):
             raise BatchInvarianceUnavailable(
-                f"engine.batch_invariant: the CPU kernels do not cover this model's attention in {dtype} "
+                f"engine.batch_invariant: the {self.device.type} kernels do not cover this model's attention in {dtype} "
                 f"(heads {s.num_heads}/{s.num_kv_heads}, head_dim {s.head_dim}, block_size {self.block_size})"
             )
         return kernels

@@ -54,7 +54,8 @@ class SampleResult:
 class Sampler:
     def __init__(self, generator: torch.Generator, kernels: CpuKernels | None = None):
         self.generator = generator
-        self.kernels = kernels  # the C walk for plain rows (`_sample_plain`); None: torch ops only
+        # the C walk for plain rows (`_sample_plain`); None: torch ops only (also beside the GPU's Triton kernels)
+        self.kernels = kernels if hasattr(kernels, "sample") else None
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:

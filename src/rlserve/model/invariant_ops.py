@@ -12,8 +12,9 @@ tier change nothing. The element-wise C kernels are per row already.
 
 `invariant_kernels` loads the kernels built with RLSERVE_ROW_INVARIANT (their GEMV is that GEMM;
 the engine keeps its weights packed for it, `PanelWeight`, and the trainer's mirror packs per call:
-the same bits) and checks the row independence on this machine once per process (fail closed: the
-mode is refused where a row's bits would follow the batch).
+the same bits), or on CUDA the Triton kernels of `triton_kernels.py` (the same interface), and
+checks the row independence on the device once per process (fail closed: the mode is refused where
+a row's bits would follow the batch).
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 import subprocess
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,6 +38,9 @@ from rlserve.model.cpu_kernels import (
     cpu_kernels,
 )
 from rlserve.model.torch_threads import one_torch_thread
+
+if TYPE_CHECKING:
+    from rlserve.model.triton_kernels import TritonKernels
 
 log = logging.getLogger(__name__)
 
@@ -71,17 +77,30 @@ class BatchInvarianceUnavailable(ValueError):
 
 
 @functools.cache
-def invariant_kernels() -> InvariantKernels:
-    """The kernels for batch-invariant mode, their row independence checked; raises where not."""
-    base = cpu_kernels() and _row_invariant_build()
-    if base is None:
-        raise BatchInvarianceUnavailable(
-            "engine.batch_invariant needs rlserve's CPU kernels (a C compiler, engine.cpu_kernels=true, "
-            "RLSERVE_NO_CPU_KERNELS unset)"
-        )
-    kernels = InvariantKernels(base)
+def invariant_kernels(device_type: str = "cpu") -> InvariantKernels | TritonKernels:
+    """The kernels for batch-invariant mode on `device_type` ("cpu" or "cuda"), their row
+    independence checked there; raises where not. Under TRITON_INTERPRET=1 the CPU runs the GPU's
+    Triton kernels (through Triton's interpreter)."""
+    if device_type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        from rlserve.model.triton_kernels import triton_kernels  # imports Triton (~0.15 s): only here
+
+        kernels = triton_kernels()
+        if kernels is None:
+            raise BatchInvarianceUnavailable(
+                "engine.batch_invariant on a GPU needs Triton (pip install triton; PyTorch's CUDA wheels bring it)"
+            )
+    elif device_type == "cpu":
+        base = cpu_kernels() and _row_invariant_build()
+        if base is None:
+            raise BatchInvarianceUnavailable(
+                "engine.batch_invariant needs rlserve's CPU kernels (a C compiler, engine.cpu_kernels=true, "
+                "RLSERVE_NO_CPU_KERNELS unset)"
+            )
+        kernels = InvariantKernels(base)
+    else:
+        raise BatchInvarianceUnavailable(f"engine.batch_invariant runs on CPU or CUDA, not {device_type}")
     for dtype in DTYPES:
-        _check_rows_independent(kernels, dtype)
+        _check_rows_independent(kernels, dtype, torch.device(device_type))
     return kernels
 
 
@@ -96,15 +115,19 @@ def _row_invariant_build() -> CpuKernels | None:
     return kernels
 
 
-def _check_rows_independent(kernels: InvariantKernels, dtype: torch.dtype) -> None:
+def _check_rows_independent(kernels, dtype: torch.dtype, device: torch.device) -> None:
     """Each row of a GEMV (packed or not) and of decode attention equals the same row computed
     alone, at every batch size and position that exercises the tile edges."""
     gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype).to(device)
+
     total = 21  # past the unpacked GEMM's switch from its few-row form to packing per call (16 rows)
     for n, k in ((37, 70), (64, 33)):
-        w = torch.randn(n, k, generator=gen).to(dtype)
+        w = randn(n, k)
         panels = kernels.gemm_pack(w)
-        x = torch.randn(total, k, generator=gen).to(dtype)
+        x = randn(total, k)
         alone = torch.cat([kernels.gemv(x[i : i + 1], w) for i in range(total)])
         alone_f32 = torch.cat([kernels.gemv(x[i : i + 1], w, fp32_out=True) for i in range(total)])
         for rows in range(1, total + 1):
@@ -116,29 +139,29 @@ def _check_rows_independent(kernels: InvariantKernels, dtype: torch.dtype) -> No
                     and torch.equal(kernels.gemv(part, w, packed=panels), alone[start : start + rows])
                 ):
                     raise BatchInvarianceUnavailable(
-                        f"engine.batch_invariant: this CPU's {dtype} GEMV build computes a row differently at "
+                        f"engine.batch_invariant: this {device.type} {dtype} GEMV computes a row differently at "
                         f"{rows} rows than alone; batch invariance cannot be guaranteed here"
                     )
     bs, nkv, group, d = 4, 2, 2, 16
-    k_cache, v_cache = (t.to(dtype).contiguous() for t in torch.randn(2, 12 * bs, nkv, d, generator=gen).unbind(0))
-    q = torch.randn(5, nkv * group, d, generator=gen).to(dtype)
-    blocks = torch.tensor([[3, 7, 1], [5, 0, 0], [11, 2, 9], [3, 7, 1], [8, 0, 0]])
-    lens = torch.tensor([10, 1, 12, 9, 3])
+    k_cache, v_cache = (t.contiguous() for t in randn(2, 12 * bs, nkv, d).unbind(0))
+    q = randn(5, nkv * group, d)
+    blocks = torch.tensor([[3, 7, 1], [5, 0, 0], [11, 2, 9], [3, 7, 1], [8, 0, 0]], device=device)
+    lens = torch.tensor([10, 1, 12, 9, 3], device=device)
     alone = torch.cat([kernels.attention(q[i : i + 1], k_cache, v_cache, blocks[i : i + 1], lens[i : i + 1], bs, 0.25)
                        for i in range(5)])  # fmt: skip
     if not torch.equal(kernels.attention(q, k_cache, v_cache, blocks, lens, bs, 0.25), alone):
         raise BatchInvarianceUnavailable(
-            f"engine.batch_invariant: this CPU's {dtype} decode attention computes a row differently in a batch"
+            f"engine.batch_invariant: this {device.type} {dtype} decode attention computes a row differently in a batch"
         )
     # a prompt's 40 rows over one table: tiles of consecutive positions (24 rows of 2 heads, then 16),
     # 3 chunks of keys; each row as it is alone, i.e. as the decode row at that position
     rows = 40
-    q = torch.randn(rows, nkv * group, d, generator=gen).to(dtype)
-    tables = torch.tensor([[2, 9, 4, 0, 6, 1, 10, 3, 5, 7]]).expand(rows, -1).contiguous()
-    lens = torch.arange(1, rows + 1)
+    q = randn(rows, nkv * group, d)
+    tables = torch.tensor([[2, 9, 4, 0, 6, 1, 10, 3, 5, 7]], device=device).expand(rows, -1).contiguous()
+    lens = torch.arange(1, rows + 1, device=device)
     alone = torch.cat([kernels.attention(q[i : i + 1], k_cache, v_cache, tables[i : i + 1], lens[i : i + 1], bs, 0.25)
                        for i in range(rows)])  # fmt: skip
     if not torch.equal(kernels.attention(q, k_cache, v_cache, tables, lens, bs, 0.25), alone):
         raise BatchInvarianceUnavailable(
-            f"engine.batch_invariant: this CPU's {dtype} attention computes a prompt row differently in a tile"
+            f"engine.batch_invariant: this {device.type} {dtype} attention computes a prompt row differently in a tile"
         )

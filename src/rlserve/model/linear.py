@@ -211,9 +211,9 @@ class PanelWeight:
     faster than the GEMV and oneDNN's packed weights from 1 to 128 rows, fp32 and bf16. Repacked in
     its own buffer when the weight changes in place (its version counter) or is replaced."""
 
-    def __init__(self, kernels: CpuKernels) -> None:
+    def __init__(self, kernels: CpuKernels, buffer: torch.Tensor | None = None) -> None:
         self.kernels = kernels
-        self._packed: torch.Tensor | None = None
+        self._packed: torch.Tensor | None = buffer  # where to pack (`gemm_pack` reuses it when its size fits)
         self._key: tuple[int, int] | None = None
 
     def get(self, weight: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlserve.model.batch import AttentionBatch, CascadePlan, PrefillSeq
+from rlserve.model.huge_pages import huge_page_buffer
 from rlserve.model.linear import CastWeight, PackedWeight, PanelWeight, Projection
 from rlserve.model.moe import SparseMoe
 from rlserve.model.rope import RotaryEmbedding, apply_rope
@@ -290,11 +291,14 @@ class CausalLM(nn.Module):
     def pack_panels(self) -> None:
         """Keep every projection's weight (the LM head's too) in the C GEMM's panels and run them
         through it at any row count (after `use_gemv` gave the model the kernels; in batch-invariant
-        mode the same bits as unpacked)."""
-        for m in self.modules():
-            if isinstance(m, Projection):
-                m.panels = PanelWeight(self.gemv)
-        self.panel_head = PanelWeight(self.gemv)
+        mode the same bits as unpacked). All of them in one buffer on 2 MiB pages (`huge_page_buffer`)."""
+        projections = [m for m in self.modules() if isinstance(m, Projection)]
+        weights = [m.weight for m in projections] + [self._panel_head_weight()]
+        sizes = [self.gemv.gemm_packed_bytes(w) for w in weights]
+        buffers = huge_page_buffer(sum(sizes)).split(sizes) if sum(sizes) else [None] * len(sizes)
+        for m, buffer in zip(projections, buffers):
+            m.panels = PanelWeight(self.gemv, buffer)
+        self.panel_head = PanelWeight(self.gemv, buffers[-1])
         self.refresh_packed()
 
     def use_gemv(self, kernels: CpuKernels | None) -> None:
@@ -318,7 +322,7 @@ class CausalLM(nn.Module):
         if self.packed_head is not None:
             self.packed_head.refresh(self.logits_weight)
         if self.panel_head is not None:
-            self.panel_head.get(self.head_weight if self._head_reads_bf16_weight() else self.logits_weight)
+            self.panel_head.get(self._panel_head_weight())
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -364,7 +368,7 @@ class CausalLM(nn.Module):
             batch.prefills
             or batch.lora is not None
             or batch.cascade is not None
-            or self.gemv is None
+            or getattr(self.gemv, "decode_layers", None) is None  # no kernels, or Triton's (no one-call decode)
             or not kv_cache.is_contiguous()
         ):
             return False
@@ -414,11 +418,11 @@ class CausalLM(nn.Module):
         cores, AVX512_BF16), the weight's 4-output tiles staying in L1 while the rows pass."""
         if self.gemv is None or self.head_cast is None or self.head_cast.dtype != torch.float32:
             return False
-        return (
-            self.head_weight.dtype == torch.bfloat16
-            and self.head_weight.device.type == "cpu"
-            and self.gemv.gemv_rows(torch.bfloat16) > 0
-        )
+        return self.head_weight.dtype == torch.bfloat16 and self.gemv.gemv_rows(torch.bfloat16) > 0
+
+    def _panel_head_weight(self) -> torch.Tensor:
+        """The weight the head's panels hold: its bf16 weight where the head reads it, else `logits_weight`."""
+        return self.head_weight if self._head_reads_bf16_weight() else self.logits_weight
 
     def _head_panels(self, weight: torch.Tensor) -> torch.Tensor | None:
         """The panels of the weight the head multiplies by (its bf16 weight or the cast copy)."""
@@ -430,10 +434,8 @@ class CausalLM(nn.Module):
             return self.gemv.gemv(hidden, self.head_weight, fp32_out=True, packed=self._head_panels(self.head_weight))
         weight = self.logits_weight
         hidden = hidden.to(weight.dtype)
-        if (
-            self.gemv is not None
-            and hidden.device.type == "cpu"
-            and (hidden.shape[0] <= self.gemv.gemv_rows(weight.dtype) or self.panel_head is not None)
+        if self.gemv is not None and (
+            hidden.shape[0] <= self.gemv.gemv_rows(weight.dtype) or self.panel_head is not None
         ):
             return self.gemv.gemv(hidden, weight, packed=self._head_panels(weight)).float()
         if self.packed_head is not None:

@@ -31,6 +31,7 @@ from rlserve.engine.sequence import Request
 from rlserve.engine.tp.dp_sync import DataParallelSync
 from rlserve.engine.weights import StagingBuffers, check_under_roots, stage, stage_from_dir
 from rlserve.runtime import ipc, sleep, vllm_receiver, weight_snapshot
+from rlserve.runtime.heap import freeze_startup_heap
 from rlserve.runtime.pause import PauseState
 
 log = logging.getLogger("rlserve.runtime.core")
@@ -46,6 +47,7 @@ class EngineCore:
         self.stop = False
         self.done: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()  # helper results, run between steps
         self.drains: list[int] = []  # call ids of pause(mode=wait) waiting for in-flight requests to finish
+        self.stepping: list[int] = []  # call ids of a step-limited resume waiting for its last step
         self.helper = ThreadPoolExecutor(1, thread_name_prefix="rlserve-stage")  # one update at a time
         self.group: Future | None = None  # torch.distributed group with a trainer, being joined
         self.group_peer: str | None = None  # that trainer's host:port
@@ -92,10 +94,10 @@ class EngineCore:
                 self.dispatch(engine.take_pending())
             elif engine.has_unfinished():
                 self.dispatch(engine.step_requests())
+            if self.pause.stepped(engine):
+                self.reply_all(self.stepping, None)
             if self.drains and self.pause.drained(engine):
-                for call_id in self.drains:
-                    self.reply(call_id, 0)
-                self.drains.clear()
+                self.reply_all(self.drains, 0)
             if engine.tp is not None:
                 engine.tp.check()  # a dead rank fails the engine now, not at its next collective
             if not busy and os.getppid() != parent:  # the server is gone: nobody will read our outputs
@@ -200,6 +202,11 @@ class EngineCore:
             message = str(exc.args[0]) if exc.args else message
         self.outbox.send(ipc.encode(ipc.Reply(call_id, value, kind, message, self.state())))
 
+    def reply_all(self, call_ids: list[int], value: Any) -> None:
+        for call_id in call_ids:
+            self.reply(call_id, value)
+        call_ids.clear()
+
     def off_loop(self, call_id: int, work: Callable[[], Any], commit: Callable[[Any], Any]) -> object:
         """Run `work` in the helper thread, then `commit(its result)` between two steps; reply with that."""
 
@@ -226,15 +233,20 @@ class EngineCore:
 
     def op_pause(self, call_id: int, mode: str) -> object:
         aborted = self.pause.begin(self.engine, mode)
+        self.reply_all(self.stepping, None)  # a step-limited resume cut short: the engine is frozen already
         if aborted is None:  # wait: replied once nothing is in flight
             self.drains.append(call_id)
             return DEFERRED
         return aborted
 
-    def op_resume(self, call_id: int) -> None:
+    def op_resume(self, call_id: int, steps: int | None = None) -> object:
         if getattr(self, "asleep", None):
             raise RuntimeError("the engine is asleep: POST /wake_up first")
-        self.pause.resume(self.engine)
+        self.reply_all(self.stepping, None)
+        if self.pause.resume(self.engine, steps) or steps is None:
+            return None
+        self.stepping.append(call_id)  # replied after the last step
+        return DEFERRED
 
     def on_ranks(self, call_id: int, kind: str, args: list[Any], local: Callable[[], Any]) -> Any:
         """`local()` on rank 0; under tensor parallelism the workers stage the same work meanwhile."""
@@ -391,6 +403,7 @@ def _serve(config: Config, inbox: zmq.Socket, outbox: zmq.Socket) -> int:
         outbox.send(ipc.encode(ipc.Failed(str(exc) if isinstance(exc, ValueError) else repr(exc))))
         return 1
     core = EngineCore(engine, inbox, outbox)
+    freeze_startup_heap()
     outbox.send(
         ipc.encode(
             ipc.Ready(

@@ -19,6 +19,7 @@ from rlserve.config.schema import Config
 from rlserve.engine.outputs import RequestOutput
 from rlserve.engine.params import SamplingParams
 from rlserve.runtime.face import FaceRules
+from rlserve.runtime.ports import free_port
 from rlserve.runtime.proc_client import EngineClient
 
 # (X-data-parallel-rank, X-Session-ID) of the HTTP request being served; set by the server's middleware
@@ -60,14 +61,6 @@ def check_parallel(config: Config) -> None:
         )
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _cuda_devices() -> int:
     import torch
 
@@ -100,7 +93,7 @@ class DataParallelClient(FaceRules):
         self.config = config
         self.engines: list[EngineClient] = []
         p = config.parallel
-        expert_port = (p.data_parallel_rpc_port or _free_port()) if p.enable_expert_parallel else None
+        expert_port = (p.data_parallel_rpc_port or free_port()) if p.enable_expert_parallel else None
         try:
             for index in range(config.parallel.dp):
                 self.engines.append(EngineClient(engine_config(config, index, expert_port), wait=False))
@@ -200,8 +193,9 @@ class DataParallelClient(FaceRules):
     async def pause(self, mode: str = "keep") -> int:
         return sum(await self._all("pause", mode))
 
-    async def resume(self) -> None:
-        await self._all("resume")
+    async def resume(self, steps: int | None = None) -> None:
+        """With `steps`, each rank runs that many of its own steps."""
+        await self._all("resume", steps)
 
     async def reset_prefix_cache(self) -> bool:
         return all(await self._all("reset_prefix_cache"))

@@ -77,7 +77,9 @@ class EngineFace(Protocol):
     async def abort_requests(self, request_ids: list[str] | None = None) -> int: ...
     async def has_unfinished(self) -> bool: ...
     async def pause(self, mode: str = "keep") -> int: ...
-    async def resume(self) -> None: ...
+    async def resume(self, steps: int | None = None) -> None:
+        """Run again; with `steps`, only that many engine steps, returning once they ran and the engine is frozen."""
+
     async def reset_prefix_cache(self) -> bool: ...
     async def update_weights_from_dir(
         self,
@@ -151,3 +153,9 @@ def dead_error(cause: BaseException) -> EngineDeadError:
 def check_pause_mode(mode: str) -> None:
     if mode not in PAUSE_MODES:
         raise ValueError(f"mode must be keep, abort or wait, got {mode!r}")
+
+
+def check_steps(steps: int | None) -> None:
+    """A step-limited resume's count (runtime/pause.py): None (run for good) or a whole number of at least 1."""
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise ValueError(f"steps must be a whole number of at least 1, got {steps!r}")

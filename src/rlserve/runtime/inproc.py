@@ -19,7 +19,7 @@ from rlserve.engine.outputs import RequestOutput
 from rlserve.engine.params import SamplingParams
 from rlserve.engine.sequence import Request
 from rlserve.engine.weights import StagingBuffers, check_under_roots, stage, stage_from_dir
-from rlserve.runtime.face import FaceRules, check_pause_mode, dead_error, relay_outputs
+from rlserve.runtime.face import FaceRules, check_pause_mode, check_steps, dead_error, relay_outputs
 from rlserve.runtime.pause import PauseState
 
 log = logging.getLogger(__name__)
@@ -194,8 +194,11 @@ class AsyncEngine(FaceRules):
             await asyncio.sleep(0.01)
         return aborted or 0
 
-    async def resume(self) -> None:
-        await self.call(self._pause.resume)
+    async def resume(self, steps: int | None = None) -> None:
+        check_steps(steps)
+        await self.call(lambda e: self._pause.resume(e, steps))
+        while steps is not None and not await self.call(lambda e: self._pause.until_step is None):
+            await asyncio.sleep(0.01)
 
     async def update_weights_from_dir(
         self,
@@ -264,6 +267,7 @@ class AsyncEngine(FaceRules):
                     except queue.Empty:
                         break
                 engine.poll_transfers()
+                self._pause.stepped(engine)  # a step-limited resume's count reached, or nothing left to step
                 idle_s = 0.05 if engine.kv_transfer is not None else 0.5  # pins time out between two looks
                 if self._pause.paused:
                     self._dispatch(engine.take_pending())

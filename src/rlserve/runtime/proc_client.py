@@ -34,6 +34,7 @@ from rlserve.runtime.face import (
     EngineUnavailableError,
     FaceRules,
     check_pause_mode,
+    check_steps,
     dead_error,
     relay_outputs,
 )
@@ -238,8 +239,9 @@ class EngineClient(FaceRules):
         check_pause_mode(mode)
         return await self._call("pause", mode)
 
-    async def resume(self) -> None:
-        await self._call("resume")
+    async def resume(self, steps: int | None = None) -> None:
+        check_steps(steps)
+        await self._call("resume", steps)
 
     async def reset_prefix_cache(self) -> bool:
         return await self._call("reset_prefix_cache")

@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from rlserve.config.schema import Config, warn_unapplied
 from rlserve.runtime.data_parallel import DataParallelClient, check_parallel, routing_hint
 from rlserve.runtime.face import EngineDeadError, EngineFace, EngineUnavailableError
+from rlserve.runtime.heap import freeze_startup_heap
 from rlserve.runtime.inproc import AsyncEngine
 from rlserve.runtime.proc_client import EngineClient
 from rlserve.runtime.spawn import EngineProcess
@@ -66,6 +67,7 @@ def build_app(engine: EngineFace, config: Config) -> FastAPI:
         await engine.start()  # the engine client reads its process's messages in this event loop
         if config.model.adapter_path:
             await control.activate_startup_adapter(app.state.rlserve, config.model.adapter_path)
+        freeze_startup_heap()
         yield
 
     app = FastAPI(title="rlserve", redirect_slashes=False, lifespan=lifespan, root_path=config.server.root_path)

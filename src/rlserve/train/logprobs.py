@@ -30,17 +30,19 @@ def token_logprobs(
     if packed and getattr(model, "_rlserve_exact", None) is None:
         raise ValueError("packed=True needs a model made exact by rlserve.train.patch (its forward splits packed rows)")
     out: list[torch.Tensor] = []
+    device = next(model.parameters()).device
     for start in range(0, len(prompt_ids), batch_size):
         prompts, completions = prompt_ids[start : start + batch_size], completion_ids[start : start + batch_size]
         seqs = [list(p) + list(c) for p, c in zip(prompts, completions, strict=True)]
-        batch = _packed(seqs) if packed else _padded(seqs)
+        ids, mask, pos, starts = _packed(seqs) if packed else _padded(seqs)
+        batch = ids.to(device), mask.to(device), pos.to(device), starts
         wanted = [range(len(p) - 1, len(p) - 1 + len(c)) for p, c in zip(prompts, completions)]
         rows = _completion_logits(model, *batch, wanted).split([len(c) for c in completions])
         for logits, c in zip(rows, completions, strict=True):
             if not c:
-                out.append(torch.zeros(0, dtype=torch.float32))
+                out.append(torch.zeros(0, dtype=torch.float32, device=device))
                 continue
-            targets = torch.tensor(c).unsqueeze(1)
+            targets = torch.tensor(c, device=logits.device).unsqueeze(1)
             out.append(row_log_softmax(logits.float()).gather(1, targets).squeeze(1))
     return out
 

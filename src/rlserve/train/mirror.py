@@ -10,6 +10,8 @@ computes for that token in any step, under any batch, chunking or prefix-cache h
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -19,6 +21,9 @@ from rlserve.model.llama import CausalLM
 from rlserve.model.loader import ignorable, target_of
 from rlserve.model.moe import routed_experts
 from rlserve.model.shape import ModelShape
+
+if TYPE_CHECKING:
+    from rlserve.model.triton_kernels import TritonKernels
 
 
 class ExactMirror:
@@ -30,15 +35,16 @@ class ExactMirror:
         shape: ModelShape,
         dtype: torch.dtype,
         head_dtype: torch.dtype,
-        kernels: InvariantKernels,
+        kernels: InvariantKernels | TritonKernels,
         block_size: int,
     ):
         self.shape, self.dtype, self.kernels, self.block_size = shape, dtype, kernels, block_size
+        self.device = device = next(hf_model.parameters()).device  # one device (`patch` checked)
         with torch.device("meta"):
             model = CausalLM(shape, torch.device("cpu"))
         rope, model.rope = model.rope, None
-        model = model.to_empty(device="cpu").to(dtype)
-        model.rope = rope  # fp32 tables computed from the shape, as the engine's loader keeps them
+        model = model.to_empty(device=device).to(dtype)
+        model.rope = rope.to(device)  # fp32 tables computed on CPU from the shape, as the engine's loader keeps them
         model.set_head_dtype(head_dtype)
         model.use_gemv(kernels)
         self.model = model.eval().requires_grad_(False)
@@ -93,22 +99,22 @@ class ExactMirror:
                 slots.append(table[p // bs] * bs + p % bs)
                 blocks.extend(padded)
                 lens.append(p + 1)
-        s = self.shape
-        kv = torch.zeros(s.num_layers, 2, next_block * bs, s.num_kv_heads, s.head_dim, dtype=self.dtype)
+        s, device = self.shape, self.device
+        kv = torch.zeros(s.num_layers, 2, next_block * bs, s.num_kv_heads, s.head_dim, dtype=self.dtype, device=device)
         attn = AttentionBatch(
-            slot_mapping=torch.tensor(slots),
+            slot_mapping=torch.tensor(slots, device=device),
             num_decode=len(ids),
-            decode_blocks=torch.tensor(blocks),
+            decode_blocks=torch.tensor(blocks, device=device),
             decode_mask=None,
-            decode_lens=torch.tensor(lens),
+            decode_lens=torch.tensor(lens, device=device),
             cascade=None,
             prefills=[],
             block_size=bs,
             lora=None,
             kernels=self.kernels,
         )
-        hidden = self.model(torch.tensor(ids), torch.tensor(positions), attn, kv)
-        logits = self.model.compute_logits(hidden if rows is None else hidden.index_select(0, rows))
+        hidden = self.model(torch.tensor(ids, device=device), torch.tensor(positions, device=device), attn, kv)
+        logits = self.model.compute_logits(hidden if rows is None else hidden.index_select(0, rows.to(device)))
         if not want_experts:
             return logits
         return logits, routed_experts(self.model.layers, len(ids))

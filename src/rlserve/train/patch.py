@@ -34,8 +34,9 @@ def patch(
     block_size: int | None = None,
     lm_head_dtype: str = "auto",
 ) -> nn.Module:
-    """Make `model` (a transformers Llama/SmolLM, Qwen2, Qwen3, Qwen3-MoE or Mistral causal LM, on CPU, all in
-    float32 or all in bfloat16) compute rlserve's batch-invariant numerics; returns it, changed in place.
+    """Make `model` (a transformers Llama/SmolLM, Qwen2, Qwen3, Qwen3-MoE or Mistral causal LM, on CPU or
+    one CUDA device, all in float32 or all in bfloat16) compute rlserve's batch-invariant numerics;
+    returns it, changed in place.
 
     `block_size` and `lm_head_dtype` must be the serving engine's (`engine.block_size`: attention
     walks the context in blocks of that size; `model.lm_head_dtype`); their defaults are rlserve's.
@@ -51,11 +52,12 @@ def patch(
         )
     _check_config(cfg, model_type)
     params = list(model.parameters())
-    devices = {p.device.type for p in params}
-    if devices != {"cpu"}:
+    devices = {p.device for p in params}
+    device = next(iter(devices))
+    if len(devices) != 1 or device.type not in ("cpu", "cuda"):
         raise PatchRefused(
-            f"rlserve.train.patch: the model is on {sorted(devices)}; the exact numerics exist on CPU only "
-            "(rlserve's batch-invariant mode runs on CPU); move the model to CPU"
+            f"rlserve.train.patch: the model is on {sorted(map(str, devices))}; the exact numerics exist on CPU "
+            "and on one CUDA device (rlserve's batch-invariant mode runs there): move the whole model to one of them"
         )
     dtypes = {p.dtype for p in params}
     if len(dtypes) != 1 or next(iter(dtypes)) not in DTYPES:
@@ -74,10 +76,10 @@ def patch(
     except ValueError as exc:
         raise PatchRefused(f"rlserve.train.patch: {exc}") from None
     block_size = block_size or Config().engine.block_size
-    kernels = invariant_kernels()
+    kernels = invariant_kernels(device.type)
     if not kernels.supports(shape.num_heads, shape.num_kv_heads, shape.head_dim, block_size, dtype):
         raise PatchRefused(
-            f"rlserve.train.patch: rlserve's CPU kernels do not cover this model's attention in {dtype} "
+            f"rlserve.train.patch: rlserve's {device.type} kernels do not cover this model's attention in {dtype} "
             f"(heads {shape.num_heads}/{shape.num_kv_heads}, head_dim {shape.head_dim}, block_size {block_size})"
         )
     head_dtype = torch.float32 if lm_head_dtype == "auto" else getattr(torch, lm_head_dtype, None)
@@ -196,7 +198,7 @@ def reference_logits(model, input_ids: torch.Tensor, layout, wanted, grad: torch
         flat = grad[where[:, 0], where[:, 1]]
         rows = flat.ne(0).any(-1).nonzero().flatten()
         grad = flat.index_select(0, rows)
-    logits = model.get_output_embeddings()(hidden.index_select(0, rows)).float()
+    logits = model.get_output_embeddings()(hidden.index_select(0, rows.to(hidden.device))).float()
     return logits, grad
 
 
@@ -205,13 +207,14 @@ def _reference_hidden(model, input_ids: torch.Tensor, layout) -> tuple[torch.Ten
     layout order, with their (row, column) places in input_ids."""
     b, length = input_ids.shape
     decoder = model.get_decoder()
-    where = torch.tensor([(row, col) for row, cols in layout for col in cols], dtype=torch.long)
+    device = input_ids.device
+    where = torch.tensor([(row, col) for row, cols in layout for col in cols], dtype=torch.long, device=device)
     if len({row for row, _ in layout}) == len(layout):  # one sequence a row: one padded call
-        mask = torch.zeros(b, length, dtype=torch.long)
-        pos = torch.zeros(b, length, dtype=torch.long)
+        mask = torch.zeros(b, length, dtype=torch.long, device=device)
+        pos = torch.zeros(b, length, dtype=torch.long, device=device)
         for row, cols in layout:
             mask[row, cols] = 1
-            pos[row, cols] = torch.arange(len(cols))
+            pos[row, cols] = torch.arange(len(cols), device=device)
         hidden = decoder(input_ids=input_ids, attention_mask=mask, position_ids=pos, use_cache=False).last_hidden_state
         return hidden[where[:, 0], where[:, 1]], where
     parts = [  # packed rows: each sequence alone

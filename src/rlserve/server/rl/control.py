@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import shutil
 import tempfile
 from collections.abc import Awaitable, Callable
@@ -197,15 +198,35 @@ async def pause(request: Request) -> dict:
     return {"status": "paused", "aborted": aborted} if mode == "abort" else {"status": "paused"}
 
 
-@router.post("/resume")
+_RESUME_QUERY = {
+    "parameters": [
+        {
+            "name": "steps",
+            "in": "query",
+            "required": False,
+            "description": "run this many engine steps, then freeze again as pause(mode=keep) does; "
+            "the reply comes once they have run",
+            "schema": {"type": "integer", "minimum": 1},
+        }
+    ]
+}
+
+
+@router.post("/resume", openapi_extra=_RESUME_QUERY)
 async def resume(request: Request) -> dict:
+    raw = request.query_params.get("steps")
+    steps = None
+    if raw is not None:
+        if not re.fullmatch(r"[0-9]{1,18}", raw) or int(raw) < 1:
+            raise bad_request(f"steps must be a whole number of at least 1, got {raw!r}", "steps")
+        steps = int(raw)
     try:
-        await _state(request).engine.resume()
+        await _state(request).engine.resume(steps)
     except EngineDeadError:
         raise
     except RuntimeError as exc:  # asleep (vllm_rl /sleep): /wake_up first
         raise APIError(409, str(exc)) from None
-    return {"status": "resumed"}
+    return {"status": "resumed"} if steps is None else {"status": "paused", "steps": steps}
 
 
 @router.get("/is_paused")
