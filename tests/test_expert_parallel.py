@@ -358,12 +358,16 @@ def test_a_rebalanced_engine_writes_every_expert_once_from_both_ranks(model_dir,
 
 def dp_engine_part(rank: int, model_dir: str, port: int, results) -> None:
     """One of two data-parallel engines of two ranks each: its part of the checkpoint (a process)."""
+    from safetensors.torch import save
+
     from rlserve.runtime.weight_snapshot import checkpoint_tensors, part_file
 
     parallel = {"enable_expert_parallel": True, "data_parallel_rank": rank, "tp": 2, "dp": 2}
     engine = moe_engine(model_dir, **parallel, data_parallel_rpc_port=port)
     try:
-        results.put((rank, part_file(engine.model), checkpoint_tensors(engine.model, engine.tp, call_id=1)))
+        # as safetensors bytes: a queued tensor shares its storage by a descriptor this process must outlive
+        part = save(checkpoint_tensors(engine.model, engine.tp, call_id=1))
+        results.put((rank, part_file(engine.model), part))
     finally:
         engine.close()
 
@@ -373,7 +377,7 @@ def test_each_data_parallel_engine_writes_its_part_gathered_from_its_ranks(model
     experts; engine 0's part holds every other tensor, and the two parts hold each tensor once, bit for bit."""
     import multiprocessing
 
-    from safetensors.torch import load_file
+    from safetensors.torch import load, load_file
 
     ctx = multiprocessing.get_context("spawn")
     results, port = ctx.Queue(), free_port()
@@ -388,6 +392,7 @@ def test_each_data_parallel_engine_writes_its_part_gathered_from_its_ranks(model
             if p.is_alive():
                 p.kill()
     assert (first_file, second_file) == ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+    first, second = load(first), load(second)
     want = load_file(model_dir / "model.safetensors")
     assert not set(first) & set(second) and set(first) | set(second) == set(want)
     assert {name.split(".experts.")[1].split(".")[0] for name in second} == {"4", "5", "6", "7"}  # ranks 2 and 3
