@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -155,13 +156,34 @@ def wait_for(condition, timeout: float = 300.0, what: str = "condition", show=No
 
 
 @contextlib.contextmanager
+def one_at_a_time(name: str) -> Iterator[None]:
+    """Held by one xdist worker of this test run at a time (a file lock the run's workers share): for what a
+    small machine can host only once, such as a local Ray cluster with its nodes' servers."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID", str(os.getpid()))
+    with open(Path(tempfile.gettempdir()) / f"rlserve-tests-{name}-{run}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
+@contextlib.contextmanager
 def local_ray_cluster(num_nodes: int) -> Iterator:
-    """A Ray cluster of num_nodes node processes on this machine (1 CPU each, private ports and temp dir)."""
+    """A Ray cluster of num_nodes node processes on this machine (1 CPU each, private ports and temp dir), one at a
+    time per test run: two clusters with their servers on two cores at once are what CI's only failures of these
+    modules had in common (both modules' tests failed together, side by side, three runs in a row)."""
+    with one_at_a_time("ray-cluster"):
+        with _local_ray_cluster(num_nodes) as cluster:
+            yield cluster
+
+
+@contextlib.contextmanager
+def _local_ray_cluster(num_nodes: int) -> Iterator:
     from ray.cluster_utils import Cluster
 
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit
-    # RAY_TMPDIR: not the shared /tmp/ray; the other: drivers see themselves at 127.0.0.1 like the nodes
-    env = {"RAY_TMPDIR": temp_dir, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    # RAY_TMPDIR: not the shared /tmp/ray; the second: drivers see themselves at 127.0.0.1 like the nodes; the
+    # last: Ray runs its workers at nice 15 (to keep its raylet responsive), which on a test machine shared with
+    # the other xdist worker starves every server a node hosts behind that worker's nice-0 processes
+    env = {"RAY_TMPDIR": temp_dir, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_worker_niceness": "0"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     os.makedirs(os.path.join(temp_dir, "ray"))

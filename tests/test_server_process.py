@@ -14,7 +14,7 @@ import httpx
 import psutil
 import pytest
 
-from conftest import SERVER_DEFAULTS, start_server, stop_server, wait_queued
+from conftest import SERVER_DEFAULTS, server_log, start_server, stop_server, wait_queued
 from rlserve.config.schema import Config
 from rlserve.server.listen import bind, check_admin_exposure
 
@@ -137,6 +137,29 @@ def test_sigterm_aborts_what_is_still_running_after_the_grace_period():
         assert out["r"].status_code == 200 and out["r"].json()["choices"][0]["finish_reason"] == "abort"
         assert proc.wait(timeout=60) == 0
         assert _gone(children)
+    finally:
+        stop_server(proc)
+
+
+def test_a_sigterm_that_reaches_the_engine_process_too_is_a_clean_stop():
+    """A supervisor that stops a server signals its process group (the deployment's, systemd's control group), so
+    the engine process ends on the same SIGTERM while the server drains: that is the stop asked for, not an
+    engine death, and the server exits 0 (an engine that dies on its own still exits ENGINE_DIED_EXIT_CODE,
+    tests/faults/test_engine_killed.py). The engine's SIGTERM comes once the server drains, by construction."""
+    url, proc = start_server("--server.shutdown_grace_s", "120")
+    try:
+        out: dict = {}
+        thread = _held_request(url, out)  # keeps the drain going until the engine ends
+        children = _children(proc)
+        proc.send_signal(signal.SIGTERM)
+        _wait_draining(url)
+        for child in children:
+            child.send_signal(signal.SIGTERM)
+        thread.join(timeout=120)
+        assert out["r"].status_code in (200, 503)  # aborted, or cut off with the engine; answered either way
+        assert proc.wait(timeout=60) == 0
+        assert _gone(children)
+        assert "the engine is gone" not in server_log(proc)
     finally:
         stop_server(proc)
 

@@ -346,3 +346,39 @@ def test_a_lora_load_refused_by_one_replica_is_taken_back_on_the_other(deploymen
     body = {"lora_name": "policy-second", "lora_path": str(second)}
     assert httpx.post(f"{admin}/v1/load_lora_adapter", json=body, timeout=300).status_code == 200
     assert not same_answers(adapter_answer(first["url"], "policy-second"), loaded[0])  # the check above can fail
+
+
+def test_a_replica_whose_server_answers_again_but_not_its_engine_is_restarted(deployment):
+    """Its whole tree frozen (taken out of the rotation), then only the server thawed: /health answers again
+    while the engine process stays frozen, so bringing it to the deployment's pause state cannot finish. The
+    supervisor gives that READMIT_TIMEOUT_S and restarts the replica whole, at the deployment's weights and
+    adapters; nothing of the frozen tree is left. Before, the call waited forever, holding the deployment's lock
+    and the liveness loop, and the replica stayed out of the rotation for good."""
+    public, admin, _ = deployment
+    rows = wait_for(lambda: (r := replicas(admin)) and all(x["status"] == "serving" for x in r) and r, 120, "serving")
+    victim, other = rows[1], rows[0]
+    tree = [victim["pid"], *(c.pid for c in psutil.Process(victim["pid"]).children(recursive=True))]
+    assert len(tree) > 1  # the server and its engine process
+    freeze(victim["pid"], signal.SIGSTOP)
+    try:
+        wait_for(lambda: replicas_by_index(admin)[victim["index"]]["status"] == "unresponsive", 120, "taken out")
+        os.kill(victim["pid"], signal.SIGCONT)  # the server alone: its engine process stays frozen
+        row = wait_for(
+            lambda: (
+                (r := replicas_by_index(admin)[victim["index"]])["status"] == "serving"
+                and r["restarts"] == victim["restarts"] + 1
+                and r
+            ),
+            300,
+            "the victim restarted and serving",
+            lambda: replicas(admin),
+        )
+    finally:
+        for pid in tree:
+            if psutil.pid_exists(pid):
+                os.kill(pid, signal.SIGCONT)
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in tree)
+    assert row["url"] != victim["url"] or row["pid"] != victim["pid"]
+    assert versions(row["url"]) == versions(other["url"])
+    r = httpx.post(f"{public}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 1}, timeout=120)
+    assert r.status_code == 200, r.text

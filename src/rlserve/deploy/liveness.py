@@ -9,7 +9,9 @@ group is restarted at once instead (Deployment.evict), so the stall lasts PROBE_
 
 vllm-router's own health checks would take minutes (60 s apart by default) and would not reconcile what the
 replica missed while out: here a replica that comes back is brought to the deployment's pause state, and one
-that missed an update is restarted, so it rejoins at the current weights."""
+that missed an update is restarted, so it rejoins at the current weights. Bringing one back runs beside the
+probes and is bounded (READMIT_TIMEOUT_S): a replica whose server answers again while its engine does not (the
+engine process still frozen) is restarted, rather than holding the deployment's lock and every later probe."""
 
 from __future__ import annotations
 
@@ -23,12 +25,14 @@ log = logging.getLogger("rlserve.deploy")
 PROBE_INTERVAL_S = 1.0
 PROBE_TIMEOUT_S = 10.0  # generous: a loaded machine can leave a healthy replica slow to answer
 PROBE_FAILURES = 3
+READMIT_TIMEOUT_S = 30.0  # to answer the pause-state calls; a healthy engine takes well under a second
 UNRESPONSIVE = "unresponsive"
 
 
 async def watch_liveness(dep: Any) -> None:
     """Runs for the deployment's lifetime beside its exit watch (Deployment.watch)."""
     misses: dict[int, int] = {}
+    readmitting: set[int] = set()
     while True:
         slots = [s for s in dep.slots if s.status in ("serving", UNRESPONSIVE) and s.url]
         answers = await asyncio.gather(*(_healthy(dep, s) for s in slots))
@@ -37,7 +41,9 @@ async def watch_liveness(dep: Any) -> None:
             key = id(slot)
             misses[key] = 0 if healthy else misses.get(key, 0) + 1
             if healthy and slot.status == UNRESPONSIVE:
-                await _readmit(dep, slot)
+                if key not in readmitting:
+                    readmitting.add(key)
+                    dep._spawn(_readmit(dep, slot, readmitting))
             elif misses[key] >= PROBE_FAILURES and slot.status == "serving":
                 await _take_out(dep, slot, misses[key])
         await asyncio.sleep(PROBE_INTERVAL_S)
@@ -59,27 +65,40 @@ async def _take_out(dep: Any, slot: Any, misses: int) -> None:
         return
     slot.status, slot.detail = UNRESPONSIVE, why
     log.error("%s (%s) left the router's rotation: %s", slot.name, slot.url, slot.detail)
-    if dep.router is not None:
-        await dep.router.remove(dep.http, slot.url)
+    if (router := dep.router_of(slot)) is not None:
+        await router.remove(dep.http, slot.url)
 
 
-async def _readmit(dep: Any, slot: Any) -> None:
-    async with dep.lock:
-        if slot.status != UNRESPONSIVE:
-            return
-        s = dep.state
-        try:
-            if await dep._versions(slot) != (s.policy_version, s.weight_version):
-                await dep.evict(slot, "it missed a weight update while it did not answer")
+async def _readmit(dep: Any, slot: Any, readmitting: set[int]) -> None:
+    try:
+        async with dep.lock:
+            if slot.status != UNRESPONSIVE:
                 return
-            # it may have missed a /pause or /resume: take the deployment's state
-            if s.paused is None:
-                await dep._post(slot, "/resume", None)
-            else:
-                await dep._post(slot, "/pause", None, params={"mode": s.paused})
-            await dep.router.add(dep.http, slot.url, getattr(slot.replica, "role", None))
-        except (httpx.HTTPError, RuntimeError) as exc:
-            await dep.evict(slot, f"could not be brought back after it answered again: {exc}")
-            return
-        slot.status, slot.detail = "serving", ""
-        log.warning("%s (%s) answers again and is back in the router's rotation", slot.name, slot.url)
+            try:
+                why = await asyncio.wait_for(_to_deployment_state(dep, slot), READMIT_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                why = f"answered /health again, but its engine not within {READMIT_TIMEOUT_S:.0f} s"
+            except (httpx.HTTPError, RuntimeError) as exc:
+                why = f"could not be brought back after it answered again: {exc}"
+            if why is not None:
+                await dep.evict(slot, why)
+                return
+            slot.status, slot.detail = "serving", ""
+            log.warning("%s (%s) answers again and is back in the router's rotation", slot.name, slot.url)
+    finally:
+        readmitting.discard(id(slot))
+
+
+async def _to_deployment_state(dep: Any, slot: Any) -> str | None:
+    """Brings a replica that answers again to the deployment's pause state and back into its router's rotation;
+    or says why it must be restarted instead."""
+    s = dep.state
+    if await dep._versions(slot) != (s.policy_version, s.weight_version):
+        return "it missed a weight update while it did not answer"
+    # it may have missed a /pause or /resume: take the deployment's state
+    if s.paused is None:
+        await dep._post(slot, "/resume", None)
+    else:
+        await dep._post(slot, "/pause", None, params={"mode": s.paused})
+    await dep.router_of(slot).add(dep.http, slot.url, getattr(slot.replica, "role", None))
+    return None

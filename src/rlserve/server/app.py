@@ -279,17 +279,20 @@ class DrainingServer(uvicorn.Server):
         self.state, self.grace_s = state, grace_s
         self._drain: asyncio.Task | None = None
         self.exit_code = 0
+        self.stop_asked = False
 
     def handle_exit(self, sig: int, frame) -> None:  # no re-raise of the signal afterwards: exit 0
         if self.state.draining:
             self.should_exit = True
             self.force_exit = sig == signal.SIGINT
-        self.state.draining = True
+        self.state.draining = self.stop_asked = True
 
     async def on_tick(self, counter: int) -> bool:
         if early_stop.requested is not None:  # a SIGTERM from before uvicorn took the signal over
-            self.state.draining = True
-        if self.exit_code == 0 and self.state.engine.dead is not None:
+            self.state.draining = self.stop_asked = True
+        # once a stop is asked, the engine ending is part of it: a supervisor (the deployment's, systemd's control
+        # group) signals the whole process group, and the engine process ends on the same SIGTERM
+        if self.exit_code == 0 and self.state.engine.dead is not None and not self.stop_asked:
             self.exit_code = await engine_died(self.state)
         if self.state.draining and self._drain is None:
             log.info("shutting down: refusing new requests, %.0f s for in-flight ones", self.grace_s)
