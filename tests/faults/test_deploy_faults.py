@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from deploy_helpers import replicas, two_replicas_under, wait_for
+from deploy_helpers import descendants, replicas, two_replicas_under, wait_for
 from rlserve.model.make import make_model
 from test_deploy import served
 from test_server_rl import generate, hf_check
@@ -217,7 +217,7 @@ def kill_mid_update_then_retry(admin, first, victim, weights) -> None:
 
 def freeze(pid: int, sig: signal.Signals) -> None:
     """The replica's whole process tree (its server and its engine process), which this test started."""
-    for p in [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]:
+    for p in [pid, *descendants(pid)]:
         os.kill(p, sig)
 
 
@@ -357,7 +357,7 @@ def test_a_replica_whose_server_answers_again_but_not_its_engine_is_restarted(de
     public, admin, _ = deployment
     rows = wait_for(lambda: (r := replicas(admin)) and all(x["status"] == "serving" for x in r) and r, 120, "serving")
     victim, other = rows[1], rows[0]
-    tree = [victim["pid"], *(c.pid for c in psutil.Process(victim["pid"]).children(recursive=True))]
+    tree = [victim["pid"], *descendants(victim["pid"])]
     assert len(tree) > 1  # the server and its engine process
     freeze(victim["pid"], signal.SIGSTOP)
     try:
