@@ -447,7 +447,7 @@ def test_packed_projection_matches_sgemm_and_follows_weight_changes():
 
 def packs_panels(engine: Engine) -> bool:
     """Whether this machine's engine keeps its projections in the C GEMM's panels rather than in the
-    GEMM libraries' packed layouts (AVX-512; CpuKernels.panels_beat_the_libraries)."""
+    GEMM libraries' packed layouts (AVX-512, and AVX2 in fp32; CpuKernels.panels_beat_the_libraries)."""
     kernels = engine.runner.kernels
     return kernels is not None and kernels.panels_beat_the_libraries(engine.runner.dtype)
 

@@ -192,11 +192,11 @@ def test_expert_parallel_over_four_ranks_of_data_parallel_engines(model_dir, hf,
 
 
 def assert_dp_engines_give_one_ranks_answers(
-    model_dir, prompts, one_rank, tp: int, dp: int, tp_atol: float = 1e-5
+    model_dir, prompts, one_rank, tp: int, dp: int, atol: float = 1e-5, tp_atol: float = 1e-5
 ) -> None:
     """dp engine processes of tp ranks, one expert group, engine r serving prompts[r]: one rank's tokens,
-    routed experts and logprobs (to 1e-5; to `tp_atol` with tp > 1, see assert_routing_as_one_ranks), and each
-    engine's rank 0 holding its share of the experts."""
+    routed experts and logprobs (to `atol`; to `tp_atol` with tp > 1, see assert_routing_as_one_ranks), and
+    each engine's rank 0 holding its share of the experts."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
@@ -225,8 +225,8 @@ def assert_dp_engines_give_one_ranks_answers(
         ref = one_rank[rank]
         assert token_ids == ref.token_ids
         assert_routing_as_one_ranks(routed, ref.routed_experts, tp)
-        atol = 1e-5 if tp == 1 else tp_atol
-        assert torch.allclose(torch.tensor(logprobs), torch.tensor(ref.logprobs), atol=atol)
+        bar = atol if tp == 1 else tp_atol
+        assert torch.allclose(torch.tensor(logprobs), torch.tensor(ref.logprobs), atol=bar)
 
 
 def assert_routing_as_one_ranks(routed, want, tp: int) -> None:

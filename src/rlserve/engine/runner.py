@@ -75,7 +75,7 @@ class ModelRunner:
         # (tests/test_moe_mini.py), so an MoE prompt takes SDPA at every rank count
         self.prompt_rows_in_kernel = (
             self.kernels is not None
-            and self.kernels.panels_beat_the_libraries(dtype)
+            and self.kernels.prompt_tiles_beat_sdpa(dtype)
             and not batch_invariant
             and model.shape.moe is None
         )

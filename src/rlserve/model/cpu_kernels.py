@@ -146,7 +146,7 @@ class CpuKernels:
             self._gemm_packed_bytes[dtype] = self._fn(fn("gemm_packed_bytes"), [i64] * 2, i64)
             self._gemm_pack[dtype] = self._fn(fn("gemm_pack"), [ptr, i64, i64, ptr, i32])
             self._gemm_packed[dtype] = self._fn(fn("gemm_packed"), [ptr] * 4 + [i32] + [i64] * 3 + [i32])
-            self._gemm_vectorized[dtype] = bool(self._fn(fn("gemm_vectorized"), [], i32)())
+            self._gemm_vectorized[dtype] = int(self._fn(fn("gemm_vectorized"), [], i32)())  # its vector bits
             self._decode[dtype] = self._fn(
                 fn("decode_layers"),
                 [ptr, i64] + [ptr] * 7 + [i64] + [ptr] * 2 + [i64] * 2 + [ptr] * 5 + [i64] * 6 + [f32, f32, i32, i32],
@@ -277,11 +277,20 @@ class CpuKernels:
 
     def panels_beat_the_libraries(self, dtype: torch.dtype) -> bool:
         """Whether projections in `dtype` run faster through gemm_impl.h's packed panels than through
-        the GEMV and oneDNN's packed weights at every row count: where its AVX-512 form is built
-        (bf16: with AVX512_BF16), measured 1.1-1.2x from 1 to 128 rows and level at 2,048 (fp32 and
-        bf16, SmolLM2-135M's projections, weights streamed from memory, 2 cores). Elsewhere (AVX2)
-        it was not measured against them, so the engine keeps those there."""
-        return self._gemm_vectorized.get(dtype, False) and (dtype != torch.bfloat16 or cpu_has_native_bf16())
+        the GEMV and MKL's or oneDNN's packed weights at every row count (SmolLM2-135M's projections and
+        LM head, weights streamed from memory, 2 cores). The AVX-512 form (bf16: with AVX512_BF16):
+        1.1-1.2x from 1 to 128 rows and level at 2,048, fp32 and bf16. The AVX2 form, fp32: 1.5-1.9x
+        the GEMV at 1-8 rows (what the engine ran there) and 1.0-1.2x MKL's packed weights from 32 to
+        2,048 rows; bf16 is emulated there and was not measured."""
+        bits = self._gemm_vectorized.get(dtype, 0)
+        if bits == 512:
+            return dtype != torch.bfloat16 or cpu_has_native_bf16()
+        return bits == 256 and dtype == torch.float32
+
+    def prompt_tiles_beat_sdpa(self, dtype: torch.dtype) -> bool:
+        """Whether prompt attention runs faster through the paged kernel's row tiles than through torch's
+        SDPA: measured on the AVX-512 build only (engine/runner.py has the figures)."""
+        return self._gemm_vectorized.get(dtype, 0) == 512 and self.panels_beat_the_libraries(dtype)
 
     def gemm_packed_bytes(self, weight: torch.Tensor) -> int:
         return self._gemm_packed_bytes[weight.dtype](weight.shape[1], weight.shape[0])

@@ -210,6 +210,9 @@ class TritonKernels:
     def panels_beat_the_libraries(self, dtype: torch.dtype) -> bool:
         return False
 
+    def prompt_tiles_beat_sdpa(self, dtype: torch.dtype) -> bool:
+        return False
+
     def gemm_packed_bytes(self, weight: torch.Tensor) -> int:
         return 0
 

@@ -353,10 +353,12 @@ static void NAME(gemm_any)(const T *x, const T *w, const T *bias, void *out, int
     NAME(gemm_run_panels)(&job, num_threads);
 }
 
-/* 1 where this instance has its AVX-512 form (the one measured faster than oneDNN and the GEMV) */
+/* the vector width in bits of the form this instance was built with: 512 (AVX-512), 256 (AVX2 + FMA) or 0 */
 int NAME(rlserve_gemm_vectorized)(void) {
 #if defined(GEMM_AVX512)
-    return 1;
+    return 512;
+#elif defined(GEMM_AVX2)
+    return 256;
 #else
     return 0;
 #endif
