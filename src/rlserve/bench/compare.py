@@ -3,17 +3,21 @@ on the same weights and the same machine, in one run. Per dtype all servers are 
 take turns on each workload, the order alternating by round, so the machine's drift lands on all
 of them; a ratio is the median of the rounds' ratios. Workloads: distinct prompts all at once,
 batch 1, and the GRPO shape (prompts x n samples). Streaming /v1/completions with token-id
-prompts, EOS ignored."""
+prompts, EOS ignored. Each figure is printed with its share of the machine's limit for that workload
+(bench/limits.py), measured before the servers start."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
+import json
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
+from rlserve.bench.limits import ModelCost, matmul_peak, memory_bandwidth, workload_limit
 from rlserve.bench.machine import OtherLoad, cpu_info, describe
 from rlserve.bench.serve import random_prompts, run_level
 from rlserve.bench.servers import PeakMemory, Running, cpu_count, resolve_model, start_all
@@ -79,11 +83,32 @@ def _median_run(runs: list[dict]) -> dict:
     return sorted(runs, key=lambda r: r["output_tokens_per_s"])[len(runs) // 2]
 
 
-def summarize_dtype(dtype: str, servers: list[Running], plan: list[Workload], got: dict, native_bf16: bool) -> tuple:
+def measure_limits(dtype: str, model_dir: Path, plan: list[Workload], args) -> dict:
+    """This machine's matmul peak and bandwidth (on the benchmark's threads, before any server runs) and each
+    workload's output tokens/s limit from them (None for a model ModelCost does not count)."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    torch_dtype = getattr(torch, dtype)
+    paths = matmul_peak(torch_dtype)
+    peak, bandwidth = max(paths.values()), memory_bandwidth()
+    config = json.loads((model_dir / "config.json").read_text())
+    cost = ModelCost.from_config(config, torch_dtype.itemsize)
+    per_workload = {
+        w.name: None if cost is None else workload_limit(cost, w.prompts, w.n, args.prompt_len, w.output_len, peak, bandwidth)
+        for w in plan
+    }  # fmt: skip
+    return {"matmul_gflops": paths, "peak_gflops": peak, "bandwidth_gb_s": bandwidth, "tok_s": per_workload}
+
+
+def summarize_dtype(
+    dtype: str, servers: list[Running], plan: list[Workload], got: dict, native_bf16: bool, limits: dict
+) -> tuple:
     emulated = dtype == "bfloat16" and not native_bf16
     results, ratios = [], []
     ours = servers[0]
     for workload in plan:
+        limit = limits["tok_s"][workload.name]
         for server in servers:
             runs = got[(workload.name, server.label)]
             mid = _median_run(runs)
@@ -95,7 +120,8 @@ def summarize_dtype(dtype: str, servers: list[Running], plan: list[Workload], go
                 "errors": sorted({e for r in runs for e in r["errors"]})[:3],
                 "ttft_ms": mid["ttft_ms"], "itl_ms": mid["itl_ms"], "latency_ms": mid["latency_ms"],
                 "other_cores": max((r["other_cores"] for r in runs if r["other_cores"] is not None), default=None),
-                "n_as_requests": mid["n_as_requests"],
+                "n_as_requests": mid["n_as_requests"], "limit_tok_s": limit,
+                "share_of_limit": None if not limit else statistics.median(r["output_tokens_per_s"] for r in runs) / limit,
             })  # fmt: skip
             if server is ours:
                 continue
@@ -125,8 +151,10 @@ def run_compare(args) -> tuple[dict, int]:
     plan = workloads(args)
     max_len = args.prompt_len + max(w.output_len for w in plan) + 16
     slots = max(w.requests for w in plan)
-    results, ratios, servers_out, skipped = [], [], [], []
+    results, ratios, servers_out, skipped, limits = [], [], [], [], {}
     for seed, dtype in enumerate(args.dtype, start=1):
+        limits[dtype] = measure_limits(dtype, model_dir, plan, args)
+        print(limits_line(dtype, limits[dtype]), flush=True)
         with contextlib.ExitStack() as stack:
             servers = start_all(stack, args, model_dir, dtype, max_len, slots, skipped)
             with PeakMemory(servers):
@@ -135,24 +163,31 @@ def run_compare(args) -> tuple[dict, int]:
                     asyncio.run(run_level(server.url, 2, warm, options(args, 4)))
                 got = rounds(servers, plan, args, args.seed + 1000 * seed)
         servers_out += [server_record(s) for s in servers]
-        r, q = summarize_dtype(dtype, servers, plan, got, cpu["native_bf16"])
+        r, q = summarize_dtype(dtype, servers, plan, got, cpu["native_bf16"], limits[dtype])
         results += r
         ratios += q
     result = {
         "kind": "serve-compare", "cpu": cpu, "model": str(model_dir), "prompt_len": args.prompt_len,
         "temperature": args.temperature, "rounds": args.rounds, "threads": args.threads,
         "workloads": [dataclasses.asdict(w) for w in plan],
-        "servers": servers_out, "skipped": skipped, "results": results, "ratios": ratios,
+        "servers": servers_out, "skipped": skipped, "results": results, "ratios": ratios, "limits": limits,
     }  # fmt: skip
     failed = any(r["failed"] for r in results if r["server"] == "rlserve")
     return result, 1 if failed else 0
 
 
+def limits_line(dtype: str, limits: dict) -> str:
+    best = max(limits["matmul_gflops"], key=limits["matmul_gflops"].get)
+    shown = ", ".join(f"{name} {tok_s:.0f}" for name, tok_s in limits["tok_s"].items() if tok_s)
+    return (f"{dtype} limits: matmul peak {limits['peak_gflops']:.0f} GFLOP/s ({best}), memory {limits['bandwidth_gb_s']:.1f} "
+            f"GB/s; at most {shown or '- (not counted for this model)'} output tok/s")  # fmt: skip
+
+
 def compare_table(result: dict) -> str:
     """One row per dtype, workload and server; the peers' rows carry rlserve's ratio over them."""
     ratio = {(q["dtype"], q["workload"], q["peer"]): q for q in result["ratios"]}
-    head = ["dtype", "workload", "server", "tok/s", "per round", "rlserve/x", "TTFT p50", "TTFT p99", "ITL p50",
-            "ITL p99", "others"]  # fmt: skip
+    head = ["dtype", "workload", "server", "tok/s", "of limit", "per round", "rlserve/x", "TTFT p50", "TTFT p99",
+            "ITL p50", "ITL p99", "others"]  # fmt: skip
     rows = [head]
     for r in result["results"]:
         q = ratio.get((r["dtype"], r["workload"], r["server"]))
@@ -163,15 +198,21 @@ def compare_table(result: dict) -> str:
         lat = [f"{r[k][p]:.1f}" if r[k] else "-" for k in ("ttft_ms", "itl_ms") for p in ("p50", "p99")]
         dtype = r["dtype"] + (" (emulated)" if r["emulated"] else "")
         rows.append([dtype, r["workload"], r["server"] + (f" ({r['failed']} failed)" if r["failed"] else ""),
-                     f"{r['output_tokens_per_s']:.1f}", " ".join(f"{x:.0f}" for x in r["rounds"]), shown, *lat,
+                     f"{r['output_tokens_per_s']:.1f}", _share(r.get("share_of_limit")), " ".join(f"{x:.0f}" for x in r["rounds"]), shown, *lat,
                      "-" if r["other_cores"] is None else f"{r['other_cores']:.2f}"])  # fmt: skip
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = [
         "  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows
     ]
     lines.append("TTFT/ITL in ms (the median round's percentiles); others = cores other processes used meanwhile")
+    lines.append("of limit = tok/s over the most this machine allows the workload (bench/limits.py):")
+    lines += [f"  {limits_line(dtype, limits)}" for dtype, limits in result.get("limits", {}).items()]
     lines.append("peak resident memory (the process tree's summed RSS):")
     for s in result["servers"]:
         rss = "-" if s["peak_rss_bytes"] is None else f"{s['peak_rss_bytes'] / 2**20:.0f} MiB"
         lines.append(f"  {s['server']} {s['dtype']}: {rss}")
     return "\n".join(lines)
+
+
+def _share(share: float | None) -> str:
+    return "-" if share is None else f"{share:.0%}"
