@@ -148,11 +148,13 @@ class EngineClient(FaceRules):
     async def _watch(self) -> None:
         while self.proc.poll() is None:
             await asyncio.sleep(WATCH_INTERVAL_S)
-        self._fail(RuntimeError(f"engine process exited with code {self.proc.returncode}"))
+        code = self.proc.returncode
+        # the core exits 0 only when asked to: Shutdown, or a SIGTERM to the whole process group during a stop
+        self._fail(RuntimeError(f"engine process exited with code {code}"), asked=code == 0)
 
-    def _fail(self, exc: BaseException) -> None:
+    def _fail(self, exc: BaseException, asked: bool = False) -> None:
         if self.dead is None:
-            log.error("engine core is gone: %s", exc)
+            (log.info if asked else log.error)("engine core is gone: %s", exc)
             self.dead = exc
         err = dead_error(self.dead)
         for queue in self._streams.values():
