@@ -333,3 +333,21 @@ def test_wide_ep_push_is_kept_by_both_nodes_servers_and_replayed_after_one_is_ki
         assert generate(public, prompt)["choices"][0]["policy_version"] == version
     finally:
         stop_deployment(proc)
+
+
+def test_a_server_that_ray_niced_is_named_in_a_warning():
+    """Ray's workers run at nice 15 unless the node's Ray was started with RAY_worker_niceness=0, and the server a
+    worker starts inherits that; the supervisor warns with the fix. The test clusters here run at 0."""
+    import subprocess
+    import sys
+
+    from rlserve.deploy.ray_nodes import niceness_warning
+
+    assert niceness_warning("replica 0", 0) is None
+    warning = niceness_warning("replica 1", 15)
+    assert "replica 1 runs at nice 15" in warning and "RAY_worker_niceness=0" in warning
+    probe = "from rlserve.deploy.ray_nodes import ReplicaHost; print(ReplicaHost.niceness(None))"
+    niced = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, preexec_fn=lambda: os.nice(5)
+    )
+    assert int(niced.stdout) == os.getpriority(os.PRIO_PROCESS, 0) + 5  # what the server child inherits

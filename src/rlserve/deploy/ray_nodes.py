@@ -10,6 +10,7 @@ tensor-parallel ranks on the rest (engine/tp/ray_ranks.py)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -28,6 +29,20 @@ from rlserve.runtime.ports import free_port
 
 PLACEMENT_TIMEOUT_S = 300.0
 NAMESPACE = "rlserve"
+
+log = logging.getLogger(__name__)
+
+
+def niceness_warning(name: str, niceness: int) -> str | None:
+    """Ray starts its workers at nice 15 (RAY_worker_niceness), and the server a worker starts inherits it: on
+    a node it shares with a trainer at nice 0, the server would get the cores last. An unprivileged process
+    cannot lower its niceness again, so the node's Ray has to be started without it."""
+    if niceness <= 0:
+        return None
+    return (
+        f"{name} runs at nice {niceness}, inherited from its Ray worker: processes at a lower niceness on that "
+        "node (a trainer) take its cores first. Start the node's Ray with RAY_worker_niceness=0 to serve at nice 0"
+    )
 
 
 class ReplicaHost:
@@ -55,6 +70,9 @@ class ReplicaHost:
 
     def pid(self) -> int | None:
         return None if self.child is None else self.child.pid
+
+    def niceness(self) -> int:
+        return os.getpriority(os.PRIO_PROCESS, 0)  # what the server inherited from this worker
 
     def stop(self) -> None:
         if self.child is not None:
@@ -113,6 +131,8 @@ class RayReplica:
         except ray.exceptions.RayTaskError as exc:  # the node's own words ("replica 1 exited ..."), not Ray's wrapping
             raise RuntimeError(str(getattr(exc, "cause", None) or exc)) from None
         self.pid = ray.get(self.actor.pid.remote(), timeout=timeout_s)
+        if warning := niceness_warning(self.name, ray.get(self.actor.niceness.remote(), timeout=timeout_s)):
+            log.warning(warning)
         return url
 
     def exited(self) -> int | None:
