@@ -19,7 +19,7 @@ from rlserve.engine.outputs import RequestOutput
 from rlserve.engine.params import SamplingParams
 from rlserve.engine.sequence import Request
 from rlserve.engine.weights import StagingBuffers, check_under_roots, stage, stage_from_dir
-from rlserve.runtime.face import FaceRules, check_pause_mode, check_steps, dead_error, relay_outputs
+from rlserve.runtime.face import FaceRules, check_pause_mode, dead_error, relay_outputs
 from rlserve.runtime.pause import PauseState
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,8 @@ class AsyncEngine(FaceRules):
         self._streams: dict[int, list] = {}
         self._stop = False
         self._pause = PauseState()
+        # a step-limited resume's callers, answered on the engine thread once its last step ran
+        self._stepping: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._group: asyncio.Future | None = None  # torch.distributed group with a trainer
         self._group_peer: str | None = None  # that trainer's host:port
         self._staging = StagingBuffers()  # reused by every update; the lock keeps one in flight
@@ -189,16 +191,39 @@ class AsyncEngine(FaceRules):
     async def pause(self, mode: str = "keep") -> int:
         """The modes are runtime/pause.py's. Returns how many requests were aborted."""
         check_pause_mode(mode)
-        aborted = await self.call(lambda e: self._pause.begin(e, mode))
+        aborted = await self.call(lambda e: self._begin_pause(e, mode))
         while aborted is None and not await self.call(self._pause.drained):
             await asyncio.sleep(0.01)
         return aborted or 0
 
+    def _begin_pause(self, engine: Engine, mode: str) -> int | None:
+        aborted = self._pause.begin(engine, mode)
+        self._end_stepping()  # a step-limited resume cut short: the engine is frozen already
+        return aborted
+
     async def resume(self, steps: int | None = None) -> None:
-        check_steps(steps)
-        await self.call(lambda e: self._pause.resume(e, steps))
-        while steps is not None and not await self.call(lambda e: self._pause.until_step is None):
-            await asyncio.sleep(0.01)
+        """Returns once the engine runs; with `steps`, once it has run them and is frozen again."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def start(engine: Engine) -> None:
+            self._end_stepping()  # an earlier step-limited resume is over: this one replaces it
+            if self._pause.resume(engine, steps) or steps is None:
+                loop.call_soon_threadsafe(_set_result, done, None)
+            else:
+                self._stepping.append((loop, done))
+
+        await self.call(start)
+        await done
+
+    def _end_stepping(self, exc: BaseException | None = None) -> None:
+        """Answer the waiting resumes (on the engine thread)."""
+        for loop, fut in self._stepping:
+            if exc is None:
+                loop.call_soon_threadsafe(_set_result, fut, None)
+            else:
+                loop.call_soon_threadsafe(_set_exception, fut, exc)
+        self._stepping.clear()
 
     async def update_weights_from_dir(
         self,
@@ -267,7 +292,8 @@ class AsyncEngine(FaceRules):
                     except queue.Empty:
                         break
                 engine.poll_transfers()
-                self._pause.stepped(engine)  # a step-limited resume's count reached, or nothing left to step
+                if self._pause.stepped(engine):  # a step-limited resume's count reached, or nothing left to step
+                    self._end_stepping()
                 idle_s = 0.05 if engine.kv_transfer is not None else 0.5  # pins time out between two looks
                 if self._pause.paused:
                     self._dispatch(engine.take_pending())
@@ -282,6 +308,7 @@ class AsyncEngine(FaceRules):
         except BaseException as exc:
             log.exception("engine loop died")
             self.dead = exc
+            self._end_stepping(dead_error(exc))
             for loop, stream, *_ in list(self._streams.values()):
                 loop.call_soon_threadsafe(stream.put_nowait, dead_error(exc))
 
