@@ -112,16 +112,17 @@ def summarize_dtype(
         for server in servers:
             runs = got[(workload.name, server.label)]
             mid = _median_run(runs)
+            tok_s = statistics.median(r["output_tokens_per_s"] for r in runs)
             results.append({
                 "dtype": dtype, "workload": workload.name, "server": server.launch.name, "emulated": emulated,
                 "prompts": workload.prompts, "n": workload.n, "output_len": workload.output_len,
-                "output_tokens_per_s": statistics.median(r["output_tokens_per_s"] for r in runs),
+                "output_tokens_per_s": tok_s,
                 "rounds": [r["output_tokens_per_s"] for r in runs], "failed": sum(r["failed"] for r in runs),
                 "errors": sorted({e for r in runs for e in r["errors"]})[:3],
                 "ttft_ms": mid["ttft_ms"], "itl_ms": mid["itl_ms"], "latency_ms": mid["latency_ms"],
                 "other_cores": max((r["other_cores"] for r in runs if r["other_cores"] is not None), default=None),
                 "n_as_requests": mid["n_as_requests"], "limit_tok_s": limit,
-                "share_of_limit": None if not limit else statistics.median(r["output_tokens_per_s"] for r in runs) / limit,
+                "share_of_limit": None if not limit else tok_s / limit,
             })  # fmt: skip
             if server is ours:
                 continue
