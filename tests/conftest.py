@@ -130,6 +130,17 @@ def server() -> Iterator[str]:
         stop_server(proc)
 
 
+def make_variant(preset: str, out: Path, seed: int = 0, **changes) -> Path:
+    """A preset's model with some of its config changed (`num_hidden_layers=2`), under the name `out` ends in."""
+    from rlserve.model.make import PRESETS, make_model
+
+    PRESETS[out.name] = {**PRESETS[preset], **changes}
+    try:
+        return make_model(out.name, out, seed)
+    finally:
+        del PRESETS[out.name]
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> Path:
     """The tiny model, made once; test files that need another model override this fixture."""

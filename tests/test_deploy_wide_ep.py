@@ -21,6 +21,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from conftest import make_variant
 from deploy_helpers import (
     alive,
     descendants,
@@ -31,7 +32,7 @@ from deploy_helpers import (
     stop_deployment,
     wait_for,
 )
-from rlserve.model.make import PRESETS, bench_cache_dir, default_model_dir, make_model
+from rlserve.model.make import bench_cache_dir, default_model_dir, make_model
 from test_moe import hf_experts
 from test_pd import metric
 from test_server_moe import decode
@@ -174,11 +175,7 @@ def test_the_docs_wide_ep_block_serves_as_written(cluster, tmp_path):
     node with 4 engines of 2 ranks, all 16 ranks one expert group; answers and routed experts match transformers on
     both servers. A server's 8 ranks outnumber this machine's cores, which rlserve refuses unless
     parallel.oversubscribe_cpu says to share them."""
-    PRESETS["tiny-moe-16"] = {**PRESETS["tiny-moe"], "num_experts": 16}
-    try:
-        moe = make_model("tiny-moe-16", tmp_path / "moe-16", seed=0)
-    finally:
-        del PRESETS["tiny-moe-16"]
+    moe = make_variant("tiny-moe", tmp_path / "tiny-moe-16", num_experts=16)
     block = BLOCK.read_text()
     assert '"PrimeIntellect/INTELLECT-3"' in block
     (tmp_path / "block.toml").write_text(block.replace('"PrimeIntellect/INTELLECT-3"', json.dumps(str(moe))))

@@ -17,8 +17,8 @@ import psutil
 import pytest
 from safetensors import safe_open
 
-from conftest import assert_documented_error, start_server, stop_server
-from rlserve.model.make import PRESETS, make_model
+from conftest import assert_documented_error, make_variant, start_server, stop_server
+from rlserve.model.make import make_model
 
 KV_BYTES = 64 << 20
 WIDE = {"hidden_size": 256, "head_dim": 64, "intermediate_size": 8192}
@@ -26,11 +26,7 @@ WIDE = {"hidden_size": 256, "head_dim": 64, "intermediate_size": 8192}
 
 @pytest.fixture(scope="module")
 def wide_model(tmp_path_factory) -> Path:
-    PRESETS["sleep-wide"] = {**PRESETS["tiny"], **WIDE}
-    try:
-        return make_model("sleep-wide", tmp_path_factory.mktemp("models") / "sleep-wide")
-    finally:
-        del PRESETS["sleep-wide"]
+    return make_variant("tiny", tmp_path_factory.mktemp("models") / "sleep-wide", **WIDE)
 
 
 def weight_bytes(model_dir: Path) -> int:

@@ -9,8 +9,8 @@ trainer's mirror run unchanged on CUDA. What makes a row's bits independent of i
 - attention is one program per (token, KV head), an online softmax over the token's own context in
   block-size steps from position 0, as the CPU's paged decode kernel walks it: a prompt token is
   computed as if decoded (`engine/invariant.token_rows` lays the step out so).
-- RMSNorm, q/k norm + RoPE + the KV write: one program per row (per head), its reduction over one
-  row's values.
+- RMSNorm, and q/k norm + RoPE + the KV write: one program per token, each reduction over one row's
+  (one head's) values.
 Element-wise steps (SiLU x up) are torch's element-wise kernels: per element, whatever the shape.
 `invariant_ops.invariant_kernels` checks the row independence on the device once per process.
 
@@ -108,41 +108,41 @@ if triton is not None:
 
     @triton.jit
     def _qk_rope_store_rows(qkv, cos, sin_signed, q_norm, k_norm, eps, slots, k_cache, v_cache, num_heads,
-                            num_kv_heads, D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr):  # fmt: skip
-        """One (token, head) of qkv [T, (H + 2 KVH) * D]: q and k heads normed (when given) and rotated in
-        place, k and v heads written to the token's KV slot."""
+                            num_kv_heads, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+                            HAS_NORM: tl.constexpr):  # fmt: skip
+        """One token of qkv [T, (H + 2 KVH) * D], all its heads as the rows of one tile: q and k heads
+        normed (when given) and rotated in place, k and v heads written to the token's KV slot."""
         t = tl.program_id(0).to(tl.int64)
-        head = tl.program_id(1)
-        d = tl.arange(0, BLOCK_D)
-        mask = d < D
+        head = tl.arange(0, BLOCK_H)[:, None]
+        d = tl.arange(0, BLOCK_D)[None, :]
         dtype = qkv.dtype.element_ty
         heads = num_heads + 2 * num_kv_heads
+        is_q = head < num_heads
+        is_k = (head >= num_heads) & (head < num_heads + num_kv_heads)
+        is_v = (head >= num_heads + num_kv_heads) & (head < heads)
+        d_mask = d < D
+        rotated = (is_q | is_k) & d_mask
         row = qkv + (t * heads + head) * D
         slot = tl.load(slots + t)
-        if head >= num_heads + num_kv_heads:  # a value head: to the cache as it is
-            kvh = head - num_heads - num_kv_heads
-            tl.store(v_cache + (slot * num_kv_heads + kvh) * D + d, tl.load(row + d, mask=mask), mask=mask)
-        else:
-            rolled = (d + D // 2) % D  # rotate_half(x) * sin == x[rolled] * sin_signed
-            x = tl.load(row + d, mask=mask, other=0.0).to(tl.float32)
-            x_rolled = tl.load(row + rolled, mask=mask, other=0.0).to(tl.float32)
-            if HAS_NORM:
-                is_q = head < num_heads
-                inv = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps)
-                w = tl.where(is_q, tl.load(q_norm + d, mask=mask, other=0.0), tl.load(k_norm + d, mask=mask, other=0.0))
-                w = w.to(tl.float32)
-                w_rolled = tl.where(
-                    is_q, tl.load(q_norm + rolled, mask=mask, other=0.0), tl.load(k_norm + rolled, mask=mask, other=0.0)
-                ).to(tl.float32)
-                x = _round_to(_round_to(x * inv, dtype).to(tl.float32) * w, dtype).to(tl.float32)
-                x_rolled = _round_to(_round_to(x_rolled * inv, dtype).to(tl.float32) * w_rolled, dtype).to(tl.float32)
-            c = tl.load(cos + t * D + d, mask=mask, other=0.0).to(tl.float32)
-            s = tl.load(sin_signed + t * D + d, mask=mask, other=0.0).to(tl.float32)
-            y = _round_to(x * c + x_rolled * s, dtype)
-            tl.store(row + d, y, mask=mask)
-            if head >= num_heads:
-                kvh = head - num_heads
-                tl.store(k_cache + (slot * num_kv_heads + kvh) * D + d, y, mask=mask)
+        v_at = (slot * num_kv_heads + head - num_heads - num_kv_heads) * D + d
+        tl.store(v_cache + v_at, tl.load(row + d, mask=is_v & d_mask), mask=is_v & d_mask)  # values as they are
+        rolled = (d + D // 2) % D  # rotate_half(x) * sin == x[rolled] * sin_signed
+        x = tl.load(row + d, mask=rotated, other=0.0).to(tl.float32)
+        x_rolled = tl.load(row + rolled, mask=rotated, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            inv = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1) / D + eps)[:, None]
+            w = tl.where(is_q, tl.load(q_norm + d, mask=d_mask, other=0.0), tl.load(k_norm + d, mask=d_mask, other=0.0))
+            w = w.to(tl.float32)
+            w_rolled = tl.where(
+                is_q, tl.load(q_norm + rolled, mask=d_mask, other=0.0), tl.load(k_norm + rolled, mask=d_mask, other=0.0)
+            ).to(tl.float32)
+            x = _round_to(_round_to(x * inv, dtype).to(tl.float32) * w, dtype).to(tl.float32)
+            x_rolled = _round_to(_round_to(x_rolled * inv, dtype).to(tl.float32) * w_rolled, dtype).to(tl.float32)
+        c = tl.load(cos + t * D + d, mask=d_mask, other=0.0).to(tl.float32)
+        s = tl.load(sin_signed + t * D + d, mask=d_mask, other=0.0).to(tl.float32)
+        y = _round_to(x * c + x_rolled * s, dtype)
+        tl.store(row + d, y, mask=rotated)
+        tl.store(k_cache + (slot * num_kv_heads + head - num_heads) * D + d, y, mask=is_k & d_mask)
 
     @triton.jit
     def _paged_attention_rows(q, q_row_stride, k_cache, v_cache, blocks, ctx_lens, out, width, num_heads,
@@ -275,9 +275,10 @@ class TritonKernels:
         if t == 0:
             return
         norm = q_norm is not None
-        _qk_rope_store_rows[(t, num_heads + 2 * num_kv_heads)](
+        _qk_rope_store_rows[(t,)](
             qkv, cos.contiguous(), sin_signed.contiguous(), q_norm if norm else qkv, k_norm if norm else qkv, eps,
-            slots, k_cache, v_cache, num_heads, num_kv_heads, d, _pow2(d), norm, **LAUNCH,
+            slots, k_cache, v_cache, num_heads, num_kv_heads, d, _pow2(d), _pow2(num_heads + 2 * num_kv_heads), norm,
+            **LAUNCH,
         )  # fmt: skip
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
