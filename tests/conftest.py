@@ -191,3 +191,24 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=0.0,
         help="run tests/test_soak.py for this many minutes instead of its CI-sized fixed workload",
     )
+
+
+# The modules that start a local Ray cluster, which a 2-core machine hosts one at a time (deploy_helpers'
+# local_ray_cluster waits for the other's): under --dist loadfile they are one unit of work, so one xdist worker runs
+# them in turn while the other runs the rest, instead of one waiting minutes for the other's cluster.
+RAY_CLUSTER_MODULES = frozenset(
+    path.name for path in Path(__file__).parent.glob("test_*.py") if "local_ray_cluster(" in path.read_text()
+)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class RayModulesTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = super()._split_scope(nodeid)
+            return "ray-cluster modules" if Path(module).name in RAY_CLUSTER_MODULES else module
+
+    return RayModulesTogether(config, log)
