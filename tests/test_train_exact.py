@@ -23,6 +23,7 @@ from conftest import start_server, stop_server
 from rlserve.client import InferenceClient
 from rlserve.model.make import make_model
 from rlserve.train import PatchRefused, patch, token_logprobs, token_routed_experts
+from test_pd import metric
 
 NUM_COMPLETIONS = 200
 
@@ -175,14 +176,26 @@ def decode_experts(payload: dict) -> torch.Tensor:
     return torch.from_numpy(raw.reshape(payload["shape"]).astype(np.int64))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_qwen3_moe_logprobs_and_routed_experts_equal(tmp_path_factory, dtype):
+# two engines' ranks holding the experts, with the load balancer re-placing them every 4 steps (2 slots for replicas of
+# hot experts) and dual-batch overlap: none of it may change a bit
+EXPERT_PARALLEL = ("--parallel.dp", "2", "--parallel.enable_expert_parallel", "true", "--parallel.enable_eplb", "true",
+                   "--parallel.eplb_step_interval", "4", "--parallel.eplb_num_redundant_experts", "2",
+                   "--parallel.enable_dbo", "true")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "dtype,parallel", [("float32", ()), ("bfloat16", ()), ("float32", EXPERT_PARALLEL)], ids=["fp32", "bf16", "ep"]
+)
+def test_qwen3_moe_logprobs_and_routed_experts_equal(tmp_path_factory, dtype, parallel):
     """Batch-invariant mode covers Qwen3-MoE (the experts' rows through the GEMV): under concurrent load
-    with chunked prefill the patched model's logprobs and routed experts equal the server's."""
+    with chunked prefill the patched model's logprobs and routed experts equal the server's. So does it with
+    the experts spread over two data-parallel engines (expert parallelism): each engine's tokens go to the
+    other's experts and back, in batches that follow both engines' loads, and come back with one rank's bits,
+    while the load balancer moves and replicates experts."""
     moe_dir = make_model("tiny-moe", tmp_path_factory.mktemp("models") / "tiny-moe")
     url, proc = start_server(
         "--model.name", str(moe_dir), "--model.dtype", dtype, "--engine.batch_invariant", "true",
-        "--engine.max_num_batched_tokens", "32", "--enable_return_routed_experts",
+        "--engine.max_num_batched_tokens", "32", "--enable_return_routed_experts", *parallel,
     )  # fmt: skip
     try:
         rng = random.Random(3)
@@ -214,6 +227,8 @@ def test_qwen3_moe_logprobs_and_routed_experts_equal(tmp_path_factory, dtype):
         for i in range(len(prompts)):
             assert torch.equal(padded[i], served[i]) and torch.equal(alone[i], served[i]), f"sequence {i}"
             assert torch.equal(routed[i], experts[i]), f"sequence {i}: routed experts"
+        if parallel:  # tokens crossed between the engines, whose experts were re-placed
+            assert metric(url, "rlserve:ep_all_to_alls_total") > 0 and metric(url, "rlserve:eplb_rebalances_total") > 0
         lps = token_logprobs(model, prompts[:4], completions[:4])  # the gradient flows through the experts too
         sum(lp.sum() for lp in lps).backward()
         assert model.model.layers[0].mlp.experts.gate_up_proj.grad.abs().sum() > 0

@@ -28,16 +28,11 @@ from rlserve.model.torch_threads import one_torch_thread
 __all__ = ["InvariantSampler", "check_supported", "processed_logits", "row_log_softmax", "token_rows"]
 
 
-def check_supported(config, shape, device: torch.device) -> None:
+def check_supported(config, device: torch.device) -> None:
     """Refuse the settings under which a row's bits would still follow its batch."""
     if device.type not in ("cpu", "cuda"):
         raise BatchInvarianceUnavailable(
             f"engine.batch_invariant runs on CPU or CUDA (model.device={device.type}); set model.device or drop it"
-        )
-    if shape.moe is not None and config.parallel.enable_expert_parallel:
-        raise BatchInvarianceUnavailable(
-            "engine.batch_invariant: expert parallelism is not covered (a token's experts run on other ranks "
-            "and come back summed in arrival order); drop parallel.enable_expert_parallel"
         )
     if config.parallel.tp > 1:
         raise BatchInvarianceUnavailable(

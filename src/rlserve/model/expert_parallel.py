@@ -8,7 +8,9 @@ to logical experts; the load balancer (enable_eplb) changes it by re-placing and
 moving weights rank to rank, and a token on a replicated expert goes to replica `token % replicas`.
 Ranks that share one step's tokens (the tensor-parallel ranks of one engine) each dispatch a slice of
 them and all-reduce the combined rows, so every rank ends with every token's output.
-The combine adds each token's expert outputs in logical-expert order, as the one-rank layer does.
+The router and the experts run the one-rank layer's arithmetic (under batch-invariant kernels, theirs), and the
+combine adds each token's expert outputs in logical-expert order, as the one-rank layer does: with one rank an
+engine (tp = 1), a token's output has one rank's bits whichever ranks computed its experts.
 
 Dual-batch overlap (enable_dbo) splits a rank's tokens into two micro-batches and interleaves their phases, so
 one's all-to-all is in flight while the other's experts compute. Every rank issues the same collectives in the
@@ -27,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rlserve.model.eplb import Placement, rebalanced, transfers
-from rlserve.model.moe import SparseMoe
+from rlserve.model.moe import SparseMoe, combine
 from rlserve.model.shape import MoeShape
 from rlserve.model.tensor_parallel import is_expert_tensor
 
@@ -76,7 +78,7 @@ class ExpertParallelMoe(SparseMoe):
         self.forwards += 1
         if self.eplb_interval and self.forwards % self.eplb_interval == 0:
             self.rebalance()
-        weights, experts = self.route(x)
+        weights, experts = self.route(x, kernels)
         self.last_experts = experts
         k, t = self.top_k, x.shape[0]
         flat = experts.view(-1)
@@ -131,7 +133,7 @@ class ExpertParallelMoe(SparseMoe):
         order = flat.argsort(stable=True)  # the one-rank layer's summation order
         out = per_assignment.index_select(0, order)
         out.mul_(weights.view(-1).index_select(0, order).unsqueeze(1))
-        return torch.zeros_like(x).index_add_(0, order // self.top_k, out)
+        return combine(out, x, order // self.top_k, order, flat.view(-1, self.top_k))
 
     def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]):
         """Starts it; the returned handle's wait() ends it and counts the seconds spent there."""

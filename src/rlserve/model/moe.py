@@ -97,7 +97,7 @@ class SparseMoe(nn.Module):
         tokens = order // self.top_k
         out = self.run_experts(x.index_select(0, tokens), counts, kernels)
         out.mul_(weights.view(-1).index_select(0, order).unsqueeze(1))
-        out = _combine(out, x, tokens, order, experts)
+        out = combine(out, x, tokens, order, experts)
         return out if self.reduce is None else self.reduce(out)
 
     def run_experts(self, xs: torch.Tensor, counts: list[int], kernels: CpuKernels | None) -> torch.Tensor:
@@ -126,7 +126,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, kernels: CpuKernels | None) -
     return F.linear(x, weight)
 
 
-def _combine(out: torch.Tensor, x: torch.Tensor, tokens: torch.Tensor, order: torch.Tensor, experts: torch.Tensor):
+def combine(out: torch.Tensor, x: torch.Tensor, tokens: torch.Tensor, order: torch.Tensor, experts: torch.Tensor):
     """Each token's expert outputs (rows grouped by expert: `order` of the flat assignments) summed
     into [T, hidden], from zero in ascending expert id. On CPU index_add_ adds them in that order; on
     a GPU it adds with atomics in no fixed order, so the rows go back to their (token, choice) places
@@ -137,7 +137,7 @@ def _combine(out: torch.Tensor, x: torch.Tensor, tokens: torch.Tensor, order: to
 
 
 def sum_by_expert_id(out: torch.Tensor, x: torch.Tensor, order: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-    """`_combine` without atomics: CPU index_add_'s sums on any device (fp32, in ascending expert id,
+    """`combine` without atomics: CPU index_add_'s sums on any device (fp32, in ascending expert id,
     rounded once to x's dtype)."""
     placed = torch.empty_like(out).index_copy_(0, order, out).view(*experts.shape, -1)  # [T, k, hidden]
     by_id = experts.argsort(dim=1, stable=True)
