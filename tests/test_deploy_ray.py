@@ -32,10 +32,11 @@ from deploy_helpers import (
 )
 from rlserve.model.make import default_model_dir, make_model
 from rlserve.runtime.weight_snapshot import INDEX_FILE
+from rlserve.train import patch, token_logprobs
 from test_moe import hf_experts
 from test_pd import BLOCK, completion, metric, prompts, same_choice, warm
 from test_server_moe import decode
-from test_server_rl import TRAINER, generate, hf_check, trainer_push
+from test_server_rl import TRAINER, choice_lps, generate, hf_check, trainer_push
 
 ray = pytest.importorskip("ray")
 
@@ -249,7 +250,8 @@ def test_wide_ep_one_expert_group_over_the_servers_of_two_nodes(cluster, tmp_pat
     """prime-rl's Wide-EP shape (multi_node, enable_expert_parallel, parallel.dp counted over all nodes): one
     server per node, each with dp / nodes engines, all of them one expert group. A request served on one node
     makes the other node's engine step with it (a dummy forward) and exchange tokens over gloo; answers and
-    routed experts match transformers."""
+    routed experts match transformers. In batch-invariant mode, as here, the logprobs are the trainer's patched
+    transformers model's bit for bit, whichever node's experts computed them."""
     moe = make_model("tiny-moe", tmp_path / "tiny-moe", seed=0)
     public, admin, proc = start_deployment(
         "--model.name",
@@ -267,6 +269,8 @@ def test_wide_ep_one_expert_group_over_the_servers_of_two_nodes(cluster, tmp_pat
         cluster.address,
         "--engine.kv_cache_bytes",
         str(16 << 20),
+        "--engine.batch_invariant",
+        "true",
         timeout=400,
     )
     try:
@@ -276,6 +280,10 @@ def test_wide_ep_one_expert_group_over_the_servers_of_two_nodes(cluster, tmp_pat
         prompt = [11, 22, 33, 44, 55]
         choice = generate(rows[0]["url"], prompt)["choices"][0]  # served by node 0's server alone
         hf_check(moe, prompt, choice)
+        trainer = patch(AutoModelForCausalLM.from_pretrained(moe, dtype=torch.float32))
+        with torch.no_grad():
+            trained = token_logprobs(trainer, [prompt], [choice["token_ids"]])[0]
+        assert torch.equal(trained, torch.tensor(choice_lps(choice), dtype=torch.float32))
         np.testing.assert_array_equal(
             decode(choice["routed_experts"]), hf_experts(hf, (prompt + choice["token_ids"])[:-1])
         )
