@@ -161,13 +161,13 @@ def test_dual_batch_overlap_keeps_every_token_and_routing(model_dir, hf, fp64, p
     assert overlapped["ep_rank_load"] == plain["ep_rank_load"]
 
 
-def dp_engine(rank: int, model_dir: str, prompt: list[int], results, options: dict | None = None, **parallel) -> None:
+def dp_engine(rank: int, model_dir: str, prompt: list[int], results, **parallel) -> None:
     """One data-parallel engine of an expert-parallel group spanning several engines (a process)."""
     engine = Engine(
         Config.model_validate(
             {
                 "model": {"name": model_dir, "max_model_len": 512},
-                "engine": {"kv_cache_bytes": 8 << 20, **(options or {})},
+                "engine": {"kv_cache_bytes": 8 << 20},
                 "parallel": {"enable_expert_parallel": True, "data_parallel_rank": rank, **parallel},
                 "enable_return_routed_experts": True,
                 "num_threads": 1,
@@ -191,9 +191,12 @@ def test_expert_parallel_over_four_ranks_of_data_parallel_engines(model_dir, hf,
     assert_matches_hf(hf, prompts[:dp], [_Wrapped(one_rank[r]) for r in range(dp)])
 
 
-def dp_engines_answers(model_dir, prompts, tp: int, dp: int, options: dict | None = None) -> list[tuple]:
-    """dp engine processes of tp ranks (engine `options` added), one expert group, engine r serving prompts[r]: each
-    one's (rank, token ids, logprobs, routed experts, its rank 0's expert slots), in rank order."""
+def assert_dp_engines_give_one_ranks_answers(
+    model_dir, prompts, one_rank, tp: int, dp: int, atol: float = 1e-5, tp_atol: float = 1e-5
+) -> None:
+    """dp engine processes of tp ranks, one expert group, engine r serving prompts[r]: one rank's tokens,
+    routed experts and logprobs (to `atol`; to `tp_atol` with tp > 1, see assert_routing_as_one_ranks), and
+    each engine's rank 0 holding its share of the experts."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
@@ -203,27 +206,19 @@ def dp_engines_answers(model_dir, prompts, tp: int, dp: int, options: dict | Non
         ctx.Process(
             target=dp_engine,
             args=(r, str(model_dir), prompts[r]),
-            kwargs={"results": results, "options": options, "tp": tp, "dp": dp, "data_parallel_rpc_port": port},
+            kwargs={"results": results, "tp": tp, "dp": dp, "data_parallel_rpc_port": port},
         )
         for r in range(dp)
     ]
     for p in procs:
         p.start()
     try:
-        return sorted(results.get(timeout=600) for _ in procs)
+        got = sorted(results.get(timeout=600) for _ in procs)
     finally:
         for p in procs:
             p.join(60)
             if p.is_alive():
                 p.kill()
-
-
-def assert_dp_engines_give_one_ranks_answers(
-    model_dir, prompts, one_rank, tp: int, dp: int, atol: float = 1e-5, tp_atol: float = 1e-5
-) -> None:
-    """dp_engines_answers: one rank's tokens, routed experts and logprobs (to `atol`; to `tp_atol` with tp > 1,
-    see assert_routing_as_one_ranks), and each engine's rank 0 holding its share of the experts."""
-    got = dp_engines_answers(model_dir, prompts, tp, dp)
     e = json.loads((model_dir / "config.json").read_text())["num_experts"]
     for rank, token_ids, logprobs, routed, slots in got:
         assert slots == list(range(rank * e // dp, rank * e // dp + e // (tp * dp)))  # rank 0 of each engine

@@ -1,24 +1,16 @@
 """The qwen3-30b-a3b-mini preset (Qwen3-MoE's shape scaled down: 128 experts, top-8, every layer sparse) over
 ranks, as tests/test_expert_parallel.py runs tiny-moe: one rank against transformers, then expert parallelism
 over 4 ranks of data-parallel engines, tensor parallelism splitting every expert and expert parallelism over
-the 2 ranks of one engine, each giving one rank's tokens and routed experts; in batch-invariant mode, expert parallelism
-over 4 engines giving one rank's bits, and the patched transformers model's."""
+the 2 ranks of one engine, each giving one rank's tokens and routed experts."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from rlserve.model.make import bench_cache_dir, make_model
 from test_engine import assert_matches_hf, random_prompts
-from test_expert_parallel import (
-    _Wrapped,
-    assert_dp_engines_give_one_ranks_answers,
-    assert_routing_as_one_ranks,
-    dp_engines_answers,
-    run,
-)
+from test_expert_parallel import _Wrapped, assert_dp_engines_give_one_ranks_answers, assert_routing_as_one_ranks, run
 
 
 @pytest.fixture(scope="module")
@@ -60,27 +52,3 @@ def test_two_ranks_of_one_engine_give_one_ranks_answers(model_dir, prompts, one_
         assert out.token_ids == ref.token_ids
         assert_routing_as_one_ranks(out.routed_experts, ref.routed_experts, tp=2)
         assert torch.allclose(torch.tensor(out.logprobs), torch.tensor(ref.logprobs), atol=1e-4)
-
-
-def test_batch_invariant_expert_parallel_over_four_engines_has_one_ranks_bits(model_dir, prompts):
-    """engine.batch_invariant with the experts over 4 data-parallel engines (tp = 1), each serving one prompt: the
-    tokens, logprobs and routed experts of one rank serving all four in one batch, bit for bit, and so the trainer's
-    patched transformers model's (rlserve.train.patch)."""
-    from transformers import AutoModelForCausalLM
-
-    from rlserve.train import patch, token_logprobs, token_routed_experts
-
-    invariant = {"batch_invariant": True}
-    one = run(model_dir, prompts, engine=invariant)
-    for rank, token_ids, logprobs, routed, _ in dp_engines_answers(model_dir, prompts, 1, 4, options=invariant):
-        assert token_ids == one[rank].token_ids
-        assert torch.equal(torch.tensor(logprobs), torch.tensor(one[rank].logprobs)), f"engine {rank}"
-        np.testing.assert_array_equal(routed, one[rank].routed_experts)
-    model = patch(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32))
-    completions = [o.token_ids for o in one]
-    with torch.no_grad():
-        trained = token_logprobs(model, prompts, completions)
-        experts = token_routed_experts(model, prompts, completions)
-    for i, o in enumerate(one):
-        assert torch.equal(trained[i], torch.tensor(o.logprobs, dtype=torch.float32)), f"sequence {i}"
-        np.testing.assert_array_equal(experts[i].numpy(), o.routed_experts.astype(np.int64))
