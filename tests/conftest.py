@@ -134,6 +134,7 @@ def make_variant(preset: str, out: Path, seed: int = 0, **changes) -> Path:
     """A preset's model with some of its config changed (`num_hidden_layers=2`), under the name `out` ends in."""
     from rlserve.model.make import PRESETS, make_model
 
+    assert out.name not in PRESETS, f"{out.name!r} names a preset: the variant would replace it, then delete it"
     PRESETS[out.name] = {**PRESETS[preset], **changes}
     try:
         return make_model(out.name, out, seed)
