@@ -194,22 +194,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
-# The modules that start a local Ray cluster, which a 2-core machine hosts one at a time (deploy_helpers'
-# local_ray_cluster waits for the other's): under --dist loadfile they are one unit of work, so one xdist worker runs
-# them in turn while the other runs the rest, instead of one waiting minutes for the other's cluster.
-RAY_CLUSTER_MODULES = frozenset(
-    path.name for path in Path(__file__).parent.glob("test_*.py") if "local_ray_cluster(" in path.read_text()
-)
-
-
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """--dist loadfile with the modules that start a local Ray cluster as one unit of work. A 2-core machine hosts
+    such a cluster one at a time (deploy_helpers' local_ray_cluster waits for the other's), so one xdist worker runs
+    those modules in turn while the other runs the rest, instead of one waiting minutes for the other's cluster."""
     if config.getoption("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
+    ray_modules = {p.name for p in Path(__file__).parent.glob("test_*.py") if "local_ray_cluster(" in p.read_text()}
+
     class RayModulesTogether(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = super()._split_scope(nodeid)
-            return "ray-cluster modules" if Path(module).name in RAY_CLUSTER_MODULES else module
+            return "ray-cluster modules" if Path(module).name in ray_modules else module
 
     return RayModulesTogether(config, log)
