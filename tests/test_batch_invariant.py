@@ -145,3 +145,10 @@ def test_vllm_spellings_turn_it_on(monkeypatch):
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
     assert load_config([]).engine.batch_invariant is True
     assert load_config(["--engine.batch_invariant", "false"]).engine.batch_invariant is False
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float16"])
+def test_a_dtype_its_kernels_lack_is_refused(model_dir, dtype):
+    """Its kernels run float32 and bfloat16; any other dtype would fall back to row-count-dependent matmuls."""
+    with pytest.raises(ValueError, match=f"float32 or bfloat16, its kernels' dtypes \\(model.dtype={dtype}\\)"):
+        make_engine(model_dir, dtype=dtype)

@@ -4,7 +4,7 @@ rendezvous at once, without waiting for the survivor's collectives to time out (
 beyond its own hang guard, so a recovery that waited for it could not pass), and the group serves again at the
 deployment's weights; SIGTERM then leaves no process behind. prime-rl's docs' Wide-EP block serves as written: 16
 ranks over the two nodes, and so does its multi-node block (04: tp 2 x dp 4 a node, no expert parallelism); the
-qwen3-30b-a3b-mini preset with its experts on both nodes matches transformers."""
+tiny-moe and qwen3-30b-a3b-mini presets with their experts on both nodes match transformers' float64 forward."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from deploy_helpers import (
     stop_deployment,
     wait_for,
 )
+from float64_reference import assert_matches, float64_references
 from rlserve.model.make import bench_cache_dir, default_model_dir, make_model
 from test_moe import hf_experts
 from test_pd import metric
@@ -251,32 +252,28 @@ def _answers_of_a_serving_group(admin: str, public: str, prompts) -> tuple[list[
     return rows, answers(rows)
 
 
-def test_qwen3_30b_a3b_mini_with_its_experts_on_two_nodes_matches_transformers(cluster):
-    """The qwen3-30b-a3b-mini preset (128 experts, top-8, 12 sparse layers) under Wide-EP: one engine on each
-    node's server, 64 experts each, tokens crossing nodes by all-to-all. Greedy tokens and routed experts equal
-    transformers'; logprobs to 2e-3, transformers' own spread on this model (tests/test_moe_mini.py)."""
-    model = make_model("qwen3-30b-a3b-mini", bench_cache_dir() / "qwen3-30b-a3b-mini")  # built once per machine
+@pytest.mark.parametrize("preset", ["tiny-moe", "qwen3-30b-a3b-mini"])
+def test_experts_on_two_nodes_match_transformers_in_float64(cluster, tmp_path, preset):
+    """Wide-EP in float64 (tests/float64_reference.py): one engine on each node's server, half the experts each
+    (mini: 64 of 128, top-8, 12 sparse layers), tokens crossing nodes by all-to-all. Greedy tokens and routed
+    experts equal transformers' float64 forward's, logprobs within 1e-5 of transformers as shipped and 1e-9 of a
+    forward in float64 throughout, whichever node's server or the router answered."""
+    if preset == "tiny-moe":
+        model = make_model(preset, tmp_path / preset, seed=0)
+    else:  # built once per machine (the benchmarks' cache)
+        model = make_model(preset, bench_cache_dir() / preset)
+    prompts = ([11, 22, 33, 44, 55], [100, 7, 300, 9], PROMPT)
+    references = float64_references(model, prompts, max_tokens=8)  # the answers' length (test_server_rl.generate)
     public, admin, proc = start_deployment(
-        "--model.name", str(model), "--deployment.type", "multi_node", "--deployment.num_nodes", "2",
-        "--deployment.ray_address", cluster.address, "--parallel.dp", "2", "--parallel.enable_expert_parallel", "true",
-        "--enable_return_routed_experts", "--engine.kv_cache_bytes", str(32 << 20),
-        timeout=600,
+        "--model.name", str(model), "--model.dtype", "float64", "--deployment.type", "multi_node",
+        "--deployment.num_nodes", "2", "--deployment.ray_address", cluster.address, "--parallel.dp", "2",
+        "--parallel.enable_expert_parallel", "true", "--enable_return_routed_experts",
+        "--engine.kv_cache_bytes", str(64 << 20), timeout=600,
     )  # fmt: skip
     try:
-        hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-        prompts = ([11, 22, 33, 44, 55], [100, 7, 300, 9], PROMPT)
         rows, choices = _answers_of_a_serving_group(admin, public, prompts)
-        for prompt, choice in zip(prompts, choices):
-            ids = choice["token_ids"]
-            ref = hf.generate(
-                torch.tensor([prompt]), max_new_tokens=len(ids), do_sample=False, eos_token_id=None, pad_token_id=0
-            )
-            assert ids == ref[0, len(prompt) :].tolist()
-            with torch.no_grad():
-                logits = hf(torch.tensor([prompt + ids])).logits[0].float()
-            lp = torch.log_softmax(logits[len(prompt) - 1 : -1], -1).gather(1, torch.tensor(ids).unsqueeze(1))
-            np.testing.assert_allclose(choice_lps(choice), lp.squeeze(1).numpy(), atol=2e-3)
-            np.testing.assert_array_equal(decode(choice["routed_experts"]), hf_experts(hf, (prompt + ids)[:-1]))
+        for ref, choice in zip(references, choices, strict=True):
+            assert_matches(ref, choice["token_ids"], choice_lps(choice), decode(choice["routed_experts"]))
         for row in rows:  # both nodes' engines exchanged tokens
             assert metric(row["url"], "rlserve:ep_all_to_alls_total") > 0
     finally:

@@ -32,11 +32,11 @@ def prompts():
     return random_prompts(4, 1000, lo=5, hi=40, seed=3)
 
 
-def moe_engine(model_dir, engine: dict | None = None, **parallel) -> Engine:
+def moe_engine(model_dir, engine: dict | None = None, model: dict | None = None, **parallel) -> Engine:
     return Engine(
         Config.model_validate(
             {
-                "model": {"name": str(model_dir), "max_model_len": 512},
+                "model": {"name": str(model_dir), "max_model_len": 512, **(model or {})},
                 "engine": {"kv_cache_bytes": 8 << 20, **(engine or {})},
                 "parallel": parallel,
                 "enable_return_routed_experts": True,
@@ -161,12 +161,12 @@ def test_dual_batch_overlap_keeps_every_token_and_routing(model_dir, hf, fp64, p
     assert overlapped["ep_rank_load"] == plain["ep_rank_load"]
 
 
-def dp_engine(rank: int, model_dir: str, prompt: list[int], results, **parallel) -> None:
+def dp_engine(rank: int, model_dir: str, prompt: list[int], results, model: dict | None = None, **parallel) -> None:
     """One data-parallel engine of an expert-parallel group spanning several engines (a process)."""
     engine = Engine(
         Config.model_validate(
             {
-                "model": {"name": model_dir, "max_model_len": 512},
+                "model": {"name": model_dir, "max_model_len": 512, **(model or {})},
                 "engine": {"kv_cache_bytes": 8 << 20},
                 "parallel": {"enable_expert_parallel": True, "data_parallel_rank": rank, **parallel},
                 "enable_return_routed_experts": True,
@@ -186,17 +186,19 @@ def dp_engine(rank: int, model_dir: str, prompt: list[int], results, **parallel)
 @pytest.mark.parametrize("tp,dp", [(1, 4), (2, 2)])
 def test_expert_parallel_over_four_ranks_of_data_parallel_engines(model_dir, hf, prompts, one_rank, tp, dp):
     """Each engine serves its own prompt; their sparse layers exchange tokens over all tp * dp ranks
-    (every engine steps as often as the others here: one prompt each, the same number of tokens)."""
-    assert_dp_engines_give_one_ranks_answers(model_dir, prompts, one_rank, tp, dp)
+    (every engine steps as often as the others here: one prompt each, the same number of tokens). Each gives
+    one rank's tokens, routed experts (see assert_routing_as_one_ranks) and logprobs to 1e-5."""
+    for rank, token_ids, logprobs, routed in dp_engines_answers(model_dir, prompts, tp, dp):
+        ref = one_rank[rank]
+        assert token_ids == ref.token_ids
+        assert_routing_as_one_ranks(routed, ref.routed_experts, tp)
+        assert torch.allclose(torch.tensor(logprobs), torch.tensor(ref.logprobs), atol=1e-5)
     assert_matches_hf(hf, prompts[:dp], [_Wrapped(one_rank[r]) for r in range(dp)])
 
 
-def assert_dp_engines_give_one_ranks_answers(
-    model_dir, prompts, one_rank, tp: int, dp: int, atol: float = 1e-5, tp_atol: float = 1e-5
-) -> None:
-    """dp engine processes of tp ranks, one expert group, engine r serving prompts[r]: one rank's tokens,
-    routed experts and logprobs (to `atol`; to `tp_atol` with tp > 1, see assert_routing_as_one_ranks), and
-    each engine's rank 0 holding its share of the experts."""
+def dp_engines_answers(model_dir, prompts, tp: int, dp: int, model: dict | None = None) -> list[tuple]:
+    """(rank, token ids, logprobs, routed experts) of dp engine processes of tp ranks, one expert group, engine r
+    serving prompts[r]; each engine's rank 0 is checked to hold its share of the experts."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
@@ -206,7 +208,7 @@ def assert_dp_engines_give_one_ranks_answers(
         ctx.Process(
             target=dp_engine,
             args=(r, str(model_dir), prompts[r]),
-            kwargs={"results": results, "tp": tp, "dp": dp, "data_parallel_rpc_port": port},
+            kwargs={"results": results, "model": model, "tp": tp, "dp": dp, "data_parallel_rpc_port": port},
         )
         for r in range(dp)
     ]
@@ -220,13 +222,9 @@ def assert_dp_engines_give_one_ranks_answers(
             if p.is_alive():
                 p.kill()
     e = json.loads((model_dir / "config.json").read_text())["num_experts"]
-    for rank, token_ids, logprobs, routed, slots in got:
+    for rank, *_, slots in got:
         assert slots == list(range(rank * e // dp, rank * e // dp + e // (tp * dp)))  # rank 0 of each engine
-        ref = one_rank[rank]
-        assert token_ids == ref.token_ids
-        assert_routing_as_one_ranks(routed, ref.routed_experts, tp)
-        bar = atol if tp == 1 else tp_atol
-        assert torch.allclose(torch.tensor(logprobs), torch.tensor(ref.logprobs), atol=bar)
+    return [answer[:-1] for answer in got]
 
 
 def assert_routing_as_one_ranks(routed, want, tp: int) -> None:

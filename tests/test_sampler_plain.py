@@ -69,3 +69,32 @@ def test_a_raw_logprob_has_the_same_bits_on_either_path(kernels):
     mixed = Sampler(torch.Generator().manual_seed(1), kernels)(logits.clone(), [row(seed=11), row(0.7, seed=12)])
     assert mixed.token_ids[0] == alone.token_ids[0]
     assert mixed.logprobs[0] == alone.logprobs[0] and mixed.top_logprobs[0] == alone.top_logprobs[0]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"temperature": 0.0},
+        {"temperature": 0.7, "top_k": 5, "top_p": 0.9, "min_p": 0.01},
+        {"logit_bias": {3: 1.0}, "banned_ids": [2]},
+        {"forced_id": 4},
+        {"penalties": (1.2, 0.5, 0.3, [1, 2, 3], [3, 4, 4])},
+        {"raw_logprobs": False, "temperature": 0.5},
+    ],
+    ids=["plain", "greedy", "filters", "bias-banned", "forced", "penalties", "processed"],
+)
+def test_float64_logits_are_sampled_in_float64(kernels, fields):
+    """A float64 (reference) engine's logits: every option applies in float64, the C walk (float32) is left
+    out, and the logprobs are float64's, which float32's agree with to its precision."""
+    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 3
+
+    def sample(x):
+        return Sampler(torch.Generator().manual_seed(1), kernels)(x, [row(**fields, seed=s) for s in range(3)])
+
+    wide, narrow = sample(logits.clone()), sample(logits.float())
+    assert wide.token_ids == narrow.token_ids
+    assert torch.allclose(torch.tensor(wide.logprobs), torch.tensor(narrow.logprobs), atol=1e-5)
+    if fields == {}:  # float64's value, out of float32's reach
+        exact = torch.log_softmax(logits, -1).gather(1, torch.tensor(wide.token_ids).unsqueeze(1)).squeeze(1)
+        assert torch.allclose(torch.tensor(wide.logprobs, dtype=torch.float64), exact, rtol=0, atol=1e-12)

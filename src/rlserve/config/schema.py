@@ -17,16 +17,19 @@ from rlserve.config.section import Section
 class ModelConfig(Section):
     name: str | None = Field(None, description="HF model directory or hub id; none = the embedded default model")
     max_model_len: int | None = Field(None, ge=2, description="context length; none = the model's own")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = Field(
         "auto",
         description="auto = float32 on CPU (exact against an fp32 trainer), bfloat16 on CUDA; bfloat16 on "
-        "CPU is the fast path where the CPU has native bf16 (AVX512_BF16 or AMX)",
+        "CPU is the fast path where the CPU has native bf16 (AVX512_BF16 or AMX); float64 is a reference "
+        "run (slow: torch's kernels, logits and logprobs in float64) for checking a layout's math against a "
+        "float64 forward with rounding out of the way",
     )
     lm_head_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
         description="dtype of the LM head and the logits after it (log_softmax and sampling are always "
-        "float32); auto = float32, which for a bf16 model costs a float32 copy of the head weight and "
-        "keeps logprobs close to an fp32 forward; set it to the model dtype to run the head in that",
+        "float32, or float64 for a float64 model); auto = float32 (float64 for a float64 model), which for a "
+        "bf16 model costs a float32 copy of the head weight and keeps logprobs close to an fp32 forward; set "
+        "it to the model dtype to run the head in that",
     )
     device: str = Field(
         default_factory=lambda: os.environ.get("RLSERVE_DEVICE") or "auto",

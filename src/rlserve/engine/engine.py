@@ -98,7 +98,7 @@ class Engine:
                 f"({self.max_model_len}): raise engine.kv_cache_bytes or lower model.max_model_len"
             )
         if ec.batch_invariant:
-            check_supported(config, self.device)
+            check_supported(config, self.device, self.dtype)
         self.pool = BlockPool(num_blocks, ec.block_size, ec.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, ec.max_num_seqs, ec.max_num_batched_tokens, self._cache_key)
         self.scheduler.batch_window_s = ec.batch_window_ms / 1000

@@ -28,11 +28,16 @@ from rlserve.model.torch_threads import one_torch_thread
 __all__ = ["InvariantSampler", "check_supported", "processed_logits", "row_log_softmax", "token_rows"]
 
 
-def check_supported(config, device: torch.device) -> None:
+def check_supported(config, device: torch.device, dtype: torch.dtype) -> None:
     """Refuse the settings under which a row's bits would still follow its batch."""
     if device.type not in ("cpu", "cuda"):
         raise BatchInvarianceUnavailable(
             f"engine.batch_invariant runs on CPU or CUDA (model.device={device.type}); set model.device or drop it"
+        )
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise BatchInvarianceUnavailable(
+            f"engine.batch_invariant runs in float32 or bfloat16, its kernels' dtypes (model.dtype="
+            f"{config.model.dtype}); set model.dtype to one of those or auto"
         )
     if config.parallel.tp > 1:
         raise BatchInvarianceUnavailable(

@@ -77,7 +77,9 @@ class Sampler:
         for i, r in enumerate(rows):
             if r.logit_bias:
                 ids = torch.tensor(list(r.logit_bias), device=device)
-                logits[i].index_add_(0, ids, torch.tensor(list(r.logit_bias.values()), device=device))
+                logits[i].index_add_(
+                    0, ids, torch.tensor(list(r.logit_bias.values()), device=device, dtype=logits.dtype)
+                )
             if r.penalties is not None:
                 _penalize(logits[i], *r.penalties)
             if r.banned_ids:
@@ -92,7 +94,7 @@ class Sampler:
         forced = [(i, r.forced_id) for i, r in enumerate(rows) if r.forced_id is not None]
         if forced:
             rows_idx = torch.tensor([i for i, _ in forced], device=device)
-            keep = torch.full((len(forced), scaled.shape[1]), NEG_INF, device=device)
+            keep = torch.full((len(forced), scaled.shape[1]), NEG_INF, device=device, dtype=scaled.dtype)
             keep[torch.arange(len(forced)), torch.tensor([t for _, t in forced], device=device)] = 0.0
             scaled = scaled.index_copy(0, rows_idx, keep)
         tokens, lse = self._draw(scaled, rows, greedy)
@@ -144,8 +146,12 @@ class Sampler:
         return SampleResult(tokens.tolist(), token_lp, top)
 
     def _walks(self, logits: torch.Tensor, rows: list[SamplingRow]) -> bool:
-        """Whether the C walk draws these rows: every row plain, on CPU, with the kernels built."""
-        return self.kernels is not None and logits.device.type == "cpu" and all(map(_plain, rows))
+        """Whether the C walk draws these rows: every row plain, on CPU, with the kernels built, the
+        logits not float64 (the walk reads float32)."""
+        return self._walk_reads(logits) and all(map(_plain, rows))
+
+    def _walk_reads(self, logits: torch.Tensor) -> bool:
+        return self.kernels is not None and logits.device.type == "cpu" and logits.dtype != torch.float64
 
     def _plain_draw(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, ...]:
         """The C walk over plain rows: (tokens, log-sum-exps, the fp32 logits it read). Each row is
@@ -172,7 +178,7 @@ class Sampler:
     def log_sum_exp(self, logits: torch.Tensor) -> torch.Tensor:
         """[rows, 1]: what log_softmax subtracts from each row, computed as the C walk does where it
         runs, so a raw logprob has the same bits whichever path sampled its token."""
-        if self.kernels is None or logits.device.type != "cpu":
+        if not self._walk_reads(logits):
             return torch.logsumexp(logits, dim=-1, keepdim=True)
         return self.kernels.sample(logits.float().contiguous(), torch.full((logits.shape[0],), -1.0))[1]
 
@@ -231,7 +237,7 @@ def _penalize(
         row.index_copy_(0, seen, torch.where(vals > 0, vals / repetition, vals * repetition))
     if output_ids and (presence or frequency):
         counts = torch.zeros_like(row).index_add_(
-            0, torch.tensor(output_ids, device=device), torch.ones(len(output_ids), device=device)
+            0, torch.tensor(output_ids, device=device), torch.ones(len(output_ids), device=device, dtype=row.dtype)
         )
         row -= frequency * counts + presence * (counts > 0).to(row.dtype)
 

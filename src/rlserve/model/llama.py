@@ -26,6 +26,11 @@ if TYPE_CHECKING:
     from rlserve.model.lora import LoraBatch
 
 
+def logits_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Logits, log_softmax and sampling run in float32, or in float64 for a float64 (reference) run."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, weight.shape, weight, eps)
 
@@ -429,15 +434,15 @@ class CausalLM(nn.Module):
         return None if self.panel_head is None else self.panel_head.get(weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [T, vocab]; computed in the head's dtype (`set_head_dtype`)."""
+        """fp32 logits [T, vocab] (fp64 for a float64 head); computed in the head's dtype (`set_head_dtype`)."""
         if hidden.dtype == torch.bfloat16 and self._head_reads_bf16_weight():
             return self.gemv.gemv(hidden, self.head_weight, fp32_out=True, packed=self._head_panels(self.head_weight))
         weight = self.logits_weight
-        hidden = hidden.to(weight.dtype)
+        hidden, out = hidden.to(weight.dtype), logits_dtype(weight.dtype)
         if self.gemv is not None and (
             hidden.shape[0] <= self.gemv.gemv_rows(weight.dtype) or self.panel_head is not None
         ):
-            return self.gemv.gemv(hidden, weight, packed=self._head_panels(weight)).float()
+            return self.gemv.gemv(hidden, weight, packed=self._head_panels(weight)).to(out)
         if self.packed_head is not None:
-            return self.packed_head.linear(hidden, weight).float()
-        return F.linear(hidden, weight).float()
+            return self.packed_head.linear(hidden, weight).to(out)
+        return F.linear(hidden, weight).to(out)

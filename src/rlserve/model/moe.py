@@ -137,13 +137,13 @@ def combine(out: torch.Tensor, x: torch.Tensor, tokens: torch.Tensor, order: tor
 
 
 def sum_by_expert_id(out: torch.Tensor, x: torch.Tensor, order: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-    """`combine` without atomics: CPU index_add_'s sums on any device (fp32, in ascending expert id,
-    rounded once to x's dtype)."""
+    """`combine` without atomics: CPU index_add_'s sums on any device (fp32, or fp64 for fp64 x; in
+    ascending expert id, rounded once to x's dtype)."""
     placed = torch.empty_like(out).index_copy_(0, order, out).view(*experts.shape, -1)  # [T, k, hidden]
     by_id = experts.argsort(dim=1, stable=True)
-    total = torch.zeros_like(x, dtype=torch.float32)
+    total = torch.zeros_like(x, dtype=torch.promote_types(x.dtype, torch.float32))
     for choice in range(experts.shape[1]):
-        total += placed.gather(1, by_id[:, choice, None, None].expand(-1, 1, placed.shape[2])).squeeze(1).float()
+        total += placed.gather(1, by_id[:, choice, None, None].expand(-1, 1, placed.shape[2])).squeeze(1)
     return total.to(x.dtype)
 
 

@@ -33,7 +33,7 @@ _MAX_HEADER_BYTES = 1 << 20
 _MIN_RUN_BYTES = 4096  # shorter contiguous runs are gathered into one copy instead
 DTYPES = {
     name: getattr(torch, name)
-    for name in ("float32", "bfloat16", "float16", "int64", "int32", "int16", "int8", "uint8")
+    for name in ("float64", "float32", "bfloat16", "float16", "int64", "int32", "int16", "int8", "uint8")
 }
 
 
