@@ -19,6 +19,7 @@ import warnings
 
 import transformers
 
+from rlserve.bench.machine import cpu_info, describe
 from rlserve.config.schema import Config
 from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams
@@ -89,6 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.preset}: {args.prompts} prompts x {args.prompt_len} tokens, {args.new_tokens} new (greedy), "
         f"{len(os.sched_getaffinity(0))} cores, {args.threads_per_rank} thread(s) a rank"
     )
+    print(describe(cpu_info()))
     print(f"{'setup':34} {'tok/s':>8} {'steps':>6} {'all-to-all ms/step':>19}")
     rows = [
         ("tp=1 (one rank)", {}),

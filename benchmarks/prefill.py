@@ -30,13 +30,11 @@ import torch
 
 from _cpu import OtherLoad
 from rlserve.bench.limits import PEAK_SHAPE, ModelCost, matmul_peak
+from rlserve.bench.machine import cpu_info, describe
 from rlserve.config.schema import Config
 from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams
-from rlserve.model.cpu_kernels import cpu_has_native_bf16
 from rlserve.model.make import bench_cache_dir, make_model
-
-SHOWN_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "bf16")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -55,16 +53,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.preset, args.lengths, args.tokens, args.repeats = "tiny", [16, 64], 128, 1
     return args
-
-
-def cpu_flags() -> tuple[str, list[str]]:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return "unknown", []
-    model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "unknown")
-    flags = {f for ln in lines if ln.startswith(("flags", "Features")) for f in ln.split(":", 1)[1].split()}
-    return model, [f for f in SHOWN_FLAGS if f in flags]
 
 
 def flops_per_token(config: dict, prompt_len: int) -> float:
@@ -126,9 +114,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     model_dir = make_model(args.preset, args.cache_dir / args.preset)
     config = json.loads((model_dir / "config.json").read_text())
-    model_name, flags = cpu_flags()
-    native_bf16 = cpu_has_native_bf16()
-    print(f"CPU {model_name}; flags: {' '.join(flags) or 'none of ' + ', '.join(SHOWN_FLAGS)}")
+    cpu = cpu_info()
+    native_bf16 = cpu["native_bf16"]
+    print(describe(cpu))
     print(
         f"torch {torch.__version__}, {args.threads} threads, {os.cpu_count()} cores; model {args.preset} at {model_dir}"
     )
@@ -170,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     if args.json:
         doc = {
-            "cpu": {"model": model_name, "flags": flags, "native_bf16": native_bf16},
+            "cpu": cpu,
             "torch": torch.__version__,
             "threads": args.threads,
             "preset": args.preset,

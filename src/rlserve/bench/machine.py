@@ -12,7 +12,7 @@ from pathlib import Path
 
 from rlserve.model.cpu_kernels import cpu_has_native_bf16
 
-FLAGS_OF_INTEREST = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+FLAGS_OF_INTEREST = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "avx512_fp16",
                      "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "bf16")  # fmt: skip
 
 
