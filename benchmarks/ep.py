@@ -13,7 +13,6 @@ tokens into two micro-batches whose all-to-alls and expert compute interleave. E
 from __future__ import annotations
 
 import argparse
-import os
 import time
 import warnings
 
@@ -88,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     n = args.ranks
     print(
         f"{args.preset}: {args.prompts} prompts x {args.prompt_len} tokens, {args.new_tokens} new (greedy), "
-        f"{len(os.sched_getaffinity(0))} cores, {args.threads_per_rank} thread(s) a rank"
+        f"{args.threads_per_rank} thread(s) a rank"
     )
     print(describe(cpu_info()))
     print(f"{'setup':34} {'tok/s':>8} {'steps':>6} {'all-to-all ms/step':>19}")

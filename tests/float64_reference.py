@@ -32,8 +32,13 @@ class Reference:
 
 
 def float64_references(model_dir, prompts: list[list[int]], max_tokens: int) -> list[Reference]:
+    return in_child(_references, str(model_dir), prompts, max_tokens)
+
+
+def in_child(fn, *args, timeout: float = 1200):
+    """fn(*args) in a spawned process of its own, whose memory is the OS's again once it returns."""
     with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as child:
-        return child.submit(_references, str(model_dir), prompts, max_tokens).result(timeout=1200)
+        return child.submit(fn, *args).result(timeout=timeout)
 
 
 def assert_matches(ref: Reference, token_ids, logprobs, routed_experts) -> None:

@@ -11,14 +11,12 @@ The engines and the reference run in child processes: mini's float64 copy is 3.6
 
 from __future__ import annotations
 
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from multiprocessing import get_context
 from pathlib import Path
 
 import pytest
 
-from float64_reference import Reference, assert_matches, float64_references
+from float64_reference import Reference, assert_matches, float64_references, in_child
 from rlserve.engine.params import SamplingParams
 from rlserve.model.make import bench_cache_dir, make_model
 from test_engine import random_prompts
@@ -61,8 +59,7 @@ def _answers(model_dir: str, prompts: list[list[int]], parallel: dict) -> list[t
     "parallel", [{}, {"tp": 2}, {"tp": 2, "enable_expert_parallel": True}], ids=["one-rank", "tp2", "ep2"]
 )
 def test_one_engine_matches_transformers_in_float64(case, parallel):
-    with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as child:
-        answers = child.submit(_answers, str(case.model_dir), case.prompts, parallel).result(timeout=900)
+    answers = in_child(_answers, str(case.model_dir), case.prompts, parallel)
     for ref, answer in zip(case.references, answers, strict=True):
         assert_matches(ref, *answer)
 
