@@ -112,7 +112,35 @@ def kernels_match_torch(device: str) -> None:
         torch.testing.assert_close(got, want, atol=tol / 8, rtol=0)
 
 
+def patch_the_language_once() -> None:
+    """Triton's interpreter patches triton.language's builtins at every launch and undoes them after, and again,
+    never undone, at every call of a jitted helper (tl.sum, tl.max, tl.cdiv, _round_to): ~1.5 ms of
+    inspect.getmembers each, over 40,000 times in one `exact` run, most of its time. This process runs nothing but
+    interpreted kernels, so the language is patched once and stays so. The kernels run as before: each patch
+    wraps the same builtins the same way. A Triton whose interpreter differs is left as it is."""
+    from triton.runtime import interpreter
+
+    real = getattr(interpreter, "_patch_lang", None)
+    if real is None or not hasattr(interpreter, "_LangPatchScope"):
+        return
+    patched: set[frozenset[int]] = set()
+
+    class KeptPatches:
+        def restore(self) -> None:
+            pass
+
+    def patch_once(fn):
+        key = frozenset(id(v) for v in fn.__globals__.values() if isinstance(v, type(sys)))
+        if key not in patched:
+            real(fn)
+            patched.add(key)
+        return KeptPatches()
+
+    interpreter._patch_lang = patch_once
+
+
 if __name__ == "__main__":
+    patch_the_language_once()
     if sys.argv[1] == "kernels":
         kernels_match_torch("cpu")
     else:
