@@ -241,7 +241,7 @@ def load_model(
             convert(model, *expert_parallel)
     rope = model.rope
     model.rope = None
-    model = model.to_empty(device=device).to(dtype)
+    model = _allocate(model, device).to(dtype)
     model.rope = rope.to(device)  # fp32 tables, computed rather than loaded
     model.full_shape, model.tp_rank, model.tp_size = shape, tp_rank, tp_size
     model.expert_parallel = expert_parallel is not None
@@ -261,6 +261,26 @@ def load_model(
     if missing:
         raise ValueError(f"{model_dir}: missing tensors, e.g. {missing[:3]}")
     return model.eval()
+
+
+def _allocate(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """`model.to_empty(device)`: uninitialized storage for every meta parameter and buffer, a shared one once.
+    By hand because to_empty's first call in a process takes ~0.35 s of torch's lazy setup for meta tensors,
+    paid by every engine start."""
+    made: dict[int, torch.Tensor] = {}
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            new = torch.empty(t.shape, dtype=t.dtype, device=device)
+            made[id(t)] = torch.nn.Parameter(new, t.requires_grad) if isinstance(t, torch.nn.Parameter) else new
+        return made[id(t)]
+
+    for module in model.modules():
+        for tensors in (module._parameters, module._buffers):
+            for name, t in tensors.items():
+                if t is not None:
+                    tensors[name] = empty(t)
+    return model
 
 
 def copy_tensor(
