@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import sys
+import types
 
 import numpy as np
 import torch
@@ -130,7 +131,7 @@ def patch_the_language_once() -> None:
             pass
 
     def patch_once(fn):
-        key = frozenset(id(v) for v in fn.__globals__.values() if isinstance(v, type(sys)))
+        key = frozenset(id(v) for v in fn.__globals__.values() if isinstance(v, types.ModuleType))
         if key not in patched:
             real(fn)
             patched.add(key)

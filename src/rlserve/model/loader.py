@@ -267,13 +267,13 @@ def _allocate(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """`model.to_empty(device)`: uninitialized storage for every meta parameter and buffer, a shared one once.
     By hand because to_empty's first call in a process takes ~0.35 s of torch's lazy setup for meta tensors,
     paid by every engine start."""
-    made: dict[int, torch.Tensor] = {}
+    made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (meta tensor, kept alive so ids stay its own)
 
     def empty(t: torch.Tensor) -> torch.Tensor:
         if id(t) not in made:
             new = torch.empty(t.shape, dtype=t.dtype, device=device)
-            made[id(t)] = torch.nn.Parameter(new, t.requires_grad) if isinstance(t, torch.nn.Parameter) else new
-        return made[id(t)]
+            made[id(t)] = t, torch.nn.Parameter(new, t.requires_grad) if isinstance(t, torch.nn.Parameter) else new
+        return made[id(t)][1]
 
     for module in model.modules():
         for tensors in (module._parameters, module._buffers):
