@@ -21,6 +21,9 @@ import httpx
 from conftest import SERVER_DEFAULTS, drop_log, server_log
 from rlserve.runtime.ports import free_port
 
+# the supervisor's /health probes of a deployment whose tests wait for a frozen replica to be taken out: 3 s a
+# probe and 10 s to readmit one that answers again, not 10 s and 30 s ([deployment.health_check])
+QUICK_PROBES = ("--deployment.health_check.timeout_s", "3", "--deployment.health_check.readmit_timeout_s", "10")
 _READY = re.compile(r"rlserve: serving \S+ on (http://\S+) \(.*admin: (http://[^\s)]+)\)")
 
 

@@ -74,10 +74,15 @@ def _references(model_dir: str, prompts: list[list[int]], max_tokens: int) -> li
 
 
 def _greedy(hf, prompt: list[int], max_tokens: int) -> list[int]:
-    ids = list(prompt)
-    for _ in range(max_tokens):
-        ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
+    """Greedy ids, one token a forward over a KV cache (the logprobs come from _score's full forward). The cache is
+    filled in place and passed by position: transformers 4 names that argument past_key_values, 5 cache."""
+    from transformers import DynamicCache
+
+    ids, cache, step = [], DynamicCache(), prompt
+    while len(ids) < max_tokens:
+        step = [int(hf(torch.tensor([step]), None, None, cache, use_cache=True).logits[0, -1].argmax())]
+        ids += step
+    return ids
 
 
 def _score(hf, prompt: list[int], ids: list[int]) -> tuple[np.ndarray, np.ndarray]:

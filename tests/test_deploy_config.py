@@ -22,9 +22,12 @@ def test_toml_section(tmp_path):
     path.write_text(
         "[server]\nport = 8100\n[deployment]\nreplicas = 2\nbackend_port = 8200\n"
         '[deployment.router]\npolicy = "power_of_two"\nextra_args = ["--disable-retries"]\n'
+        "[deployment.health_check]\ntimeout_s = 3\n"
     )
     config = load_config(["@", str(path)])
     assert config.deployment.enabled and config.deployment.router.policy == "power_of_two"
+    probes = config.deployment.health_check
+    assert (probes.interval_s, probes.timeout_s, probes.failure_threshold, probes.readmit_timeout_s) == (1, 3, 3, 30)
     argv = router_argv(config, "127.0.0.1", 8100, ["http://127.0.0.1:8200", "http://127.0.0.1:8201"], 29100)
     # the launch contract of docs/protocols.md §1.1, then the pass-through arguments
     for flag, value in [
@@ -67,6 +70,7 @@ def test_toml_section(tmp_path):
         ),
         (["--deployment.replicas", "2", "--model.device", "cuda:1"], "model.device = 'cuda'"),
         (["--deployment.router.policy", "random"], "deployment.router.policy"),
+        (["--deployment.health_check.failure_threshold", "0"], "deployment.health_check.failure_threshold"),
         (["--deployment.nodes_per_replica", "2"], "deployment.type = 'multi_node'"),
         (
             ["--deployment.type", "multi_node", "--deployment.num_nodes", "2", "--deployment.nodes_per_replica", "2"],

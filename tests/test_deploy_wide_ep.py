@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import make_variant
 from deploy_helpers import (
+    QUICK_PROBES,
     alive,
     descendants,
     local_ray_cluster,
@@ -114,7 +115,7 @@ def test_a_killed_wide_ep_server_restarts_its_whole_group(cluster, tmp_path):
         "--deployment.type", "multi_node", "--deployment.num_nodes", "2", "--deployment.ray_address", cluster.address,
         "--parallel.dp", "2", "--parallel.enable_expert_parallel", "true",
         "--parallel.expert_group_timeout_s", str(NEVER_S), "--enable_return_routed_experts",
-        "--engine.kv_cache_bytes", str(16 << 20), "--max_model_len", "4096",
+        "--engine.kv_cache_bytes", str(16 << 20), "--max_model_len", "4096", *QUICK_PROBES,
         timeout=400,
     )  # fmt: skip
     try:

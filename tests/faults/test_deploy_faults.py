@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from deploy_helpers import descendants, replicas, two_replicas_under, wait_for
+from deploy_helpers import QUICK_PROBES, descendants, replicas, two_replicas_under, wait_for
 from rlserve.model.make import make_model
 from test_deploy import served
 from test_server_rl import generate, hf_check
@@ -66,6 +66,18 @@ def deployment(root, weights):
             json={"weight_dir": str(weights["step-1"]), "weight_version": "step-1"},
             timeout=300,
         )
+        assert r.status_code == 200, r.text
+        yield public, admin, proc
+
+
+@pytest.fixture(scope="module")
+def probed(root, weights):
+    """A deployment for the tests that wait for a frozen replica to be taken out and readmitted: its supervisor
+    gives a probe 3 s (not 10 s) and a readmission 10 s (not 30 s), so those waits are a third as long. The
+    other tests keep the defaults: their short freezes must not be taken for a replica that stopped answering.
+    At step-1's weights, so that a restarted replica must be brought to them."""
+    with two_replicas_under(root, *QUICK_PROBES) as (public, admin, proc):
+        r = httpx.post(f"{admin}/update_weights", json={"weight_dir": str(weights["step-1"])}, timeout=300)
         assert r.status_code == 200, r.text
         yield public, admin, proc
 
@@ -229,11 +241,11 @@ def post_held(public: str, i: int) -> httpx.Response:
     return httpx.post(f"{public}/inference/v1/generate", json=body, headers={"X-Session-ID": f"held-{i}"}, timeout=600)
 
 
-def test_a_frozen_replica_is_routed_around_and_its_requests_finish_once_it_resumes(deployment):
+def test_a_frozen_replica_is_routed_around_and_its_requests_finish_once_it_resumes(probed):
     """SIGSTOP under load: the frozen replica holds requests (made true by a deployment pause), leaves the
     rotation while frozen, every request sent meanwhile is served by the other, the held ones finish after
     SIGCONT, and the replicas' own request counters add up to exactly what the clients received."""
-    public, admin, _ = deployment
+    public, admin, _ = probed
     rows = wait_for(lambda: (r := replicas(admin)) and all(x["status"] == "serving" for x in r) and r, 120, "serving")
     before = {row["index"]: served(row["url"]) for row in rows}
     httpx.post(f"{admin}/pause", params={"mode": "keep"}, timeout=120).raise_for_status()
@@ -248,7 +260,10 @@ def test_a_frozen_replica_is_routed_around_and_its_requests_finish_once_it_resum
         on_victim = victim["running"] + victim["waiting"]
         freeze(victim["pid"], signal.SIGSTOP)
         try:
-            wait_for(lambda: replicas_by_index(admin)[victim["index"]]["status"] == "unresponsive", 120, "taken out")
+            out = wait_for(
+                lambda: (r := replicas_by_index(admin)[victim["index"]])["status"] == "unresponsive" and r, 120, "out"
+            )
+            assert "3 /health probes in a row (3 s each)" in out["detail"]  # QUICK_PROBES reached the supervisor
             assert victim["url"] not in httpx.get(f"{public}/list_workers", timeout=30).json()["urls"]
             httpx.post(f"{admin}/resume", timeout=120).raise_for_status()  # reaches the serving replica only
             for i in range(AROUND):  # while the victim is frozen: every one of these is served by the other
@@ -348,13 +363,13 @@ def test_a_lora_load_refused_by_one_replica_is_taken_back_on_the_other(deploymen
     assert not same_answers(adapter_answer(first["url"], "policy-second"), loaded[0])  # the check above can fail
 
 
-def test_a_replica_whose_server_answers_again_but_not_its_engine_is_restarted(deployment):
+def test_a_replica_whose_server_answers_again_but_not_its_engine_is_restarted(probed):
     """Its whole tree frozen (taken out of the rotation), then only the server thawed: /health answers again
     while the engine process stays frozen, so bringing it to the deployment's pause state cannot finish. The
-    supervisor gives that READMIT_TIMEOUT_S and restarts the replica whole, at the deployment's weights and
-    adapters; nothing of the frozen tree is left. Before, the call waited forever, holding the deployment's lock
+    supervisor gives that health_check.readmit_timeout_s and restarts the replica whole, at the deployment's
+    weights; nothing of the frozen tree is left. Before, the call waited forever, holding the deployment's lock
     and the liveness loop, and the replica stayed out of the rotation for good."""
-    public, admin, _ = deployment
+    public, admin, _ = probed
     rows = wait_for(lambda: (r := replicas(admin)) and all(x["status"] == "serving" for x in r) and r, 120, "serving")
     victim, other = rows[1], rows[0]
     tree = [victim["pid"], *descendants(victim["pid"])]

@@ -24,6 +24,28 @@ class RouterConfig(Section):
     )
 
 
+class HealthCheckConfig(Section):
+    """The supervisor's probes of every replica's /health (deploy/liveness.py); vllm-router's own
+    --health-check-* flags mean the same for its checks, which rlserve leaves at their defaults."""
+
+    interval_s: float = Field(1.0, gt=0, description="between two probes of a replica")
+    timeout_s: float = Field(
+        10.0, gt=0, description="a probe unanswered by then fails (generous: a loaded machine can slow a healthy one)"
+    )
+    failure_threshold: int = Field(
+        3,
+        ge=1,
+        description="failed probes in a row that take a replica out of the router's rotation (under Wide-EP: that "
+        "restart its expert group)",
+    )
+    readmit_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="for a replica that answers again to take the deployment's pause state (its engine answering "
+        "too); past it the replica is restarted",
+    )
+
+
 class DeploymentConfig(Section):
     type: Literal["single_node", "multi_node", "disaggregated"] = Field(
         "single_node",
@@ -53,6 +75,7 @@ class DeploymentConfig(Section):
     )
     ray_address: str = Field("auto", description="multi_node, disaggregated on Ray: the Ray cluster to join")
     router: RouterConfig = Field(default_factory=RouterConfig)
+    health_check: HealthCheckConfig = Field(default_factory=HealthCheckConfig)
     num_prefill_replicas: int = Field(
         1, ge=1, description="disaggregated: prefill replicas (on Ray, each on num_prefill_nodes nodes)"
     )

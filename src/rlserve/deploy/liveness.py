@@ -1,17 +1,18 @@
 """Replicas that stop answering without exiting (frozen by SIGSTOP, swapped out, stuck): the supervisor probes
-every replica's /health and takes one out of the router's rotation after PROBE_FAILURES probes in a row get no
-healthy answer; it comes back once it answers again. Requests already on it are not moved (a router retry would
-run them twice): they finish, or fail clearly, when it resumes.
+every replica's /health and takes one out of the router's rotation after deployment.health_check's
+failure_threshold probes in a row get no healthy answer; it comes back once it answers again. Requests already on
+it are not moved (a router retry would run them twice): they finish, or fail clearly, when it resumes.
 
 Under Wide-EP a member that does not answer stalls its whole expert group (every engine steps with it), and the
 others' collectives would fail once parallel.expert_group_timeout_s passed, leaving it unable to rejoin them: the
-group is restarted at once instead (Deployment.evict), so the stall lasts PROBE_FAILURES probes, not that timeout.
+group is restarted at once instead (Deployment.evict), so the stall lasts those probes, not that timeout.
 
 vllm-router's own health checks would take minutes (60 s apart by default) and would not reconcile what the
 replica missed while out: here a replica that comes back is brought to the deployment's pause state, and one
 that missed an update is restarted, so it rejoins at the current weights. Bringing one back runs beside the
-probes and is bounded (READMIT_TIMEOUT_S): a replica whose server answers again while its engine does not (the
-engine process still frozen) is restarted, rather than holding the deployment's lock and every later probe."""
+probes and is bounded (health_check.readmit_timeout_s): a replica whose server answers again while its engine
+does not (the engine process still frozen) is restarted, rather than holding the deployment's lock and every
+later probe."""
 
 from __future__ import annotations
 
@@ -22,15 +23,12 @@ from typing import Any
 import httpx
 
 log = logging.getLogger("rlserve.deploy")
-PROBE_INTERVAL_S = 1.0
-PROBE_TIMEOUT_S = 10.0  # generous: a loaded machine can leave a healthy replica slow to answer
-PROBE_FAILURES = 3
-READMIT_TIMEOUT_S = 30.0  # to answer the pause-state calls; a healthy engine takes well under a second
 UNRESPONSIVE = "unresponsive"
 
 
 async def watch_liveness(dep: Any) -> None:
     """Runs for the deployment's lifetime beside its exit watch (Deployment.watch)."""
+    probes = dep.config.deployment.health_check
     misses: dict[int, int] = {}
     readmitting: set[int] = set()
     while True:
@@ -44,14 +42,14 @@ async def watch_liveness(dep: Any) -> None:
                 if key not in readmitting:
                     readmitting.add(key)
                     dep._spawn(_readmit(dep, slot, readmitting))
-            elif misses[key] >= PROBE_FAILURES and slot.status == "serving":
+            elif misses[key] >= probes.failure_threshold and slot.status == "serving":
                 await _take_out(dep, slot, misses[key])
-        await asyncio.sleep(PROBE_INTERVAL_S)
+        await asyncio.sleep(probes.interval_s)
 
 
 async def _healthy(dep: Any, slot: Any) -> bool:
     try:
-        r = await dep.http.get(f"{slot.url}/health", timeout=PROBE_TIMEOUT_S)
+        r = await dep.http.get(f"{slot.url}/health", timeout=dep.config.deployment.health_check.timeout_s)
     except httpx.HTTPError:
         return False
     return r.status_code == 200
@@ -59,7 +57,7 @@ async def _healthy(dep: Any, slot: Any) -> bool:
 
 async def _take_out(dep: Any, slot: Any, misses: int) -> None:
     # not under dep.lock: an admin fan-out may hold it while it waits on this very replica
-    why = f"no healthy answer to {misses} /health probes in a row ({PROBE_TIMEOUT_S:.0f} s each)"
+    why = f"no healthy answer to {misses} /health probes in a row ({dep.config.deployment.health_check.timeout_s:g} s each)"
     if len(dep.members(slot)) > 1:
         await dep.evict(slot, f"{why}, which stalls its expert group")
         return
@@ -74,10 +72,11 @@ async def _readmit(dep: Any, slot: Any, readmitting: set[int]) -> None:
         async with dep.lock:
             if slot.status != UNRESPONSIVE:
                 return
+            limit = dep.config.deployment.health_check.readmit_timeout_s
             try:
-                why = await asyncio.wait_for(_to_deployment_state(dep, slot), READMIT_TIMEOUT_S)
+                why = await asyncio.wait_for(_to_deployment_state(dep, slot), limit)
             except asyncio.TimeoutError:
-                why = f"answered /health again, but its engine not within {READMIT_TIMEOUT_S:.0f} s"
+                why = f"answered /health again, but its engine not within {limit:g} s"
             except (httpx.HTTPError, RuntimeError) as exc:
                 why = f"could not be brought back after it answered again: {exc}"
             if why is not None:

@@ -1,5 +1,5 @@
 """Child processes of a deployment: started in their own process group, every output line copied to
-ours with a prefix, and stopped with their whole tree (SIGTERM, then SIGKILL)."""
+ours with a prefix, and stopped with their whole tree (SIGTERM and SIGCONT, then SIGKILL)."""
 
 from __future__ import annotations
 
@@ -77,9 +77,12 @@ class Child:
         return self.proc.poll()
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM the process group, SIGKILL what is left after grace_s."""
+        """SIGTERM the process group, SIGKILL what is left after grace_s. SIGCONT follows SIGTERM (as systemd
+        sends it): a frozen process (SIGSTOP, the supervisor's usual reason to restart a replica that stopped
+        answering) handles its SIGTERM only once continued, and would otherwise sit out the grace period."""
         if self.proc.poll() is None:
             _signal_group(self.proc.pid, signal.SIGTERM)
+            _signal_group(self.proc.pid, signal.SIGCONT)
             try:
                 self.proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:

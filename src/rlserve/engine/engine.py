@@ -121,7 +121,7 @@ class Engine:
             self.runner.routing = RoutedExpertsPool(self.shape.moe, num_blocks, ec.block_size)
         self.tp: TensorParallelLeader | None = None
         if tp > 1:  # every rank's pool has the same blocks, so block tables (and the prefix cache) are rank 0's alone
-            self.tp = self.runner.tp = TensorParallelLeader(config, num_blocks, self.device)
+            self.tp = self.runner.tp = TensorParallelLeader(config, self.shape, num_blocks, self.device)
             self.tp.attach(self.model)
         elif expert_parallel(config, 0) is not None:  # one rank of expert parallelism over dp engines
             attach(self.model, None, 0, config)

@@ -16,10 +16,12 @@ rank 0 (PR_SET_PDEATHSIG) and leave when their parent process changes.
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import subprocess
 import threading
 import time
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -52,6 +54,7 @@ from rlserve.engine.tp.comm import (
 from rlserve.engine.tp.kv_transfer import uses_kv_group
 from rlserve.model.batch import AttentionBatch
 from rlserve.model.llama import CausalLM
+from rlserve.model.shape import ModelShape
 
 log = logging.getLogger("rlserve.engine.tp.leader")
 
@@ -59,7 +62,7 @@ log = logging.getLogger("rlserve.engine.tp.leader")
 class TensorParallelLeader:
     """Rank 0's view of its workers: starts them, feeds them steps and staged work, stops them."""
 
-    def __init__(self, config: Config, num_blocks: int, device: torch.device):
+    def __init__(self, config: Config, shape: ModelShape, num_blocks: int, device: torch.device):
         self.tp = config.parallel.tp
         self.config = config
         self.device = device
@@ -97,6 +100,7 @@ class TensorParallelLeader:
                     f"tcp://{host}:{reply_port}",
                     str(num_blocks),
                     str(device),
+                    json.dumps(asdict(shape)),  # rank 0's reading of config.json: workers need not import transformers
                 ]
                 self.procs.append(self._start_rank(rank, args, payload))
             self._wait_loaded()

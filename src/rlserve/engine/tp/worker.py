@@ -5,6 +5,7 @@ stage, commit and discard rank 0 sends, in order. It dies with rank 0 (PR_SET_PD
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import sys
@@ -44,6 +45,7 @@ from rlserve.engine.tp.comm import (
 )
 from rlserve.engine.tp.kv_transfer import serve_gather, uses_kv_group, write_slice
 from rlserve.model.batch import AttentionBatch, CascadePlan, PrefillSeq
+from rlserve.model.shape import ModelShape
 from rlserve.model.tensor_parallel import shard
 
 # ---- workers -------------------------------------------------------------------------------
@@ -52,21 +54,25 @@ log = logging.getLogger("rlserve.engine.tp.worker")
 
 
 class Worker:
-    def __init__(self, rank: int, tp: int, config: Config, num_blocks: int, device: torch.device, replies: zmq.Socket):
-        from transformers import AutoConfig
-
+    def __init__(
+        self,
+        rank: int,
+        tp: int,
+        config: Config,
+        shape: ModelShape,
+        num_blocks: int,
+        device: torch.device,
+        replies: zmq.Socket,
+    ):
         from rlserve.engine.devices import resolve_dtype
         from rlserve.engine.runner import ModelRunner
         from rlserve.engine.weights import StagingBuffers
         from rlserve.model.loader import load_model, resolve_model_dir
-        from rlserve.model.shape import ModelShape
 
         self.rank, self.tp, self.config, self.device, self.replies = rank, tp, config, device, replies
         self.dtype = resolve_dtype(config.model.dtype, device)
         model_dir = resolve_model_dir(config.model.name)
-        self.shape = ModelShape.from_hf(
-            AutoConfig.from_pretrained(model_dir, trust_remote_code=config.model.trust_remote_code)
-        )
+        self.shape = shape
         self.model = load_model(model_dir, self.shape, self.dtype, device, rank, tp, expert_parallel(config, rank))
         ec = config.engine
         self.runner = ModelRunner(
@@ -244,7 +250,7 @@ class Worker:
 
 
 def worker_main(argv: list[str]) -> int:
-    rank, tp, store_addr, inbox_addr, reply_addr, num_blocks, device = argv
+    rank, tp, store_addr, inbox_addr, reply_addr, num_blocks, device, shape = argv
     config = start_child()
     if config is None:
         return 1
@@ -256,7 +262,7 @@ def worker_main(argv: list[str]) -> int:
         torch.cuda.set_device(dev)
     inbox, replies = connect_pair(zmq.Context(), inbox_addr, reply_addr, 2000)
     try:
-        worker = Worker(rank_i, tp_i, config, int(num_blocks), dev, replies)
+        worker = Worker(rank_i, tp_i, config, ModelShape.from_dict(json.loads(shape)), int(num_blocks), dev, replies)
         store_host, store_port = store_addr.rsplit(":", 1)
         store = dist.TCPStore(
             store_host, int(store_port), tp_i, False, timeout=datetime.timedelta(seconds=START_TIMEOUT_S)
