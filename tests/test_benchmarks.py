@@ -105,6 +105,12 @@ def test_weight_update_small(tmp_path):
     assert '"update_s"' in out and '"push_s"' in out
 
 
+def test_server_start_small(tmp_path, model_dir):
+    out = run(tmp_path, "server_start.py", "--rounds", "1", "--model", str(model_dir))
+    assert "flags:" in out
+    assert re.search(r"^fork/spawn: first answer [\d.]+x the time, [\d.]+x the CPU$", out, re.M), out
+
+
 def test_moe_quick(tmp_path):
     out = run(tmp_path, "moe.py", "--quick")
     assert rate(out, "rlserve (router replay on)") > 0 and rate(out, "transformers generate_batch") > 0

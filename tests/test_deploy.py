@@ -250,6 +250,6 @@ def test_sigterm_leaves_no_process(deployment):
 
 def _cmdline(pid: int) -> list[str]:
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").replace("\0", " ").split()
     except OSError:
         return []

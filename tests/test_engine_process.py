@@ -322,19 +322,26 @@ def test_a_call_to_an_engine_process_that_is_gone_raises_engine_dead(model_dir):
 
 
 @linux_only
-def test_sigterm_while_the_server_starts_stops_its_engine_and_leaves_nothing(model_dir):
+@pytest.mark.parametrize("core_start", ["fork", "spawn"])
+def test_sigterm_while_the_server_starts_stops_its_engine_and_leaves_nothing(model_dir, core_start):
     """The engine process starts before the server stack is imported, so a SIGTERM (a deployment stopping a
     replica it just started) can come while the server is still starting. The server then stops the engine
-    and removes its socket directory before it exits, instead of leaving the engine to die with it."""
+    and removes its socket directory before it exits, instead of leaving the engine to die with it. Forked
+    (the default), the engine names itself; spawned, it is `python -m rlserve.runtime.core`."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rlserve.cli", "serve", "--server.port", "0", "--model.name", str(model_dir)],
+        [sys.executable, "-m", "rlserve.cli", "serve", "--server.port", "0", "--model.name", str(model_dir),
+         "--engine.core_start", core_start],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-    )
+    )  # fmt: skip
     try:
         wait_until(lambda: engine_pids(proc) or proc.poll() is not None, "the engine process to start")
         core = engine_pid(proc)
-        args = Path(f"/proc/{core}/cmdline").read_bytes().decode().split("\0")
+        args = Path(f"/proc/{core}/cmdline").read_bytes().decode().replace("\0", " ").split()
+        if core_start == "fork":
+            assert args[0] == "rlserve.runtime.core", args
+        else:
+            assert args[:3] == [sys.executable, "-m", "rlserve.runtime.core"], args
         socket_dir = Path(next(a for a in args if a.startswith("ipc://"))[len("ipc://") :]).parent
         assert socket_dir.is_dir()
         proc.send_signal(signal.SIGTERM)
@@ -343,3 +350,18 @@ def test_sigterm_while_the_server_starts_stops_its_engine_and_leaves_nothing(mod
         assert not socket_dir.exists()
     finally:
         stop_server(proc)
+
+
+def test_a_server_with_threads_running_spawns_its_engine_instead_of_forking():
+    """A thread could hold a lock the forked child would wait on forever: EngineProcess(fork=True) spawns then."""
+    from rlserve.runtime.spawn import can_fork
+
+    assert can_fork() == (sys.platform.startswith("linux") and threading.active_count() == 1)
+    done = threading.Event()
+    thread = threading.Thread(target=done.wait)
+    thread.start()
+    try:
+        assert not can_fork()
+    finally:
+        done.set()
+        thread.join()

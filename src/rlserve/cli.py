@@ -87,9 +87,9 @@ def _serve(argv: list[str], prog: str) -> int:
     if config.engine.core_process and not config.parallel.data_parallel:
         from rlserve.runtime.spawn import EngineProcess
 
-        # the engine process imports torch and loads the model while this one imports the server stack: on
-        # 2 cores the server is up seconds sooner than with the two one after the other
-        engine_process = EngineProcess(config)
+        # forked after this process imports torch and the engine (one import for both), or spawned to import
+        # them beside this one: either way it loads the model while this one imports the server stack
+        engine_process = EngineProcess(config, fork=config.engine.core_start == "fork")
     try:
         from rlserve.server.app import serve  # imports torch and the server stack; keep --help fast
     except BaseException:

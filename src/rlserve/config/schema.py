@@ -203,6 +203,12 @@ class EngineConfig(Section):
     core_process: bool = Field(
         True, description="run the step loop in its own process (false: a thread of the HTTP server's process)"
     )
+    core_start: Literal["fork", "spawn"] = Field(
+        "fork",
+        description="how the server starts that process: fork (Linux; the server imports torch and the engine "
+        "first, so the two processes import them once, not twice: ~4 s of CPU less per server; spawn where "
+        "forking is unsafe: CUDA initialised, threads running) or spawn (a fresh interpreter)",
+    )
     allow_forced_tokens: bool = Field(
         False, description="testing only: accept vllm_xargs.forced_token_ids (the first completion tokens)"
     )

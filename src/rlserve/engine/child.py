@@ -39,20 +39,29 @@ def parent_pid() -> int:
     return int(os.environ.get(PARENT_ENV) or os.getppid())
 
 
-def start_child() -> Config | None:
-    """Die with the parent (None when it is already gone), leave SIGINT to it, read the config it
-    writes as JSON on stdin, log as it asks."""
+def die_with_parent(parent: int) -> bool:
+    """SIGTERM this process when `parent` dies; False when it is gone already (before prctl took effect)."""
     if sys.platform.startswith("linux"):
         import ctypes
 
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != parent_pid():  # the parent died before prctl took effect
+    return os.getppid() == parent
+
+
+def start_child() -> Config | None:
+    """Die with the parent (None when it is already gone), leave SIGINT to it, read the config it
+    writes as JSON on stdin, log as it asks."""
+    if not die_with_parent(parent_pid()):
         return None
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     config = Config.model_validate_json(sys.stdin.buffer.read())
-    logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_as(config)
     return config
+
+
+def log_as(config: Config) -> None:
+    logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def connect_pair(ctx: zmq.Context, in_addr: str, out_addr: str, linger_ms: int) -> tuple[zmq.Socket, zmq.Socket]:

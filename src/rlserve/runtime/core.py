@@ -3,8 +3,9 @@
 Between two steps it takes new requests, aborts and named control operations off its inbox; after
 each step it sends the outputs of the requests the step touched, as one message. Slow control
 work (reading weights or adapters, receiving a trainer push) runs in a helper thread and is
-committed between two steps, as in the in-thread AsyncEngine. Started by `EngineClient`:
-`python -m rlserve.runtime.core IN_ADDR OUT_ADDR` with the config as JSON on stdin.
+committed between two steps, as in the in-thread AsyncEngine. Started by runtime/spawn.py: forked from
+the server (main_forked), or `python -m rlserve.runtime.core IN_ADDR OUT_ADDR` with the config as JSON on
+stdin (main).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import msgspec
+import setproctitle
 import zmq
 
 from rlserve.config.schema import Config
@@ -383,11 +385,33 @@ def _run_in_thread(fn: Callable[[], None]) -> None:
 
 
 def main(argv: list[str]) -> int:
+    """`python -m rlserve.runtime.core IN_ADDR OUT_ADDR`, the config as JSON on stdin (a spawned core)."""
     in_addr, out_addr = argv
     # SIGTERM (the server going away) ends the loop at once (_serve); SIGINT is the server's to handle
     config = child.start_child()
     if config is None:
         return 1
+    return _connect_and_serve(config, in_addr, out_addr)
+
+
+def main_forked(config: Config, in_addr: str, out_addr: str, parent: int) -> int:
+    """The core in a child forked from the server (runtime/spawn.py) after it imported this module: what the
+    spawned core's interpreter starts without (the server's signal handlers, its stdin, its parent's name)
+    is set here."""
+    os.environ[child.PARENT_ENV] = str(parent)  # not the server's own parent, when it was started by rlserve
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    setproctitle.setproctitle(f"rlserve.runtime.core {in_addr} {out_addr}")  # ps tells it from the server
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    if not child.die_with_parent(parent):
+        return 1
+    child.log_as(config)
+    return _connect_and_serve(config, in_addr, out_addr)
+
+
+def _connect_and_serve(config: Config, in_addr: str, out_addr: str) -> int:
     inbox, outbox = child.connect_pair(zmq.Context(), in_addr, out_addr, 1000)
     try:
         return _serve(config, inbox, outbox)

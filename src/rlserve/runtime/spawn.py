@@ -1,15 +1,24 @@
-"""Starting an engine core process (runtime/core.py) and stopping it, with light imports only.
+"""Starting an engine core process (runtime/core.py) and stopping it.
 
-The API server starts its engine before it imports torch and the server stack itself, so that the
-two processes import side by side: on 2 cores a server is up seconds sooner (rlserve.cli).
+The server (rlserve.cli) forks its engine core once it has imported torch and the engine: the child
+starts with everything imported, and the two processes pay for those imports once (~6 s of CPU), as
+vLLM forks its engine core. Where forking is unsafe, or asked not to (engine.core_start = "spawn"), the
+core is a fresh `python -m rlserve.runtime.core`, started before the server imports torch so that the
+two import side by side. This module imports light things only; the forking path imports the core.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
+import traceback
+import warnings
 
 import zmq
 
@@ -21,12 +30,23 @@ class EngineProcess:
     """The engine core process loading `config`'s model, and this side's two sockets to it: ipc:// in a
     private directory, never a network port. Reading its Ready message is the EngineClient's part."""
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, fork: bool = False):
+        """`fork`: fork this process, which must not have run a torch op (OpenMP's thread pool does not survive
+        a fork); it spawns instead where forking is unsafe (can_fork)."""
         self.dir = tempfile.mkdtemp(prefix="rlserve-engine-")  # 0700: only this user reaches the sockets
         in_addr, out_addr = f"ipc://{self.dir}/in", f"ipc://{self.dir}/out"
+        self.proc: subprocess.Popen | ForkedProcess | None = None
+        if fork:  # before ZeroMQ starts its I/O thread; the child's connects wait for the binds
+            try:
+                self.proc = fork_core(config, in_addr, out_addr)
+            except BaseException:
+                shutil.rmtree(self.dir, ignore_errors=True)
+                raise
         self.ctx = zmq.Context()
         self.to_engine = self._socket(zmq.PUSH, in_addr)
         self.from_engine = self._socket(zmq.PULL, out_addr)
+        if self.proc is not None:
+            return
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "rlserve.runtime.core", in_addr, out_addr], stdin=subprocess.PIPE, env=child_env()
         )
@@ -73,3 +93,70 @@ class EngineProcess:
         self.to_engine.close(linger=0)
         self.ctx.term()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def can_fork() -> bool:
+    """Linux, no other Python thread (one could hold a lock the child would wait on forever), CUDA not
+    initialised (a CUDA context does not survive a fork)."""
+    if not sys.platform.startswith("linux") or threading.active_count() > 1:
+        return False
+    torch = sys.modules.get("torch")
+    return torch is None or not torch.cuda.is_initialized()
+
+
+def fork_core(config: Config, in_addr: str, out_addr: str) -> ForkedProcess | None:
+    """Import the engine core here, then fork: the child runs it (core.main_forked) and never returns.
+    None where forking is unsafe (can_fork, asked after the imports, which could have initialised CUDA)."""
+    from rlserve.runtime import core
+
+    if not can_fork():
+        return None
+    parent = os.getpid()
+    sys.stdout.flush()  # or the child would write what this process printed again
+    sys.stderr.flush()
+    with warnings.catch_warnings():  # Python 3.12+ warns of any thread; numpy's OpenBLAS pool is fork-aware
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid:
+        return ForkedProcess(pid)
+    code = 1
+    try:
+        code = core.main_forked(config, in_addr, out_addr, parent)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # never back into the server's code; no teardown of what the server set up
+
+
+class ForkedProcess:
+    """A forked child with the part of subprocess.Popen's face that the engine's clients use."""
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"engine core {self.pid}", timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)

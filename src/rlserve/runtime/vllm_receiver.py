@@ -104,7 +104,7 @@ def op_vllm_init(
 
     # a daemon thread: a server stopped while the rendezvous waits must not wait for it
     threading.Thread(target=join, name="rlserve-vllm-join", daemon=True).start()
-    # the core runs as __main__ (python -m rlserve.runtime.core): its own module's marker
+    # the core may run as __main__ (python -m rlserve.runtime.core): its own module's marker
     return sys.modules[type(core).__module__].DEFERRED
 
 
