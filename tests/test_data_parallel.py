@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -107,6 +108,8 @@ def test_one_dead_engine_turns_health_503_and_the_server_exits_3():
     url, proc = start_server("--parallel.dp", "2")
     try:
         first, second = engine_pids(proc)
+        for pid in (first, second):  # forked from the server (named by setproctitle), not spawned
+            assert Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"rlserve.runtime.core ipc://")
         assert httpx.get(f"{url}/health").status_code == 200
         os.kill(second, signal.SIGKILL)
         deadline = time.monotonic() + HANG_GUARD_S

@@ -95,8 +95,9 @@ class DataParallelClient(FaceRules):
         p = config.parallel
         expert_port = (p.data_parallel_rpc_port or free_port()) if p.enable_expert_parallel else None
         try:
+            fork = config.engine.core_start == "fork"  # the server has run no torch op yet
             for index in range(config.parallel.dp):
-                self.engines.append(EngineClient(engine_config(config, index, expert_port), wait=False))
+                self.engines.append(EngineClient(engine_config(config, index, expert_port), wait=False, fork=fork))
             for engine in self.engines:
                 engine.wait_ready()
         except BaseException:

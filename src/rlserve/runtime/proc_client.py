@@ -45,13 +45,13 @@ WATCH_INTERVAL_S = 0.2  # how often the process is checked for an exit no messag
 
 
 class EngineClient(FaceRules):
-    def __init__(self, config: Config, wait: bool = True, process: EngineProcess | None = None):
-        """Start the engine process, or adopt `process` started earlier for this config (rlserve.cli starts it
-        before importing the server stack); with wait=False call `wait_ready()` before use (engines start
-        side by side)."""
+    def __init__(self, config: Config, wait: bool = True, process: EngineProcess | None = None, fork: bool = False):
+        """Start the engine process (forked from this one with `fork`: see EngineProcess), or adopt `process`
+        started earlier for this config (rlserve.cli starts it before importing the server stack); with
+        wait=False call `wait_ready()` before use (engines start side by side)."""
         super().__init__()
         self.config = config
-        self.process = process if process is not None else EngineProcess(config)
+        self.process = process if process is not None else EngineProcess(config, fork)
         self.proc, self._out, self._in = self.process.proc, self.process.to_engine, self.process.from_engine
         self._streams: dict[int, asyncio.Queue] = {}
         self._calls: dict[int, asyncio.Future] = {}
