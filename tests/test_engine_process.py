@@ -365,3 +365,29 @@ def test_a_server_with_threads_running_spawns_its_engine_instead_of_forking():
     finally:
         done.set()
         thread.join()
+
+
+@linux_only
+def test_a_forked_engine_s_exit_code_is_read_once_however_many_threads_ask():
+    """ForkedProcess stands in for Popen: the client's watcher thread and stop() may poll at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rlserve.runtime.spawn import ForkedProcess
+
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(0.2)
+        os._exit(3)
+    child = ForkedProcess(pid)
+    with ThreadPoolExecutor(4) as pool:
+        codes = list(pool.map(lambda _: child.wait(timeout=HANG_GUARD_S), range(8)))
+    assert codes == [3] * 8 and child.poll() == 3
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(HANG_GUARD_S)
+        os._exit(0)
+    child = ForkedProcess(pid)
+    with pytest.raises(subprocess.TimeoutExpired):
+        child.wait(timeout=0)
+    child.kill()
+    assert child.wait(timeout=HANG_GUARD_S) == -signal.SIGKILL

@@ -1,10 +1,11 @@
 """Starting an engine core process (runtime/core.py) and stopping it.
 
 The server (rlserve.cli) forks its engine core once it has imported torch and the engine: the child
-starts with everything imported, and the two processes pay for those imports once (~6 s of CPU), as
-vLLM forks its engine core. Where forking is unsafe, or asked not to (engine.core_start = "spawn"), the
-core is a fresh `python -m rlserve.runtime.core`, started before the server imports torch so that the
-two import side by side. This module imports light things only; the forking path imports the core.
+starts with everything imported, and the two processes pay for those imports once (~4.5 s of CPU
+less, benchmarks/server_start.py), as vLLM forks its engine core. Where forking is unsafe, or with
+engine.core_start = "spawn", the core is a fresh `python -m rlserve.runtime.core`, started before the
+server imports torch so that the two import side by side. This module imports light things only; the
+forking path imports the core.
 """
 
 from __future__ import annotations
@@ -135,12 +136,17 @@ class ForkedProcess:
 
     def __init__(self, pid: int):
         self.pid, self.returncode = pid, None
+        self._reaping = threading.Lock()  # the client's watcher and stop() may ask at once; one reaps
 
     def poll(self) -> int | None:
-        if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
+        with self._reaping:
+            if self.returncode is None:
+                try:
+                    pid, status = os.waitpid(self.pid, os.WNOHANG)
+                except ChildProcessError:  # reaped without us (SIGCHLD ignored): its code is lost, as Popen says
+                    pid, status = self.pid, 0
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
