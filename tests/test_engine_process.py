@@ -391,3 +391,41 @@ def test_a_forked_engine_s_exit_code_is_read_once_however_many_threads_ask():
         child.wait(timeout=0)
     child.kill()
     assert child.wait(timeout=HANG_GUARD_S) == -signal.SIGKILL
+
+
+@linux_only
+def test_an_engine_start_interrupted_after_the_fork_stops_the_child_and_leaves_nothing(model_dir, tmp_path):
+    """The server's SIGTERM handler raises; landing after the fork but before the sockets are bound, it
+    must not leave the forked engine or its socket directory behind."""
+    script = tmp_path / "interrupted.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, sys, tempfile
+            from rlserve.config.schema import Config
+            from rlserve.runtime import spawn
+
+            made, forked = [], []
+            mkdtemp, fork_core = tempfile.mkdtemp, spawn.fork_core
+            tempfile.mkdtemp = lambda **kw: made.append(mkdtemp(**kw)) or made[-1]
+            spawn.fork_core = lambda *a: forked.append(fork_core(*a)) or forked[-1]
+
+            def bind(self, kind, addr):
+                raise KeyboardInterrupt  # as rlserve.server.early_stop's SIGTERM handler does
+
+            spawn.EngineProcess._socket = bind
+            config = Config()
+            config.model.name = sys.argv[1]
+            try:
+                spawn.EngineProcess(config, fork=True)
+            except KeyboardInterrupt:
+                pass
+            (child,) = forked
+            assert child is not None and child.returncode is not None, "the forked engine was not stopped"
+            assert not os.path.exists(made[0]), "the socket directory is left"
+            print("ok", child.returncode)
+            """
+        )
+    )
+    done = subprocess.run([sys.executable, str(script), str(model_dir)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("ok"), done.stdout + done.stderr

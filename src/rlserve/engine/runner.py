@@ -103,7 +103,7 @@ class ModelRunner:
         return kernels
 
     def _invariant_kernels(self, dtype: torch.dtype):
-        kernels, s = invariant_kernels(self.device.type), self.model.shape
+        kernels, s = invariant_kernels(self.device.type, dtype), self.model.shape
         if not kernels.supports(s.num_heads, s.num_kv_heads, s.head_dim, self.block_size, dtype):
             raise BatchInvarianceUnavailable(
                 f"engine.batch_invariant: the {self.device.type} kernels do not cover this model's attention in {dtype} "

@@ -77,10 +77,20 @@ class BatchInvarianceUnavailable(ValueError):
 
 
 @functools.cache
-def invariant_kernels(device_type: str = "cpu") -> InvariantKernels | TritonKernels:
+def invariant_kernels(device_type: str = "cpu", dtype: torch.dtype | None = None) -> InvariantKernels | TritonKernels:
     """The kernels for batch-invariant mode on `device_type` ("cpu" or "cuda"), their row
-    independence checked there; raises where not. Under TRITON_INTERPRET=1 the CPU runs the GPU's
-    Triton kernels (through Triton's interpreter)."""
+    independence checked there for a model in `dtype` (its own and float32, an LM head's; None: every
+    dtype they take); raises where not. Under TRITON_INTERPRET=1 the CPU runs the GPU's Triton kernels
+    (through Triton's interpreter), where a bf16 check costs as much as a model's forwards."""
+    kernels = _kernels(device_type)
+    for checked in DTYPES:
+        if dtype is None or checked in (dtype, torch.float32):
+            _check_rows_independent(kernels, checked, torch.device(device_type))
+    return kernels
+
+
+@functools.cache
+def _kernels(device_type: str) -> InvariantKernels | TritonKernels:
     if device_type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         from rlserve.model.triton_kernels import triton_kernels  # imports Triton (~0.15 s): only here
 
@@ -99,8 +109,6 @@ def invariant_kernels(device_type: str = "cpu") -> InvariantKernels | TritonKern
         kernels = InvariantKernels(base)
     else:
         raise BatchInvarianceUnavailable(f"engine.batch_invariant runs on CPU or CUDA, not {device_type}")
-    for dtype in DTYPES:
-        _check_rows_independent(kernels, dtype, torch.device(device_type))
     return kernels
 
 

@@ -401,6 +401,7 @@ def main_forked(config: Config, in_addr: str, out_addr: str, parent: int) -> int
     os.environ[child.PARENT_ENV] = str(parent)  # not the server's own parent, when it was started by rlserve
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})  # held across the fork
     setproctitle.setproctitle(f"rlserve.runtime.core {in_addr} {out_addr}")  # ps tells it from the server
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)

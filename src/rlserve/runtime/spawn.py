@@ -10,6 +10,7 @@ forking path imports the core.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -19,7 +20,9 @@ import tempfile
 import threading
 import time
 import traceback
+import types
 import warnings
+from collections.abc import Iterator
 
 import zmq
 
@@ -33,27 +36,31 @@ class EngineProcess:
 
     def __init__(self, config: Config, fork: bool = False):
         """`fork`: fork this process, which must not have run a torch op (OpenMP's thread pool does not survive
-        a fork); it spawns instead where forking is unsafe (can_fork)."""
+        a fork); it spawns instead where forking is unsafe (can_fork). Interrupted (the server's SIGTERM while
+        it starts), it stops what it started before it raises."""
         self.dir = tempfile.mkdtemp(prefix="rlserve-engine-")  # 0700: only this user reaches the sockets
         in_addr, out_addr = f"ipc://{self.dir}/in", f"ipc://{self.dir}/out"
         self.proc: subprocess.Popen | ForkedProcess | None = None
-        if fork:  # before ZeroMQ starts its I/O thread; the child's connects wait for the binds
-            try:
-                self.proc = fork_core(config, in_addr, out_addr)
-            except BaseException:
-                shutil.rmtree(self.dir, ignore_errors=True)
-                raise
-        self.ctx = zmq.Context()
-        self.to_engine = self._socket(zmq.PUSH, in_addr)
-        self.from_engine = self._socket(zmq.PULL, out_addr)
-        if self.proc is not None:
-            return
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rlserve.runtime.core", in_addr, out_addr], stdin=subprocess.PIPE, env=child_env()
-        )
+        self.ctx: zmq.Context | None = None
+        self.to_engine = self.from_engine = None
+        self.stopped = False
         try:
-            self.proc.stdin.write(config.model_dump_json().encode())
-            self.proc.stdin.close()
+            if fork:  # before ZeroMQ starts its I/O thread; the child's connects wait for the binds
+                from rlserve.runtime import core  # torch and the engine, imported once for both processes
+
+                with signals_held():  # a SIGTERM now is handled once self.proc names the child, which stop() ends
+                    self.proc = fork_core(core, config, in_addr, out_addr)
+            self.ctx = zmq.Context()
+            self.to_engine = self._socket(zmq.PUSH, in_addr)
+            self.from_engine = self._socket(zmq.PULL, out_addr)
+            if self.proc is None:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "rlserve.runtime.core", in_addr, out_addr],
+                    stdin=subprocess.PIPE,
+                    env=child_env(),
+                )
+                self.proc.stdin.write(config.model_dump_json().encode())
+                self.proc.stdin.close()
         except BaseException:
             self.stop()
             raise
@@ -66,19 +73,15 @@ class EngineProcess:
         sock.bind(addr)
         return sock
 
-    @property
-    def stopped(self) -> bool:
-        return self.ctx.closed
-
     def stop(self, goodbye: bytes | None = None) -> None:
         """Send `goodbye` (the engine's Shutdown message), or SIGTERM without one (an engine still loading
         reads no messages), and wait for the process to exit; terminate it, then kill it, when it does not.
         Nothing is left behind: the process, its sockets, their directory."""
-        if self.ctx.closed:
+        if self.stopped:
             return
-        if self.proc.poll() is None:
+        if self.proc is not None and self.proc.poll() is None:
             try:
-                if goodbye is None:
+                if goodbye is None or self.to_engine is None:
                     self.proc.terminate()
                 else:
                     self.to_engine.send(goodbye, zmq.NOBLOCK)
@@ -90,10 +93,27 @@ class EngineProcess:
                 except subprocess.TimeoutExpired:
                     self.proc.kill()
                     self.proc.wait()
-        self.from_engine.close(linger=0)
-        self.to_engine.close(linger=0)
-        self.ctx.term()
+        for sock in (self.from_engine, self.to_engine):
+            if sock is not None:
+                sock.close(linger=0)
+        if self.ctx is not None:
+            self.ctx.term()
         shutil.rmtree(self.dir, ignore_errors=True)
+        self.stopped = True
+
+
+HELD_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """SIGTERM and SIGINT wait (blocked, pending) until the block ends: no handler runs between a fork and
+    the parent's record of its child. The forked child unblocks them itself (core.main_forked)."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, HELD_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def can_fork() -> bool:
@@ -105,11 +125,9 @@ def can_fork() -> bool:
     return torch is None or not torch.cuda.is_initialized()
 
 
-def fork_core(config: Config, in_addr: str, out_addr: str) -> ForkedProcess | None:
-    """Import the engine core here, then fork: the child runs it (core.main_forked) and never returns.
-    None where forking is unsafe (can_fork, asked after the imports, which could have initialised CUDA)."""
-    from rlserve.runtime import core
-
+def fork_core(core: types.ModuleType, config: Config, in_addr: str, out_addr: str) -> ForkedProcess | None:
+    """Fork; the child runs the imported engine `core` (core.main_forked) and never returns. None where
+    forking is unsafe (can_fork, asked after the imports, which could have initialised CUDA)."""
     if not can_fork():
         return None
     parent = os.getpid()

@@ -76,7 +76,7 @@ def patch(
     except ValueError as exc:
         raise PatchRefused(f"rlserve.train.patch: {exc}") from None
     block_size = block_size or Config().engine.block_size
-    kernels = invariant_kernels(device.type)
+    kernels = invariant_kernels(device.type, dtype)
     if not kernels.supports(shape.num_heads, shape.num_kv_heads, shape.head_dim, block_size, dtype):
         raise PatchRefused(
             f"rlserve.train.patch: rlserve's {device.type} kernels do not cover this model's attention in {dtype} "
