@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import logging
 import os
 import types
 from collections.abc import Callable
@@ -35,6 +36,12 @@ _ENV_DEFAULTS = {
 }
 # vLLM's spellings of keys that live in a section here
 _CLI_ALIASES = {"batch-invariant": "engine.batch_invariant", "batch_invariant": "engine.batch_invariant"}
+
+
+def configure_logging(config: Config) -> None:
+    """Every rlserve process logs at config.server.log_level, one format for all (server, engine core, workers,
+    deployment supervisor)."""
+    logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def load_config(argv: list[str], base: type[Config] = Config) -> Config:

@@ -12,6 +12,7 @@ import signal
 
 import uvicorn
 
+from rlserve.config.load import configure_logging
 from rlserve.config.schema import Config
 from rlserve.deploy.supervisor import Deployment, Replica, new_key, private_dir
 
@@ -20,7 +21,7 @@ log = logging.getLogger("rlserve.deploy")
 
 def serve_deployment(config: Config) -> None:
     check_router_exposure(config)
-    logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(config)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per fan-out call is noise
     try:
         asyncio.run(_main(config))

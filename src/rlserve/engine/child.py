@@ -4,7 +4,6 @@ the server imports this before torch."""
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import subprocess
@@ -12,6 +11,7 @@ import sys
 
 import zmq
 
+from rlserve.config.load import configure_logging
 from rlserve.config.schema import Config
 
 PARENT_ENV = "RLSERVE_PARENT_PID"
@@ -56,12 +56,8 @@ def start_child() -> Config | None:
         return None
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     config = Config.model_validate_json(sys.stdin.buffer.read())
-    log_as(config)
+    configure_logging(config)
     return config
-
-
-def log_as(config: Config) -> None:
-    logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def connect_pair(ctx: zmq.Context, in_addr: str, out_addr: str, linger_ms: int) -> tuple[zmq.Socket, zmq.Socket]:

@@ -26,6 +26,7 @@ import msgspec
 import setproctitle
 import zmq
 
+from rlserve.config.load import configure_logging
 from rlserve.config.schema import Config
 from rlserve.engine import child, error_kinds
 from rlserve.engine.engine import Engine
@@ -408,7 +409,7 @@ def main_forked(config: Config, in_addr: str, out_addr: str, parent: int) -> int
     os.close(devnull)
     if not child.die_with_parent(parent):
         return 1
-    child.log_as(config)
+    configure_logging(config)
     return _connect_and_serve(config, in_addr, out_addr)
 
 

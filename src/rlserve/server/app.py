@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from rlserve.config.load import configure_logging
 from rlserve.config.schema import Config, warn_unapplied
 from rlserve.runtime.data_parallel import DataParallelClient, check_parallel, routing_hint
 from rlserve.runtime.face import EngineDeadError, EngineFace, EngineUnavailableError
@@ -226,9 +227,7 @@ def serve(config: Config, engine_process: EngineProcess | None = None) -> int:
     Returns the exit code: 0, or ENGINE_DIED_EXIT_CODE when the engine died under it (docs/faults.md)."""
     try:
         check_admin_exposure(config)
-        logging.basicConfig(
-            level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-        )
+        configure_logging(config)
         warn_unapplied(config, log)
         try:
             check_vocabulary(config.model.tool_call_parser, config.model.reasoning_parser)
