@@ -142,6 +142,19 @@ def make_variant(preset: str, out: Path, seed: int = 0, **changes) -> Path:
         del PRESETS[out.name]
 
 
+def cache_of_its_own(path: Path) -> Path:
+    """`path` as a subprocess's RLSERVE_CACHE_DIR: its models and files its own, the C kernels this machine built
+    shared (a build is ~9 s of CPU; test_cpu_kernels builds into an empty cache itself)."""
+    from rlserve.model.make import cache_root
+
+    shared = cache_root() / "kernels"
+    shared.mkdir(parents=True, exist_ok=True)
+    path.mkdir(parents=True, exist_ok=True)
+    if not (path / "kernels").exists():
+        (path / "kernels").symlink_to(shared, target_is_directory=True)
+    return path
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> Path:
     """The tiny model, made once; test files that need another model override this fixture."""

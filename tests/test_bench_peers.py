@@ -16,6 +16,8 @@ from pathlib import Path
 import matplotlib.image
 import psutil
 
+from conftest import cache_of_its_own
+
 FAKE_VLLM = Path(__file__).parent / "fixtures" / "fake_vllm"  # serves the API shape only: no model
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TINY = ["--prompt-len", "8", "--output-len", "4", "--kv-cache-gib", "0.05", "--no-progress"]
@@ -29,7 +31,7 @@ def bench_cmd(*args: str) -> list[str]:
 
 def env_without_peers(tmp_path) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RLSERVE_VLLM_PYTHON", "LLAMA_SERVER")}
-    return {**env, "RLSERVE_CACHE_DIR": str(tmp_path / "cache")}
+    return {**env, "RLSERVE_CACHE_DIR": str(cache_of_its_own(tmp_path / "cache"))}
 
 
 def gone(pid: int) -> bool:

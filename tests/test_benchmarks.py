@@ -10,11 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from conftest import cache_of_its_own
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 def run(tmp_path: Path, script: str, *args: str) -> str:
-    env = {**os.environ, "RLSERVE_CACHE_DIR": str(tmp_path)}
+    env = {**os.environ, "RLSERVE_CACHE_DIR": str(cache_of_its_own(tmp_path))}
     done = subprocess.run(
         [sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True, env=env, timeout=600
     )
