@@ -1,9 +1,11 @@
 """How long `rlserve serve` takes to answer its first completion, and the CPU its processes spend getting
 there and stopping, with the engine core forked from the server (engine.core_start = "fork", the default)
-or spawned as a fresh interpreter ("spawn"). The two alternate, round by round, on the same model.
+or spawned as a fresh interpreter ("spawn"), and with --tp its workers the same way. The two alternate,
+round by round, on the same model.
 
     python benchmarks/server_start.py --rounds 5            # the embedded default model
     python benchmarks/server_start.py --model /path/to/model
+    python benchmarks/server_start.py --tp 2                # and the core's tensor-parallel worker
 """
 
 from __future__ import annotations
@@ -39,8 +41,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--model", help="a model directory or hub id (default: the embedded model)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (workers forked or spawned too)")
     args = p.parse_args()
     model = ["--model.name", args.model] if args.model else []
+    if args.tp > 1:
+        model += ["--parallel.tp", str(args.tp)]
     print(describe(cpu_info()))
     runs: dict[str, list[tuple[float, float]]] = {"fork": [], "spawn": []}
     for _ in range(args.rounds):

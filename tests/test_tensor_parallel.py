@@ -220,10 +220,18 @@ def test_killed_worker_rank_fails_the_engine_loudly_and_sigterm_leaves_nothing(b
 
 
 @linux_only
-def test_sigterm_of_the_server_stops_every_rank(base):
-    url, proc = start_server("--model.name", str(base), *TP2)
+@pytest.mark.parametrize("core_start", ["fork", "spawn"])
+def test_sigterm_of_the_server_stops_every_rank(base, core_start):
+    """Forked (the default: the engine core forks its worker before it loads its model, tp/forked.py, and ps
+    shows the name it gives itself) or spawned (`python -m rlserve.engine.tp.worker ...`), SIGTERM ends them."""
+    url, proc = start_server("--model.name", str(base), "--engine.core_start", core_start, *TP2)
     try:
         core, workers = tp_pids(proc)
+        (cmdline,) = [Path(f"/proc/{w}/cmdline").read_bytes() for w in workers]
+        if core_start == "fork":
+            assert cmdline.startswith(b"rlserve.engine.tp.worker 1 2"), cmdline
+        else:
+            assert b"-m\0rlserve.engine.tp.worker\x001\x002" in cmdline, cmdline
         assert generate(url, PROMPTS[0], max_tokens=2)["choices"][0]["token_ids"]
         proc.send_signal(signal.SIGTERM)
         proc.wait(HANG_GUARD_S)
@@ -335,3 +343,44 @@ def test_unshard_undoes_shard_for_every_kind_of_tensor():
         full = torch.randn(shape)
         for tp in (2, 4):
             assert torch.equal(unshard(name, [shard(name, full, r, tp) for r in range(tp)]), full), (name, tp)
+
+
+FORK_SCRIPT = """
+import json, os, sys, time
+from pathlib import Path
+from rlserve.config.schema import Config
+from rlserve.engine.tp import forked
+
+config = Config.model_validate({"parallel": {"tp": 3}})
+forked.fork_waiting_workers(config)
+pids = [proc.pid for proc, _ in forked._waiting.values()]
+assert len(pids) == 2, pids
+deadline = time.monotonic() + 60
+while not all(Path(f"/proc/{p}/cmdline").read_bytes().startswith(b"rlserve.engine.tp.worker") for p in pids):
+    assert time.monotonic() < deadline, "hang guard: the children never named themselves"
+    time.sleep(0.05)
+if sys.argv[1] == "release":
+    proc = forked.start(1, ["1", "3", "not-an-address"], config.model_dump_json().encode())
+    forked.release()  # rank 2: never told
+    assert proc.wait(60) != 0  # rank 1 was told, and failed on its arguments
+    assert all(not os.path.exists(f"/proc/{p}") for p in pids), "a child is left unreaped"
+    print("ok")
+else:  # the core dies without a word to its children
+    print(json.dumps(pids), flush=True)
+    os._exit(0)
+"""
+
+
+@linux_only
+def test_waiting_workers_are_told_or_let_go_and_die_with_the_core(tmp_path):
+    """tp/forked.py: a waiting child runs as the rank it is told, with that rank's arguments; one never told
+    exits when the core lets it go, and both exit when the core dies without a word."""
+    script = tmp_path / "forked.py"
+    script.write_text(FORK_SCRIPT)
+    done = subprocess.run([sys.executable, str(script), "release"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
+    assert "not enough values to unpack" in done.stderr  # rank 1's own report of its bad arguments
+    done = subprocess.run([sys.executable, str(script), "die"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    pids = json.loads(done.stdout.splitlines()[-1])
+    wait_until(lambda: all(gone(p) for p in pids), "a waiting worker outlived its core")

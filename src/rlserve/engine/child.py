@@ -1,6 +1,7 @@
 """Plumbing for the processes the engine side starts (the engine core, tensor-parallel workers): the child
-dies with its parent, reads its config on stdin, and connects its two ZeroMQ sockets back. Light imports only:
-the server imports this before torch."""
+dies with its parent, reads its config on stdin, and connects its two ZeroMQ sockets back; when it is forked
+instead of spawned, its parent holds it as a ForkedProcess. Light imports only: the server imports this before
+torch."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 
+import setproctitle
 import zmq
 
 from rlserve.config.load import configure_logging
@@ -49,6 +53,21 @@ def die_with_parent(parent: int) -> bool:
     return os.getppid() == parent
 
 
+def as_forked_child(parent: int, title: str) -> bool:
+    """In a child forked from `parent` (no exec): what a spawned child starts with and the parent's state would
+    leave out. Its own name in ps (`title`), default SIGTERM, SIGINT left to the parent, signals the parent held
+    across the fork let through, /dev/null for stdin, death with `parent`. False when `parent` is gone already."""
+    os.environ[PARENT_ENV] = str(parent)  # not the parent's own parent, which the environment may name
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
+    setproctitle.setproctitle(title)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    return die_with_parent(parent)
+
+
 def start_child() -> Config | None:
     """Die with the parent (None when it is already gone), leave SIGINT to it, read the config it
     writes as JSON on stdin, log as it asks."""
@@ -70,3 +89,50 @@ def connect_pair(ctx: zmq.Context, in_addr: str, out_addr: str, linger_ms: int) 
     inbox.connect(in_addr)
     outbox.connect(out_addr)
     return inbox, outbox
+
+
+def can_fork() -> bool:
+    """Linux, no other Python thread (one could hold a lock the child would wait on forever), CUDA not
+    initialised (a CUDA context does not survive a fork)."""
+    if not sys.platform.startswith("linux") or threading.active_count() > 1:
+        return False
+    torch = sys.modules.get("torch")
+    return torch is None or not torch.cuda.is_initialized()
+
+
+class ForkedProcess:
+    """A forked child (an engine core, a tensor-parallel worker) with the part of subprocess.Popen's face that
+    their parents use."""
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+        self._reaping = threading.Lock()  # the client's watcher and stop() may ask at once; one reaps
+
+    def poll(self) -> int | None:
+        with self._reaping:
+            if self.returncode is None:
+                try:
+                    pid, status = os.waitpid(self.pid, os.WNOHANG)
+                except ChildProcessError:  # reaped without us (SIGCHLD ignored): its code is lost, as Popen says
+                    pid, status = self.pid, 0
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"process {self.pid}", timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)

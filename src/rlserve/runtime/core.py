@@ -23,7 +23,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import msgspec
-import setproctitle
 import zmq
 
 from rlserve.config.load import configure_logging
@@ -31,6 +30,7 @@ from rlserve.config.schema import Config
 from rlserve.engine import child, error_kinds
 from rlserve.engine.engine import Engine
 from rlserve.engine.sequence import Request
+from rlserve.engine.tp import forked as tp_forked
 from rlserve.engine.tp.dp_sync import DataParallelSync
 from rlserve.engine.weights import StagingBuffers, check_under_roots, stage, stage_from_dir
 from rlserve.runtime import ipc, sleep, vllm_receiver, weight_snapshot
@@ -399,27 +399,21 @@ def main_forked(config: Config, in_addr: str, out_addr: str, parent: int) -> int
     """The core in a child forked from the server (runtime/spawn.py) after it imported this module: what the
     spawned core's interpreter starts without (the server's signal handlers, its stdin, its parent's name)
     is set here."""
-    os.environ[child.PARENT_ENV] = str(parent)  # not the server's own parent, when it was started by rlserve
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})  # held across the fork
-    setproctitle.setproctitle(f"rlserve.runtime.core {in_addr} {out_addr}")  # ps tells it from the server
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.close(devnull)
-    if not child.die_with_parent(parent):
+    if not child.as_forked_child(parent, f"rlserve.runtime.core {in_addr} {out_addr}"):  # ps tells it from the server
         return 1
     configure_logging(config)
     return _connect_and_serve(config, in_addr, out_addr)
 
 
 def _connect_and_serve(config: Config, in_addr: str, out_addr: str) -> int:
+    tp_forked.fork_waiting_workers(config)  # before ZeroMQ's I/O thread and the first torch op
     inbox, outbox = child.connect_pair(zmq.Context(), in_addr, out_addr, 1000)
     try:
         return _serve(config, inbox, outbox)
     finally:
         inbox.close(linger=0)
         outbox.close(linger=2000)  # the last message (a failure) still reaches the server
+        tp_forked.release()
 
 
 def _serve(config: Config, inbox: zmq.Socket, outbox: zmq.Socket) -> int:

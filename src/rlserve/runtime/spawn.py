@@ -17,8 +17,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 import traceback
 import types
 import warnings
@@ -27,7 +25,7 @@ from collections.abc import Iterator
 import zmq
 
 from rlserve.config.schema import Config
-from rlserve.engine.child import child_env
+from rlserve.engine.child import ForkedProcess, can_fork, child_env
 
 
 class EngineProcess:
@@ -116,15 +114,6 @@ def signals_held() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
-def can_fork() -> bool:
-    """Linux, no other Python thread (one could hold a lock the child would wait on forever), CUDA not
-    initialised (a CUDA context does not survive a fork)."""
-    if not sys.platform.startswith("linux") or threading.active_count() > 1:
-        return False
-    torch = sys.modules.get("torch")
-    return torch is None or not torch.cuda.is_initialized()
-
-
 def fork_core(core: types.ModuleType, config: Config, in_addr: str, out_addr: str) -> ForkedProcess | None:
     """Fork; the child runs the imported engine `core` (core.main_forked) and never returns. None where
     forking is unsafe (can_fork, asked after the imports, which could have initialised CUDA)."""
@@ -147,40 +136,3 @@ def fork_core(core: types.ModuleType, config: Config, in_addr: str, out_addr: st
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)  # never back into the server's code; no teardown of what the server set up
-
-
-class ForkedProcess:
-    """A forked child with the part of subprocess.Popen's face that the engine's clients use."""
-
-    def __init__(self, pid: int):
-        self.pid, self.returncode = pid, None
-        self._reaping = threading.Lock()  # the client's watcher and stop() may ask at once; one reaps
-
-    def poll(self) -> int | None:
-        with self._reaping:
-            if self.returncode is None:
-                try:
-                    pid, status = os.waitpid(self.pid, os.WNOHANG)
-                except ChildProcessError:  # reaped without us (SIGCHLD ignored): its code is lost, as Popen says
-                    pid, status = self.pid, 0
-                if pid:
-                    self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(f"engine core {self.pid}", timeout)
-            time.sleep(0.01)
-        return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)

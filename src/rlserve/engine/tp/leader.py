@@ -1,7 +1,8 @@
 """Tensor-parallel ranks of one engine core: rank 0 (the engine core process) and its workers.
 
 Rank 0 schedules, samples and answers the server; ranks 1..tp-1 are worker processes it starts
-(`python -m rlserve.engine.tp.worker`, the config as JSON on stdin) and stops. Each step rank 0
+(`python -m rlserve.engine.tp.worker`, the config as JSON on stdin, or the same told to a child the engine core
+forked before it loaded its model: forked.py) and stops. Each step rank 0
 sends the step's inputs (token ids, positions, the attention batch as fixed-schema msgspec over
 ZeroMQ, never pickle), then every rank runs its shard (model/tensor_parallel.py) and the layers
 sum their partial outputs with an all-reduce on the step group (gloo on CPU, NCCL on CUDA).
@@ -30,6 +31,7 @@ import zmq
 
 from rlserve.config.schema import Config
 from rlserve.engine.child import start_tp_worker
+from rlserve.engine.tp import forked
 from rlserve.engine.tp.comm import (
     POLL_MS,
     START_TIMEOUT_S,
@@ -82,7 +84,7 @@ class TensorParallelLeader:
         self.replies = self._socket(zmq.PULL)
         reply_port = self.replies.bind_to_random_port(f"tcp://{host}")
         self.inboxes: list[zmq.Socket] = []
-        self.procs: list = []  # subprocess.Popen, or a RayRank (ray_ranks.py) for a rank on another node
+        self.procs: list = []  # subprocess.Popen, a ForkedProcess (forked.py), or a RayRank (ray_ranks.py)
         self.send_lock = threading.Lock()  # steps from the loop thread, staged work from the helper
         self.failure: str | None = None
         self.moves: list[Move] = []  # rank 0's KV offload moves, sent with the next step (tp/offload.py)
@@ -115,12 +117,11 @@ class TensorParallelLeader:
         log.info("tensor parallel: %d ranks (%s), workers %s", self.tp, self.backend, [p.pid for p in self.procs])
 
     def _start_rank(self, rank: int, args: list[str], payload: bytes):
-        ranks = self.config.parallel.ray_ranks
-        if ranks is not None and ranks.bundles[rank] != ranks.bundles[0]:
+        if not forked.on_rank0_machine(self.config, rank):
             from rlserve.engine.tp.ray_ranks import RayRank
 
-            return RayRank(ranks, rank, args, payload)
-        return start_tp_worker(args, payload)
+            return RayRank(self.config.parallel.ray_ranks, rank, args, payload)
+        return forked.start(rank, args, payload) or start_tp_worker(args, payload)
 
     def _socket(self, kind: int) -> zmq.Socket:
         sock = self.ctx.socket(kind)

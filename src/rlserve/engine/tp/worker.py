@@ -1,5 +1,6 @@
 """A tensor-parallel worker process (ranks 1..tp-1): `python -m rlserve.engine.tp.worker`, started and stopped by
-rank 0 (leader.py) with the config as JSON on stdin. It loads its shard, joins the step group, then runs each step,
+rank 0 (leader.py) with the config as JSON on stdin, or forked by the engine core before it loaded its model and
+told the same later (forked.py). It loads its shard, joins the step group, then runs each step,
 stage, commit and discard rank 0 sends, in order. It dies with rank 0 (PR_SET_PDEATHSIG)."""
 
 from __future__ import annotations
@@ -250,10 +251,16 @@ class Worker:
 
 
 def worker_main(argv: list[str]) -> int:
-    rank, tp, store_addr, inbox_addr, reply_addr, num_blocks, device, shape = argv
+    """`python -m rlserve.engine.tp.worker ARGS`, the config on stdin (a spawned worker)."""
     config = start_child()
     if config is None:
         return 1
+    return serve_rank(argv, config)
+
+
+def serve_rank(argv: list[str], config: Config) -> int:
+    """Rank `argv[0]` of `argv[1]`, spawned or forked (tp/forked.py): load the shard, join the groups, serve."""
+    rank, tp, store_addr, inbox_addr, reply_addr, num_blocks, device, shape = argv
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     rank_i, tp_i = int(rank), int(tp)
