@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import re
 import subprocess
@@ -140,6 +141,15 @@ def make_variant(preset: str, out: Path, seed: int = 0, **changes) -> Path:
         return make_model(out.name, out, seed)
     finally:
         del PRESETS[out.name]
+
+
+def child_processes() -> multiprocessing.context.BaseContext:
+    """The multiprocessing context for tests' engine processes: each child forks from one server process that
+    imported torch, transformers and the engine once, where a spawned child imports them again (~5 s of CPU).
+    Not plain fork: a pytest process has threads and has run torch ops, which a fork does not survive."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "transformers", "rlserve.engine.engine"])
+    return ctx
 
 
 def cache_of_its_own(path: Path) -> Path:

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from multiprocessing import get_context
 
 import numpy as np
 import torch
+
+from conftest import child_processes
 
 EXACT_ATOL = 1e-9  # float64 rounding over these models' depth: 1e-14 to 1e-13 measured
 SHIPPED_ATOL = 1e-5  # the issue's bar; transformers' float32 norms leave 2e-6 to 7e-6 measured
@@ -36,8 +37,8 @@ def float64_references(model_dir, prompts: list[list[int]], max_tokens: int) -> 
 
 
 def in_child(fn, *args, timeout: float = 1200):
-    """fn(*args) in a spawned process of its own, whose memory is the OS's again once it returns."""
-    with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as child:
+    """fn(*args) in a process of its own, whose memory is the OS's again once it returns."""
+    with ProcessPoolExecutor(1, mp_context=child_processes()) as child:
         return child.submit(fn, *args).result(timeout=timeout)
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import child_processes
 from rlserve.config.schema import Config
 from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams
@@ -199,9 +200,7 @@ def test_expert_parallel_over_four_ranks_of_data_parallel_engines(model_dir, hf,
 def dp_engines_answers(model_dir, prompts, tp: int, dp: int, model: dict | None = None) -> list[tuple]:
     """(rank, token ids, logprobs, routed experts) of dp engine processes of tp ranks, one expert group, engine r
     serving prompts[r]; each engine's rank 0 is checked to hold its share of the experts."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("spawn")
+    ctx = child_processes()
     results = ctx.Queue()
     port = free_port()
     procs = [
@@ -373,11 +372,9 @@ def dp_engine_part(rank: int, model_dir: str, port: int, results) -> None:
 def test_each_data_parallel_engine_writes_its_part_gathered_from_its_ranks(model_dir):
     """tp = 2 ranks in each of dp = 2 engines, one expert group of four: each engine's rank 0 gathers its worker's
     experts; engine 0's part holds every other tensor, and the two parts hold each tensor once, bit for bit."""
-    import multiprocessing
-
     from safetensors.torch import load, load_file
 
-    ctx = multiprocessing.get_context("spawn")
+    ctx = child_processes()
     results, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=dp_engine_part, args=(r, str(model_dir), port, results)) for r in range(2)]
     for p in procs:
