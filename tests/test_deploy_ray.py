@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import tempfile
+from pathlib import Path
 from urllib.parse import urlparse
 
 import httpx
@@ -47,8 +49,13 @@ def cluster():
         yield c
 
 
+def _replica_configs() -> set[Path]:
+    return set(Path(tempfile.gettempdir()).glob("rlserve-replica-*"))
+
+
 def test_two_nodes_serve_through_the_router_and_take_one_update(cluster, tmp_path):
     step1 = make_model("tiny", tmp_path / "step-1", seed=1)
+    configs_before = _replica_configs()
     public, admin, proc = start_deployment(
         "--deployment.type",
         "multi_node",
@@ -67,6 +74,7 @@ def test_two_nodes_serve_through_the_router_and_take_one_update(cluster, tmp_pat
     try:
         rows = replicas(admin)
         assert [r["status"] for r in rows] == ["serving", "serving"] and rows[0]["url"] != rows[1]["url"]
+        assert _replica_configs() <= configs_before, "a node kept its replica's config file (it may hold API keys)"
         for i in range(4):
             r = httpx.post(
                 f"{public}/v1/completions",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import uuid
@@ -50,20 +51,23 @@ class ReplicaHost:
 
     def __init__(self) -> None:
         self.child: ServerChild | None = None
-        self.workdir = Path(tempfile.mkdtemp(prefix="rlserve-replica-"))
 
     def start(self, index: int, config: dict, env: dict[str, str]) -> str:
-        path = self.workdir / "replica.json"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         ip = ray.util.get_node_ip_address()
         config = config | {"server": config["server"] | {"host": ip}}
         if "kv_transfer" in config:  # the address decode servers on other nodes pull from
             config["kv_transfer"] = config["kv_transfer"] | {"host": ip}
-        with os.fdopen(fd, "w") as f:
-            json.dump(config, f)
-        argv = [sys.executable, "-m", "rlserve.cli", "serve", "@", str(path)]
-        self.child = ServerChild(f"replica {index}", argv, {**os.environ, **env})
-        return self.child.wait_listening(PLACEMENT_TIMEOUT_S)
+        # the config (it may hold API keys) lives only until the server has read it: nothing is left on the node
+        workdir = tempfile.mkdtemp(prefix="rlserve-replica-")
+        try:
+            path = Path(workdir) / "replica.json"
+            with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+                json.dump(config, f)
+            argv = [sys.executable, "-m", "rlserve.cli", "serve", "@", str(path)]
+            self.child = ServerChild(f"replica {index}", argv, {**os.environ, **env})
+            return self.child.wait_listening(PLACEMENT_TIMEOUT_S)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
 
     def poll(self) -> int | None:
         return None if self.child is None else self.child.exited()
