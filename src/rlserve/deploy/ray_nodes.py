@@ -51,6 +51,7 @@ class ReplicaHost:
 
     def __init__(self) -> None:
         self.child: ServerChild | None = None
+        self.workdir: str | None = None  # while a start waits for its server
 
     def start(self, index: int, config: dict, env: dict[str, str]) -> str:
         ip = ray.util.get_node_ip_address()
@@ -58,7 +59,7 @@ class ReplicaHost:
         if "kv_transfer" in config:  # the address decode servers on other nodes pull from
             config["kv_transfer"] = config["kv_transfer"] | {"host": ip}
         # the config (it may hold API keys) lives only until the server has read it: nothing is left on the node
-        workdir = tempfile.mkdtemp(prefix="rlserve-replica-")
+        self.workdir = workdir = tempfile.mkdtemp(prefix="rlserve-replica-")
         try:
             path = Path(workdir) / "replica.json"
             with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
@@ -81,6 +82,8 @@ class ReplicaHost:
     def stop(self) -> None:
         if self.child is not None:
             self.child.stop()
+        if self.workdir is not None:  # a start still waiting: the supervisor kills this actor before it cleans up
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 class RayReplica:
