@@ -11,6 +11,9 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
+import warnings
+from collections.abc import Callable
 
 import setproctitle
 import zmq
@@ -98,6 +101,27 @@ def can_fork() -> bool:
         return False
     torch = sys.modules.get("torch")
     return torch is None or not torch.cuda.is_initialized()
+
+
+def fork_child(run: Callable[[], int]) -> ForkedProcess:
+    """Fork; the child runs `run` and exits with its code, never back into the parent's code (no teardown of what
+    the parent set up). Ask can_fork first."""
+    sys.stdout.flush()  # or the child would write what this process printed again
+    sys.stderr.flush()
+    with warnings.catch_warnings():  # Python 3.12+ warns of any thread; numpy's OpenBLAS pool is fork-aware
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid:
+        return ForkedProcess(pid)
+    code = 1
+    try:
+        code = run()
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 class ForkedProcess:

@@ -17,15 +17,13 @@ import signal
 import subprocess
 import sys
 import tempfile
-import traceback
 import types
-import warnings
 from collections.abc import Iterator
 
 import zmq
 
 from rlserve.config.schema import Config
-from rlserve.engine.child import ForkedProcess, can_fork, child_env
+from rlserve.engine.child import ForkedProcess, can_fork, child_env, fork_child
 
 
 class EngineProcess:
@@ -120,19 +118,4 @@ def fork_core(core: types.ModuleType, config: Config, in_addr: str, out_addr: st
     if not can_fork():
         return None
     parent = os.getpid()
-    sys.stdout.flush()  # or the child would write what this process printed again
-    sys.stderr.flush()
-    with warnings.catch_warnings():  # Python 3.12+ warns of any thread; numpy's OpenBLAS pool is fork-aware
-        warnings.simplefilter("ignore", DeprecationWarning)
-        pid = os.fork()
-    if pid:
-        return ForkedProcess(pid)
-    code = 1
-    try:
-        code = core.main_forked(config, in_addr, out_addr, parent)
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)  # never back into the server's code; no teardown of what the server set up
+    return fork_child(lambda: core.main_forked(config, in_addr, out_addr, parent))

@@ -11,15 +11,14 @@ failed before starting its ranks, or exited.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
-import sys
-import traceback
 
 from rlserve.config.load import configure_logging
 from rlserve.config.schema import Config
-from rlserve.engine.child import ForkedProcess, as_forked_child, can_fork
+from rlserve.engine.child import ForkedProcess, as_forked_child, can_fork, fork_child
 from rlserve.engine.tp.worker import serve_rank
 
 _waiting: dict[int, tuple[ForkedProcess, int]] = {}  # rank -> (its child, the pipe's write end)
@@ -42,25 +41,11 @@ def fork_waiting_workers(config: Config) -> None:
         if not on_rank0_machine(config, rank):
             continue
         read_end, write_end = os.pipe()
-        sys.stdout.flush()  # or the child would write what this process printed again
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid:
-            os.close(read_end)
-            _waiting[rank] = (ForkedProcess(pid), write_end)
-            continue
-        code = 1
-        try:
-            os.close(write_end)
-            for _, other in _waiting.values():  # or an earlier rank would never read its pipe's end
-                os.close(other)
-            code = _wait_then_serve(rank, tp, read_end, parent)
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)  # never back into the core's code
+        # the child closes the write ends, its own and the earlier ranks' (or those would never read their end)
+        write_ends = [write_end, *(fd for _, fd in _waiting.values())]
+        child = fork_child(functools.partial(_wait_then_serve, rank, tp, read_end, write_ends, parent))
+        os.close(read_end)
+        _waiting[rank] = (child, write_end)
 
 
 def start(rank: int, args: list[str], payload: bytes) -> ForkedProcess | None:
@@ -90,7 +75,9 @@ def release() -> None:
             proc.wait()
 
 
-def _wait_then_serve(rank: int, tp: int, read_end: int, parent: int) -> int:
+def _wait_then_serve(rank: int, tp: int, read_end: int, write_ends: list[int], parent: int) -> int:
+    for fd in write_ends:
+        os.close(fd)
     if not as_forked_child(parent, f"rlserve.engine.tp.worker {rank} {tp}"):  # named as ps names a spawned one
         return 1
     with os.fdopen(read_end, "rb") as pipe:
