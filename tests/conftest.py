@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import re
 import subprocess
@@ -14,6 +13,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from forked_servers import ForkedServer
 
 # The suite checks the CPU engine against transformers' fp32 CPU forward, on any machine: a GPU machine's
 # `auto` device would run bf16 on the GPU instead. The tests marked `cuda` ask for the GPU by name.
@@ -30,19 +31,19 @@ def start_server(
     defaults: tuple[str, ...] = SERVER_DEFAULTS,
     command: str = "serve",
     head: tuple[str, ...] = (),
-) -> tuple[str, subprocess.Popen]:
-    """Start `python -m rlserve.cli serve` on a free port; return (base_url, process) once /health is 200.
+    fresh: bool = False,
+) -> tuple[str, subprocess.Popen | ForkedServer]:
+    """Start `rlserve serve` on a free port; return (base_url, process) once /health is 200.
 
     `args` are config overrides (`--section.key value`); they win over SERVER_DEFAULTS. `head` goes right
-    after the command (a vLLM launch line's positional model).
+    after the command (a vLLM launch line's positional model). The server is forked from a process that
+    imported the server stack once (forked_servers); `fresh` execs `python -m rlserve.cli` instead, for tests
+    of how a process starts.
     The caller owns the process: stop it with `stop_server`.
     """
     fd, log_path = tempfile.mkstemp(prefix="rlserve-test-server-", suffix=".log")
     env = {k: v for k, v in os.environ.items() if k not in ("RLSERVE_API_KEY", "VLLM_API_KEY")}
-    cmd = [
-        sys.executable,
-        "-m",
-        "rlserve.cli",
+    argv = [
         command,
         *head,
         "--server.host",
@@ -53,8 +54,12 @@ def start_server(
         *args,
     ]
     with os.fdopen(fd, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-    proc.log_path = Path(log_path)  # type: ignore[attr-defined]
+        if not fresh:
+            proc = ForkedServer(argv, env, Path(log_path))
+        else:
+            cmd = [sys.executable, "-m", "rlserve.cli", *argv]
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+            proc.log_path = Path(log_path)  # type: ignore[attr-defined]
     deadline, url = time.monotonic() + timeout, None
     try:
         while time.monotonic() < deadline:
@@ -93,12 +98,12 @@ def wait_queued(url: str, n: int, timeout: float = 120.0) -> None:
         time.sleep(0.01)
 
 
-def server_log(proc: subprocess.Popen) -> str:
+def server_log(proc: subprocess.Popen | ForkedServer) -> str:
     path = getattr(proc, "log_path", None)
     return path.read_text(errors="replace") if path is not None and path.exists() else ""
 
 
-def stop_server(proc: subprocess.Popen) -> None:
+def stop_server(proc: subprocess.Popen | ForkedServer) -> None:
     if proc.poll() is None:
         proc.terminate()
         try:
@@ -109,7 +114,7 @@ def stop_server(proc: subprocess.Popen) -> None:
     drop_log(proc)
 
 
-def drop_log(proc: subprocess.Popen, tail: int = 12000) -> None:
+def drop_log(proc: subprocess.Popen | ForkedServer, tail: int = 12000) -> None:
     """Delete a started process's log, its tail first copied to stderr: pytest shows that only for a test that
     failed, where it is often the one account of what the process saw."""
     path = getattr(proc, "log_path", None)
@@ -141,15 +146,6 @@ def make_variant(preset: str, out: Path, seed: int = 0, **changes) -> Path:
         return make_model(out.name, out, seed)
     finally:
         del PRESETS[out.name]
-
-
-def child_processes() -> multiprocessing.context.BaseContext:
-    """The multiprocessing context for tests' engine processes: each child forks from one server process that
-    imported torch, transformers and the engine once, where a spawned child imports them again (~5 s of CPU).
-    Not plain fork: a pytest process has threads and has run torch ops, which a fork does not survive."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "transformers", "rlserve.engine.engine"])
-    return ctx
 
 
 def cache_of_its_own(path: Path) -> Path:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from conftest import child_processes
+from forked_servers import child_processes
 
 EXACT_ATOL = 1e-9  # float64 rounding over these models' depth: 1e-14 to 1e-13 measured
 SHIPPED_ATOL = 1e-5  # the issue's bar; transformers' float32 norms leave 2e-6 to 7e-6 measured

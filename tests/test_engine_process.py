@@ -151,7 +151,7 @@ def _waiting(http: httpx.Client) -> int:
 @linux_only
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_server_going_away_stops_the_engine_process(sig):
-    url, proc = start_server()
+    url, proc = start_server(fresh=True)  # the command line a user runs: its signal handling from the start
     try:
         core = engine_pid(proc)
         proc.send_signal(sig)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import child_processes
+from forked_servers import child_processes
 from rlserve.config.schema import Config
 from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams

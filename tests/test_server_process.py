@@ -107,7 +107,7 @@ def _gone(children: list[psutil.Process]) -> bool:
 
 
 def test_sigterm_lets_in_flight_requests_finish_and_refuses_new_ones():
-    url, proc = start_server("--server.shutdown_grace_s", "120")
+    url, proc = start_server("--server.shutdown_grace_s", "120", fresh=True)
     try:
         out: dict = {}
         thread = _held_request(url, out)
@@ -127,7 +127,7 @@ def test_sigterm_lets_in_flight_requests_finish_and_refuses_new_ones():
 
 
 def test_sigterm_aborts_what_is_still_running_after_the_grace_period():
-    url, proc = start_server("--server.shutdown_grace_s", "1")
+    url, proc = start_server("--server.shutdown_grace_s", "1", fresh=True)
     try:
         out: dict = {}
         thread = _held_request(url, out)  # never resumed
@@ -146,7 +146,7 @@ def test_a_sigterm_that_reaches_the_engine_process_too_is_a_clean_stop():
     the engine process ends on the same SIGTERM while the server drains: that is the stop asked for, not an
     engine death, and the server exits 0 (an engine that dies on its own still exits ENGINE_DIED_EXIT_CODE,
     tests/faults/test_engine_killed.py). The engine's SIGTERM comes once the server drains, by construction."""
-    url, proc = start_server("--server.shutdown_grace_s", "120")
+    url, proc = start_server("--server.shutdown_grace_s", "120", fresh=True)
     try:
         out: dict = {}
         thread = _held_request(url, out)  # keeps the drain going until the engine ends
