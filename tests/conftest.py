@@ -126,6 +126,17 @@ def drop_log(proc: subprocess.Popen | ForkedServer, tail: int = 12000) -> None:
     path.unlink(missing_ok=True)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def torch_threads_as_found() -> Iterator[None]:
+    """An engine run in this process with `engine.num_threads` sets torch's thread count for the whole process;
+    the next module in this worker starts from the count it found, not from the last module's."""
+    torch = sys.modules.get("torch")
+    found = torch.get_num_threads() if torch is not None else None
+    yield
+    if found is not None and torch.get_num_threads() != found:
+        torch.set_num_threads(found)
+
+
 @pytest.fixture(scope="session")
 def server() -> Iterator[str]:
     """Base URL (no /v1) of one default server shared by the whole session."""

@@ -69,6 +69,7 @@ class ReplicaHost:
             return self.child.wait_listening(PLACEMENT_TIMEOUT_S)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
+            self.workdir = None
 
     def poll(self) -> int | None:
         return None if self.child is None else self.child.exited()
