@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from forked_servers import ForkedServer
+from forked_servers import ForkedServer, can_fork_with
 
 # The suite checks the CPU engine against transformers' fp32 CPU forward, on any machine: a GPU machine's
 # `auto` device would run bf16 on the GPU instead. The tests marked `cuda` ask for the GPU by name.
@@ -38,7 +38,7 @@ def start_server(
     `args` are config overrides (`--section.key value`); they win over SERVER_DEFAULTS. `head` goes right
     after the command (a vLLM launch line's positional model). The server is forked from a process that
     imported the server stack once (forked_servers); `fresh` execs `python -m rlserve.cli` instead, for tests
-    of how a process starts.
+    of how a process starts (so does an environment that sets what that process read as it loaded).
     The caller owns the process: stop it with `stop_server`.
     """
     fd, log_path = tempfile.mkstemp(prefix="rlserve-test-server-", suffix=".log")
@@ -54,7 +54,7 @@ def start_server(
         *args,
     ]
     with os.fdopen(fd, "wb") as log:
-        if not fresh:
+        if not fresh and can_fork_with(env):
             proc = ForkedServer(argv, env, Path(log_path))
         else:
             cmd = [sys.executable, "-m", "rlserve.cli", *argv]
