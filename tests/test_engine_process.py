@@ -255,38 +255,35 @@ def _marked(mark: str) -> list[int]:
 
 
 @linux_only
-def test_a_server_that_refuses_its_config_stops_the_engine_it_started_early(model_dir):
+def test_a_server_that_refuses_its_config_stops_the_engine_it_started_early(model_dir, tmp_path):
     """rlserve.cli starts the engine process before it imports the server stack, so that the two import
-    side by side. A server that refuses its config after that (here num_threads oversubscribing the cores,
-    or on one core the two ranks, found by the server's checks) exits non-zero saying what to change and
-    leaves no process behind."""
+    side by side. A server that refuses its config after that (here the openai tool parser without its
+    vocabulary, found by the server's checks) exits non-zero saying what to change and leaves no process
+    behind."""
     mark = f"RLSERVE_TEST_RUN={os.getpid()}-{time.monotonic_ns()}"
-    env = {**os.environ, mark.split("=")[0]: mark.split("=")[1]}
+    env = {**os.environ, mark.split("=")[0]: mark.split("=")[1], "TIKTOKEN_ENCODINGS_BASE": str(tmp_path)}
     run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rlserve.cli",
-            "serve",
-            "--server.port",
-            "0",
-            "--model.name",
-            str(model_dir),
-            "--parallel.tp",
-            "2",
-            "--num_threads",
-            "100000",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=HANG_GUARD_S,
-    )
+        [sys.executable, "-m", "rlserve.cli", "serve", "--server.port", "0", "--model.name", str(model_dir),
+         "--model.tool_call_parser", "openai"],
+        env=env, capture_output=True, text=True, timeout=HANG_GUARD_S,
+    )  # fmt: skip
     assert run.returncode != 0
-    assert "rlserve: error: parallel.tp" in run.stderr or "rlserve: error: num_threads" in run.stderr, run.stderr[
-        -2000:
-    ]
+    assert "TIKTOKEN_ENCODINGS_BASE" in run.stderr, run.stderr[-2000:]
     wait_until(lambda: not _marked(mark), "processes of the refused server outlived it")
+
+
+def test_threads_beyond_the_cores_are_refused_before_any_engine_process_starts(model_dir):
+    """num_threads above the cores on one rank: refused saying what to change, by rlserve.cli before it starts
+    the engine process, which would start that many OpenMP threads (a mistyped 100000 took every free PID of
+    a 2-core machine for a moment, and other processes failed to start threads)."""
+    threads = (os.cpu_count() or 1) + 1
+    run = subprocess.run(
+        [sys.executable, "-m", "rlserve.cli", "serve", "--server.port", "0", "--model.name", str(model_dir),
+         "--num_threads", str(threads)],
+        capture_output=True, text=True, timeout=HANG_GUARD_S,
+    )  # fmt: skip
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert f"num_threads={threads} oversubscribes" in run.stderr and "lower num_threads" in run.stderr, run.stderr
 
 
 def test_a_call_to_an_engine_process_that_is_gone_raises_engine_dead(model_dir):

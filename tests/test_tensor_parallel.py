@@ -245,7 +245,7 @@ def test_config_checks_say_what_to_change(base):
 
     from rlserve.model.shape import ModelShape
     from rlserve.model.tensor_parallel import check_tp
-    from rlserve.runtime.data_parallel import check_parallel
+    from rlserve.runtime.machine_fit import check_parallel
 
     shape = ModelShape.from_hf(AutoConfig.from_pretrained(base))
     with pytest.raises(ValueError, match=r"parallel.tp=3 must divide the model's attention heads \(4\)"):
@@ -258,6 +258,12 @@ def test_config_checks_say_what_to_change(base):
     too_many = Config.model_validate({"parallel": {"tp": cores + 1}, "model": {"device": "cpu"}})
     with pytest.raises(ValueError, match="lower parallel.dp or parallel.tp"):
         check_parallel(too_many)
+    one_rank = Config.model_validate({"num_threads": cores + 1, "model": {"device": "cpu"}})
+    with pytest.raises(ValueError, match=rf"num_threads={cores + 1} oversubscribes the {cores} CPU cores"):
+        check_parallel(one_rank)
+    check_parallel(
+        one_rank.model_copy(update={"parallel": one_rank.parallel.model_copy(update={"oversubscribe_cpu": True})})
+    )
     in_thread = Config.model_validate({"parallel": {"tp": 2}, "engine": {"core_process": False}})
     with pytest.raises(ValueError, match="core_process"):
         check_parallel(in_thread)

@@ -75,9 +75,15 @@ def _serve(argv: list[str], prog: str) -> int:
 
         serve_deployment(config)
         return 0
+    from rlserve.runtime.machine_fit import check_parallel
     from rlserve.server.listen import check_admin_exposure
 
     check_admin_exposure(config)
+    try:  # before the engine process starts: it would run with what these checks refuse
+        check_parallel(config)
+    except ValueError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
     # until the server takes SIGTERM over (its drain), SIGTERM unwinds like Ctrl-C would: an engine process
     # already started is stopped and its socket directory removed, not left to die with this process
     from rlserve.server import early_stop

@@ -19,6 +19,7 @@ from rlserve.config.schema import Config
 from rlserve.engine.outputs import RequestOutput
 from rlserve.engine.params import SamplingParams
 from rlserve.runtime.face import FaceRules
+from rlserve.runtime.machine_fit import cuda_devices
 from rlserve.runtime.ports import free_port
 from rlserve.runtime.proc_client import EngineClient
 
@@ -26,45 +27,6 @@ from rlserve.runtime.proc_client import EngineClient
 routing_hint: ContextVar[tuple[str | None, str | None]] = ContextVar("routing_hint", default=(None, None))
 # the engine serving the current task's request, set once it is picked (the server's metrics label it so)
 served_by: ContextVar[int] = ContextVar("served_by", default=0)
-
-
-def check_parallel(config: Config) -> None:
-    """tp * dp against what the machine has; raises ValueError saying what to change."""
-    tp, dp = config.parallel.tp, config.parallel.dp
-    if dp > 1 and not config.engine.core_process:
-        raise ValueError("parallel.dp > 1 runs each engine in its own process: drop engine.core_process=false")
-    if tp > 1 and not config.engine.core_process:
-        raise ValueError(
-            "parallel.tp > 1 runs the engine core process with its worker ranks: drop engine.core_process=false"
-        )
-    device = config.model.device
-    if device.startswith("cuda") or (device == "auto" and _cuda_devices()):
-        have, what = _cuda_devices(), "CUDA devices"
-    else:
-        have, what = os.cpu_count() or 1, "CPU cores"
-        if config.parallel.oversubscribe_cpu:  # asked for: the ranks share the cores, slowly
-            return
-    if tp * dp > have:
-        also = (
-            " (or, on CPU, set parallel.oversubscribe_cpu = true to run it anyway, slowly)"
-            if what == "CPU cores"
-            else ""
-        )
-        raise ValueError(
-            f"parallel.tp * parallel.dp = {tp} * {dp} = {tp * dp} needs that many {what}, this machine "
-            f"has {have}: lower parallel.dp or parallel.tp{also}"
-        )
-    if tp * dp > 1 and config.num_threads and config.num_threads * tp * dp > have and what == "CPU cores":
-        raise ValueError(
-            f"num_threads={config.num_threads} per engine rank times {tp * dp} ranks oversubscribes the "
-            f"{have} CPU cores: lower num_threads (or leave it unset to split the cores evenly)"
-        )
-
-
-def _cuda_devices() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def engine_config(config: Config, index: int, expert_port: int | None = None) -> Config:
@@ -78,7 +40,7 @@ def engine_config(config: Config, index: int, expert_port: int | None = None) ->
     if expert_port is not None:
         update["parallel"] = p.model_copy(update={"data_parallel_rank": rank, "data_parallel_rpc_port": expert_port})
     device = config.model.device
-    if p.dp > 1 and (device == "cuda" or (device == "auto" and _cuda_devices())):
+    if p.dp > 1 and (device == "cuda" or (device == "auto" and cuda_devices())):
         # each engine its own devices: engine i's tensor-parallel ranks use cuda:i*tp .. cuda:i*tp+tp-1
         update["model"] = config.model.model_copy(update={"device": f"cuda:{index * p.tp}"})
     return config.model_copy(update=update)

@@ -18,10 +18,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rlserve.config.load import configure_logging
 from rlserve.config.schema import Config, warn_unapplied
-from rlserve.runtime.data_parallel import DataParallelClient, check_parallel, routing_hint
+from rlserve.runtime.data_parallel import DataParallelClient, routing_hint
 from rlserve.runtime.face import EngineDeadError, EngineFace, EngineUnavailableError
 from rlserve.runtime.heap import freeze_startup_heap
 from rlserve.runtime.inproc import AsyncEngine
+from rlserve.runtime.machine_fit import check_parallel
 from rlserve.runtime.proc_client import EngineClient
 from rlserve.runtime.spawn import EngineProcess
 from rlserve.server import early_stop

@@ -1,0 +1,51 @@
+"""Whether a config's engine ranks and threads fit this machine: checked by rlserve.cli before any engine
+process starts, and again by the server for callers that start it themselves. Light: torch is imported only
+to count CUDA devices."""
+
+from __future__ import annotations
+
+import os
+
+from rlserve.config.schema import Config
+
+
+def check_parallel(config: Config) -> None:
+    """tp * dp against what the machine has; raises ValueError saying what to change."""
+    tp, dp = config.parallel.tp, config.parallel.dp
+    if dp > 1 and not config.engine.core_process:
+        raise ValueError("parallel.dp > 1 runs each engine in its own process: drop engine.core_process=false")
+    if tp > 1 and not config.engine.core_process:
+        raise ValueError(
+            "parallel.tp > 1 runs the engine core process with its worker ranks: drop engine.core_process=false"
+        )
+    device = config.model.device
+    if device.startswith("cuda") or (device == "auto" and cuda_devices()):
+        have, what = cuda_devices(), "CUDA devices"
+    else:
+        have, what = os.cpu_count() or 1, "CPU cores"
+        if config.parallel.oversubscribe_cpu:  # asked for: the ranks share the cores, slowly
+            return
+    if tp * dp > have:
+        also = (
+            " (or, on CPU, set parallel.oversubscribe_cpu = true to run it anyway, slowly)"
+            if what == "CPU cores"
+            else ""
+        )
+        raise ValueError(
+            f"parallel.tp * parallel.dp = {tp} * {dp} = {tp * dp} needs that many {what}, this machine "
+            f"has {have}: lower parallel.dp or parallel.tp{also}"
+        )
+    # checked before any engine starts (rlserve.cli): torch would start that many OpenMP threads, and a
+    # mistyped 100000 takes the machine's last free PIDs from every other process until it is refused
+    if config.num_threads and config.num_threads * tp * dp > have and what == "CPU cores":
+        ranks = f" per engine rank times {tp * dp} ranks" if tp * dp > 1 else ""
+        raise ValueError(
+            f"num_threads={config.num_threads}{ranks} oversubscribes the {have} CPU cores: lower num_threads (or "
+            "leave it unset to split the cores evenly; parallel.oversubscribe_cpu = true runs it anyway, slowly)"
+        )
+
+
+def cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
