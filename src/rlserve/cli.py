@@ -75,12 +75,12 @@ def _serve(argv: list[str], prog: str) -> int:
 
         serve_deployment(config)
         return 0
-    from rlserve.runtime.machine_fit import check_parallel
+    from rlserve.runtime.machine_fit import check_before_start
     from rlserve.server.listen import check_admin_exposure
 
     check_admin_exposure(config)
     try:  # before the engine process starts: it would run with what these checks refuse
-        check_parallel(config)
+        check_before_start(config)
     except ValueError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2

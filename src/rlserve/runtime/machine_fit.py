@@ -1,6 +1,6 @@
 """Whether a config's engine ranks and threads fit this machine: checked by rlserve.cli before any engine
-process starts, and again by the server for callers that start it themselves. Light: torch is imported only
-to count CUDA devices."""
+process starts (where that needs no CUDA query), and by the server. Light: torch is imported only to ask
+about CUDA."""
 
 from __future__ import annotations
 
@@ -43,6 +43,16 @@ def check_parallel(config: Config) -> None:
             f"num_threads={config.num_threads}{ranks} oversubscribes the {have} CPU cores: lower num_threads (or "
             "leave it unset to split the cores evenly; parallel.oversubscribe_cpu = true runs it anyway, slowly)"
         )
+
+
+def check_before_start(config: Config) -> None:
+    """check_parallel, where it can run before the engine process starts: on a CPU engine. Counting CUDA
+    devices initialises the CUDA driver, and an engine core forked after that could not use the GPU; the
+    server checks those configs once the core has started."""
+    import torch
+
+    if config.model.device == "cpu" or (config.model.device == "auto" and not torch.backends.cuda.is_built()):
+        check_parallel(config)
 
 
 def cuda_devices() -> int:
