@@ -1,12 +1,12 @@
 """Batch-invariant mode on a GPU: rlserve's Triton kernels (model/triton_kernels.py) keep a row's bits
 whatever its batch, and the engine and the patched trainer agree through them bit for bit.
 
-On a CUDA machine the checks run on the GPU. Everywhere the kernels are compiled for Ampere and Hopper
-(Triton ships its ptxas), and the checks run on CPU through Triton's interpreter (TRITON_INTERPRET=1), in a process of their own: the kernels' arithmetic against
-PyTorch's, their row independence, and the engine (chunked prefill, prefix-cache hits, n = 2) against
-the patched transformers model, in fp32 and bf16, with MoE's routed experts. The interpreter is not
-the GPU (its GEMM sums without tensor cores), so on CPU these prove the kernels' logic and the
-engine's and trainer's wiring; the GPU run proves the bits on the card.
+On a CUDA machine the checks run on the GPU. Everywhere the kernels are compiled for Ampere and Hopper (Triton
+ships its ptxas), and the checks run on CPU through Triton's interpreter (TRITON_INTERPRET=1), all in one
+process of their own: the kernels' arithmetic against PyTorch's, their row independence, and the engine
+(chunked prefill, prefix-cache hits, n = 2) against the patched transformers model, in fp32 and bf16, with
+MoE's routed experts. The interpreter is not the GPU (its GEMM sums without tensor cores), so on CPU these
+prove the kernels' logic and the engine's and trainer's wiring; the GPU run proves the bits on the card.
 """
 
 from __future__ import annotations
@@ -31,10 +31,17 @@ SCRIPT = Path(__file__).with_name("exact_triton.py")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def interpreted(*args: str) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-2000:] + run.stderr[-4000:]
+class Interpreted:
+    """exact_triton.py's cases run once, in one process under TRITON_INTERPRET=1, and each case's outcome."""
+
+    def __init__(self, cases: list[str]):
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        run = subprocess.run([sys.executable, str(SCRIPT), *cases], env=env, capture_output=True, text=True,
+                             timeout=1800)  # fmt: skip
+        self.lines, self.output = run.stdout.splitlines(), run.stdout[-2000:] + run.stderr[-6000:]
+
+    def check(self, case: str) -> None:
+        assert f"ok {case}" in self.lines, self.output
 
 
 @pytest.fixture(scope="module")
@@ -45,27 +52,29 @@ def moe_dir(tmp_path_factory):
 # The interpreter runs a program at a time in Python: its runs take the presets with two layers (the MoE one a
 # sparse layer and a dense one), which wire the engine and the trainer as four do, in half the time.
 @pytest.fixture(scope="module")
-def two_layers(tmp_path_factory):
-    return make_variant("tiny", tmp_path_factory.mktemp("models") / "tiny-2-layers", num_hidden_layers=2)
-
-
-@pytest.fixture(scope="module")
-def moe_two_layers(tmp_path_factory):
+def interpreted(tmp_path_factory) -> tuple[Interpreted, dict[str, str]]:
     models = tmp_path_factory.mktemp("models")
-    return make_variant("tiny-moe", models / "tiny-moe-2-layers", num_hidden_layers=2, mlp_only_layers=[1])
+    dense = make_variant("tiny", models / "tiny-2-layers", num_hidden_layers=2)
+    moe = make_variant("tiny-moe", models / "tiny-moe-2-layers", num_hidden_layers=2, mlp_only_layers=[1])
+    cases = {"kernels": "kernels", "float32": f"exact:float32:{dense}", "bfloat16": f"exact:bfloat16:{dense}",
+             "moe": f"exact:float32:{moe}"}  # fmt: skip
+    return Interpreted(list(cases.values())), cases
 
 
-def test_kernels_match_torch_and_keep_rows_independent_interpreted():
-    interpreted("kernels")
+def test_kernels_match_torch_and_keep_rows_independent_interpreted(interpreted):
+    run, cases = interpreted
+    run.check(cases["kernels"])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_engine_and_patched_trainer_agree_bitwise_interpreted(two_layers, dtype):
-    interpreted("exact", str(two_layers), dtype)
+def test_engine_and_patched_trainer_agree_bitwise_interpreted(interpreted, dtype):
+    run, cases = interpreted
+    run.check(cases[dtype])
 
 
-def test_moe_logprobs_and_routed_experts_agree_interpreted(moe_two_layers):
-    interpreted("exact", str(moe_two_layers), "float32")
+def test_moe_logprobs_and_routed_experts_agree_interpreted(interpreted):
+    run, cases = interpreted
+    run.check(cases["moe"])
 
 
 def gpu_kernels(dtype: str):

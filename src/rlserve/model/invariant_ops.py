@@ -13,7 +13,7 @@ tier change nothing. The element-wise C kernels are per row already.
 `invariant_kernels` loads the kernels built with RLSERVE_ROW_INVARIANT (their GEMV is that GEMM;
 the engine keeps its weights packed for it, `PanelWeight`, and the trainer's mirror packs per call:
 the same bits), or on CUDA the Triton kernels of `triton_kernels.py` (the same interface), and
-checks the row independence on the device once per process (fail closed: the mode is refused where
+checks the row independence on the device once per process and dtype (fail closed: the mode is refused where
 a row's bits would follow the batch).
 """
 
@@ -85,8 +85,14 @@ def invariant_kernels(device_type: str = "cpu", dtype: torch.dtype | None = None
     kernels = _kernels(device_type)
     for checked in DTYPES:
         if dtype is None or checked in (dtype, torch.float32):
-            _check_rows_independent(kernels, checked, torch.device(device_type))
+            _rows_checked(device_type, checked)
     return kernels
+
+
+@functools.cache
+def _rows_checked(device_type: str, dtype: torch.dtype) -> None:
+    """A dtype's check once per process, whichever model dtype asked for it first."""
+    _check_rows_independent(_kernels(device_type), dtype, torch.device(device_type))
 
 
 @functools.cache
