@@ -14,7 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-PRELOAD = ["torch", "transformers", "rlserve.engine.engine", "rlserve.server.app"]
+from rlserve.deploy.preloaded import PRELOAD  # what a deployment's forked replicas preload
+
 # read once, when a library loads (GNU OpenMP's and MKL's settings, rlserve's kernel switches): a server forked
 # from the preloaded process keeps the values it loaded with, so one that asks for others is exec'd afresh
 READ_AT_IMPORT = ("OMP_", "MKL_", "KMP_", "GOMP_", "TRITON_INTERPRET", "RLSERVE_GEMV_THREADS")

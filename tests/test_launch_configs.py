@@ -415,9 +415,20 @@ def test_runnable_deployments_serve_and_share_env_vars(name):
         assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3
         servers = [pid for pid in descendants(proc.pid) if b"rlserve" in _read(f"/proc/{pid}/cmdline")]
         assert len(servers) >= 2
-        assert all(b"RLSERVE_ENV_MARK=on" in _read(f"/proc/{pid}/environ") for pid in servers)
+        assert all(b"RLSERVE_ENV_MARK=on" in _environment(pid) for pid in servers)
     finally:
         stop_deployment(proc)
+
+
+def _environment(pid: int) -> bytes:
+    """The environment `pid` started with: /proc/PID/environ, or for a process forked and renamed by setproctitle
+    (a replica forked from the preloaded process, a forked engine core), whose rename wrote over that memory, its
+    parent's, which the fork copied."""
+    environ = _read(f"/proc/{pid}/environ")
+    if b"=" in environ:
+        return environ
+    ppid = int(_read(f"/proc/{pid}/stat").rsplit(b")", 1)[1].split()[1])
+    return _environment(ppid) if ppid > 1 else environ
 
 
 def _read(path: str) -> bytes:

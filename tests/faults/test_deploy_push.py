@@ -37,7 +37,9 @@ BROADCASTER = TRAINER.replace('admin_api_key="admin"', "admin_api_key=None")  # 
 
 @pytest.fixture(scope="module")
 def deployment(root):
-    with two_replicas_under(root) as running:
+    # exec'd replicas: tests here take the deployment's key from a replica's /proc/PID/environ, which holds the
+    # environment a process was exec'd with (a forked replica's is the preloaded process's)
+    with two_replicas_under(root, "--deployment.fork_replicas", "false") as running:
         yield running
 
 

@@ -1,5 +1,6 @@
-"""Child processes of a deployment: started in their own process group, every output line copied to
-ours with a prefix, and stopped with their whole tree (SIGTERM and SIGCONT, then SIGKILL)."""
+"""Child processes of a deployment: started in their own process group (exec'd, or `rlserve.cli` forked from
+the preloaded process: deploy/preloaded.py), every output line copied to ours with a prefix, and stopped with
+their whole tree (SIGTERM and SIGCONT, then SIGKILL)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ import threading
 import time
 from collections.abc import Callable
 
+from rlserve.deploy.preloaded import ForkedCli, fork_cli
+
+CLI = [sys.executable, "-m", "rlserve.cli"]
 _URL_LINE = re.compile(r"rlserve: serving \S+ on (http://\S+)")
 _PR_SET_PDEATHSIG = 1
 
@@ -37,7 +41,8 @@ def _child_setup(cores: list[int] | None) -> Callable[[], None]:
 
 
 class Child:
-    """One child process; `name` prefixes its log lines; `on_line` sees each line (e.g. to find its URL)."""
+    """One child process; `name` prefixes its log lines; `on_line` sees each line (e.g. to find its URL).
+    `preloaded`: `argv` is CLI + its arguments, forked from the preloaded process instead of exec'd."""
 
     def __init__(
         self,
@@ -46,16 +51,21 @@ class Child:
         env: dict[str, str] | None = None,
         on_line: Callable[[str], None] | None = None,
         cores: list[int] | None = None,
+        preloaded: bool = False,
     ):
         self.name, self.argv = name, argv
-        self.proc = subprocess.Popen(
-            argv,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            preexec_fn=_child_setup(cores),
-        )
+        if preloaded:
+            assert argv[: len(CLI)] == CLI, argv
+            self.proc: subprocess.Popen | ForkedCli = fork_cli(argv[len(CLI) :], env or dict(os.environ), cores)
+        else:
+            self.proc = subprocess.Popen(
+                argv,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_child_setup(cores),
+            )
         self._on_line = on_line
         self._pump = threading.Thread(target=self._copy_lines, name=f"log-{name}", daemon=True)
         self._pump.start()
@@ -81,31 +91,42 @@ class Child:
         sends it): a frozen process (SIGSTOP, the supervisor's usual reason to restart a replica that stopped
         answering) handles its SIGTERM only once continued, and would otherwise sit out the grace period."""
         if self.proc.poll() is None:
-            _signal_group(self.proc.pid, signal.SIGTERM)
-            _signal_group(self.proc.pid, signal.SIGCONT)
+            self._signal_group(signal.SIGTERM)
+            self._signal_group(signal.SIGCONT)
             try:
                 self.proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 pass
-        _signal_group(self.proc.pid, signal.SIGKILL)  # stragglers of the group, if any
+        self._signal_group(signal.SIGKILL)  # stragglers of the group, if any
         self.proc.wait()
         self._pump.join(timeout=5)
 
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
+    def _signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            # no group yet: a forked child that has not reached its setsid (an exec'd one has, before exec)
+            if self.proc.poll() is None:
+                try:
+                    os.kill(self.proc.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
 
 
 class ServerChild(Child):
     """An `rlserve serve` child: its URL is the one it prints once it listens."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None, cores: list[int] | None = None):
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str] | None = None,
+        cores: list[int] | None = None,
+        preloaded: bool = False,
+    ):
         self.url: str | None = None
         self._listening = threading.Event()
-        super().__init__(name, argv, env, on_line=self._watch, cores=cores)
+        super().__init__(name, argv, env, on_line=self._watch, cores=cores, preloaded=preloaded)
 
     def _watch(self, line: str) -> None:
         match = _URL_LINE.search(line)

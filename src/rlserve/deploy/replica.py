@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 from rlserve.config.schema import Config, KVTransferConfig
-from rlserve.deploy.process import ServerChild
+from rlserve.deploy.preloaded import can_fork
+from rlserve.deploy.process import CLI, ServerChild
 
 # what the supervisor hands a replica (server/fleet/deployment_guard.py reads them)
 KEY_ENV = "RLSERVE_DEPLOYMENT_KEY"
@@ -102,11 +102,15 @@ class LocalReplica:
         if gpu:  # the i-th GPU this process may use
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
             self.env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[index].strip() if visible else str(index)
+        self.fork = d.fork_replicas
         self.child: ServerChild | None = None
 
     def start(self) -> None:
-        argv = [sys.executable, "-m", "rlserve.cli", "serve", "@", str(self.config_path)]
-        self.child = ServerChild(self.name, argv, self.env, cores=self.cores)
+        # the deployment's key and admin address are read as the server runs; any other difference from the
+        # preloaded process's environment (a role's env vars, a GPU's CUDA_VISIBLE_DEVICES) execs the replica
+        preloaded = self.fork and can_fork(self.env, read_at_run_time=(KEY_ENV, ADMIN_URL_ENV))
+        argv = [*CLI, "serve", "@", str(self.config_path)]
+        self.child = ServerChild(self.name, argv, self.env, cores=self.cores, preloaded=preloaded)
 
     def wait_listening(self, timeout_s: float) -> str:
         assert self.child is not None
