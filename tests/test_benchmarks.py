@@ -113,6 +113,11 @@ def test_server_start_small(tmp_path, model_dir):
     assert re.search(r"^fork/spawn: first answer [\d.]+x the time, [\d.]+x the CPU$", out, re.M), out
 
 
+def test_replica_restart_small(tmp_path, model_dir):
+    out = run(tmp_path, "replica_restart.py", "--rounds", "1", "--model", str(model_dir))
+    assert "forked/exec'd: first answer" in out and "restart" in out
+
+
 def test_moe_quick(tmp_path):
     out = run(tmp_path, "moe.py", "--quick")
     assert rate(out, "rlserve (router replay on)") > 0 and rate(out, "transformers generate_batch") > 0
