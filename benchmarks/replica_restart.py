@@ -5,6 +5,7 @@ again (its engine excluded). The two alternate, round by round, on the same mode
 
     python benchmarks/replica_restart.py --rounds 3            # the embedded default model, 2 replicas
     python benchmarks/replica_restart.py --replicas 3 --model /path/to/model
+    python benchmarks/replica_restart.py --modes forked      # one of the two
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from _server import rlserve_server
 from rlserve.bench.machine import cpu_info, describe
 
 TICK_S = os.sysconf("SC_CLK_TCK")
+MODES = {"forked": True, "exec'd": False}  # deployment.fork_replicas
 
 
 def cpu_s(pid: int) -> float:
@@ -59,10 +61,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--model", help="a model directory or hub id (default: the embedded model)")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     args = p.parse_args()
     model = ["--model.name", args.model] if args.model else []
     print(describe(cpu_info()))
-    runs: dict[bool, list[tuple[float, float, float]]] = {True: [], False: []}
+    runs: dict[bool, list[tuple[float, float, float]]] = {MODES[m]: [] for m in args.modes}
     for _ in range(args.rounds):
         for fork in runs:
             runs[fork].append(once(fork, args.replicas, model))
@@ -72,8 +75,11 @@ def main() -> None:
         medians[fork] = [statistics.median(r[i] for r in rows) for i in range(3)]
         name = "forked" if fork else "exec'd"
         print(f"{name:<12}{medians[fork][0]:>15.2f}{medians[fork][1]:>11.2f}{medians[fork][2]:>24.2f}")
-    f, e = medians[True], medians[False]
-    print(f"forked/exec'd: first answer {f[0] / e[0]:.2f}x, restart {f[1] / e[1]:.2f}x, server CPU {f[2] / e[2]:.2f}x")
+    if len(medians) == 2:
+        f, e = medians[True], medians[False]
+        print(
+            f"forked/exec'd: first answer {f[0] / e[0]:.2f}x, restart {f[1] / e[1]:.2f}x, server CPU {f[2] / e[2]:.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -8,19 +8,20 @@ as it runs, is forked; any other is exec'd afresh (deploy/process.py decides).""
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing
 import multiprocessing.forkserver
 import os
 import runpy
-import signal
 import subprocess
 import sys
 import threading
 from multiprocessing.connection import Connection, wait
 
+import setproctitle
+
+from rlserve.engine.child import die_with_parent
+
 PRELOAD = ["torch", "transformers", "rlserve.engine.engine", "rlserve.server.app"]
-_PR_SET_PDEATHSIG = 1
 _preloaded_env: dict[str, str] | None = None  # the environment the preloaded process started with
 
 
@@ -60,10 +61,10 @@ def fork_cli(argv: list[str], env: dict[str, str], cores: list[int] | None = Non
 
 def _run_cli(argv: list[str], env: dict[str, str], out: Connection, cores: list[int] | None) -> None:
     """In the forked child: what `python -m rlserve.cli *argv` would be under deploy/process.py's Child."""
+    preloaded = os.getppid()
     os.setsid()
     _let_the_preloaded_process_die_with_the_launcher()
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() == 1:  # the preloaded process died before prctl took effect
+    if not die_with_parent(preloaded):  # it died before prctl took effect
         os._exit(1)
     if cores:
         os.sched_setaffinity(0, cores)
@@ -72,8 +73,6 @@ def _run_cli(argv: list[str], env: dict[str, str], out: Connection, cores: list[
     out.close()
     for stream in (sys.stdout, sys.stderr):  # a line at a time, so the parent sees the URL line when it is printed
         stream.reconfigure(line_buffering=True)
-    import setproctitle
-
     # named before the environment changes: setproctitle finds the memory it rewrites next to the initial one
     setproctitle.setproctitle(" ".join([sys.executable, "-m", "rlserve.cli", *argv]))
     os.environ.clear()
@@ -83,10 +82,10 @@ def _run_cli(argv: list[str], env: dict[str, str], out: Connection, cores: list[
 
 
 def _let_the_preloaded_process_die_with_the_launcher() -> None:
-    """The forkserver exits once every holder of its "alive" pipe's write end has: the launcher, and each child,
-    which multiprocessing hands a copy so that it could start processes of its own the same way. A server does
-    not; holding it, its replica would keep the forkserver alive, and the forkserver it (PDEATHSIG), after the
-    launcher was killed."""
+    """multiprocessing hands each child a copy of the forkserver's "alive" pipe, so that the child could start
+    processes the same way; the forkserver exits once every copy is closed. A replica starts none, and had it kept
+    its copy, a killed launcher would leave the forkserver waiting for the replica and the replica (dying with the
+    forkserver, by PDEATHSIG) waiting for the forkserver."""
     server = multiprocessing.forkserver._forkserver
     alive = getattr(server, "_forkserver_alive_fd", None)
     if alive is not None:
