@@ -147,8 +147,8 @@ def patch_the_language_once() -> None:
 
 
 def run_case(case: str) -> None:
-    """`kernels`, or `exact:DTYPE:MODEL_DIR` on the interpreter: 3 prompts x n = 2, 4 tokens, the first and last sequence alone
-    (the interpreter runs a program at a time in Python)."""
+    """`kernels`, or `exact:DTYPE:MODEL_DIR` on the interpreter: 3 prompts x n = 2, 4 tokens, the first and the
+    last sequence alone beside the padded batch (the interpreter runs a program at a time in Python)."""
     if case == "kernels":
         kernels_match_torch("cpu")
     else:
