@@ -19,25 +19,23 @@ def check_parallel(config: Config) -> None:
             "parallel.tp > 1 runs the engine core process with its worker ranks: drop engine.core_process=false"
         )
     device = config.model.device
-    if device.startswith("cuda") or (device == "auto" and cuda_devices()):
-        have, what = cuda_devices(), "CUDA devices"
-    else:
+    gpus = cuda_devices() if device.startswith("cuda") or device == "auto" else 0
+    on_cpu = not (device.startswith("cuda") or gpus)
+    if on_cpu:
         have, what = os.cpu_count() or 1, "CPU cores"
         if config.parallel.oversubscribe_cpu:  # asked for: the ranks share the cores, slowly
             return
+    else:
+        have, what = gpus, "CUDA devices"
     if tp * dp > have:
-        also = (
-            " (or, on CPU, set parallel.oversubscribe_cpu = true to run it anyway, slowly)"
-            if what == "CPU cores"
-            else ""
-        )
+        also = " (or, on CPU, set parallel.oversubscribe_cpu = true to run it anyway, slowly)" if on_cpu else ""
         raise ValueError(
             f"parallel.tp * parallel.dp = {tp} * {dp} = {tp * dp} needs that many {what}, this machine "
             f"has {have}: lower parallel.dp or parallel.tp{also}"
         )
     # checked before any engine starts (rlserve.cli): torch would start that many OpenMP threads, and a
     # mistyped 100000 takes the machine's last free PIDs from every other process until it is refused
-    if config.num_threads and config.num_threads * tp * dp > have and what == "CPU cores":
+    if on_cpu and config.num_threads and config.num_threads * tp * dp > have:
         ranks = f" per engine rank times {tp * dp} ranks" if tp * dp > 1 else ""
         raise ValueError(
             f"num_threads={config.num_threads}{ranks} oversubscribes the {have} CPU cores: lower num_threads (or "
