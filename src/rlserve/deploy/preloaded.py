@@ -22,6 +22,7 @@ import setproctitle
 from rlserve.engine.child import die_with_parent
 
 PRELOAD = ["torch", "transformers", "rlserve.engine.engine", "rlserve.server.app"]
+CLI = [sys.executable, "-m", "rlserve.cli"]  # the command a replica runs, exec'd or (named so) forked
 _preloaded_env: dict[str, str] | None = None  # the environment the preloaded process started with
 
 
@@ -74,7 +75,7 @@ def _run_cli(argv: list[str], env: dict[str, str], out: Connection, cores: list[
     for stream in (sys.stdout, sys.stderr):  # a line at a time, so the parent sees the URL line when it is printed
         stream.reconfigure(line_buffering=True)
     # named before the environment changes: setproctitle finds the memory it rewrites next to the initial one
-    setproctitle.setproctitle(" ".join([sys.executable, "-m", "rlserve.cli", *argv]))
+    setproctitle.setproctitle(" ".join([*CLI, *argv]))
     os.environ.clear()
     os.environ.update(env)
     sys.argv = [sys.argv[0], *argv]

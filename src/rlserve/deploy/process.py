@@ -4,7 +4,6 @@ their whole tree (SIGTERM and SIGCONT, then SIGKILL)."""
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import signal
@@ -14,26 +13,20 @@ import threading
 import time
 from collections.abc import Callable
 
-from rlserve.deploy.preloaded import ForkedCli, fork_cli
+from rlserve.deploy.preloaded import CLI, ForkedCli, fork_cli
+from rlserve.engine.child import die_with_parent
 
-CLI = [sys.executable, "-m", "rlserve.cli"]
 _URL_LINE = re.compile(r"rlserve: serving \S+ on (http://\S+)")
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """Linux: the child gets SIGTERM if the supervisor dies without cleaning up (e.g. kill -9)."""
-    os.setsid()
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _child_setup(cores: list[int] | None) -> Callable[[], None]:
-    """Runs in the child before exec: its own session, death with the parent, and (if given) its cores, which
-    every thread and process it starts inherits."""
+    """Runs in the child before exec: its own session, death with the parent (SIGTERM if the supervisor dies
+    without cleaning up, e.g. kill -9), and (if given) its cores, which every thread and process it starts
+    inherits."""
 
     def setup() -> None:
-        _die_with_parent()
+        os.setsid()
+        die_with_parent(os.getppid())
         if cores:
             os.sched_setaffinity(0, cores)
 

@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import shutil
-import sys
 import tempfile
 import uuid
 from pathlib import Path
@@ -23,7 +22,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlserve.config.schema import Config
-from rlserve.deploy.process import ServerChild
+from rlserve.deploy.process import CLI, ServerChild
 from rlserve.deploy.replica import ADMIN_URL_ENV, KEY_ENV, engines_per_replica, replica_config, wide_ep
 from rlserve.engine.tp.ray_ranks import ActorExit
 from rlserve.runtime.ports import free_port
@@ -64,7 +63,7 @@ class ReplicaHost:
             path = Path(workdir) / "replica.json"
             with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
                 json.dump(config, f)
-            argv = [sys.executable, "-m", "rlserve.cli", "serve", "@", str(path)]
+            argv = [*CLI, "serve", "@", str(path)]
             self.child = ServerChild(f"replica {index}", argv, {**os.environ, **env})
             return self.child.wait_listening(PLACEMENT_TIMEOUT_S)
         finally:
