@@ -113,6 +113,10 @@ def rejoined(admin: str, victim: dict) -> dict | None:
     return None
 
 
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
 def descendants(pid: int) -> list[int]:
     """Every live process under pid (Linux /proc), children first."""
     children: dict[int, list[int]] = {}

@@ -27,6 +27,7 @@ from deploy_helpers import (
     alive,
     descendants,
     local_ray_cluster,
+    parent_of,
     replicas,
     sigterm_leaves_nothing,
     start_deployment,
@@ -105,9 +106,10 @@ def _long_generations(urls: list[str]) -> tuple[list[threading.Thread], list, th
 
 def test_a_killed_wide_ep_server_restarts_its_whole_group(cluster, tmp_path):
     """Kill a server with requests in flight on both, then the other (the rendezvous host) while idle, then freeze
-    one (SIGSTOP) with a request in flight on the other: each time every server of the group restarts, the old
-    processes of both are gone, and the group serves the updated weights again: the pre-kill tokens, logprobs and
-    routed experts, which match transformers. Then a kill whose restart fails: the group starts again."""
+    one (SIGSTOP) with a request in flight on the other: each time every server of the group restarts, forked
+    from its node's preloaded process, the old processes of both are gone, and the group serves the updated
+    weights again: the pre-kill tokens, logprobs and routed experts, which match transformers. Then a kill whose
+    restart fails: the group starts again. SIGTERM ends everything, the preloaded processes too."""
     make_model("tiny-moe", tmp_path / "base", seed=0)
     step1 = make_model("tiny-moe", tmp_path / "step-1", seed=1)
     public, admin, proc = start_deployment(
@@ -129,6 +131,9 @@ def test_a_killed_wide_ep_server_restarts_its_whole_group(cluster, tmp_path):
         np.testing.assert_array_equal(routed, hf_experts(hf, (PROMPT + before["token_ids"])[:-1]))
 
         rows = sorted(replicas(admin), key=lambda r: r["index"])
+        # each node's server is forked from a preloaded process its host keeps, and so is every restart of it
+        hosts = [parent_of(r["pid"]) for r in rows]
+        assert all(b"multiprocessing.forkserver" in c for c in _cmdlines(hosts)), _cmdlines(hosts)
         # node 1's server killed mid-generation, node 0's (the rendezvous host) killed idle, node 1's frozen with
         # a generation on node 0 (its engines then wait in collectives with the frozen one: only a restart ends it)
         for restarts, (victim, sig, busy) in enumerate(PHASES, 1):
@@ -140,6 +145,7 @@ def test_a_killed_wide_ep_server_restarts_its_whole_group(cluster, tmp_path):
                 os.kill(target, sig)
             rows = wait_for(lambda n=restarts: _group_restarted(admin, n), 600, "the whole group to restart")
             assert not any(alive(pid) for pid in old), "a process of the broken group outlived its restart"
+            assert [parent_of(r["pid"]) for r in rows] == hosts
             for t in threads:  # the in-flight generations ended (cut off or finished), none hangs
                 t.join(300)
                 assert not t.is_alive()
@@ -153,8 +159,9 @@ def test_a_killed_wide_ep_server_restarts_its_whole_group(cluster, tmp_path):
         (tmp_path / "away").rename(tmp_path / "base")
         rows = wait_for(lambda: _group_restarted(admin, len(PHASES) + 2, True), 600, "the group to start again")
         _serves_as_before(public, rows, before, routed)
+        assert [parent_of(r["pid"]) for r in rows] == hosts
         router_pid = httpx.get(f"{admin}/deployment", timeout=30).json()["router_pid"]
-        tree = [*descendants(proc.pid), router_pid, *_tree(rows)]
+        tree = [*descendants(proc.pid), router_pid, *_tree(rows), *hosts]  # the preloaded processes end too
     except BaseException:
         stop_deployment(proc)
         raise

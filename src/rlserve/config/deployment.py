@@ -114,9 +114,9 @@ class DeploymentConfig(Section):
     )
     fork_replicas: bool = Field(
         True,
-        description="replicas on this machine: fork each start and restart from one process that imported the "
-        "server stack once (~6 s of CPU less each, on Linux) where the replica's environment is the launcher's; "
-        "false = exec each afresh",
+        description="fork each start and restart of a replica from one process (on its node, on Ray) that "
+        "imported the server stack once (~6 s of CPU less each, on Linux) where the replica's environment is its "
+        "launcher's; false = exec each afresh",
     )
 
     # parallel.tp, set by Config: how many nodes a disaggregated server on Ray spans depends on it

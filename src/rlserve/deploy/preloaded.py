@@ -21,7 +21,9 @@ import setproctitle
 
 from rlserve.engine.child import die_with_parent
 
-PRELOAD = ["torch", "transformers", "rlserve.engine.engine", "rlserve.server.app"]
+# "__main__": a launcher run as a script (a Ray worker's default_worker.py) is imported once here, not again by
+# every child as multiprocessing prepares it
+PRELOAD = ["__main__", "torch", "transformers", "rlserve.engine.engine", "rlserve.server.app"]
 CLI = [sys.executable, "-m", "rlserve.cli"]  # the command a replica runs, exec'd or (named so) forked
 _preloaded_env: dict[str, str] | None = None  # the environment the preloaded process started with
 

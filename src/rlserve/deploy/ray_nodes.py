@@ -1,6 +1,8 @@
-"""Multi-node on Ray: one replica per node, placed by a STRICT_SPREAD placement group. Each replica is a
-small actor that runs `rlserve serve` on its node as a child process (the same process tree as on one
-machine); the supervisor, the router and the admin address stay on the head node with the driver.
+"""Multi-node on Ray: one replica per node, placed by a STRICT_SPREAD placement group. Each replica has a
+small actor on its node that runs `rlserve serve` as a child process (the same process tree as on one machine)
+and lives as long as the deployment: a restarted server is forked from the preloaded process the actor keeps
+(deploy/preloaded.py), where a new actor would import everything again. The supervisor, the router and the admin
+address stay on the head node with the driver.
 Disaggregated on Ray: the prefill servers' bundles come first, then the decode servers'; each server's KV block
 server listens on its first node's IP, and decode servers may pull from the prefill servers' IPs.
 A server spanning nodes (deployment.nodes_per_replica, or a disaggregated replica's nodes shared by its tp ranks:
@@ -22,7 +24,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlserve.config.schema import Config
-from rlserve.deploy.process import CLI, ServerChild
+from rlserve.deploy.preloaded import CLI, can_fork
+from rlserve.deploy.process import ServerChild
 from rlserve.deploy.replica import ADMIN_URL_ENV, KEY_ENV, engines_per_replica, replica_config, wide_ep
 from rlserve.engine.tp.ray_ranks import ActorExit
 from rlserve.runtime.ports import free_port
@@ -46,13 +49,13 @@ def niceness_warning(name: str, niceness: int) -> str | None:
 
 
 class ReplicaHost:
-    """Ray actor on one node: starts and watches the node's `rlserve serve` process."""
+    """Ray actor on one node: starts, watches and stops the node's `rlserve serve` process, each incarnation."""
 
     def __init__(self) -> None:
         self.child: ServerChild | None = None
         self.workdir: str | None = None  # while a start waits for its server
 
-    def start(self, index: int, config: dict, env: dict[str, str]) -> str:
+    def start(self, index: int, config: dict, env: dict[str, str], fork: bool) -> str:
         ip = ray.util.get_node_ip_address()
         config = config | {"server": config["server"] | {"host": ip}}
         if "kv_transfer" in config:  # the address decode servers on other nodes pull from
@@ -64,8 +67,10 @@ class ReplicaHost:
             with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
                 json.dump(config, f)
             argv = [*CLI, "serve", "@", str(path)]
-            self.child = ServerChild(f"replica {index}", argv, {**os.environ, **env})
-            return self.child.wait_listening(PLACEMENT_TIMEOUT_S)
+            env = {**os.environ, **env}
+            preloaded = fork and can_fork(env, read_at_run_time=(KEY_ENV, ADMIN_URL_ENV))  # as LocalReplica.start
+            child = self.child = ServerChild(f"replica {index}", argv, env, preloaded=preloaded)
+            return child.wait_listening(PLACEMENT_TIMEOUT_S)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
             self.workdir = None
@@ -82,7 +87,8 @@ class ReplicaHost:
     def stop(self) -> None:
         if self.child is not None:
             self.child.stop()
-        if self.workdir is not None:  # a start still waiting: the supervisor kills this actor before it cleans up
+            self.child = None  # a poll before the next start must not report this incarnation's exit
+        if self.workdir is not None:  # a start still waiting: it cleans up too once its server has exited
             shutil.rmtree(self.workdir, ignore_errors=True)
 
 
@@ -116,20 +122,22 @@ class RayReplica:
             self.config.pop("num_threads", None)
         role_env = {"prefill": d.prefill_env_vars, "decode": d.decode_env_vars}.get(self.role or "", {})
         self.env = {**role_env, KEY_ENV: key, ADMIN_URL_ENV: admin_url}
+        self.fork = d.fork_replicas
         self.pid: int | None = None  # the server's process id on its node
         self.actor = None
         self._url_ref = None
         self._exit: ActorExit | None = None
 
     def start(self) -> None:
-        strategy = PlacementGroupSchedulingStrategy(
-            placement_group=self.group, placement_group_bundle_index=self.bundle
-        )
-        # threaded: a poll must not queue behind `start`, which blocks until the server listens
-        self.actor = (
-            ray.remote(num_cpus=1, max_concurrency=4)(ReplicaHost).options(scheduling_strategy=strategy).remote()
-        )
-        self._url_ref = self.actor.start.remote(self.index, self.config, self.env)
+        if self.actor is None:  # the first start, or the last host died (or stopped answering) with its server
+            strategy = PlacementGroupSchedulingStrategy(
+                placement_group=self.group, placement_group_bundle_index=self.bundle
+            )
+            # threaded: a poll must not queue behind `start`, which blocks until the server listens
+            self.actor = (
+                ray.remote(num_cpus=1, max_concurrency=4)(ReplicaHost).options(scheduling_strategy=strategy).remote()
+            )
+        self._url_ref = self.actor.start.remote(self.index, self.config, self.env, self.fork)
         self._exit = ActorExit(self.actor)
 
     def wait_listening(self, timeout_s: float) -> str:
@@ -147,14 +155,20 @@ class RayReplica:
         return None if self._exit is None else self._exit()
 
     def stop(self) -> None:
+        """Stop the server; its host stays for the next start unless it is gone or does not answer."""
         if self.actor is None:
             return
         try:
             ray.get(self.actor.stop.remote(), timeout=60)
+            return
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
-            pass
-        ray.kill(self.actor)
-        self.actor, self._exit = None, None
+            self.close()
+
+    def close(self) -> None:
+        """End the host with whatever it still runs (its server dies with it)."""
+        if self.actor is not None:
+            ray.kill(self.actor)
+            self.actor, self._exit = None, None
 
 
 def ray_replicas(config: Config, key: str, admin_url: str) -> list[RayReplica]:
@@ -224,8 +238,11 @@ def _bundle_ips(group) -> dict[int, str]:
 
 
 def release(replicas: list) -> None:
-    """After the replicas stopped: give the placement group back and leave the cluster."""
-    groups = {id(r.group): r.group for r in replicas if isinstance(r, RayReplica)}
+    """After the replicas stopped: end their hosts, give the placement group back and leave the cluster."""
+    ours = [r for r in replicas if isinstance(r, RayReplica)]
+    for replica in ours:
+        replica.close()
+    groups = {id(r.group): r.group for r in ours}
     for group in groups.values():
         remove_placement_group(group)
     if groups and ray.is_initialized():
