@@ -24,9 +24,9 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlserve.config.schema import Config
-from rlserve.deploy.preloaded import CLI, can_fork
+from rlserve.deploy.preloaded import CLI
 from rlserve.deploy.process import ServerChild
-from rlserve.deploy.replica import ADMIN_URL_ENV, KEY_ENV, engines_per_replica, replica_config, wide_ep
+from rlserve.deploy.replica import ADMIN_URL_ENV, KEY_ENV, engines_per_replica, forkable, replica_config, wide_ep
 from rlserve.engine.tp.ray_ranks import ActorExit
 from rlserve.runtime.ports import free_port
 
@@ -68,7 +68,7 @@ class ReplicaHost:
                 json.dump(config, f)
             argv = [*CLI, "serve", "@", str(path)]
             env = {**os.environ, **env}
-            preloaded = fork and can_fork(env, read_at_run_time=(KEY_ENV, ADMIN_URL_ENV))  # as LocalReplica.start
+            preloaded = fork and forkable(env)
             child = self.child = ServerChild(f"replica {index}", argv, env, preloaded=preloaded)
             return child.wait_listening(PLACEMENT_TIMEOUT_S)
         finally:

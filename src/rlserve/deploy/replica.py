@@ -16,6 +16,13 @@ KEY_ENV = "RLSERVE_DEPLOYMENT_KEY"
 ADMIN_URL_ENV = "RLSERVE_DEPLOYMENT_ADMIN_URL"
 
 
+def forkable(env: dict[str, str]) -> bool:
+    """Whether a replica with `env` may fork from the preloaded process: the deployment's key and admin address
+    are read as the server runs; any other difference from that process's environment (a role's env vars, a
+    GPU's CUDA_VISIBLE_DEVICES) execs the replica."""
+    return can_fork(env, read_at_run_time=(KEY_ENV, ADMIN_URL_ENV))
+
+
 def replica_config(
     config: Config, index: int, host: str, cpu_count: int | None = None, prefill_hosts: list[str] | None = None
 ) -> dict:
@@ -106,9 +113,7 @@ class LocalReplica:
         self.child: ServerChild | None = None
 
     def start(self) -> None:
-        # the deployment's key and admin address are read as the server runs; any other difference from the
-        # preloaded process's environment (a role's env vars, a GPU's CUDA_VISIBLE_DEVICES) execs the replica
-        preloaded = self.fork and can_fork(self.env, read_at_run_time=(KEY_ENV, ADMIN_URL_ENV))
+        preloaded = self.fork and forkable(self.env)
         argv = [*CLI, "serve", "@", str(self.config_path)]
         self.child = ServerChild(self.name, argv, self.env, cores=self.cores, preloaded=preloaded)
 
