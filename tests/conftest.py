@@ -25,6 +25,33 @@ SERVER_DEFAULTS = ("--engine.kv_cache_bytes", str(64 << 20), "--model.max_model_
 _URL_LINE = re.compile(r"rlserve: serving \S+ on (http://\S+)")
 
 
+def _one_default_tls_context() -> None:
+    """httpx.get/post/stream build a client per call, and every client a TLS context: ~50 ms of CPU loading the CA
+    bundle, for the tests' thousands of calls to http:// servers, which never use it. In the test processes
+    (not the servers they start) clients built with the default verification share one context, as httpx's docs
+    suggest for many clients; any other verify or cert argument builds its own as before."""
+    from httpx._transports import default
+
+    build = getattr(default, "create_ssl_context", None)
+    if build is None or getattr(build, "shared", False):
+        return
+    made: dict[tuple, object] = {}
+
+    def create_ssl_context(verify=True, cert=None, trust_env=True):
+        if verify is not True or cert is not None:
+            return build(verify=verify, cert=cert, trust_env=trust_env)
+        key = (trust_env, *(os.environ.get(k) for k in ("SSL_CERT_FILE", "SSL_CERT_DIR") if trust_env))
+        if key not in made:
+            made[key] = build(verify=verify, cert=cert, trust_env=trust_env)
+        return made[key]
+
+    create_ssl_context.shared = True  # type: ignore[attr-defined]
+    default.create_ssl_context = create_ssl_context
+
+
+_one_default_tls_context()
+
+
 def start_server(
     *args: str,
     timeout: float = 180.0,

@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM
 from rlserve.config.schema import Config
 from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams
-from rlserve.model.make import make_model
-from test_engine import hf_logprobs, random_prompts
+from rlserve.model.make import bench_cache_dir, make_model
+from test_engine import random_prompts
 
 GREEDY_TOKENS = 8
 # Measured on random-weight models (8 prompts x 8 greedy tokens): rlserve bf16's logprobs differ
@@ -28,6 +28,8 @@ HEAD_ERRORS = {"bfloat16": 0.035, "float32": 0.03}
 
 @pytest.fixture(scope="module", params=["tiny", pytest.param("smollm2-135m", marks=pytest.mark.slow)])
 def model_dir(request, tmp_path_factory):
+    if request.param == "smollm2-135m":  # built once per machine (the benchmarks' cache): ~9 s of CPU a build
+        return make_model(request.param, bench_cache_dir() / request.param)
     return make_model(request.param, tmp_path_factory.mktemp("models") / request.param)
 
 
@@ -48,20 +50,37 @@ def greedy(engine: Engine, prompts):
     return [out.outputs[0] for out in engine.generate(prompts, params)]
 
 
-def logprob_errors(hf, prompts, completions) -> torch.Tensor:
+class Forwards:
+    """transformers' plain forward of each token sequence, computed once: the near-tie check reads the forward of
+    prompt + transformers' greedy tokens, and the logprob errors that of prompt + the engine's tokens, which is the
+    same sequence whenever the two agree (the same input to the same deterministic forward: the same logits)."""
+
+    def __init__(self, hf):
+        self.hf, self.logits = hf, {}
+
+    def __call__(self, prompt: list[int], completion: list[int]) -> torch.Tensor:
+        """float32 logits at each completion position (what test_engine.hf_logprobs takes the log_softmax of)."""
+        key = (*prompt, *completion)
+        if key not in self.logits:
+            with torch.no_grad():
+                self.logits[key] = self.hf(torch.tensor([list(key)])).logits[0].float()
+        start = len(prompt) - 1
+        return self.logits[key][start : start + len(completion)]
+
+
+def logprob_errors(forwards: Forwards, prompts, completions) -> torch.Tensor:
     """|engine logprob - hf forward logprob| of every generated token."""
     errors = []
     for prompt, comp in zip(prompts, completions):
         ids = torch.tensor(comp.token_ids).unsqueeze(1)
-        want = hf_logprobs(hf, prompt, comp.token_ids).gather(1, ids).squeeze(1)
+        want = torch.log_softmax(forwards(prompt, comp.token_ids), dim=-1).gather(1, ids).squeeze(1)
         errors.append((torch.tensor(comp.logprobs) - want).abs())
     return torch.cat(errors)
 
 
-def tokens_before_near_tie(hf, prompt: list[int], ref: list[int]) -> int:
+def tokens_before_near_tie(forwards: Forwards, prompt: list[int], ref: list[int]) -> int:
     """How many of transformers' greedy tokens are decided by a margin above NEAR_TIE."""
-    with torch.no_grad():
-        logits = hf(torch.tensor([prompt + ref])).logits[0, len(prompt) - 1 : len(prompt) - 1 + len(ref)].float()
+    logits = forwards(prompt, ref)
     top2 = logits.topk(2, dim=-1).values
     near = ((top2[:, 0] - top2[:, 1]) < NEAR_TIE).nonzero()
     return len(ref) if len(near) == 0 else int(near[0])
@@ -74,17 +93,18 @@ def test_bf16_greedy_tokens_and_logprobs_follow_transformers_bf16(model_dir):
     prompts = random_prompts(8, engine.vocab_size, seed=3)
     completions = greedy(engine, prompts)
     hf = hf_model(model_dir, torch.bfloat16)
+    forwards = Forwards(hf)
     compared = 0
     for prompt, comp in zip(prompts, completions):
         ref = hf.generate(
             torch.tensor([prompt]), max_new_tokens=GREEDY_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
         )
         ref = ref[0, len(prompt) :].tolist()
-        decided = tokens_before_near_tie(hf, prompt, ref)
+        decided = tokens_before_near_tie(forwards, prompt, ref)
         assert comp.token_ids[:decided] == ref[:decided]
         compared += decided
     assert compared >= GREEDY_TOKENS  # at least a prompt's worth of tokens compared
-    errors = logprob_errors(hf, prompts, completions)
+    errors = logprob_errors(forwards, prompts, completions)
     print(f"bf16 greedy tokens compared: {compared}; max |bf16 logprob - transformers bf16| = {errors.max():.4f}")
     assert errors.max() < BF16_LOGPROB_ATOL
 

@@ -29,9 +29,10 @@ def deployment(root):
         yield running
 
 
-def served(url: str) -> float:
-    """Requests this replica finished, from its own Prometheus metrics."""
-    text = httpx.get(f"{url}/metrics", timeout=30).text
+def served(url: str, http: httpx.Client | None = None) -> float:
+    """Requests this replica finished, from its own Prometheus metrics (through `http` where given: a one-off
+    httpx.get builds a client, and its TLS context, each call)."""
+    text = (http or httpx).get(f"{url}/metrics", timeout=30).text
     return sum(
         s.value
         for f in text_string_to_metric_families(text)
@@ -49,15 +50,15 @@ def test_sessions_stick_to_one_replica_and_fields_pass_unchanged(deployment):
     public, admin, _ = deployment
     urls = serving_urls(admin)
     assert len(urls) == 2
-    counts = {u: served(u) for u in urls}
     home: dict[int, set[str]] = {}
     with httpx.Client(timeout=60) as http:
+        counts = {u: served(u, http) for u in urls}
         for turn in range(4):
             for session in range(32):
                 body = {"prompt": [session + 1, turn + 1], "max_tokens": 1, "temperature": 0}
                 r = http.post(f"{public}/v1/completions", json=body, headers={"X-Session-ID": f"traj-{session}"})
                 assert r.status_code == 200, r.text
-                now = {u: served(u) for u in urls}
+                now = {u: served(u, http) for u in urls}
                 (landed,) = [u for u in urls if now[u] == counts[u] + 1]
                 counts = now
                 home.setdefault(session, set()).add(landed)

@@ -12,15 +12,16 @@ from transformers import AutoModelForCausalLM
 from rlserve.config.schema import Config
 from rlserve.engine.engine import Engine
 from rlserve.engine.params import SamplingParams
-from rlserve.model.make import make_model
+from rlserve.model.make import bench_cache_dir, make_model
 from test_engine import assert_matches_hf
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_model("smollm2-135m", tmp_path_factory.mktemp("models") / "smollm2-135m")
+def model_dir():
+    # built once per machine (the benchmarks' cache, as test_bf16 does): ~9 s of CPU a build
+    return make_model("smollm2-135m", bench_cache_dir() / "smollm2-135m")
 
 
 def test_greedy_and_logprobs_match_transformers(model_dir):

@@ -50,16 +50,41 @@ def choice_lps(choice):
     return [e["logprob"] for e in choice["logprobs"]["content"]]
 
 
+# hf_check's references, by the model's files and the prompt: transformers' greedy ids (by their count) and the
+# logprobs of its forward (by the ids)
+_HF_GREEDY: dict[tuple, list[int]] = {}
+_HF_LOGPROBS: dict[tuple, torch.Tensor] = {}
+
+
+def _files_of(model_dir) -> tuple:
+    """What a model directory holds, by path, size and mtime: a key that changes when any of its files does."""
+    d = Path(model_dir).resolve()
+    return (str(d), *sorted((f.name, st.st_size, st.st_mtime_ns) for f in d.iterdir() for st in [f.stat()]))
+
+
 def hf_check(model_dir, prompt, choice):
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = choice["token_ids"]
-    ref = hf.generate(
-        torch.tensor([prompt]), max_new_tokens=len(ids), do_sample=False, eos_token_id=None, pad_token_id=0
-    )
-    assert ids == ref[0, len(prompt) :].tolist()
-    with torch.no_grad():
-        logits = hf(torch.tensor([prompt + ids])).logits[0].float()
-    lp = torch.log_softmax(logits[len(prompt) - 1 : -1], -1).gather(1, torch.tensor(ids).unsqueeze(1)).squeeze(1)
+    """The choice's tokens are transformers' greedy ones and its logprobs those of transformers' forward (1e-4).
+    Each reference is computed once per model files and prompt: tests that ask every replica the same prompt
+    compare each answer with the same deterministic computation on the same weights."""
+    ids, hf = choice["token_ids"], None
+    files = _files_of(model_dir)
+    greedy = (files, tuple(prompt), len(ids))
+    if greedy not in _HF_GREEDY:
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        ref = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=len(ids), do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+        _HF_GREEDY[greedy] = ref[0, len(prompt) :].tolist()
+    assert ids == _HF_GREEDY[greedy]
+    scored = (files, tuple(prompt), tuple(ids))
+    if scored not in _HF_LOGPROBS:
+        if hf is None:
+            hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + ids])).logits[0].float()
+        lp = torch.log_softmax(logits[len(prompt) - 1 : -1], -1).gather(1, torch.tensor(ids).unsqueeze(1)).squeeze(1)
+        _HF_LOGPROBS[scored] = lp
+    lp = _HF_LOGPROBS[scored]
     assert torch.allclose(torch.tensor(choice_lps(choice)), lp, atol=1e-4)
 
 
