@@ -78,6 +78,7 @@ def prompt_rows(seed: int, length: int, kv_heads: int, group: int, head_dim: int
         (33, 1, 1, 32, 32, 1),  # one query vector per row: tiles of 48 rows
         (20, 1, 32, 16, 8, 10),  # the widest group: one row per tile
         (45, 2, 2, 128, 16, 3),  # a 128 head size; tiles of 24 rows, two lane vectors and a ragged last tile
+        (30, 1, 16, 18, 8, 1),  # a head size the AVX2 lanes form does not take (D % 4): plain C there
     ],
 )
 def test_prompt_rows_attend_as_tiles(kernels, invariant, length, kv_heads, group, head_dim, block_size, first):
@@ -99,6 +100,20 @@ def test_prompt_rows_attend_as_tiles(kernels, invariant, length, kv_heads, group
                  for i in range(len(lens))]
             )  # fmt: skip
             assert torch.equal(got, alone), dtype
+
+
+def test_prompt_tiles_take_the_lanes_form_of_the_cpus_vectors(kernels, model_dir):
+    """fp32 prompt tiles take a lanes form wherever the CPU has wide FMAs (AVX-512, or AVX2 + FMA in
+    the default build), and the engine sends prompt rows through them; the batch-invariant build on
+    AVX2 keeps the per-query form, whose bits a decode row shares."""
+    from rlserve.model.invariant_ops import invariant_kernels
+
+    flags = {f for ln in open("/proc/cpuinfo") if ln.startswith("flags") for f in ln.split(":", 1)[1].split()}
+    avx512, avx2 = {"avx512f", "avx512bw", "avx512vl"} <= flags, {"avx2", "fma"} <= flags
+    expected = 512 if avx512 else 256 if avx2 else 0
+    assert kernels.attention_lanes(torch.float32) == expected
+    assert invariant_kernels().attention_lanes(torch.float32) == (512 if avx512 else 0)
+    assert make_engine(model_dir).runner.prompt_rows_in_kernel == (expected > 0)
 
 
 def test_rows_of_different_sequences_never_share_a_tile(kernels):

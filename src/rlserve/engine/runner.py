@@ -69,7 +69,9 @@ class ModelRunner:
         # that was measured faster than torch's flash SDPA: its attention at 1.4-2.6x SDPA's from 256
         # to 4,096 positions; prefill tokens/s at 2,048 and 4,096 positions 1.31x and 1.31x (fp32),
         # 1.57x and 1.36x (bf16) of one row per K/V read up to 2,048 and SDPA past it (SmolLM2-135M
-        # shape, 2 cores, AVX-512 + AVX512_BF16, benchmarks/prefill.py). Dense models on one rank
+        # shape, 2 cores, AVX-512 + AVX512_BF16, benchmarks/prefill.py); on AVX2, fp32, its 8-lane form at
+        # 1.2-1.9x SDPA's attention from 512 to 2,048 positions, prefill 1.03-1.2x up to 2,048 positions and
+        # level to 1.2x at 4,096 (docs/cpu-performance.md). Dense models on one rank
         # (`run`; the tp ranks keep SDPA). Not MoE: its router turned the ~1e-6 between the two
         # attentions into expert swaps between a one-rank engine and a tp=2 or data-parallel EP one
         # (tests/test_moe_mini.py), so an MoE prompt takes SDPA at every rank count

@@ -133,6 +133,7 @@ class CpuKernels:
         self._attention, self._add_rms_norm, self._qk_rope_store, self._silu_mul = {}, {}, {}, {}
         self._gemv, self._gemv_f32out, self._decode = {}, {}, {}
         self._gemm_packed_bytes, self._gemm_pack, self._gemm_packed, self._gemm_vectorized = {}, {}, {}, {}
+        self._attention_lanes = {}
         for dtype, suffix in DTYPES.items():
             fn = lambda name, suffix=suffix: getattr(lib, f"rlserve_{name}_{suffix}")  # noqa: E731
             self._attention[dtype] = self._fn(fn("paged_attention"), [ptr, i64] + [ptr] * 5 + [i64] * 6 + [f32, i32])
@@ -147,6 +148,7 @@ class CpuKernels:
             self._gemm_pack[dtype] = self._fn(fn("gemm_pack"), [ptr, i64, i64, ptr, i32])
             self._gemm_packed[dtype] = self._fn(fn("gemm_packed"), [ptr] * 4 + [i32] + [i64] * 3 + [i32])
             self._gemm_vectorized[dtype] = int(self._fn(fn("gemm_vectorized"), [], i32)())  # its vector bits
+            self._attention_lanes[dtype] = int(self._fn(fn("paged_attention_lanes"), [], i32)())  # prompt tiles' bits
             self._decode[dtype] = self._fn(
                 fn("decode_layers"),
                 [ptr, i64] + [ptr] * 7 + [i64] + [ptr] * 2 + [i64] * 2 + [ptr] * 5 + [i64] * 6 + [f32, f32, i32, i32],
@@ -287,10 +289,17 @@ class CpuKernels:
             return dtype != torch.bfloat16 or cpu_has_native_bf16()
         return bits == 256 and dtype == torch.float32
 
+    def attention_lanes(self, dtype: torch.dtype) -> int:
+        """The vector bits of the lanes form a prompt tile of this dtype takes: 512 (AVX-512), 256
+        (AVX2 + FMA, fp32, the default build) or 0 (none: the per-query form)."""
+        return self._attention_lanes.get(dtype, 0)
+
     def prompt_tiles_beat_sdpa(self, dtype: torch.dtype) -> bool:
         """Whether prompt attention runs faster through the paged kernel's row tiles than through torch's
-        SDPA: measured on the AVX-512 build only (engine/runner.py has the figures)."""
-        return self._gemm_vectorized.get(dtype, 0) == 512 and self.panels_beat_the_libraries(dtype)
+        SDPA: where the tiles have a lanes form (engine/runner.py has the figures), AVX-512 in both
+        dtypes (bf16 with native bf16) and AVX2 + FMA in fp32."""
+        bits = self.attention_lanes(dtype)
+        return bits == 256 or (bits == 512 and self.panels_beat_the_libraries(dtype))
 
     def gemm_packed_bytes(self, weight: torch.Tensor) -> int:
         return self._gemm_packed_bytes[weight.dtype](weight.shape[1], weight.shape[0])

@@ -12,7 +12,8 @@
  * ~70 GFLOP/s in both dtypes at every prompt length. On AVX-512 a tile of more than GROUP_QUERIES
  * query vectors runs in the lanes form (attend_lanes: query vectors as vector lanes, the same
  * arithmetic per element), 1.3-1.5x the per-query form at 256-4,096 positions; bf16 with AVX512_BF16
- * sums q . k in pair dot products (ATTN_PAIRS), another 1.2x.
+ * sums q . k in pair dot products (ATTN_PAIRS), another 1.2x. On AVX2 the default build's fp32
+ * prompt tiles take an 8-lane form with sums of its own (ATTN_LANES256, below).
  *
  * Every query vector's arithmetic is fixed by its own position and context alone: its chain over
  * the head dimension, the chunk edges (multiples of KEYS, whatever the block size), the order of
@@ -24,7 +25,8 @@
  *
  * Built at first use by rlserve/model/cpu_kernels.py (gcc -O3 -march=native -ffast-math): on
  * AVX-512 the arithmetic is intrinsics that fast-math cannot reassociate (masked forms), elsewhere
- * plain C whose per-group steps are single out-of-line functions, so every row runs the same code.
+ * plain C whose per-group steps are single out-of-line functions, so every row runs the same code
+ * (the default build's AVX2 prompt tiles excepted: plain intrinsics, their sums their own).
  * No infinities reach the arithmetic: masked scores are -FLT_MAX and only positions below the
  * tile's longest context are read (key lanes past it are zeros).
  */
@@ -38,7 +40,7 @@
 #include "scalar.h"
 #include "transpose16.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -98,7 +100,7 @@ struct attn_state {
     uint32_t qp[TILE_QUERIES][MAX_HEAD_DIM / 2]; /* bf16 pair dot products: the stored queries' pairs */
     float kt[MAX_HEAD_DIM][KEYS], p[TILE_QUERIES][KEYS]; /* (kt: plain C) */
     const void *v_rows[KEYS];
-    /* the lanes form (AVX-512, tiles past GROUP_QUERIES): query vectors as vector lanes */
+    /* the lanes form (tiles past GROUP_QUERIES): query vectors as vector lanes */
     int32_t lane_lens[TILE_QUERIES];
     float qt[MAX_HEAD_DIM][TILE_QUERIES], acct[MAX_HEAD_DIM][TILE_QUERIES];
     uint32_t qpt[MAX_HEAD_DIM / 2][TILE_QUERIES];
@@ -192,6 +194,24 @@ static inline void attn_stage_value_pairs(struct attn_state *s) {
             _mm512_mask_storeu_epi32(s->vp[i] + d, m, (__m512i)attn_value_pair(s, i, d, m));
         }
 }
+#endif
+
+/* The default build's fp32 prompt tiles on AVX2 + FMA without AVX-512 take an 8-lane form of the
+ * lanes form (paged_attention_lanes256.h; its sums differ from the per-query form's, so never in the
+ * batch-invariant build). ATTN_LANES: a lanes form exists for this instance. */
+#undef ATTN_LANES256
+#undef ATTN_LANES
+#if !defined(ATTN_AVX512) && defined(__AVX2__) && defined(__FMA__) && !defined(RLSERVE_ROW_INVARIANT) && \
+    !defined(RLSERVE_BF16)
+#define ATTN_LANES256 1
+#endif
+#undef ATTN_LANES_TAKE /* whether the lanes form takes a work item's tile */
+#if defined(ATTN_AVX512)
+#define ATTN_LANES 1
+#define ATTN_LANES_TAKE(s) ((s)->n_queries > GROUP_QUERIES)
+#elif defined(ATTN_LANES256)
+#define ATTN_LANES 1
+#define ATTN_LANES_TAKE(s) ((s)->n_queries > GROUP_QUERIES && (s)->D % 4 == 0) /* whole passes of LANE_DIMS */
 #endif
 
 struct NAME(attention_job) {
@@ -306,6 +326,9 @@ static void NAME(attn_stage)(struct attn_state *s, const struct NAME(attention_j
         }
     }
 #if !defined(ATTN_AVX512)
+#if defined(ATTN_LANES256)
+    if (ATTN_LANES_TAKE(s)) return; /* the lanes form reads K where it lies */
+#endif
     for (int64_t d = 0; d < D; ++d)
         for (int64_t i = 0; i < KEYS; ++i) s->kt[d][i] = LD(k_rows[i][d]);
 #endif
@@ -411,8 +434,8 @@ static void NAME(attend_items)(const void *job_ptr, int64_t begin, int64_t end) 
 #endif
         }
         const int64_t longest = j->ctx_lens[first_row + rows - 1];
-#if defined(ATTN_AVX512)
-        if (s->n_queries > GROUP_QUERIES) {
+#if defined(ATTN_LANES)
+        if (ATTN_LANES_TAKE(s)) {
             NAME(attend_lanes)(s, j, table, kvh, longest, first_row);
             continue;
         }
@@ -473,4 +496,16 @@ void NAME(rlserve_paged_attention)(const T *q, int64_t q_stride, const T *k_cach
                                             block_size, scale};
     rlserve_parallel_for(NAME(attend_items), &job, n * KVH, 1, rlserve_threads_for(work, num_threads));
     free(tiles);
+}
+
+/* the vector width in bits of this instance's lanes form for prompt tiles: 512 (AVX-512), 256 (AVX2 +
+ * FMA, default build, fp32) or 0 (none: plain C) */
+int NAME(rlserve_paged_attention_lanes)(void) {
+#if defined(ATTN_AVX512)
+    return 512;
+#elif defined(ATTN_LANES256)
+    return 256;
+#else
+    return 0;
+#endif
 }

@@ -1,5 +1,6 @@
 /* The lanes form of prompt attention on AVX-512 (included by paged_attention_impl.h once per
- * storage type, after its state, job and loads): a tile of more than GROUP_QUERIES query vectors
+ * storage type, after its state, job and loads; on AVX2 the default build's fp32 instance takes
+ * paged_attention_lanes256.h's 8-lane form instead): a tile of more than GROUP_QUERIES query vectors
  * runs with its query vectors as vector lanes. Each element's arithmetic is the per-query form's
  * (attn_direct_n or attn_direct_pairs_n, attn_softmax_step, attn_values) operation for operation,
  * so a row gets the same bits in either form; the max and the sum over a chunk's keys run across
@@ -171,7 +172,11 @@ static inline __attribute__((always_inline)) void attn_lanes(struct attn_state *
     }
 }
 #endif /* RLSERVE_PAGED_ATTENTION_LANES_SHARED */
+#elif defined(ATTN_LANES256)
+#include "paged_attention_lanes256.h"
+#endif
 
+#if defined(ATTN_LANES)
 /* The chunk's K and V rows for the lanes form: where they lie (fp32), widened (bf16), or as stored and V
  * staged in key pairs (ATTN_PAIRS). */
 static inline void NAME(attn_lanes_rows)(struct attn_state *s, const T *k_rows[KEYS], const void *k[KEYS],
@@ -202,7 +207,8 @@ static inline void NAME(attn_lanes_rows)(struct attn_state *s, const T *k_rows[K
 }
 
 /* A tile past GROUP_QUERIES query vectors (prompt rows), in the lanes form: its query vectors
- * (already in s->q, s->lens) transposed into lanes, every chunk, then its rows of `out`. */
+ * (already in s->q, s->lens) transposed into lanes (padded to a multiple of 16), every chunk, then
+ * its rows of `out`. */
 static void NAME(attend_lanes)(struct attn_state *s, const struct NAME(attention_job) *j, const int64_t *table,
                                int64_t kvh, int64_t longest, int64_t first_row) {
     const int64_t D = s->D, G = j->H / j->KVH, n = s->n_queries, padded = (n + 15) / 16 * 16;
@@ -238,4 +244,4 @@ static void NAME(attend_lanes)(struct attn_state *s, const struct NAME(attention
         for (int64_t d = 0; d < D; ++d) ob[d] = ST(s->acct[d][r] * inv);
     }
 }
-#endif /* ATTN_AVX512 */
+#endif /* ATTN_LANES */
