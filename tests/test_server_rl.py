@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 from conftest import start_server, stop_server, wait_queued
 from rlserve.model.make import make_model
 from rlserve.runtime.ports import free_port
+from test_engine import hf_logprobs
 
 PROMPTS = [[11, 22, 33, 44, 55], [100, 7, 300, 9], [5]]
 
@@ -50,10 +51,9 @@ def choice_lps(choice):
     return [e["logprob"] for e in choice["logprobs"]["content"]]
 
 
-# hf_check's references, by the model's files and the prompt: transformers' greedy ids (by their count) and the
-# logprobs of its forward (by the ids)
-_HF_GREEDY: dict[tuple, list[int]] = {}
-_HF_LOGPROBS: dict[tuple, torch.Tensor] = {}
+# hf_check's references, by the model's files, the prompt and the token count: transformers' greedy ids and the
+# logprobs of its forward over them
+_HF_REFERENCES: dict[tuple, tuple[list[int], torch.Tensor]] = {}
 
 
 def _files_of(model_dir) -> tuple:
@@ -66,25 +66,16 @@ def hf_check(model_dir, prompt, choice):
     """The choice's tokens are transformers' greedy ones and its logprobs those of transformers' forward (1e-4).
     Each reference is computed once per model files and prompt: tests that ask every replica the same prompt
     compare each answer with the same deterministic computation on the same weights."""
-    ids, hf = choice["token_ids"], None
-    files = _files_of(model_dir)
-    greedy = (files, tuple(prompt), len(ids))
-    if greedy not in _HF_GREEDY:
+    ids = choice["token_ids"]
+    key = (_files_of(model_dir), tuple(prompt), len(ids))
+    if key not in _HF_REFERENCES:
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         ref = hf.generate(
             torch.tensor([prompt]), max_new_tokens=len(ids), do_sample=False, eos_token_id=None, pad_token_id=0
-        )
-        _HF_GREEDY[greedy] = ref[0, len(prompt) :].tolist()
-    assert ids == _HF_GREEDY[greedy]
-    scored = (files, tuple(prompt), tuple(ids))
-    if scored not in _HF_LOGPROBS:
-        if hf is None:
-            hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        with torch.no_grad():
-            logits = hf(torch.tensor([prompt + ids])).logits[0].float()
-        lp = torch.log_softmax(logits[len(prompt) - 1 : -1], -1).gather(1, torch.tensor(ids).unsqueeze(1)).squeeze(1)
-        _HF_LOGPROBS[scored] = lp
-    lp = _HF_LOGPROBS[scored]
+        )[0, len(prompt) :].tolist()
+        _HF_REFERENCES[key] = ref, hf_logprobs(hf, prompt, ref).gather(1, torch.tensor(ref).unsqueeze(1)).squeeze(1)
+    ref, lp = _HF_REFERENCES[key]
+    assert ids == ref
     assert torch.allclose(torch.tensor(choice_lps(choice)), lp, atol=1e-4)
 
 
