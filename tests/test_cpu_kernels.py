@@ -42,18 +42,23 @@ def case(seed: int, batch: int, kv_heads: int, group: int, head_dim: int, block_
     "kv_heads, group, head_dim, block_size, lens",
     [
         (3, 3, 64, 16, [1, 16, 17, 100, 112]),  # SmolLM2's heads; exactly full blocks and one token
+        (3, 3, 64, 16, [1, 16, 17, 100, 112, 3, 40] * 4),  # a decode step of 28 rows: whole rows per work item
         (8, 2, 128, 16, [5, 64, 300]),  # Qwen3-0.6B's heads
         (2, 2, 32, 16, [7, 33]),  # tiny
         (1, 8, 48, 4, [2, 9, 13]),  # a head size with no special-cased build, small blocks
         (4, 1, 64, 32, [40, 1]),  # no grouping (MHA)
     ],
 )
-def test_attention_equals_gather_and_sdpa(kernels, kv_heads, group, head_dim, block_size, lens):
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_attention_equals_gather_and_sdpa(kernels, kv_heads, group, head_dim, block_size, lens, dtype, atol):
+    """Decode rows of several sequences (bf16 with native bf16: each row's KV heads in one work item,
+    the threads fetching their next row's chunks ahead) against attention over the gathered KV."""
     q, k_cache, v_cache, tables, ctx_lens = case(len(lens), len(lens), kv_heads, group, head_dim, block_size, lens)
+    q, k_cache, v_cache = q.to(dtype), k_cache.to(dtype), v_cache.to(dtype)
     scale = head_dim**-0.5
     got = kernels.attention(q, k_cache, v_cache, tables, ctx_lens, block_size, scale)
-    want = reference_paged_attention(q, k_cache, v_cache, tables, ctx_lens, block_size, scale)
-    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    want = reference_paged_attention(q.float(), k_cache.float(), v_cache.float(), tables, ctx_lens, block_size, scale)
+    assert torch.allclose(got.float(), want, atol=atol), (got.float() - want).abs().max()
 
 
 def prompt_rows(seed: int, length: int, kv_heads: int, group: int, head_dim: int, block_size: int, first: int = 1):

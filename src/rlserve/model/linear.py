@@ -227,6 +227,23 @@ class PanelWeight:
         self._packed, self._key = None, None
 
 
+class PanelSet:
+    """The panels of many projections, brought up to date together before each step that reads them
+    (`CausalLM`'s one-call decode). Their weights are read straight from each module's parameter
+    dict: through `nn.Module.__getattr__`, the same check over 30 layers' 120 projections took
+    ~0.6 ms a step, 5% of a batch-1 bf16 decode step."""
+
+    def __init__(self, projections: list[Projection]) -> None:
+        self._items = [(m._parameters, m.panels) for m in projections if m.panels is not None]
+
+    def refresh(self) -> None:
+        """Repack each panel whose weight changed in place or was replaced since it was packed."""
+        for params, panels in self._items:
+            weight = params["weight"]
+            if (weight.data_ptr(), weight._version) != panels._key:
+                panels.get(weight)
+
+
 class Projection(nn.Linear):
     """nn.Linear that runs through a packed copy of its weight once `pack()` has made one, and
     through the C GEMV for a few rows once `CausalLM.use_gemv` has given it the kernels."""

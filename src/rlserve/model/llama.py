@@ -7,7 +7,7 @@ lever on CPU. Arithmetic order follows transformers so logprobs match its forwar
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +15,7 @@ from torch import nn
 
 from rlserve.model.batch import AttentionBatch, CascadePlan, PrefillSeq
 from rlserve.model.huge_pages import huge_page_buffer
-from rlserve.model.linear import CastWeight, PackedWeight, PanelWeight, Projection
+from rlserve.model.linear import CastWeight, PackedWeight, PanelSet, PanelWeight, Projection
 from rlserve.model.moe import SparseMoe
 from rlserve.model.rope import RotaryEmbedding, apply_rope
 from rlserve.model.shape import ModelShape
@@ -237,6 +237,14 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps), batch.lora)
 
 
+class DecodePlan(NamedTuple):
+    """What the one-call decode needs of the model, kept until `refresh_packed`."""
+
+    layer_ptrs: torch.Tensor  # [layers, decode_layer_ptrs] int64: decode_impl.h's weight addresses
+    dtype: torch.dtype  # of every projection's weight
+    panels: PanelSet  # the projections' panels (none where they take the GEMV)
+
+
 def _dense_projections(layer) -> tuple[Projection, Projection, Projection, Projection]:
     """A dense layer's projections in decode_impl.h's order: qkv, o, gate_up, down."""
     return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
@@ -259,7 +267,7 @@ class CausalLM(nn.Module):
         self.panel_head: PanelWeight | None = None  # the LM head's panels (`pack_panels`)
         self.gemv: CpuKernels | None = None  # the C GEMV for projections of few rows (`use_gemv`)
         self.head_cast: CastWeight | None = None  # the LM head in its own dtype, when it differs
-        self._decode_plan: tuple[torch.Tensor, torch.dtype] | bool | None = None  # `_decode_in_one_call`, once known
+        self._decode_plan: DecodePlan | bool | None = None  # `_decode_in_one_call`, once known
         # tensor parallel (model/tensor_parallel.py): `shape` is this rank's part, `full_shape` the checkpoint's
         self.full_shape, self.tp_rank, self.tp_size = shape, 0, 1
         self.expert_parallel = False  # sparse layers hold whole experts (model/expert_parallel.py)
@@ -356,7 +364,7 @@ class CausalLM(nn.Module):
         x = torch.empty_like(h)
         if self._decode_in_one_call(h, batch, kv_cache):
             blocks = batch.decode_blocks.view(h.shape[0], -1)
-            ops.decode_layers(self._decode_plan[0], self.norm, h, x, *rope, batch.slot_mapping,
+            ops.decode_layers(self._decode_plan.layer_ptrs, self.norm, h, x, *rope, batch.slot_mapping,
                               kv_cache, blocks, batch.decode_lens, batch.block_size, self.shape, eps, layers[0].self_attn.scale)  # fmt: skip
             return x
         ops.add_rms_norm(h, None, layers[0].input_layernorm, x, eps)
@@ -381,13 +389,11 @@ class CausalLM(nn.Module):
             return False
         if self._decode_plan is None:
             self._decode_plan = self._plan_decode_in_one_call()
-        elif self._decode_plan is not False and self.panel_head is not None:  # a weight updated in place: repack
-            for layer in self.layers:
-                for p in _dense_projections(layer):
-                    p.panels.get(p.weight)
-        return self._decode_plan is not False and self._decode_plan[1] == h.dtype
+        elif self._decode_plan is not False:  # a weight updated in place: repack
+            self._decode_plan.panels.refresh()
+        return self._decode_plan is not False and self._decode_plan.dtype == h.dtype
 
-    def _plan_decode_in_one_call(self) -> tuple[torch.Tensor, torch.dtype] | bool:
+    def _plan_decode_in_one_call(self) -> DecodePlan | bool:
         """Each layer's weight addresses in decode_impl.h's order and their dtype, or False when a
         layer is not plain attention + MLP or the weights differ in dtype. Kept until
         `refresh_packed` (weight updates copy in place, so the addresses hold; whoever replaces a
@@ -413,7 +419,8 @@ class CausalLM(nn.Module):
         assert len(rows[0]) == self.gemv.decode_layer_ptrs, (
             "decode_impl.h and the model disagree on the layer's weights"
         )
-        return torch.tensor(rows, dtype=torch.int64), dtypes.pop()
+        projections = [p for layer in self.layers for p in _dense_projections(layer)]
+        return DecodePlan(torch.tensor(rows, dtype=torch.int64), dtypes.pop(), PanelSet(projections))
 
     def _head_reads_bf16_weight(self) -> bool:
         """Whether the fp32 head over a bf16 weight runs as the GEMV with fp32 sums straight from
