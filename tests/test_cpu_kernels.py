@@ -61,6 +61,21 @@ def test_attention_equals_gather_and_sdpa(kernels, kv_heads, group, head_dim, bl
     assert torch.allclose(got.float(), want, atol=atol), (got.float() - want).abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_step_gives_each_row_the_bits_it_gets_alone(kernels, dtype):
+    """A decode step of many rows runs each row's KV heads as one work item (fetching the next row
+    ahead); a row alone splits by KV head. Each query head does the same operations either way."""
+    lens = [1, 16, 17, 100, 112, 3, 40] * 4
+    q, k_cache, v_cache, tables, ctx_lens = case(7, len(lens), 3, 3, 64, 16, lens)
+    q, k_cache, v_cache = q.to(dtype), k_cache.to(dtype), v_cache.to(dtype)
+    step = kernels.attention(q, k_cache, v_cache, tables, ctx_lens, 16, 0.125)
+    alone = torch.cat(
+        [kernels.attention(q[i : i + 1], k_cache, v_cache, tables[i : i + 1], ctx_lens[i : i + 1], 16, 0.125)
+         for i in range(len(lens))]
+    )  # fmt: skip
+    assert torch.equal(step, alone)
+
+
 def prompt_rows(seed: int, length: int, kv_heads: int, group: int, head_dim: int, block_size: int, first: int = 1):
     """Rows of one sequence's prompt at positions first-1 .. length-1, as the runner sends them: one
     table (repeated) and contexts first .. length, so the kernel takes them as tiles."""

@@ -462,11 +462,11 @@ static void NAME(attend_items)(const void *job_ptr, int64_t begin, int64_t end) 
             T *ob = j->out + (first_row * j->H + kvh * G) * D;
             const int64_t len = j->ctx_lens[first_row];
             if (D == 64)
-                NAME(attend_one)(qb, j->k_cache, j->v_cache, table, len, ob, G, KVH, kvh, 64, j->block_size, j->scale);
+                NAME(attend_one)(qb, j->k_cache, j->v_cache, table, len, ob, G, KVH, kvh, 1, 64, j->block_size, j->scale);
             else if (D == 128)
-                NAME(attend_one)(qb, j->k_cache, j->v_cache, table, len, ob, G, KVH, kvh, 128, j->block_size, j->scale);
+                NAME(attend_one)(qb, j->k_cache, j->v_cache, table, len, ob, G, KVH, kvh, 1, 128, j->block_size, j->scale);
             else
-                NAME(attend_one)(qb, j->k_cache, j->v_cache, table, len, ob, G, KVH, kvh, D, j->block_size, j->scale);
+                NAME(attend_one)(qb, j->k_cache, j->v_cache, table, len, ob, G, KVH, kvh, 1, D, j->block_size, j->scale);
             continue;
         }
 #endif
@@ -538,7 +538,7 @@ void NAME(rlserve_paged_attention)(const T *q, int64_t q_stride, const T *k_cach
     for (int64_t t = 0; t < n; ++t) widest = tiles[2 * t + 1] > widest ? tiles[2 * t + 1] : widest;
     const int threads = rlserve_threads_for(work, num_threads);
     /* whole tiles where there are enough of them to share among the threads (batch 1 splits by head) */
-    if (NAME(attn_tiles_whole)(widest * G, KVH) && n >= 2 * TILES_PER_CLAIM * (int64_t)threads)
+    if (NAME(attn_tiles_whole)(widest, G, KVH) && n >= 2 * TILES_PER_CLAIM * (int64_t)threads)
         rlserve_parallel_for(NAME(attend_tiles), &job, n, TILES_PER_CLAIM, threads);
     else
         rlserve_parallel_for(NAME(attend_items), &job, n * KVH, 1, threads);

@@ -15,6 +15,41 @@ static inline void NAME(attn_prefetch_block)(const T *k_cache, const T *v_cache,
 }
 
 #if !defined(RLSERVE_ROW_INVARIANT)
+/* One block of n keys (K rows from k_rows, V rows from v_rows, `row` values apart) for one KV head's G
+ * query heads: their scores, online-softmax step and values. */
+static inline __attribute__((always_inline)) void NAME(attend_one_block)(
+    float q[][MAX_HEAD_DIM], float acc[][MAX_HEAD_DIM], float *run_max, float *run_sum, float probs[][MAX_BLOCK],
+    const T *k_rows, const T *v_rows, int64_t n, int64_t G, int64_t row, const int64_t D, float scale) {
+    for (int64_t j = 0; j < n; ++j) {
+        const T *k = k_rows + j * row;
+        for (int64_t g = 0; g < G; ++g) {
+            float dot = 0.0f;
+            for (int64_t d = 0; d < D; ++d) dot += q[g][d] * LD(k[d]);
+            probs[g][j] = dot * scale;
+        }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+        float block_max = run_max[g];
+        for (int64_t j = 0; j < n; ++j) block_max = probs[g][j] > block_max ? probs[g][j] : block_max;
+        const float correction = expf(run_max[g] - block_max);
+        run_max[g] = block_max;
+        float sum = 0.0f;
+        for (int64_t j = 0; j < n; ++j) {
+            probs[g][j] = expf(probs[g][j] - block_max);
+            sum += probs[g][j];
+        }
+        run_sum[g] = run_sum[g] * correction + sum;
+        float a[MAX_HEAD_DIM];
+        for (int64_t d = 0; d < D; ++d) a[d] = acc[g][d] * correction;
+        for (int64_t j = 0; j < n; ++j) {
+            const T *v = v_rows + j * row;
+            const float p = probs[g][j];
+            for (int64_t d = 0; d < D; ++d) a[d] += p * LD(v[d]);
+        }
+        for (int64_t d = 0; d < D; ++d) acc[g][d] = a[d];
+    }
+}
+
 /* The default build's form for a tile of one row (a decode row): one dot product per query head
  * and K row, reduced across lanes. With only G query vectors to share a chunk, that beats the
  * direct form in fp32 (0.9-0.98x at 64-2,048 positions, both prefetching) but not with bf16 pairs
@@ -25,10 +60,10 @@ static inline void NAME(attn_prefetch_block)(const T *k_cache, const T *v_cache,
  * head's accumulator stays in registers. */
 static inline __attribute__((always_inline)) void NAME(attend_one)(
     const T *qb, const T *k_cache, const T *v_cache, const int64_t *table, int64_t len, T *ob,
-    int64_t G, int64_t KVH, int64_t kvh, const int64_t D, int64_t block_size, float scale) {
+    int64_t G, int64_t KVH, int64_t kvh, int64_t heads, const int64_t D, int64_t block_size, float scale) {
     float acc[MAX_GROUP][MAX_HEAD_DIM], q[MAX_GROUP][MAX_HEAD_DIM];
     float run_max[MAX_GROUP], run_sum[MAX_GROUP], probs[MAX_GROUP][MAX_BLOCK];
-    for (int64_t g = 0; g < G; ++g) {
+    for (int64_t g = 0; g < heads * G; ++g) {
         run_max[g] = -FLT_MAX;
         run_sum[g] = 0.0f;
         for (int64_t d = 0; d < D; ++d) {
@@ -42,40 +77,16 @@ static inline __attribute__((always_inline)) void NAME(attend_one)(
         const int64_t base = (table[start / block_size] * block_size * KVH + kvh) * D;
         if (start + block_size < len) /* the next block lies anywhere: fetch its rows while this one computes */
             NAME(attn_prefetch_block)(k_cache, v_cache, (table[start / block_size + 1] * block_size * KVH + kvh) * D,
-                                      len - start - block_size, block_size, row, D);
-        for (int64_t j = 0; j < n; ++j) {
-            const T *k = k_cache + base + j * row;
-            for (int64_t g = 0; g < G; ++g) {
-                float dot = 0.0f;
-                for (int64_t d = 0; d < D; ++d) dot += q[g][d] * LD(k[d]);
-                probs[g][j] = dot * scale;
-            }
-        }
-        for (int64_t g = 0; g < G; ++g) {
-            float block_max = run_max[g];
-            for (int64_t j = 0; j < n; ++j) block_max = probs[g][j] > block_max ? probs[g][j] : block_max;
-            const float correction = expf(run_max[g] - block_max);
-            run_max[g] = block_max;
-            float sum = 0.0f;
-            for (int64_t j = 0; j < n; ++j) {
-                probs[g][j] = expf(probs[g][j] - block_max);
-                sum += probs[g][j];
-            }
-            run_sum[g] = run_sum[g] * correction + sum;
-            float a[MAX_HEAD_DIM];
-            for (int64_t d = 0; d < D; ++d) a[d] = acc[g][d] * correction;
-            for (int64_t j = 0; j < n; ++j) {
-                const T *v = v_cache + base + j * row;
-                const float p = probs[g][j];
-                for (int64_t d = 0; d < D; ++d) a[d] += p * LD(v[d]);
-            }
-            for (int64_t d = 0; d < D; ++d) acc[g][d] = a[d];
-        }
+                                      len - start - block_size, block_size, row, heads * D);
+        for (int64_t h = 0; h < heads; ++h) /* every head of a slot before the next slot: one pass over the block */
+            NAME(attend_one_block)(q + h * G, acc + h * G, run_max + h * G, run_sum + h * G, probs + h * G,
+                                   k_cache + base + h * D, v_cache + base + h * D, n, G, row, D, scale);
     }
-    for (int64_t g = 0; g < G; ++g) {
+    for (int64_t g = 0; g < heads * G; ++g) {
         const float inv = len > 0 ? 1.0f / run_sum[g] : 0.0f;
         for (int64_t d = 0; d < D; ++d) ob[g * D + d] = ST(acc[g][d] * inv);
     }
 }
+
 #endif
 

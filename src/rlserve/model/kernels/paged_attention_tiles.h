@@ -28,10 +28,24 @@ static void NAME(attend_tiles)(const void *job_ptr, int64_t begin, int64_t end) 
     for (int64_t tile = begin; tile < end; ++tile) {
         const int64_t first_row = j->tiles[2 * tile], rows = j->tiles[2 * tile + 1], per = rows * G;
         const int64_t *table = j->blocks + first_row * j->W;
+        const int64_t next_row = tile + 1 < end ? j->tiles[2 * (tile + 1)] : -1;
+#if !defined(RLSERVE_ROW_INVARIANT) && !defined(ATTN_PAIRS)
+        { /* the one-row form (rows == 1 here), every KV head per block; its next block it fetches itself */
+            const T *qb = j->q + first_row * j->q_stride;
+            T *ob = j->out + first_row * j->H * j->D;
+            if (next_row >= 0) NAME(attn_fetch_chunk)(j, next_row, 0);
+            if (j->D == 64)
+                NAME(attend_one)(qb, j->k_cache, j->v_cache, table, j->ctx_lens[first_row], ob, G, KVH, 0, KVH, 64,
+                                 j->block_size, j->scale);
+            else
+                NAME(attend_one)(qb, j->k_cache, j->v_cache, table, j->ctx_lens[first_row], ob, G, KVH, 0, KVH, j->D,
+                                 j->block_size, j->scale);
+            continue;
+        }
+#endif
         s->n_queries = per * KVH;
         for (int64_t kvh = 0; kvh < KVH; ++kvh) NAME(attn_load_queries)(s, j, first_row, rows, kvh, kvh * per);
         const int64_t longest = j->ctx_lens[first_row + rows - 1];
-        const int64_t next_row = tile + 1 < end ? j->tiles[2 * (tile + 1)] : -1;
         for (int64_t start = 0; start < longest; start += KEYS) {
             if (next_row >= 0) NAME(attn_fetch_chunk)(j, next_row, start);
             for (int64_t kvh = 0; kvh < KVH; ++kvh) {
@@ -44,14 +58,17 @@ static void NAME(attend_tiles)(const void *job_ptr, int64_t begin, int64_t end) 
     }
 }
 
-/* Whether a call whose tiles have at most `per_head` query vectors per KV head runs each tile with every
- * KV head in one work item (attend_tiles): where the tiles take the direct form (a decode step's rows,
- * AVX-512; not the fp32 default build's one-row form) and the item's vectors fit its state. */
-static int NAME(attn_tiles_whole)(int64_t per_head, int64_t KVH) {
+/* Whether a call whose largest tile has `widest` rows runs each tile with every KV head in one work
+ * item (attend_tiles), on AVX-512: where the tiles take the direct form (a decode step's rows) and
+ * the item's vectors fit its state, or in the default build's fp32 where every tile is one row (the
+ * one-row form: G x KVH query heads in its arrays). */
+static int NAME(attn_tiles_whole)(int64_t widest, int64_t G, int64_t KVH) {
 #if defined(ATTN_AVX512) && (defined(RLSERVE_ROW_INVARIANT) || defined(ATTN_PAIRS))
-    return per_head <= GROUP_QUERIES && per_head * KVH <= TILE_QUERIES;
+    return widest * G <= GROUP_QUERIES && widest * G * KVH <= TILE_QUERIES;
+#elif defined(ATTN_AVX512)
+    return widest == 1 && G * KVH <= MAX_GROUP;
 #else
-    (void)per_head, (void)KVH;
+    (void)widest, (void)G, (void)KVH;
     return 0;
 #endif
 }
