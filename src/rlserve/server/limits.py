@@ -91,10 +91,14 @@ def _json_problem(body: bytes) -> str | None:
     try:
         msgspec.json.decode(body)
     except UnicodeDecodeError as exc:
-        return f"request body is not valid UTF-8 (byte {exc.start}); encode text as UTF-8"
+        return _not_utf8(exc)
     except RecursionError:
         return "request body is not valid JSON: it is nested too deeply"
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        try:  # newer msgspec (0.23) reports bad UTF-8 as a DecodeError, without the byte: find it
+            body.decode("utf-8")
+        except UnicodeDecodeError as utf8:
+            return _not_utf8(utf8)
         if _has_lone_surrogate(body):
             return (
                 "request body is not valid JSON text: it holds a lone UTF-16 surrogate escape (\\ud800-\\udfff "
@@ -102,6 +106,10 @@ def _json_problem(body: bytes) -> str | None:
             )
         return f"request body is not valid JSON: {exc} (NaN, Infinity and numbers beyond float range are not JSON)"
     return None
+
+
+def _not_utf8(exc: UnicodeDecodeError) -> str:
+    return f"request body is not valid UTF-8 (byte {exc.start}); encode text as UTF-8"
 
 
 def _has_lone_surrogate(body: bytes) -> bool:
