@@ -38,11 +38,14 @@ def case(seed: int, batch: int, kv_heads: int, group: int, head_dim: int, block_
     return q, k_cache.contiguous(), v_cache.contiguous(), tables.contiguous(), torch.tensor(lens)
 
 
+DECODE_STEP_LENS = [1, 16, 17, 100, 112, 3, 40] * 4  # 28 rows: enough that each row's KV heads are one work item
+
+
 @pytest.mark.parametrize(
     "kv_heads, group, head_dim, block_size, lens",
     [
         (3, 3, 64, 16, [1, 16, 17, 100, 112]),  # SmolLM2's heads; exactly full blocks and one token
-        (3, 3, 64, 16, [1, 16, 17, 100, 112, 3, 40] * 4),  # a decode step of 28 rows: whole rows per work item
+        (3, 3, 64, 16, DECODE_STEP_LENS),  # a decode step: whole rows per work item
         (8, 2, 128, 16, [5, 64, 300]),  # Qwen3-0.6B's heads
         (2, 2, 32, 16, [7, 33]),  # tiny
         (1, 8, 48, 4, [2, 9, 13]),  # a head size with no special-cased build, small blocks
@@ -65,7 +68,7 @@ def test_attention_equals_gather_and_sdpa(kernels, kv_heads, group, head_dim, bl
 def test_a_decode_step_gives_each_row_the_bits_it_gets_alone(kernels, dtype):
     """A decode step of many rows runs each row's KV heads as one work item (fetching the next row
     ahead); a row alone splits by KV head. Each query head does the same operations either way."""
-    lens = [1, 16, 17, 100, 112, 3, 40] * 4
+    lens = DECODE_STEP_LENS
     q, k_cache, v_cache, tables, ctx_lens = case(7, len(lens), 3, 3, 64, 16, lens)
     q, k_cache, v_cache = q.to(dtype), k_cache.to(dtype), v_cache.to(dtype)
     step = kernels.attention(q, k_cache, v_cache, tables, ctx_lens, 16, 0.125)

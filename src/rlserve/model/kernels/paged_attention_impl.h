@@ -458,15 +458,7 @@ static void NAME(attend_items)(const void *job_ptr, int64_t begin, int64_t end) 
         const int64_t *table = j->blocks + first_row * j->W;
 #if !defined(RLSERVE_ROW_INVARIANT) && !defined(ATTN_PAIRS)
         if (rows == 1) {
-            const T *qb = j->q + first_row * j->q_stride + kvh * G * D;
-            T *ob = j->out + (first_row * j->H + kvh * G) * D;
-            const int64_t len = j->ctx_lens[first_row];
-            if (D == 64)
-                NAME(attend_one)(qb, j->k_cache, j->v_cache, table, len, ob, G, KVH, kvh, 1, 64, j->block_size, j->scale);
-            else if (D == 128)
-                NAME(attend_one)(qb, j->k_cache, j->v_cache, table, len, ob, G, KVH, kvh, 1, 128, j->block_size, j->scale);
-            else
-                NAME(attend_one)(qb, j->k_cache, j->v_cache, table, len, ob, G, KVH, kvh, 1, D, j->block_size, j->scale);
+            NAME(attend_one_row)(j, first_row, kvh, 1);
             continue;
         }
 #endif
@@ -488,17 +480,7 @@ static void NAME(attend_items)(const void *job_ptr, int64_t begin, int64_t end) 
     }
 }
 
-/* Tiles [begin, end), each with every KV head in one work item. Decode attention waits on memory:
- * 64 decode rows of SmolLM2-135M's shape (bf16, ~100 positions, blocks spread over the pool) read
- * their KV at ~7 GB/s, where the same rows over KV held in cache ran 8x faster. A chunk's slots hold
- * every head's K (and V) row side by side, so walking the heads within each chunk reads its slots
- * once, in order (split by head, each work item read a 1/KVH slice of every slot: 128 of 384
- * bytes), with the next chunk's whole slots fetched while it computes; and a thread claims a few
- * tiles at a time, so that each chunk also fetches the same chunk of its next tile, one tile ahead
- * (the first chunk of a tile was never fetched before). Together 1.23-1.30x on those rows (2 cores,
- * AVX-512, alternated with the per-head items). Each query vector runs the operations of
- * attend_items' direct form, in the same order: the same bits. */
-#include "paged_attention_tiles.h"
+#include "paged_attention_tiles.h" /* attend_tiles: a decode step's tiles with every KV head in one item */
 
 /* Whether row b + 1 continues row b's tile: the next position over the same blocks. Rows with the
  * same table over every block they read see the same keys, so joining them is exact either way. */

@@ -3,7 +3,8 @@
  * product per query head and K row reduced across lanes, the next block fetched while this one
  * computes. The batch-invariant build (RLSERVE_ROW_INVARIANT) and ATTN_PAIRS builds do not take it. */
 
-/* The K and V rows of up to `block_size` keys from `base` (a block's slice for one KV head), into L1. */
+/* The K and V rows of up to `block_size` keys from `base` (D values of each slot: one KV head's slice,
+ * or consecutive heads'), into L1. */
 static inline void NAME(attn_prefetch_block)(const T *k_cache, const T *v_cache, int64_t base, int64_t keys,
                                              int64_t block_size, int64_t row, int64_t D) {
     const int64_t n = keys < block_size ? keys : block_size, bytes = D * (int64_t)sizeof(T);
@@ -56,8 +57,9 @@ static inline __attribute__((always_inline)) void NAME(attend_one_block)(
  * (1.13-1.32x there), so ATTN_PAIRS builds take the direct form for every row. Its sums run in
  * another order, so the batch-invariant build (RLSERVE_ROW_INVARIANT) keeps the tiled form for
  * every row: a decode row there equals the same position computed as a prompt row.
- * Inlined with D a constant for the common head sizes, so the loops over D unroll and a query
- * head's accumulator stays in registers. */
+ * KV heads [kvh, kvh + heads) of the row (G query heads each, at qb and ob), each block's heads in
+ * turn, so that `heads` > 1 reads a block's slots once. Inlined with D a constant for the common head
+ * sizes (attend_one_row), so the loops over D unroll and a query head's accumulator stays in registers. */
 static inline __attribute__((always_inline)) void NAME(attend_one)(
     const T *qb, const T *k_cache, const T *v_cache, const int64_t *table, int64_t len, T *ob,
     int64_t G, int64_t KVH, int64_t kvh, int64_t heads, const int64_t D, int64_t block_size, float scale) {
@@ -86,6 +88,20 @@ static inline __attribute__((always_inline)) void NAME(attend_one)(
         const float inv = len > 0 ? 1.0f / run_sum[g] : 0.0f;
         for (int64_t d = 0; d < D; ++d) ob[g * D + d] = ST(acc[g][d] * inv);
     }
+}
+
+/* attend_one for row `row` of a job, KV heads [kvh, kvh + heads), D a constant where it is 64 or 128 */
+static inline void NAME(attend_one_row)(const struct NAME(attention_job) *j, int64_t row, int64_t kvh, int64_t heads) {
+    const int64_t G = j->H / j->KVH, D = j->D, len = j->ctx_lens[row];
+    const T *qb = j->q + row * j->q_stride + kvh * G * D, *k = j->k_cache, *v = j->v_cache;
+    const int64_t *table = j->blocks + row * j->W;
+    T *ob = j->out + (row * j->H + kvh * G) * D;
+    if (D == 64)
+        NAME(attend_one)(qb, k, v, table, len, ob, G, j->KVH, kvh, heads, 64, j->block_size, j->scale);
+    else if (D == 128)
+        NAME(attend_one)(qb, k, v, table, len, ob, G, j->KVH, kvh, heads, 128, j->block_size, j->scale);
+    else
+        NAME(attend_one)(qb, k, v, table, len, ob, G, j->KVH, kvh, heads, D, j->block_size, j->scale);
 }
 
 #endif
