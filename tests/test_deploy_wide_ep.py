@@ -178,6 +178,33 @@ def _cmdlines(pids: list[int]) -> list[bytes]:
     return out
 
 
+def _engine_tree(server_pid: int) -> list[tuple[int, int, str, bytes]]:
+    """(pid, parent, state, command line) of every process under a server."""
+    out = []
+    for pid in descendants(server_pid):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            out.append((pid, int(stat[1]), stat[0], Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0")[:120]))
+        except OSError:
+            continue
+    return out
+
+
+def _wait_for_engines(row: dict, engines: int) -> None:
+    """`engines` core processes under the replica's server, each with its tensor-parallel worker. CI twice saw
+    none under a serving server (in the full suite only): what it saw first is kept as a warning, in case it
+    was there only for a moment."""
+
+    def counted() -> bool:
+        lines = [t[3] for t in _engine_tree(row["pid"])]
+        kinds = (b"rlserve.runtime.core", b"rlserve.engine.tp.worker")
+        return [sum(k in c for c in lines) for k in kinds] == [engines, engines]
+
+    if not counted():
+        warnings.warn(f"not {engines} engines under {row}: {_engine_tree(row['pid'])}", stacklevel=1)
+        wait_for(counted, 120, f"{engines} engines under replica {row['index']}", lambda: _engine_tree(row["pid"]))
+
+
 def test_the_docs_wide_ep_block_serves_as_written(cluster, tmp_path):
     """prime-rl's Wide-EP block (multi_node, num_nodes = 2, enable_expert_parallel, tp = 2, dp = 8) with its model
     replaced by a tiny MoE of 16 experts, one a rank (tiny-moe's 8 cannot spread over 16 ranks): a server on each
@@ -199,9 +226,7 @@ def test_the_docs_wide_ep_block_serves_as_written(cluster, tmp_path):
         assert [r["status"] for r in rows] == ["serving", "serving"]
         for row in rows:  # each node's server: 4 engines (data-parallel ranks), each a core process and a tp worker
             assert httpx.get(f"{row['url']}/get_world_size", timeout=60).json() == {"world_size": 4}
-            lines = _cmdlines(descendants(row["pid"]))
-            assert sum(b"rlserve.runtime.core" in c for c in lines) == 4
-            assert sum(b"rlserve.engine.tp.worker" in c for c in lines) == 4
+            _wait_for_engines(row, 4)
         hf = AutoModelForCausalLM.from_pretrained(moe, dtype=torch.float32).eval()
         for url in (public, *(r["url"] for r in rows)):
             choice = generate(url, PROMPT)["choices"][0]
@@ -229,7 +254,7 @@ def test_the_docs_multi_node_block_serves_as_written(cluster, tmp_path):
         assert [r["status"] for r in rows] == ["serving", "serving"]
         for row in rows:
             assert httpx.get(f"{row['url']}/get_world_size", timeout=60).json() == {"world_size": 4}
-            assert sum(b"rlserve.engine.tp.worker" in c for c in _cmdlines(descendants(row["pid"]))) == 4
+            _wait_for_engines(row, 4)
         for url in (public, *(r["url"] for r in rows)):
             hf_check(model, PROMPT, generate(url, PROMPT)["choices"][0])
     finally:

@@ -426,3 +426,49 @@ def test_an_engine_start_interrupted_after_the_fork_stops_the_child_and_leaves_n
     )
     done = subprocess.run([sys.executable, str(script), str(model_dir)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.startswith("ok"), done.stdout + done.stderr
+
+
+@linux_only
+def test_a_sigterm_between_making_a_socket_and_naming_it_still_lets_the_server_exit(model_dir, tmp_path):
+    """The server's SIGTERM unwinds as SystemExit wherever it lands (server/early_stop.py), also inside
+    EngineProcess._socket, after ZeroMQ made the socket and before the caller holds it. Stopping then closes
+    that socket too: the context's termination would otherwise wait on it forever (CI saw a server take past
+    its 60 s hang guard to exit after a SIGTERM sent the moment its engine appeared)."""
+    script = tmp_path / "signalled.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, signal, sys, tempfile
+            from rlserve.config.schema import Config
+            from rlserve.runtime import spawn
+            from rlserve.server import early_stop
+
+            made, forked = [], []
+            mkdtemp, fork_core, make_socket = tempfile.mkdtemp, spawn.fork_core, spawn.EngineProcess._socket
+            tempfile.mkdtemp = lambda **kw: made.append(mkdtemp(**kw)) or made[-1]
+            spawn.fork_core = lambda *a: forked.append(fork_core(*a)) or forked[-1]
+
+            def signalled(self, kind, addr):
+                sock = make_socket(self, kind, addr)
+                signal.raise_signal(signal.SIGTERM)  # the handler raises here: the socket is never returned
+                return sock
+
+            spawn.EngineProcess._socket = signalled
+            signal.signal(signal.SIGTERM, early_stop.on_signal)
+            config = Config()
+            config.model.name = sys.argv[1]
+            try:
+                spawn.EngineProcess(config, fork=True)
+            except SystemExit as exc:
+                assert exc.code == 128 + signal.SIGTERM
+            (child,) = forked
+            assert child is not None and child.returncode is not None, "the forked engine was not stopped"
+            assert not os.path.exists(made[0]), "the socket directory is left"
+            print("ok", child.returncode)
+            """
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, str(script), str(model_dir)], capture_output=True, text=True, timeout=HANG_GUARD_S
+    )
+    assert done.returncode == 0 and done.stdout.startswith("ok"), done.stdout + done.stderr

@@ -89,11 +89,11 @@ class EngineProcess:
                 except subprocess.TimeoutExpired:
                     self.proc.kill()
                     self.proc.wait()
-        for sock in (self.from_engine, self.to_engine):
-            if sock is not None:
-                sock.close(linger=0)
         if self.ctx is not None:
-            self.ctx.term()
+            # every socket the context made, not only those named here: the server's SIGTERM unwinds as SystemExit
+            # wherever it lands (early_stop), also between making a socket and naming it, and a socket left open
+            # would keep term() waiting forever
+            self.ctx.destroy(linger=0)
         shutil.rmtree(self.dir, ignore_errors=True)
         self.stopped = True
 
