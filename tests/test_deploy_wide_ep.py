@@ -179,7 +179,7 @@ def _cmdlines(pids: list[int]) -> list[bytes]:
 
 
 def _engine_tree(server_pid: int) -> list[tuple[int, int, str, bytes]]:
-    """(pid, parent, state, command line) of every process under a server."""
+    """(pid, parent, state, command line) of every process under a server: what a failure reports."""
     out = []
     for pid in descendants(server_pid):
         try:
@@ -196,7 +196,7 @@ def _wait_for_engines(row: dict, engines: int) -> None:
     was there only for a moment."""
 
     def counted() -> bool:
-        lines = [t[3] for t in _engine_tree(row["pid"])]
+        lines = _cmdlines(descendants(row["pid"]))
         kinds = (b"rlserve.runtime.core", b"rlserve.engine.tp.worker")
         return [sum(k in c for c in lines) for k in kinds] == [engines, engines]
 

@@ -390,42 +390,53 @@ def test_a_forked_engine_s_exit_code_is_read_once_however_many_threads_ask():
     assert child.wait(timeout=HANG_GUARD_S) == -signal.SIGKILL
 
 
+# An engine start in a child process, its EngineProcess._socket replaced by `interruption` (the text defining
+# `interrupted(self, kind, addr)`): what it raised, then whether the forked engine and its socket directory are gone
+_INTERRUPTED_START = """
+import os, signal, sys, tempfile
+from rlserve.config.schema import Config
+from rlserve.runtime import spawn
+from rlserve.server import early_stop
+
+made, forked = [], []
+mkdtemp, fork_core, make_socket = tempfile.mkdtemp, spawn.fork_core, spawn.EngineProcess._socket
+tempfile.mkdtemp = lambda **kw: made.append(mkdtemp(**kw)) or made[-1]
+spawn.fork_core = lambda *a: forked.append(fork_core(*a)) or forked[-1]
+{interruption}
+spawn.EngineProcess._socket = interrupted
+config = Config()
+config.model.name = sys.argv[1]
+try:
+    spawn.EngineProcess(config, fork=True)
+except (KeyboardInterrupt, SystemExit) as exc:
+    print("raised", type(exc).__name__, getattr(exc, "code", None))
+(child,) = forked
+assert child is not None and child.returncode is not None, "the forked engine was not stopped"
+assert not os.path.exists(made[0]), "the socket directory is left"
+print("ok", child.returncode)
+"""
+
+
+def _interrupted_start(tmp_path: Path, model_dir: Path, interruption: str, timeout: float) -> str:
+    script = tmp_path / "interrupted.py"
+    script.write_text(_INTERRUPTED_START.format(interruption=textwrap.dedent(interruption)))
+    done = subprocess.run(
+        [sys.executable, str(script), str(model_dir)], capture_output=True, text=True, timeout=timeout
+    )
+    assert done.returncode == 0 and "\nok " in "\n" + done.stdout, done.stdout + done.stderr
+    return done.stdout
+
+
 @linux_only
 def test_an_engine_start_interrupted_after_the_fork_stops_the_child_and_leaves_nothing(model_dir, tmp_path):
     """The server's SIGTERM handler raises; landing after the fork but before the sockets are bound, it
     must not leave the forked engine or its socket directory behind."""
-    script = tmp_path / "interrupted.py"
-    script.write_text(
-        textwrap.dedent(
-            """
-            import os, sys, tempfile
-            from rlserve.config.schema import Config
-            from rlserve.runtime import spawn
-
-            made, forked = [], []
-            mkdtemp, fork_core = tempfile.mkdtemp, spawn.fork_core
-            tempfile.mkdtemp = lambda **kw: made.append(mkdtemp(**kw)) or made[-1]
-            spawn.fork_core = lambda *a: forked.append(fork_core(*a)) or forked[-1]
-
-            def bind(self, kind, addr):
-                raise KeyboardInterrupt  # as rlserve.server.early_stop's SIGTERM handler does
-
-            spawn.EngineProcess._socket = bind
-            config = Config()
-            config.model.name = sys.argv[1]
-            try:
-                spawn.EngineProcess(config, fork=True)
-            except KeyboardInterrupt:
-                pass
-            (child,) = forked
-            assert child is not None and child.returncode is not None, "the forked engine was not stopped"
-            assert not os.path.exists(made[0]), "the socket directory is left"
-            print("ok", child.returncode)
-            """
-        )
-    )
-    done = subprocess.run([sys.executable, str(script), str(model_dir)], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and done.stdout.startswith("ok"), done.stdout + done.stderr
+    interruption = """
+        def interrupted(self, kind, addr):
+            raise KeyboardInterrupt  # as rlserve.server.early_stop's SIGTERM handler does
+        """
+    out = _interrupted_start(tmp_path, model_dir, interruption, timeout=120)
+    assert out.startswith("raised KeyboardInterrupt None\n"), out
 
 
 @linux_only
@@ -434,41 +445,13 @@ def test_a_sigterm_between_making_a_socket_and_naming_it_still_lets_the_server_e
     EngineProcess._socket, after ZeroMQ made the socket and before the caller holds it. Stopping then closes
     that socket too: the context's termination would otherwise wait on it forever (CI saw a server take past
     its 60 s hang guard to exit after a SIGTERM sent the moment its engine appeared)."""
-    script = tmp_path / "signalled.py"
-    script.write_text(
-        textwrap.dedent(
-            """
-            import os, signal, sys, tempfile
-            from rlserve.config.schema import Config
-            from rlserve.runtime import spawn
-            from rlserve.server import early_stop
+    interruption = """
+        def interrupted(self, kind, addr):
+            sock = make_socket(self, kind, addr)
+            signal.raise_signal(signal.SIGTERM)  # the handler raises here: the socket is never returned
+            return sock
 
-            made, forked = [], []
-            mkdtemp, fork_core, make_socket = tempfile.mkdtemp, spawn.fork_core, spawn.EngineProcess._socket
-            tempfile.mkdtemp = lambda **kw: made.append(mkdtemp(**kw)) or made[-1]
-            spawn.fork_core = lambda *a: forked.append(fork_core(*a)) or forked[-1]
-
-            def signalled(self, kind, addr):
-                sock = make_socket(self, kind, addr)
-                signal.raise_signal(signal.SIGTERM)  # the handler raises here: the socket is never returned
-                return sock
-
-            spawn.EngineProcess._socket = signalled
-            signal.signal(signal.SIGTERM, early_stop.on_signal)
-            config = Config()
-            config.model.name = sys.argv[1]
-            try:
-                spawn.EngineProcess(config, fork=True)
-            except SystemExit as exc:
-                assert exc.code == 128 + signal.SIGTERM
-            (child,) = forked
-            assert child is not None and child.returncode is not None, "the forked engine was not stopped"
-            assert not os.path.exists(made[0]), "the socket directory is left"
-            print("ok", child.returncode)
-            """
-        )
-    )
-    done = subprocess.run(
-        [sys.executable, str(script), str(model_dir)], capture_output=True, text=True, timeout=HANG_GUARD_S
-    )
-    assert done.returncode == 0 and done.stdout.startswith("ok"), done.stdout + done.stderr
+        signal.signal(signal.SIGTERM, early_stop.on_signal)
+        """
+    out = _interrupted_start(tmp_path, model_dir, interruption, timeout=HANG_GUARD_S)
+    assert out.startswith(f"raised SystemExit {128 + signal.SIGTERM}\n"), out
