@@ -1,7 +1,8 @@
 """`rlserve bench serve --launch MODEL [--peer vllm] [--peer llama.cpp]`: rlserve against its peers
 on the same weights and the same machine, in one run. Per dtype all servers are up together and
 take turns on each workload, the order alternating by round, so the machine's drift lands on all
-of them; a ratio is the median of the rounds' ratios. Workloads: distinct prompts all at once,
+of them, and each run starts once the others have gone quiet (a server's threads can spin on after
+its turn); a ratio is the median of the rounds' ratios. Workloads: distinct prompts all at once,
 batch 1, and the GRPO shape (prompts x n samples). Streaming /v1/completions with token-id
 prompts, EOS ignored. Each figure is printed with its share of the machine's limit for that workload
 (bench/limits.py), measured before the servers start."""
@@ -18,7 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from rlserve.bench.limits import ModelCost, matmul_peak, memory_bandwidth, workload_limit
-from rlserve.bench.machine import OtherLoad, cpu_info, describe
+from rlserve.bench.machine import OtherLoad, cpu_info, describe, wait_quiet
 from rlserve.bench.serve import random_prompts, run_level
 from rlserve.bench.servers import PeakMemory, Running, cpu_count, resolve_model, start_all
 
@@ -53,14 +54,24 @@ def options(args, output_len: int, n: int = 1) -> SimpleNamespace:
 
 
 def measure(server: Running, workload: Workload, prompts: list[list[int]], args) -> dict:
-    """One workload against one server: run_level's summary plus other processes' cores meanwhile. A peer
-    without `n` gets each prompt n times as separate requests."""
+    """One workload against one server, once the machine is quiet: run_level's summary plus other processes'
+    cores meanwhile and the wait. A peer without `n` gets each prompt n times as separate requests."""
     n = workload.n
     if n > 1 and not server.launch.supports_n:
         prompts, n = [p for p in prompts for _ in range(n)], 1
+    quiet, waited = settle()
     with OtherLoad(*server.pids_seen, server.proc.pid) as load:
         run = asyncio.run(run_level(server.url, workload.requests, prompts, options(args, workload.output_len, n)))
-    return {**run, "other_cores": load.cores, "n_as_requests": workload.n > 1 and not server.launch.supports_n}
+    return {**run, "other_cores": load.cores, "quiet_before": quiet, "settle_s": waited,
+            "n_as_requests": workload.n > 1 and not server.launch.supports_n}  # fmt: skip
+
+
+def settle() -> tuple[bool, float]:
+    """wait_quiet, saying so when the machine did not go quiet (the run then starts anyway)"""
+    quiet, waited = wait_quiet()
+    if not quiet:
+        print(f"  (other processes kept the machine busy for {waited:.0f} s; measuring anyway)", flush=True)
+    return quiet, waited
 
 
 def rounds(servers: list[Running], plan: list[Workload], args, seed: int) -> dict[tuple[str, str], list[dict]]:
@@ -121,6 +132,7 @@ def summarize_dtype(
                 "errors": sorted({e for r in runs for e in r["errors"]})[:3],
                 "ttft_ms": mid["ttft_ms"], "itl_ms": mid["itl_ms"], "latency_ms": mid["latency_ms"],
                 "other_cores": max((r["other_cores"] for r in runs if r["other_cores"] is not None), default=None),
+                "quiet_before": all(r["quiet_before"] for r in runs), "settle_s": [r["settle_s"] for r in runs],
                 "n_as_requests": mid["n_as_requests"], "limit_tok_s": limit,
                 "share_of_limit": None if not limit else tok_s / limit,
             })  # fmt: skip

@@ -1,7 +1,8 @@
 """The machine a benchmark ran on: the CPU's model and the flags that decide kernel paths (AVX2,
-AVX-512, native bf16), and how many cores processes outside the benchmark used while it ran
-(Linux /proc; None elsewhere). Well above 0 means the run shared the machine and its figures are
-low: with every core busy, a descheduled thread stalls each parallel region it belongs to."""
+AVX-512, native bf16); how many cores processes outside the benchmark used while it ran (Linux
+/proc; None elsewhere), well above 0 meaning the run shared the machine and its figures are low
+(with every core busy, a descheduled thread stalls each parallel region it belongs to); and a wait
+for those processes to go quiet before a timed run."""
 
 from __future__ import annotations
 
@@ -57,9 +58,12 @@ def _process_seconds(pid: int) -> float:
 
 
 def _with_descendants(pids) -> list[int]:
+    """pids and every process below them, each once (a listed child is also its parent's descendant)"""
     out, todo = [], list(pids)
     while todo:
         pid = todo.pop()
+        if pid in out:
+            continue
         out.append(pid)
         try:
             for task in os.listdir(f"/proc/{pid}/task"):
@@ -90,3 +94,22 @@ class OtherLoad:
             busy, ours, wall = _machine_busy_seconds(), self._ours(), time.perf_counter()
             others = (busy - self._start[0]) - (ours - self._start[1])
             self.cores = max(0.0, others) / (wall - self._start[2])
+
+
+def wait_quiet(below: float = 0.1, window: float = 0.5, limit: float = 20.0) -> tuple[bool, float]:
+    """Wait until processes other than this one use fewer than `below` cores over `window` seconds,
+    at most `limit` seconds. Returns (quiet, seconds waited); (True, 0.0) off Linux. A server's
+    threads can spin on after its last request (vLLM's worker holds a core for about a second),
+    so a run that starts at once measures the next server on a shared machine."""
+    start = time.perf_counter()
+    while True:
+        busy, own, t = _machine_busy_seconds(), time.process_time(), time.perf_counter()
+        if busy is None:
+            return True, 0.0
+        time.sleep(window)
+        others = (_machine_busy_seconds() - busy) - (time.process_time() - own)
+        now = time.perf_counter()
+        if others / (now - t) < below:
+            return True, now - start
+        if now - start >= limit:
+            return False, now - start
