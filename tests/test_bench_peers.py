@@ -20,7 +20,7 @@ from conftest import cache_of_its_own
 
 FAKE_VLLM = Path(__file__).parent / "fixtures" / "fake_vllm"  # serves the API shape only: no model
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-TINY = ["--prompt-len", "8", "--output-len", "4", "--kv-cache-gib", "0.05", "--no-progress"]
+TINY = ["--prompt-len", "8", "--output-len", "4", "--kv-cache-gib", "0.05", "--no-progress", "--settle-s", "1"]
 MISSING_PEERS = ["--peer", "vllm", "--vllm-python", "/nonexistent/bin/python",
                  "--peer", "llama.cpp", "--llama-server", "/nonexistent/llama-server"]  # fmt: skip
 
@@ -102,6 +102,9 @@ def test_an_installed_peer_is_started_measured_and_stopped_with_its_children(mod
     peer_rows = [r for r in result["results"] if r["server"] == "vllm"]
     assert all(r["failed"] == 0 and r["output_tokens_per_s"] > 0 for r in peer_rows)
     assert peer_rows[2]["n_as_requests"] is False and "rlserve/x" in out.stdout
+    # each timed run first waited (at most --settle-s and one look) for the machine to go quiet
+    assert all(len(r["settle_s"]) == 2 and all(0 < w < 2 for w in r["settle_s"]) for r in result["results"])
+    assert all(q in (True, False) for r in result["results"] for q in r["quiet_before"])
 
 
 def test_curves_write_a_png_and_json_with_every_curve(model_dir, tmp_path):

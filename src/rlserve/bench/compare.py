@@ -50,7 +50,7 @@ def workloads(args) -> list[Workload]:
 
 def options(args, output_len: int, n: int = 1) -> SimpleNamespace:
     return SimpleNamespace(model=None, output_len=output_len, temperature=args.temperature, no_stream=False,
-                           no_progress=True, timeout=args.timeout, n=n)  # fmt: skip
+                           no_progress=True, timeout=args.timeout, n=n, settle_s=args.settle_s)  # fmt: skip
 
 
 def measure(server: Running, workload: Workload, prompts: list[list[int]], args) -> dict:
@@ -59,18 +59,21 @@ def measure(server: Running, workload: Workload, prompts: list[list[int]], args)
     n = workload.n
     if n > 1 and not server.launch.supports_n:
         prompts, n = [p for p in prompts for _ in range(n)], 1
-    quiet, waited = settle()
+    quiet, waited = settle(args.settle_s)
     with OtherLoad(*server.pids_seen, server.proc.pid) as load:
         run = asyncio.run(run_level(server.url, workload.requests, prompts, options(args, workload.output_len, n)))
     return {**run, "other_cores": load.cores, "quiet_before": quiet, "settle_s": waited,
             "n_as_requests": workload.n > 1 and not server.launch.supports_n}  # fmt: skip
 
 
-def settle() -> tuple[bool, float]:
-    """wait_quiet, saying so when the machine did not go quiet (the run then starts anyway)"""
-    quiet, waited = wait_quiet()
+def settle(limit_s: float) -> tuple[bool | None, float]:
+    """wait_quiet for at most limit_s, saying so when the machine did not go quiet (the run then starts
+    anyway); (None, 0.0) when limit_s is 0"""
+    if limit_s <= 0:
+        return None, 0.0
+    quiet, waited = wait_quiet(limit=limit_s)
     if not quiet:
-        print(f"  (other processes kept the machine busy for {waited:.0f} s; measuring anyway)", flush=True)
+        print(f"  (other processes kept the machine busy for {waited:.1f} s; measuring anyway)", flush=True)
     return quiet, waited
 
 
@@ -132,7 +135,7 @@ def summarize_dtype(
                 "errors": sorted({e for r in runs for e in r["errors"]})[:3],
                 "ttft_ms": mid["ttft_ms"], "itl_ms": mid["itl_ms"], "latency_ms": mid["latency_ms"],
                 "other_cores": max((r["other_cores"] for r in runs if r["other_cores"] is not None), default=None),
-                "quiet_before": all(r["quiet_before"] for r in runs), "settle_s": [r["settle_s"] for r in runs],
+                "quiet_before": [r["quiet_before"] for r in runs], "settle_s": [r["settle_s"] for r in runs],
                 "n_as_requests": mid["n_as_requests"], "limit_tok_s": limit,
                 "share_of_limit": None if not limit else tok_s / limit,
             })  # fmt: skip

@@ -29,7 +29,7 @@ def _point(server: Running, **values) -> dict:
 def _level(server: Running, prompts: list[list[int]], concurrency: int, opts) -> dict:
     if opts.n > 1 and not server.launch.supports_n:
         prompts, opts = [p for p in prompts for _ in range(opts.n)], _with(opts, n=1)
-    settle()
+    settle(opts.settle_s)
     return asyncio.run(run_level(server.url, concurrency, prompts, opts))
 
 
@@ -124,7 +124,7 @@ def prefix_curve(servers: list[Running], args) -> list[dict]:
         sent = [args.turn_len + k * (args.turn_len + args.output_len) for k in range(turns)]
         reusable = sum(sent[:-1]) / sum(sent)
         for server in servers if i % 2 == 0 else servers[::-1]:
-            settle()
+            settle(args.settle_s)
             before = prefix_counters(server.url)
             records, duration = asyncio.run(sessions(server.url, first, turns, args))
             after = prefix_counters(server.url)

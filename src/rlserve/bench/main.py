@@ -64,6 +64,9 @@ def _launch(g) -> None:
     g.add_argument("--threads", type=int, help="threads for every server (default: all cores)")
     g.add_argument("--kv-cache-gib", type=float, default=4.0, help="KV-cache pool of every server")
     g.add_argument("--rounds", type=int, default=3, help="each workload this many times per server, alternating")
+    g.add_argument("--settle-s", type=float, default=5.0,
+                   help="before each timed run, wait up to this long for other processes to go quiet (a server's "
+                        "threads can spin on after its turn); 0: start at once")  # fmt: skip
     g.add_argument("--workloads", nargs="+", choices=["concurrent", "batch1", "grpo"],
                    default=["concurrent", "batch1", "grpo"])  # fmt: skip
     g.add_argument("--single-output-len", type=int, default=128, help="new tokens of the batch-1 workload")
