@@ -128,12 +128,19 @@ class Run:
                 raise err
 
     async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        remaining = len(self._tasks)
+        """Each prompt's outputs that carry new tokens or its end. A chunked prefill's steps report the
+        request before its first token; streamed, that was an empty first chunk that clients time as
+        the first token (vLLM sends nothing until the first token)."""
+        remaining, sent = len(self._tasks), [0] * len(self._tasks)
         while remaining:
             i, item = await self._queue.get()
             if isinstance(item, BaseException):
                 raise item
+            tokens = sum(len(o.token_ids) for o in item.outputs)
+            if not item.finished and tokens == sent[i]:
+                continue
             remaining -= item.finished
+            sent[i] = tokens
             yield i, item
 
     async def collect(self) -> list[RequestOutput]:
