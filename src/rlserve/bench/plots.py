@@ -23,12 +23,13 @@ def _lines(points: list[dict]) -> dict[str, list[dict]]:
     return out
 
 
-def _series(ax, points: list[dict], x_key: str, y_of, style: str = "o-", suffix: str = "", **kw) -> None:
-    for color, (label, ps) in enumerate(_lines(points).items()):
+def _series(ax, points: list[dict], x_key: str, y_of, colors: dict[str, str], style: str = "o-", suffix: str = "",
+            **kw) -> None:  # fmt: skip
+    for label, ps in _lines(points).items():
         xs = [p[x_key] for p in ps if y_of(p) is not None]
         ys = [y_of(p) for p in ps if y_of(p) is not None]
         if xs:
-            ax.plot(xs, ys, style, color=f"C{color}", label=label + suffix, **kw)
+            ax.plot(xs, ys, style, color=colors[label], label=label + suffix, **kw)
 
 
 def _plain_log_ticks(ax) -> None:
@@ -49,23 +50,32 @@ def plot_curves(path: Path, result: dict) -> None:
     c = result["curves"]
     fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
     (tput, lat, prefill), (ttft, n, prefix) = axes
-    _series(tput, c["concurrency"], "concurrency", lambda p: p["output_tokens_per_s"])
+    # one colour per server and dtype across every panel (a panel may lack a server's points)
+    every = _lines([p for points in c.values() for p in points])
+    colors = {label: f"C{i}" for i, label in enumerate(every)}
+    _series(tput, c["concurrency"], "concurrency", lambda p: p["output_tokens_per_s"], colors)
     tput.set(xlabel="concurrency", ylabel="output tokens/s", title="throughput vs concurrency", xscale="log")
-    _series(lat, c["concurrency"], "concurrency", lambda p: p["ttft_ms"] and p["ttft_ms"]["p50"], "o-", " TTFT p50")
-    _series(lat, c["concurrency"], "concurrency", lambda p: p["itl_ms"] and p["itl_ms"]["p50"], "s--", " ITL p50")
-    _series(lat, c["concurrency"], "concurrency", lambda p: p["itl_ms"] and p["itl_ms"]["p99"], "^:", " ITL p99")
+    _series(
+        lat, c["concurrency"], "concurrency", lambda p: p["ttft_ms"] and p["ttft_ms"]["p50"], colors, "o-", " TTFT p50"
+    )
+    _series(
+        lat, c["concurrency"], "concurrency", lambda p: p["itl_ms"] and p["itl_ms"]["p50"], colors, "s--", " ITL p50"
+    )
+    _series(
+        lat, c["concurrency"], "concurrency", lambda p: p["itl_ms"] and p["itl_ms"]["p99"], colors, "^:", " ITL p99"
+    )
     lat.set(xlabel="concurrency", ylabel="ms", title="latency vs concurrency", xscale="log", yscale="log")
-    _series(prefill, c["prompt_len"], "prompt_len", lambda p: p["prefill_tokens_per_s"])
+    _series(prefill, c["prompt_len"], "prompt_len", lambda p: p["prefill_tokens_per_s"], colors)
     prefill.set(xlabel="prompt tokens", ylabel="prompt tokens/s", title="prefill vs prompt length", xscale="log")
-    _series(ttft, c["prompt_len"], "prompt_len", lambda p: p["ttft_ms"] and p["ttft_ms"]["p50"])
+    _series(ttft, c["prompt_len"], "prompt_len", lambda p: p["ttft_ms"] and p["ttft_ms"]["p50"], colors)
     ttft.set(xlabel="prompt tokens", ylabel="ms", title="time to first token vs prompt length", xscale="log",
              yscale="log")  # fmt: skip
-    _series(n, c["n"], "n", lambda p: p["output_tokens_per_s"])
+    _series(n, c["n"], "n", lambda p: p["output_tokens_per_s"], colors)
     n.set(xlabel="n (samples per prompt)", ylabel="output tokens/s", title="GRPO shape: throughput vs n", xscale="log")
     measured = [p for p in c["prefix_cache"] if p["hit_rate"] is not None]
     designed = [p for p in c["prefix_cache"] if p["hit_rate"] is None]
-    _series(prefix, measured, "hit_rate", lambda p: p["output_tokens_per_s"])
-    _series(prefix, designed, "reusable_share", lambda p: p["output_tokens_per_s"], "o--", " (reusable share)",
+    _series(prefix, measured, "hit_rate", lambda p: p["output_tokens_per_s"], colors)
+    _series(prefix, designed, "reusable_share", lambda p: p["output_tokens_per_s"], colors, "o--", " (reusable share)",
             markerfacecolor="none")  # fmt: skip
     prefix.set(xlabel="prefix-cache hit rate (prompt tokens)", ylabel="output tokens/s",
                title="multi-turn sessions: throughput vs hit rate")  # fmt: skip
