@@ -37,13 +37,23 @@ async def served_model(client: aiohttp.ClientSession) -> str:
         return (await resp.json())["data"][0]["id"]
 
 
+async def _post(client: aiohttp.ClientSession, body: dict) -> aiohttp.ClientResponse:
+    """POST /v1/completions, once more on a new connection where a pooled one proves closed before the server
+    answered, as the OpenAI SDK retries connection errors: llama-server closes a keep-alive connection after a
+    streamed response, and aiohttp reuses it (a peer's later sequential requests failed)."""
+    try:
+        return await client.post("v1/completions", json=body)
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+        return await client.post("v1/completions", json=body)
+
+
 async def one_request(client: aiohttp.ClientSession, body: dict, record: RequestRecord) -> None:
     start = time.perf_counter()
     try:
         if body["stream"]:
             await _streamed(client, body, record, start)
         else:
-            async with client.post("v1/completions", json=body) as resp:
+            async with await _post(client, body) as resp:
                 if resp.status != 200:
                     raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
                 record.output_tokens = (await resp.json())["usage"]["completion_tokens"]
@@ -55,7 +65,7 @@ async def one_request(client: aiohttp.ClientSession, body: dict, record: Request
 async def _streamed(client: aiohttp.ClientSession, body: dict, record: RequestRecord, start: float) -> None:
     last: dict[int, float] = {}  # per choice: with n > 1 the samples' chunks interleave
     chunks, pending = 0, b""
-    async with client.post("v1/completions", json=body) as resp:
+    async with await _post(client, body) as resp:
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {(await resp.read())[:200]!r}")
         # whatever has arrived at once, split into events here: one await per read, not per line
