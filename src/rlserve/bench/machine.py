@@ -101,15 +101,14 @@ def wait_quiet(below: float = 0.1, window: float = 0.5, limit: float = 20.0) -> 
     at most `limit` seconds. Returns (quiet, seconds waited); (True, 0.0) off Linux. A server's
     threads can spin on after its last request (vLLM's worker holds a core for about a second),
     so a run that starts at once measures the next server on a shared machine."""
+    if _machine_busy_seconds() is None:
+        return True, 0.0
     start = time.perf_counter()
     while True:
-        busy, own, t = _machine_busy_seconds(), time.process_time(), time.perf_counter()
-        if busy is None:
-            return True, 0.0
-        time.sleep(window)
-        others = (_machine_busy_seconds() - busy) - (time.process_time() - own)
-        now = time.perf_counter()
-        if others / (now - t) < below:
-            return True, now - start
-        if now - start >= limit:
-            return False, now - start
+        with OtherLoad() as load:  # no pids: everything but this process
+            time.sleep(window)
+        waited = time.perf_counter() - start
+        if load.cores < below:
+            return True, waited
+        if waited >= limit:
+            return False, waited
