@@ -107,15 +107,39 @@ def test_an_installed_peer_is_started_measured_and_stopped_with_its_children(mod
     assert all(q in (True, False) for r in result["results"] for q in r["quiet_before"])
 
 
+def test_the_offline_peer_runs_the_same_workloads_on_the_engine_alone_in_turns(model_dir, tmp_path):
+    """--peer offline: rlserve's engine without its server, in a process of its own, takes its turns like
+    any peer; the ratio over it is what HTTP keeps of the engine (target 0.9), and it is stopped."""
+    json_path = tmp_path / "compare.json"
+    cmd = bench_cmd("--launch", str(model_dir), "--peer", "offline", *TINY, "--rounds", "2", "--num-prompts", "2",
+                    "--single-output-len", "3", "--grpo-prompts", "1", "--grpo-n", "2", "--json", str(json_path))  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env_without_peers(tmp_path))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+    result = json.loads(json_path.read_text())
+    servers = {s["server"]: s for s in result["servers"]}
+    assert set(servers) == {"rlserve", "offline"} and "rlserve.bench.offline" in " ".join(servers["offline"]["command"])
+    assert servers["offline"]["command"][-10:] == servers["rlserve"]["command"][4:14]  # the server's engine flags
+    assert [(q["peer"], q["workload"], q["target"]) for q in result["ratios"]] == [
+        ("offline", "2 concurrent", 0.9), ("offline", "batch 1", 0.9), ("offline", "GRPO 1x n=2", 0.9)
+    ]  # fmt: skip
+    offline = [r for r in result["results"] if r["server"] == "offline"]
+    # every token of every sample, timed inside the engine's process: n=2 ran as n, not as 2 requests
+    assert [(r["failed"], r["n_as_requests"]) for r in offline] == [(0, False)] * 3
+    assert all(len(r["rounds"]) == 2 and r["output_tokens_per_s"] > 0 and r["ttft_ms"]["p50"] > 0 for r in offline)
+    assert all(gone(pid) for s in result["servers"] for pid in s["pids"])
+
+
 def test_curves_write_a_png_and_json_with_every_curve(model_dir, tmp_path):
     json_path, png_path = tmp_path / "curves.json", tmp_path / "curves.png"
     cmd = bench_cmd("--launch", str(model_dir), "--curves", "--peer", "vllm", "--vllm-python", "/nonexistent",
-                    *TINY, "--curve-concurrency", "1", "3", "--curve-prompt-lens", "8", "40",
+                    "--peer", "offline", *TINY, "--curve-concurrency", "1", "3", "--curve-prompt-lens", "8", "40",
                     "--curve-prompt-count", "1", "--curve-n", "1", "2", "--grpo-prompts", "2", "--curve-turns", "1",
                     "3", "--sessions", "2", "--turn-len", "16", "--json", str(json_path), "--plot", str(png_path))  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env_without_peers(tmp_path))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "vllm float32: skipped" in out.stdout
+    assert "offline: skipped: the curves measure HTTP servers" in out.stdout
 
     result = json.loads(json_path.read_text())
     curves = result["curves"]

