@@ -33,7 +33,7 @@ from rlserve.engine.sequence import Request
 from rlserve.engine.tp import forked as tp_forked
 from rlserve.engine.tp.dp_sync import DataParallelSync
 from rlserve.engine.weights import StagingBuffers, check_under_roots, stage, stage_from_dir
-from rlserve.runtime import ipc, sleep, vllm_receiver, weight_snapshot
+from rlserve.runtime import ipc, output_delta, sleep, vllm_receiver, weight_snapshot
 from rlserve.runtime.heap import freeze_startup_heap
 from rlserve.runtime.pause import PauseState
 
@@ -44,7 +44,7 @@ IDLE_POLL_MS = 50  # how long an idle loop sleeps on its inbox before looking at
 class EngineCore:
     def __init__(self, engine: Engine, inbox: zmq.Socket, outbox: zmq.Socket):
         self.engine, self.inbox, self.outbox = engine, inbox, outbox
-        self.streams: dict[int, list] = {}  # key -> [request, every step wanted, first output sent]
+        self.streams: dict[int, list] = {}  # key -> [request, every step wanted, what the server holds]
         self.keys: dict[int, int] = {}  # id(request) -> key
         self.pause = PauseState()
         self.stop = False
@@ -119,9 +119,8 @@ class EngineCore:
             if key is None:
                 continue
             target = self.streams[key]
-            if target[1] or not target[2] or req.finished:
-                target[2] = True
-                items.append((key, req.output()))
+            if target[1] or not target[2].messages or req.finished:
+                items.append(ipc.Delta(key, *output_delta.trim(req.output(), target[2])))
             if req.finished:
                 self.forget(key)
         if items:
@@ -145,7 +144,7 @@ class EngineCore:
             except ValueError as exc:
                 self.outbox.send(ipc.encode(ipc.Rejected(msg.key, str(exc))))
                 return
-            self.streams[msg.key] = [req, msg.stream, False]
+            self.streams[msg.key] = [req, msg.stream, output_delta.Sent()]
             self.keys[id(req)] = msg.key
             self.engine.submit(req)
         elif isinstance(msg, ipc.Abort):

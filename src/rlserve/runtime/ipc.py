@@ -57,8 +57,17 @@ class State(msgspec.Struct):
     stats: dict[str, Any]  # EngineStats fields, whatever they are
 
 
+class Delta(msgspec.Struct, array_like=True):
+    """One request's output as what is new since its stream's last message (runtime/output_delta.py)."""
+
+    key: int
+    output: RequestOutput  # each sample's lists and text from its start on; prompt fields empty if kept
+    starts: list[tuple[int, int]]  # per sample: (token offset, text offset) its tail continues from
+    prompt_kept: bool  # the prompt's fields were sent before and left out
+
+
 class Outputs(msgspec.Struct, tag=True, array_like=True):
-    items: list[tuple[int, RequestOutput]]  # (key, cumulative output) of one step
+    items: list[Delta]  # every request the step touched
     state: State  # as after the step: back-pressure reads the waiting queue without asking
 
 

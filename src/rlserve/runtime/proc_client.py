@@ -28,7 +28,7 @@ from rlserve.engine.params import SamplingParams
 from rlserve.engine.stats import EngineStats
 from rlserve.engine.wire_ints import wire_safe
 from rlserve.model.shape import ModelShape
-from rlserve.runtime import ipc
+from rlserve.runtime import ipc, output_delta
 from rlserve.runtime.face import (
     EngineDeadError,
     EngineUnavailableError,
@@ -54,6 +54,7 @@ class EngineClient(FaceRules):
         self.process = process if process is not None else EngineProcess(config, fork)
         self.proc, self._out, self._in = self.process.proc, self.process.to_engine, self.process.from_engine
         self._streams: dict[int, asyncio.Queue] = {}
+        self._last: dict[int, RequestOutput] = {}  # key -> its latest cumulative output, which deltas continue
         self._calls: dict[int, asyncio.Future] = {}
         self._keys = itertools.count()
         self._tasks: list[asyncio.Task] = []
@@ -126,10 +127,16 @@ class EngineClient(FaceRules):
     def _handle(self, msg: ipc.ToServer) -> None:
         if isinstance(msg, ipc.Outputs):
             self._state = msg.state
-            for key, out in msg.items:
-                queue = self._streams.get(key)
-                if queue is not None:
-                    queue.put_nowait(out)
+            for delta in msg.items:
+                queue = self._streams.get(delta.key)
+                if queue is None:  # aborted here while the engine stepped it
+                    continue
+                out = output_delta.merge(delta.output, delta.starts, delta.prompt_kept, self._last.get(delta.key))
+                if out.finished:
+                    self._last.pop(delta.key, None)
+                else:
+                    self._last[delta.key] = out
+                queue.put_nowait(out)
         elif isinstance(msg, ipc.Reply):
             self._state = msg.state
             fut = self._calls.pop(msg.call_id, None)
@@ -203,6 +210,7 @@ class EngineClient(FaceRules):
 
         def abort_unless_dead() -> None:
             self._streams.pop(key, None)
+            self._last.pop(key, None)
             if self.dead is None:
                 with contextlib.suppress(EngineDeadError):  # gone: nothing left to abort
                     self._send(ipc.Abort(key))
