@@ -109,10 +109,12 @@ def test_an_installed_peer_is_started_measured_and_stopped_with_its_children(mod
 
 def test_the_offline_peer_runs_the_same_workloads_on_the_engine_alone_in_turns(model_dir, tmp_path):
     """--peer offline: rlserve's engine without its server, in a process of its own, takes its turns like
-    any peer; the ratio over it is what HTTP keeps of the engine (target 0.9), and it is stopped."""
+    any peer (here with logprobs asked for, as RL clients ask); the ratio over it is what HTTP keeps of
+    the engine (target 0.9), and it is stopped."""
     json_path = tmp_path / "compare.json"
     cmd = bench_cmd("--launch", str(model_dir), "--peer", "offline", *TINY, "--rounds", "2", "--num-prompts", "2",
-                    "--single-output-len", "3", "--grpo-prompts", "1", "--grpo-n", "2", "--json", str(json_path))  # fmt: skip
+                    "--single-output-len", "3", "--grpo-prompts", "1", "--grpo-n", "2", "--logprobs", "1",
+                    "--json", str(json_path))  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env_without_peers(tmp_path))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
 

@@ -53,7 +53,8 @@ def workloads(args) -> list[Workload]:
 
 def options(args, output_len: int, n: int = 1) -> SimpleNamespace:
     return SimpleNamespace(model=None, output_len=output_len, temperature=args.temperature, no_stream=False,
-                           no_progress=True, timeout=args.timeout, n=n, settle_s=args.settle_s)  # fmt: skip
+                           no_progress=True, timeout=args.timeout, n=n, settle_s=args.settle_s,
+                           logprobs=args.logprobs)  # fmt: skip
 
 
 def measure(server: Running, workload: Workload, prompts: list[list[int]], args) -> dict:

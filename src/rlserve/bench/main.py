@@ -13,6 +13,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=64, help="tokens per prompt (random ids)")
     p.add_argument("--output-len", type=int, default=64, help="new tokens per request (EOS ignored)")
     p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--logprobs", type=int, help="ask for each token's logprob and this many top ones, as RL clients do")
     p.add_argument("--vocab-size", type=int, default=1000, help="prompt token ids are drawn below this")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed warm-up request")

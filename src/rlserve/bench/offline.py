@@ -23,7 +23,7 @@ from rlserve.bench.metrics import summarize
 def run_remote(url: str, prompts: list[list[int]], opts) -> dict:
     """One workload on the offline peer at `url`: its summary, as run_level's for a server."""
     body = {"prompts": prompts, "output_len": opts.output_len, "n": getattr(opts, "n", 1),
-            "temperature": opts.temperature}  # fmt: skip
+            "temperature": opts.temperature, "logprobs": getattr(opts, "logprobs", None)}  # fmt: skip
     reply = httpx.post(f"{url}/run", json=body, timeout=None)
     if reply.status_code != 200:
         raise RuntimeError(f"the offline engine failed the workload: {reply.text[-2000:]}")
@@ -33,8 +33,9 @@ def run_remote(url: str, prompts: list[list[int]], opts) -> dict:
 def _run_workload(engine, body: dict) -> dict:
     from rlserve.bench.throughput import run_engine
 
-    args = SimpleNamespace(n=int(body.get("n", 1)), temperature=float(body["temperature"]),
-                           output_len=int(body["output_len"]), seed=0, no_progress=True)  # fmt: skip
+    logprobs = body.get("logprobs")
+    args = SimpleNamespace(n=int(body.get("n", 1)), temperature=float(body["temperature"]), output_len=int(body["output_len"]),
+                           seed=0, no_progress=True, logprobs=None if logprobs is None else int(logprobs))  # fmt: skip
     prompts = [[int(t) for t in p] for p in body["prompts"]]
     start = time.perf_counter()
     records = run_engine(engine, prompts, args)

@@ -105,6 +105,8 @@ async def run_level(
             }  # fmt: skip
             if getattr(args, "n", 1) > 1:
                 body["n"] = args.n
+            if getattr(args, "logprobs", None) is not None:
+                body["logprobs"] = args.logprobs
             if body["stream"]:
                 body["stream_options"] = {"include_usage": True}
             async with gate:

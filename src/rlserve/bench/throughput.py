@@ -16,8 +16,9 @@ from rlserve.engine.params import SamplingParams
 
 def run_engine(engine: Engine, prompts: list[list[int]], args, desc: str = "throughput") -> list[RequestRecord]:
     params = SamplingParams(
-        n=args.n, temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True, seed=args.seed
-    )
+        n=args.n, temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True, seed=args.seed,
+        logprobs=getattr(args, "logprobs", None),
+    )  # fmt: skip
     records: dict[str, RequestRecord] = {}
     last: dict[str, float] = {}
     bar = tqdm(total=len(prompts) * args.n * args.output_len, desc=desc, unit="tok", disable=args.no_progress)
