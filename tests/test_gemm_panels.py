@@ -15,6 +15,7 @@ SHAPES = [  # rows, K, N: tile edges in rows (8), outputs (48, 16) and an odd K 
     (40, 33, 100),
     (9, 576, 960),
     (23, 1536, 576),
+    (64, 576, 960),  # a decode step's QKV: 8 row tiles, each panel's later tiles prefetching the next
 ]
 
 
