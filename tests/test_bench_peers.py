@@ -73,33 +73,37 @@ def test_missing_peers_are_skipped_with_how_to_install_them(model_dir, tmp_path)
 
 def test_an_installed_peer_is_started_measured_and_stopped_with_its_children(model_dir, tmp_path):
     """The peer path end to end without vLLM: a stand-in `vllm` package behind --vllm-python that takes
-    vLLM's flags and starts an "engine core" child, as vLLM does."""
+    vLLM's flags and starts an "engine core" child, as vLLM does; twice, with every core for its engine
+    and with one kept for its API process, as two peers in the same run."""
     python = tmp_path / "venv" / "bin" / "python"
     python.parent.mkdir(parents=True)
     python.write_text(f'#!/bin/sh\nPYTHONPATH={FAKE_VLLM} exec {sys.executable} "$@"\n')
     python.chmod(0o755)
     record, json_path = tmp_path / "peer.json", tmp_path / "compare.json"
     cmd = bench_cmd("--launch", str(model_dir), "--peer", "vllm", "--vllm-python", str(python), *TINY, "--rounds", "2",
+                    "--vllm-reserved-cpus", "0", "1",
                     "--num-prompts", "2", "--single-output-len", "3", "--grpo-prompts", "1", "--grpo-n", "2",
                     "--json", str(json_path))  # fmt: skip
     env = {**env_without_peers(tmp_path), "FAKE_VLLM_RECORD": str(record)}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
 
-    peer = json.loads(record.read_text())
-    assert peer["env"]["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"  # every core for its engine
+    peer = json.loads(record.read_text())  # the last one started
     assert peer["argv"][peer["argv"].index("--dtype") + 1] == "float32"
     result = json.loads(json_path.read_text())
     assert result["skipped"] == []
     servers = {s["server"]: s for s in result["servers"]}
-    assert set(servers) == {"rlserve", "vllm"} and len(servers["vllm"]["pids"]) >= 2  # it and its child
-    assert servers["vllm"]["peak_rss_bytes"] > 0
+    assert set(servers) == {"rlserve", "vllm", "vllm-reserved1"}
+    assert servers["vllm"]["env"]["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"  # every core for its engine
+    assert servers["vllm-reserved1"]["env"]["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"  # vLLM's own default
+    for name in ("vllm", "vllm-reserved1"):
+        assert len(servers[name]["pids"]) >= 2 and servers[name]["peak_rss_bytes"] > 0  # it and its child
     assert all(gone(pid) for s in result["servers"] for pid in s["pids"])
     assert [(q["peer"], q["workload"], q["target"]) for q in result["ratios"]] == [
-        ("vllm", "2 concurrent", 1.5), ("vllm", "batch 1", 1.5), ("vllm", "GRPO 1x n=2", 1.5)
+        (peer, workload, 1.5) for workload in ("2 concurrent", "batch 1", "GRPO 1x n=2") for peer in ("vllm", "vllm-reserved1")
     ]  # fmt: skip
     assert all(len(q["rounds"]) == 2 and q["ratio"] > 0 and q["targets_applied"] for q in result["ratios"])
-    peer_rows = [r for r in result["results"] if r["server"] == "vllm"]
+    peer_rows = [r for r in result["results"] if r["server"].startswith("vllm")][::2]  # vllm's, in workload order
     assert all(r["failed"] == 0 and r["output_tokens_per_s"] > 0 for r in peer_rows)
     assert peer_rows[2]["n_as_requests"] is False and "rlserve/x" in out.stdout
     # each timed run first waited (at most --settle-s and one look) for the machine to go quiet

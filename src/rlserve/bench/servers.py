@@ -38,7 +38,7 @@ TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 class Launch:
     """How to start one server: its command, environment additions, and the address it will serve."""
 
-    name: str  # e.g. "rlserve", "vllm", "llama.cpp"
+    name: str  # e.g. "rlserve", "vllm", "vllm-reserved1", "llama.cpp": the peer kind, then a variant after a dash
     dtype: str
     cmd: list[str]
     url: str
@@ -112,15 +112,21 @@ def vllm_python(option: str | None) -> tuple[Path | None, str]:
     return python, ""
 
 
-def vllm_launch(python: Path, model_dir: Path, dtype: str, max_len: int, kv_bytes: int, port: int) -> Launch:
-    """vLLM's CPU recipe: every core for the engine, tcmalloc and the venv's Intel OpenMP."""
+def vllm_launch(
+    python: Path, model_dir: Path, dtype: str, max_len: int, kv_bytes: int, port: int, reserved_cpus: int = 0
+) -> Launch:
+    """vLLM's CPU recipe: tcmalloc and the venv's Intel OpenMP, and every core for the engine unless
+    `reserved_cpus` keeps some for its API process (vLLM's own default keeps one). Which is faster
+    depends on the machine, so the benchmark can run both as two peers."""
     preload = [str(p) for p in (TCMALLOC, python.parent.parent / "lib" / "libiomp5.so") if p.is_file()]
-    env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(kv_bytes / 2**30)))}
+    env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(reserved_cpus),
+           "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(kv_bytes / 2**30)))}  # fmt: skip
     if preload:
         env["LD_PRELOAD"] = ":".join(preload)
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_len), "--dtype", dtype]  # fmt: skip
-    return Launch("vllm", dtype, cmd, f"http://127.0.0.1:{port}", env=env)
+    name = f"vllm-reserved{reserved_cpus}" if reserved_cpus else "vllm"
+    return Launch(name, dtype, cmd, f"http://127.0.0.1:{port}", env=env)
 
 
 def resolve_model(name: str) -> Path:
@@ -164,9 +170,10 @@ def peer_launches(
             if python is None:
                 _skip(skipped, peer, dtype, f"{why}; install vLLM-CPU in its own virtualenv: {VLLM_INSTALL}")
                 continue
-            launch = vllm_launch(python, model_dir, dtype, max_len, kv_bytes, next_port(args))
-            launch.start_timeout = args.start_timeout
-            out.append(launch)
+            for reserved in getattr(args, "vllm_reserved_cpus", None) or [0]:
+                launch = vllm_launch(python, model_dir, dtype, max_len, kv_bytes, next_port(args), reserved)
+                launch.start_timeout = args.start_timeout
+                out.append(launch)
         elif peer == "llama.cpp":
             binary, why = llamacpp.server_binary(args.llama_server)
             if binary is None:
