@@ -305,8 +305,9 @@ static void NAME(gemm_panels)(const void *job_ptr, int64_t begin, int64_t end) {
     const int64_t panels = (j->N + GEMM_PANEL_OUT - 1) / GEMM_PANEL_OUT;
     /* Packed weights stream from memory, and a panel's first row tile waits for it. So the tiles after
      * the first fetch the next panel (whichever thread takes it) into L2 while they compute, spread
-     * over them at one prefetch per K unit: at 32-128 rows 1.04-1.16x over a decode step's projections
-     * and LM head, fp32 and bf16, 1 and 2 threads. Under 4 tiles, a line a unit could not cover it. */
+     * over them at one prefetch per K unit: at 32-128 rows a decode step's projections and LM head ran
+     * 1.03-1.14x faster on 2 threads, 1.06-1.27x on one, fp32 and bf16 (benchmarks/gemm.py). Under 4
+     * tiles, a line a unit could not cover it. */
     const int64_t units = NAME(gemm_units)(j->K), pf_units = (tiles - 1) * units;
     int64_t pf_step = tiles >= 4 ? (j->panel_bytes + pf_units - 1) / pf_units : 0;
     if (pf_step > 64) pf_step = 64; /* (a panel's 64-byte padding; a prefetch past the weight cannot fault) */
