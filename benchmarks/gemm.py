@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from rlserve.bench.machine import cpu_info, describe
-from rlserve.model.cpu_kernels import FLAGS, KERNEL_DIR, CpuKernels, _build, _compiler
+from rlserve.model.cpu_kernels import KERNEL_DIR, CpuKernels, _build, _compiler, compile_kernels
 
 REPO = Path(__file__).resolve().parents[1]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -39,13 +39,8 @@ def build_at(rev: str, out_dir: Path) -> Path:
     tar = subprocess.run(["git", "-C", str(REPO), "archive", rev, kernels], capture_output=True, check=True).stdout
     tarfile.open(fileobj=io.BytesIO(tar)).extractall(out_dir, filter="data")
     lib = out_dir / f"kernels-{rev.replace('/', '_')}.so"
-    sources = sorted((out_dir / kernels).glob("*.c"))
-    subprocess.run([_compiler(), *FLAGS, *map(str, sources), "-o", str(lib), "-lm"], check=True, timeout=300)
+    compile_kernels(_compiler(), sorted((out_dir / kernels).glob("*.c")), lib)
     return lib
-
-
-def shapes(hot: bool) -> list[tuple[int, int]]:
-    return LAYER * (1 if hot else 30) + [HEAD]
 
 
 def one_pass(lib: CpuKernels, weights, packed, xs, threads: int) -> tuple[float, list[torch.Tensor]]:
@@ -57,11 +52,13 @@ def one_pass(lib: CpuKernels, weights, packed, xs, threads: int) -> tuple[float,
 
 def compare(libs: dict[str, CpuKernels], dtype: torch.dtype, rows: int, threads: int, hot: bool, repeats: int) -> dict:
     gen = torch.Generator().manual_seed(0)
-    weights = [(torch.randn(n, k, generator=gen) * 0.05).to(dtype) for n, k in shapes(hot)]
     layers = 1 if hot else 30
-    calls = weights[:-1] * (30 // layers) + weights[-1:]  # hot: the one layer, 30 times
+    weights = [(torch.randn(n, k, generator=gen) * 0.05).to(dtype) for n, k in LAYER * layers + [HEAD]]
+    # the call order: 30 layers' projections (hot: the one layer's, 30 times), then the LM head
+    order = list(range(len(LAYER) * layers)) * (30 // layers) + [len(weights) - 1]
+    calls = [weights[i] for i in order]
     packed = {name: [lib.gemm_pack(w) for w in weights] for name, lib in libs.items()}
-    packed = {name: p[:-1] * (30 // layers) + p[-1:] for name, p in packed.items()}
+    packed = {name: [p[i] for i in order] for name, p in packed.items()}
     xs = {k: torch.randn(rows, k, generator=gen).to(dtype) for k in (576, 1536)}
     flops = sum(2 * rows * w.shape[0] * w.shape[1] for w in calls)
     best, first = dict.fromkeys(libs, float("inf")), {}

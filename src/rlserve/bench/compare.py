@@ -154,7 +154,7 @@ def summarize_dtype(
                 continue
             mine, theirs = got[(workload.name, ours.label)], runs
             each = sorted(a["output_tokens_per_s"] / max(b["output_tokens_per_s"], 1e-9) for a, b in zip(mine, theirs))
-            ratio, target = statistics.median(each), TARGETS[server.launch.name.split("-")[0]]
+            ratio, target = statistics.median(each), TARGETS[server.launch.kind]
             ratios.append({
                 "dtype": dtype, "workload": workload.name, "peer": server.launch.name, "ratio": ratio,
                 "rounds": each, "target": target, "targets_applied": not emulated,

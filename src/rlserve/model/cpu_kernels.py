@@ -92,6 +92,12 @@ def warn_slow_half_precision(dtype: str) -> None:
     )
 
 
+def compile_kernels(cc: str, sources: list[Path], out: Path | str, defines: tuple[str, ...] = ()) -> None:
+    """The kernels' C sources into the shared library `out`, with the flags the package uses."""
+    cmd = [cc, *FLAGS, *defines, *map(str, sources), "-o", str(out), "-lm"]
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
+
+
 def _build(cc: str, defines: tuple[str, ...] = ()) -> Path:
     flags = [*FLAGS, *defines]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -110,8 +116,7 @@ def _build(cc: str, defines: tuple[str, ...] = ()) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
     os.close(fd)
     try:
-        cmd = [cc, *flags, *map(str, SOURCES), "-o", tmp, "-lm"]
-        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
+        compile_kernels(cc, SOURCES, tmp, defines)
         os.replace(tmp, lib)
     finally:
         if os.path.exists(tmp):
