@@ -15,32 +15,19 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import io
-import subprocess
-import tarfile
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from _revision import build_at
 from rlserve.bench.machine import cpu_info, describe
-from rlserve.model.cpu_kernels import KERNEL_DIR, CpuKernels, _build, _compiler, compile_kernels
+from rlserve.model.cpu_kernels import CpuKernels, _build, _compiler
 
-REPO = Path(__file__).resolve().parents[1]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # [N, K]: QKV, O, gate-up, down
 HEAD = (49152, 576)
-
-
-def build_at(rev: str, out_dir: Path) -> Path:
-    """The kernels' library as `rev` had them, built with the flags the package uses."""
-    kernels = KERNEL_DIR.relative_to(REPO).as_posix()
-    tar = subprocess.run(["git", "-C", str(REPO), "archive", rev, kernels], capture_output=True, check=True).stdout
-    tarfile.open(fileobj=io.BytesIO(tar)).extractall(out_dir, filter="data")
-    lib = out_dir / f"kernels-{rev.replace('/', '_')}.so"
-    compile_kernels(_compiler(), sorted((out_dir / kernels).glob("*.c")), lib)
-    return lib
 
 
 def one_pass(lib: CpuKernels, weights, packed, xs, threads: int) -> tuple[float, list[torch.Tensor]]:

@@ -49,6 +49,14 @@ def test_prefill_quick_reports_shares_of_the_matmul_peak(tmp_path):
     assert all(r["emulated_bf16"] == (r["dtype"] == "bfloat16" and emulated) for r in rows)
 
 
+def test_attention_against_a_revision_checks_the_bits_and_prints_a_ratio(tmp_path):
+    out = run(tmp_path, "attention.py", "--against", "HEAD", "--rows", "4", "--context", "20", "--layers", "2",
+              "--repeats", "1")  # fmt: skip
+    assert "flags:" in out
+    assert re.search(r"^bfloat16\s+4\s+20\s+2\s+.* GB/s .* GB/s\s+[\d.]+x$", out, re.M), out
+    assert re.search(r"^float32\s+4\s+20\s+2\s+", out, re.M), out
+
+
 def test_the_instruction_peak_probe_builds_and_reports_two_rates():
     """_peak.c, behind throughput.py's bf16:fp32 ceiling line: two positive GFLOP/s figures where the CPU has
     AVX512_BF16 and a C compiler, None elsewhere."""

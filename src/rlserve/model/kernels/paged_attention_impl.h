@@ -100,6 +100,7 @@ struct attn_state {
     uint32_t qp[TILE_QUERIES][MAX_HEAD_DIM / 2]; /* bf16 pair dot products: the stored queries' pairs */
     float kt[MAX_HEAD_DIM][KEYS], p[TILE_QUERIES][KEYS]; /* (kt: plain C) */
     const void *v_rows[KEYS];
+    const void *next_k[KEYS], *next_v[KEYS]; /* the rows of the item's next chunk (attn_stage), fetched as these are read */
     /* the lanes form (tiles past GROUP_QUERIES): query vectors as vector lanes */
     int32_t lane_lens[TILE_QUERIES];
     float qt[MAX_HEAD_DIM][TILE_QUERIES], acct[MAX_HEAD_DIM][TILE_QUERIES];
@@ -110,6 +111,24 @@ struct attn_state {
 };
 
 static const uint32_t attn_zeros[MAX_HEAD_DIM]; /* a V row for the lanes past a chunk (any type) */
+
+/* Where a work item reads after its current chunk: from `start` of a context of `len` over `table`
+ * (len 0: nowhere). Few query vectors read each K and V row once and blocks lie anywhere, so a chunk's
+ * loads fetch the same lines of that chunk (ATTN_FETCH_LINE), one prefetch per line as they read their
+ * own. Fetched all at once when a chunk began, most of those lines were lost on the way from memory:
+ * 64 bf16 decode rows of ~100 positions read their KV at 10 GB/s, no faster than with no prefetch at
+ * all, where a plain pass over the same blocks reads 35; spread so, 24 GB/s (2 cores, AVX-512). */
+struct attn_next {
+    const int64_t *table;
+    int64_t start, len;
+};
+
+/* Prefetch the line at `d` values into `row` once per line: where d's offset is a multiple of a line
+ * (a row's lines, where rows start on lines as the caches' slots do for 32- and 64-value heads). */
+#define ATTN_FETCH_LINE(row, d) \
+    do { \
+        if ((d) * (int64_t)sizeof(T) % 64 == 0) __builtin_prefetch((const T *)(row) + (d), 0, 3); \
+    } while (0)
 
 /* this thread's state (~260 KB, kept: a work item is claimed per call, and a fresh block that size
  * would be an mmap each time) */
@@ -234,11 +253,14 @@ static inline __m512 NAME(attn_load16)(const T *src, __mmask16 m) {
 
 /* The chunk's K at head dimensions [d, d + 16), widened and transposed: r[c] holds dimension d + c
  * of the 16 keys. Returns how many of the 16 dimensions exist (D - d at the end). */
-static inline __attribute__((always_inline)) int64_t NAME(attn_k_block)(const T *k_rows[KEYS], int64_t d, int64_t D,
-                                                                        __m512 r[16]) {
+static inline __attribute__((always_inline)) int64_t NAME(attn_k_block)(const T *k_rows[KEYS], const void *next_k[KEYS],
+                                                                        int64_t d, int64_t D, __m512 r[16]) {
     const int64_t w = D - d < 16 ? D - d : 16;
     const __mmask16 m = w == 16 ? (__mmask16)0xffff : (__mmask16)((1u << w) - 1u);
-    for (int i = 0; i < KEYS; ++i) r[i] = NAME(attn_load16)(k_rows[i] + d, m);
+    for (int i = 0; i < KEYS; ++i) {
+        ATTN_FETCH_LINE(next_k[i], d);
+        r[i] = NAME(attn_load16)(k_rows[i] + d, m);
+    }
     rlserve_transpose16(r);
     return w;
 }
@@ -255,6 +277,7 @@ static __attribute__((noinline)) void NAME(attn_values)(struct attn_state *s, in
     for (int64_t d = 0; d < D; d += 16) {
         const __mmask16 m = D - d >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (D - d)) - 1u);
         __m512bh v[KEYS / 2];
+        for (int i = 0; i < KEYS; ++i) ATTN_FETCH_LINE(s->next_v[i], d);
         for (int i = 0; i < KEYS / 2; ++i) v[i] = attn_value_pair(s, i, d, m);
         for (int64_t j = 0; j < count; ++j) {
             const int64_t r = first + j;
@@ -268,7 +291,10 @@ static __attribute__((noinline)) void NAME(attn_values)(struct attn_state *s, in
     for (int64_t d = 0; d < D; d += 16) {
         const __mmask16 m = D - d >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (D - d)) - 1u);
         __m512 v[KEYS];
-        for (int i = 0; i < KEYS; ++i) v[i] = NAME(attn_load16)((const T *)s->v_rows[i] + d, m);
+        for (int i = 0; i < KEYS; ++i) {
+            ATTN_FETCH_LINE(s->next_v[i], d);
+            v[i] = NAME(attn_load16)((const T *)s->v_rows[i] + d, m);
+        }
         for (int64_t j = 0; j < count; ++j) {
             const int64_t r = first + j;
             __m512 a = VMUL(_mm512_maskz_loadu_ps(m, s->acc[r] + d), _mm512_set1_ps(s->corr[r]));
@@ -288,51 +314,47 @@ static __attribute__((noinline)) void NAME(attn_values)(struct attn_state *s, in
 #endif
 }
 
-/* The chunk of keys from `start` (at most KEYS, below `longest`) of KV head kvh: the K and V rows'
- * addresses (k_rows, s->v_rows; a row of zeros in the lanes past the chunk), and the next chunk's rows
- * of `fetch_heads` KV heads from kvh prefetched (0: none); plain C also stages K widened and
- * transposed in s->kt. */
-static void NAME(attn_stage)(struct attn_state *s, const struct NAME(attention_job) *j, const int64_t *table,
-                             int64_t kvh, int64_t start, int64_t longest, const T *k_rows[KEYS],
-                             int64_t fetch_heads) {
-    const int64_t n = longest - start < KEYS ? longest - start : KEYS;
-    const int64_t D = j->D, bs = j->block_size;
-    const int64_t row = j->KVH * D; /* values between consecutive slots */
+/* The K and V rows of KV head kvh at the KEYS positions from `start` of a context of `len` (`table` its
+ * block ids): a row of zeros for the positions past it. */
+static void NAME(attn_rows)(const struct NAME(attention_job) *j, const int64_t *table, int64_t kvh, int64_t start,
+                            int64_t len, const void *k_rows[KEYS], const void *v_rows[KEYS]) {
+    const int64_t D = j->D, bs = j->block_size, row = j->KVH * D; /* values between consecutive slots */
     int64_t block = start / bs, offset = start % bs; /* walked, not divided, key by key */
     for (int64_t i = 0; i < KEYS; ++i) {
-        if (i >= n) {
-            k_rows[i] = (const T *)attn_zeros;
-            s->v_rows[i] = attn_zeros;
+        if (start + i >= len) {
+            k_rows[i] = v_rows[i] = attn_zeros;
             continue;
         }
         const int64_t at = (table[block] * bs + offset) * row + kvh * D;
         k_rows[i] = j->k_cache + at;
-        s->v_rows[i] = j->v_cache + at;
+        v_rows[i] = j->v_cache + at;
         if (++offset == bs) {
             offset = 0;
             ++block;
         }
     }
-    /* few query vectors read each row once, so the next chunk's rows (blocks lie anywhere) are fetched
-     * while this one computes: 1.4-1.9x for decode rows at 512-2,048 positions, level in cache and for
-     * the lanes form (which does not) */
-    for (int64_t i = 0; fetch_heads && i < KEYS && start + KEYS + i < longest; ++i) {
-        const int64_t at = (table[block] * bs + offset) * row + kvh * D;
-        for (int64_t b = 0; b < fetch_heads * D * (int64_t)sizeof(T); b += 64) {
-            __builtin_prefetch((const char *)(j->k_cache + at) + b, 0, 3);
-            __builtin_prefetch((const char *)(j->v_cache + at) + b, 0, 3);
-        }
-        if (++offset == bs) {
-            offset = 0;
-            ++block;
-        }
-    }
+}
+
+/* The chunk of keys from `start` (at most KEYS, below `longest`) of KV head kvh: the K and V rows'
+ * addresses (k_rows, s->v_rows; a row of zeros in the lanes past the chunk), and those of the chunk the item
+ * reads next (s->next_k, s->next_v), whose lines the direct form and the values fetch as they read the
+ * same lines of this one; plain C also stages K widened and transposed in s->kt. */
+static void NAME(attn_stage)(struct attn_state *s, const struct NAME(attention_job) *j, const int64_t *table,
+                             int64_t kvh, int64_t start, int64_t longest, const T *k_rows[KEYS],
+                             struct attn_next next) {
+    NAME(attn_rows)(j, table, kvh, start, longest, (const void **)k_rows, s->v_rows);
+    NAME(attn_rows)(j, next.table, kvh, next.start, next.len, s->next_k, s->next_v);
 #if !defined(ATTN_AVX512)
+    const int64_t D = j->D;
 #if defined(ATTN_LANES256)
     if (ATTN_LANES_TAKE(s)) return; /* the lanes form reads K where it lies */
 #endif
     for (int64_t d = 0; d < D; ++d)
-        for (int64_t i = 0; i < KEYS; ++i) s->kt[d][i] = LD(k_rows[i][d]);
+        for (int64_t i = 0; i < KEYS; ++i) {
+            ATTN_FETCH_LINE(s->next_k[i], d);
+            ATTN_FETCH_LINE(s->next_v[i], d);
+            s->kt[d][i] = LD(k_rows[i][d]);
+        }
 #endif
 }
 
@@ -348,7 +370,7 @@ static inline __attribute__((always_inline)) void NAME(attn_direct_n)(struct att
     for (int j = 0; j < count; ++j) acc[j] = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d += 16) {
         __m512 r[16];
-        const int64_t w = NAME(attn_k_block)(k_rows, d, D, r);
+        const int64_t w = NAME(attn_k_block)(k_rows, s->next_k, d, D, r);
         for (int64_t c = 0; c < w; ++c)
             for (int j = 0; j < count; ++j)
                 acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(s->q[first + j][d + c]), r[c], acc[j]);
@@ -369,7 +391,10 @@ static inline __attribute__((always_inline)) void NAME(attn_direct_pairs_n)(stru
         const int64_t w = D - d < 32 ? D - d : 32;
         const __mmask32 m = w == 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << w) - 1u);
         __m512 r[16];
-        for (int i = 0; i < KEYS; ++i) r[i] = _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(m, k_rows[i] + d));
+        for (int i = 0; i < KEYS; ++i) {
+            ATTN_FETCH_LINE(s->next_k[i], d);
+            r[i] = _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(m, k_rows[i] + d));
+        }
         rlserve_transpose16(r);
         for (int64_t c = 0; c < w / 2; ++c)
             for (int j = 0; j < count; ++j)
@@ -458,7 +483,7 @@ static void NAME(attend_items)(const void *job_ptr, int64_t begin, int64_t end) 
         const int64_t *table = j->blocks + first_row * j->W;
 #if !defined(RLSERVE_ROW_INVARIANT) && !defined(ATTN_PAIRS)
         if (rows == 1) {
-            NAME(attend_one_row)(j, first_row, kvh, 1);
+            NAME(attend_one_row)(j, first_row, kvh, 1, -1);
             continue;
         }
 #endif
@@ -473,7 +498,8 @@ static void NAME(attend_items)(const void *job_ptr, int64_t begin, int64_t end) 
 #endif
         for (int64_t start = 0; start < longest; start += KEYS) {
             const T *k_rows[KEYS];
-            NAME(attn_stage)(s, j, table, kvh, start, longest, k_rows, 1);
+            const struct attn_next next = {table, start + KEYS, longest};
+            NAME(attn_stage)(s, j, table, kvh, start, longest, k_rows, next);
             NAME(attn_chunk)(s, j, k_rows, 0, s->n_queries, start);
         }
         NAME(attn_store)(s, j, first_row, rows, kvh, 0);

@@ -229,7 +229,7 @@ static void NAME(attend_lanes)(struct attn_state *s, const struct NAME(attention
         const T *k_rows[KEYS];
         const void *k[KEYS];
         const float *v[KEYS];
-        NAME(attn_stage)(s, j, table, kvh, start, longest, k_rows, 0);
+        NAME(attn_stage)(s, j, table, kvh, start, longest, k_rows, (struct attn_next){NULL, 0, 0});
         NAME(attn_lanes_rows)(s, k_rows, k, v);
 #if defined(ATTN_PAIRS)
         attn_lanes(s, k, v, start, j->scale, 1);
